@@ -1,0 +1,10 @@
+"""petrel: a fast LLM inference engine and server."""
+from petrel.config import EngineConfig
+from petrel.llm import LLM, RequestFuture
+from petrel.outputs import (CompletionOutput, FinishDetails, Logprob, OutputChunk, RequestOutput,
+                            RequestPerfMetrics)
+from petrel.sampling_params import SamplingParams
+
+__all__ = ["LLM", "RequestFuture", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput",
+           "Logprob", "OutputChunk", "FinishDetails", "RequestPerfMetrics"]
+__version__ = "0.1.0"

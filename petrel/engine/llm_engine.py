@@ -1,0 +1,182 @@
+"""The engine loop, apart from its callers: commands in through a queue, OutputChunks out to per-request sinks."""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Callable
+
+import torch
+
+from petrel.config import EngineConfig
+from petrel.engine.engine_core import EngineCore
+from petrel.engine.output_processor import OutputProcessor
+from petrel.engine.sequence import EngineRequest
+from petrel.model.loader import load_model, resolve_model
+from petrel.model.tokenizer import load_tokenizer
+from petrel.outputs import FinishDetails, OutputChunk
+
+logger = logging.getLogger("petrel")
+
+ChunkSink = Callable[[OutputChunk], None]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.source = resolve_model(config.model)
+        self.tokenizer = load_tokenizer(self.source, config.tokenizer)
+        model, model_config = load_model(self.source, config.torch_dtype, config.device)
+        eos = set(model_config.eos_token_ids)
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(sorted(eos))
+        self.core = EngineCore(config, model, model_config)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[object, list] = {}      # request_id -> [sink, sequences not finished yet]
+        self._deadlines: dict[object, float] = {}
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="petrel-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def model_config(self):
+        return self.core.model_config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    # ------------------------------------------------------------------ caller side (any thread)
+    def add_request(self, request_id, prompt_token_ids: list[int], params, sink: ChunkSink,
+                    timeout: float | None = None, cache_salt: str | None = None) -> None:
+        """Validate (ValueError to the caller), then queue the request for the engine loop."""
+        if self._stopped.is_set():
+            raise RuntimeError("the engine has been shut down")
+        self.core.validate(prompt_token_ids, params)
+        if cache_salt is not None and (not isinstance(cache_salt, str) or len(cache_salt) > 512):
+            raise ValueError("cache_salt must be a string of at most 512 characters")
+        if timeout is not None and timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        request = EngineRequest(request_id, list(prompt_token_ids), params, self.eos_token_ids, cache_salt)
+        if timeout is not None:
+            request.deadline = request.arrival_time + timeout
+        self._commands.put(("add", request, sink))
+
+    def abort_request(self, request_id, message: str = "cancelled") -> None:
+        self._commands.put(("abort", request_id, message))
+
+    def call(self, fn: Callable, timeout: float | None = 30.0):
+        """Run fn(core) inside the engine loop and return its result (a health check, stats, tests)."""
+        done = threading.Event()
+        box = {}
+
+        def job(core):
+            try:
+                box["value"] = fn(core)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                box["error"] = exc
+            done.set()
+        self._commands.put(("call", job))
+        if not done.wait(timeout):
+            raise TimeoutError("the engine loop did not answer in time")
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+    def shutdown(self) -> None:
+        if not self._stopped.is_set():
+            self._stopped.set()
+            self._commands.put(("stop",))
+            if threading.current_thread() is not self._thread:
+                self._thread.join(timeout=30)
+
+    # ------------------------------------------------------------------ engine side
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            busy = self.core.has_work
+            wait = 0.0 if busy else (0.05 if self._deadlines else None)
+            try:
+                cmd = self._commands.get(timeout=wait) if wait != 0.0 else self._commands.get_nowait()
+            except queue.Empty:
+                cmd = None
+            while cmd is not None:
+                self._handle(cmd)
+                try:
+                    cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    cmd = None
+            if self._stopped.is_set():
+                break
+            self._expire_deadlines()
+            if self.core.has_work:
+                try:
+                    outputs = self.core.step()
+                except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the loop
+                    logger.exception("engine step failed")
+                    self._fail_all(f"engine error: {exc}")
+                    continue
+                self._dispatch(outputs)
+        self._fail_all("the engine has been shut down")
+
+    def _handle(self, cmd) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            _, request, sink = cmd
+            self._sinks[request.request_id] = [sink, request.params.n]
+            if request.deadline is not None:
+                self._deadlines[request.request_id] = request.deadline
+            self.output_processor.add_request(request.request_id, request.prompt_token_ids, request.params)
+            self.core.add_request(request)
+        elif kind == "abort":
+            _, request_id, message = cmd
+            self._dispatch(self.core.abort_request(request_id, message))
+        elif kind == "call":
+            cmd[1](self.core)
+
+    def _expire_deadlines(self) -> None:
+        if not self._deadlines:
+            return
+        now = time.monotonic()
+        for request_id in [r for r, t in self._deadlines.items() if t <= now]:
+            self._dispatch(self.core.abort_request(request_id, "timeout"))
+
+    def _dispatch(self, outputs) -> None:
+        for out in outputs:
+            chunk, matched_stop = self.output_processor.process(out)
+            if matched_stop is not None:
+                self.core.finish_sequence(out.request_id, out.index, matched_stop)
+            entry = self._sinks.get(out.request_id)
+            if entry is None:
+                continue
+            if chunk.finish_reason is not None:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del self._sinks[out.request_id]
+                    self._deadlines.pop(out.request_id, None)
+            try:
+                entry[0](chunk)
+            except Exception:  # noqa: BLE001 - a caller's sink must not stop the engine
+                logger.exception("output sink for request %r failed", out.request_id)
+
+    def _fail_all(self, message: str) -> None:
+        while True:   # requests still queued get their answer too
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if cmd[0] == "add":
+                self._sinks[cmd[1].request_id] = [cmd[2], cmd[1].params.n]
+            elif cmd[0] == "call":
+                cmd[1](self.core)
+        for request_id in list(self._sinks):
+            self._dispatch(self.core.abort_request(request_id, message))
+        for request_id, (sink, _) in list(self._sinks.items()):  # queued but never added to the core
+            sink(OutputChunk(request_id, -1, [], "", "abort", 0, 0, 0,
+                             finish_details=FinishDetails("abort", message=message)))
+        self._sinks.clear()
+        self.output_processor.requests.clear()

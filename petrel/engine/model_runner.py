@@ -1,0 +1,101 @@
+"""The model runner owns tensors and nothing else: a scheduled batch in, logits for the rows that need them out."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from petrel.engine.scheduler import ScheduledBatch
+from petrel.engine.sequence import Sequence
+from petrel.model.attention import AttentionMetadata, PrefillChunk, new_kv_cache
+from petrel.model.config import ModelConfig
+
+
+@dataclass
+class StepLogits:
+    sample_seqs: list[Sequence]          # sequences that reached their last token and sample next
+    sample_logits: torch.Tensor | None   # [len(sample_seqs), vocab] float32
+    prompt_logits: list[tuple[Sequence, int, torch.Tensor]]  # (seq, first position, [k, vocab]) for prompt_logprobs
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: str):
+        self.model = model
+        self.cfg = cfg
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.kv_caches = [new_kv_cache(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype, device)
+                          for _ in range(cfg.num_hidden_layers)]
+
+    def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype, device=self.device)
+
+    def prepare(self, batch: ScheduledBatch):
+        bs = self.block_size
+        input_ids, positions, slots = [], [], []
+        prefills, decode_tables, decode_lens = [], [], []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            row = len(input_ids)
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if n == 1:
+                decode_tables.append(table)
+                decode_lens.append(end)
+            else:
+                mask = None
+                if start > 0:
+                    q = torch.arange(start, end, device=self.device).unsqueeze(1)
+                    mask = torch.arange(end, device=self.device).unsqueeze(0) <= q
+                prefills.append(PrefillChunk(row, n, end, self._tensor(table[:-(-end // bs)]), mask))
+        meta = AttentionMetadata(slot_mapping=self._tensor(slots), num_decode_tokens=len(decode_tables), prefills=prefills)
+        if decode_tables:
+            width = max(len(t) for t in decode_tables)
+            meta.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in decode_tables])
+            span = torch.arange(width * bs, device=self.device)
+            meta.decode_mask = (span.unsqueeze(0) < self._tensor(decode_lens).unsqueeze(1)).view(len(decode_tables), 1, 1, -1)
+        return self._tensor(input_ids), self._tensor(positions), meta
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        src = self._tensor([s for s, _ in copies])
+        dst = self._tensor([d for _, d in copies])
+        for cache in self.kv_caches:
+            cache[:, dst] = cache[:, src]
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> StepLogits:
+        self.copy_blocks(batch.block_copies)
+        input_ids, positions, meta = self.prepare(batch)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+
+        rows, sample_seqs, prompt_spans = [], [], []
+        row = 0
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start = seq.num_computed_tokens
+            if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
+                stop = min(start + n, seq.num_prompt_tokens - 1)
+                prompt_spans.append((seq, start, len(rows), stop - start))
+                rows.extend(range(row, row + stop - start))
+            if start + n == seq.num_tokens:
+                sample_seqs.append(seq)
+            row += n
+        sample_rows = []
+        row = 0
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if seq.num_computed_tokens + n == seq.num_tokens:
+                sample_rows.append(row + n - 1)
+            row += n
+        num_prompt_rows = len(rows)
+        logits = self.model.compute_logits(hidden[self._tensor(rows + sample_rows)])
+        prompt_logits = [(seq, first, logits[at:at + k]) for seq, first, at, k in prompt_spans]
+        return StepLogits(sample_seqs, logits[num_prompt_rows:] if sample_seqs else None, prompt_logits)

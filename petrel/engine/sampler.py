@@ -1,0 +1,137 @@
+"""Logits -> tokens and logprobs for a whole step at once.
+
+Order: logits processors, logit bias, penalties, min_tokens masking, then greedy rows take argmax
+and random rows go through temperature, top-k, top-p, min-p and an exponential race (which lets a
+per-sequence generator make a seeded sequence reproducible in any batch). Logprobs come from the
+same processed distribution the token was drawn from, with the token's rank.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from petrel.engine.sequence import Sequence
+
+
+@dataclass
+class TokenLogprobs:
+    """One sampled position: the token's logprob and rank, and the top-k alternatives (id, logprob)."""
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+def prompt_logprobs(logits: torch.Tensor, next_tokens: list[int], k: int) -> list[TokenLogprobs]:
+    """Logprobs of the actual next prompt tokens under the raw distribution, with top-k and rank."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return _gather_logprobs(logp, torch.tensor(next_tokens, device=logp.device), [k] * len(next_tokens))
+
+
+def _gather_logprobs(logp: torch.Tensor, tokens: torch.Tensor, ks: list[int]) -> list[TokenLogprobs]:
+    chosen = logp.gather(1, tokens.unsqueeze(1))
+    ranks = (logp > chosen).sum(dim=1) + 1
+    kmax = max(ks)
+    top_vals, top_ids = logp.topk(kmax, dim=1) if kmax else (None, None)
+    out = []
+    chosen, ranks, tokens = chosen.squeeze(1).tolist(), ranks.tolist(), tokens.tolist()
+    for i, k in enumerate(ks):
+        top = list(zip(top_ids[i, :k].tolist(), top_vals[i, :k].tolist())) if k else []
+        out.append(TokenLogprobs(tokens[i], chosen[i], ranks[i], top))
+    return out
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, seed: int = 0):
+        self.vocab_size = vocab_size
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+        logits = logits.float()
+        params = [s.params for s in seqs]
+        for i, (seq, p) in enumerate(zip(seqs, params)):
+            if p.logits_processors:
+                for fn in p.logits_processors:
+                    logits[i] = fn(seq.output_token_ids, logits[i])
+            if p.logit_bias:
+                ids = torch.tensor(list(p.logit_bias), device=logits.device)
+                logits[i, ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device)
+        if any(p.needs_penalties for p in params):
+            self._apply_penalties(logits, seqs)
+        for i, (seq, p) in enumerate(zip(seqs, params)):
+            if seq.num_output_tokens < p.min_tokens:
+                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(seq.request.eos_token_ids))
+                if banned:
+                    logits[i, banned] = float("-inf")
+
+        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+        tokens = logits.argmax(dim=-1)
+        processed = logits
+        if not bool(greedy.all()):
+            processed = logits.clone()
+            random_rows = (~greedy).nonzero().squeeze(1).tolist()
+            sampled = self._sample_random(processed, [seqs[i] for i in random_rows], random_rows)
+            tokens[random_rows] = sampled
+
+        result = SampleResult(tokens.tolist(), [None] * len(seqs))
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if wanted:
+            logp = torch.log_softmax(processed[wanted], dim=-1)
+            for i, lp in zip(wanted, _gather_logprobs(logp, tokens[wanted], [params[i].logprobs for i in wanted])):
+                result.logprobs[i] = lp
+        return result
+
+    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            if not p.needs_penalties:
+                continue
+            row = logits[i]
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=row.device)
+                vals = row[seen]
+                row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:
+                out = torch.tensor(seq.output_token_ids, dtype=torch.long, device=row.device)
+                counts = torch.zeros_like(row).scatter_add_(0, out, torch.ones_like(out, dtype=row.dtype))
+                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+    def _sample_random(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> torch.Tensor:
+        """Temperature, top-k, top-p, min-p on the given rows (in place), then draw one token per row."""
+        x = logits[rows]
+        params = [s.params for s in seqs]
+        temps = torch.tensor([p.temperature for p in params], device=x.device).unsqueeze(1)
+        x = x / temps
+        top_ks = [p.top_k for p in params]
+        if any(top_ks):
+            kmax = max(top_ks)
+            kth = x.topk(kmax, dim=1).values
+            ks = torch.tensor([k if k else kmax for k in top_ks], device=x.device) - 1
+            threshold = kth.gather(1, ks.unsqueeze(1))
+            no_topk = torch.tensor([k == 0 for k in top_ks], device=x.device).unsqueeze(1)
+            x = x.masked_fill((x < threshold) & ~no_topk, float("-inf"))
+        top_ps = torch.tensor([p.top_p for p in params], device=x.device)
+        if bool((top_ps < 1.0).any()):
+            sorted_x, order = x.sort(dim=1, descending=True)
+            probs = sorted_x.softmax(dim=1)
+            before = probs.cumsum(dim=1) - probs      # mass of strictly better tokens
+            drop = before > top_ps.unsqueeze(1)
+            sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+            x = torch.empty_like(x).scatter_(1, order, sorted_x)
+        min_ps = torch.tensor([p.min_p for p in params], device=x.device)
+        if bool((min_ps > 0).any()):
+            probs = x.softmax(dim=1)
+            x = x.masked_fill(probs < min_ps.unsqueeze(1) * probs.max(dim=1, keepdim=True).values, float("-inf"))
+        logits[rows] = x
+        probs = x.softmax(dim=1)
+        noise = torch.empty_like(probs)
+        for j, seq in enumerate(seqs):
+            noise[j].exponential_(generator=seq.generator or self.generator)
+        return (probs / noise).argmax(dim=1)

@@ -1,0 +1,119 @@
+"""Continuous batching: which sequences run this step and how many tokens each. No torch here.
+
+Admission (who may hold KV memory) and batching (what runs this step, within a token budget) are
+separate decisions. Running sequences go first, oldest first; then waiting ones are admitted while
+blocks and the budget last. A prompt that does not fit the budget is prefilled in chunks across steps.
+When blocks run out, the newest running sequence is preempted: its blocks are freed and it goes back
+to the front of the queue, to be recomputed later (its full blocks stay in the prefix cache).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from petrel.engine.block_manager import BlockManager
+from petrel.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)       # decodes first, then prefill chunks
+    num_new_tokens: list[int] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 enable_chunked_prefill: bool = True):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.prefix_queried_tokens = 0   # prompt tokens admitted, and how many of them the prefix cache served
+        self.prefix_hit_tokens = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence, after: Sequence) -> None:
+        """A forked sequence joins right after its parent (it already holds blocks)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.insert(self.running.index(after) + 1, seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a sequence wherever it is and free its blocks. Idempotent."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        batch.preempted.append(seq)
+        self.num_preemptions += 1
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[Sequence, int]] = []
+        bm = self.block_manager
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not bm.allocate_slots(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim, batch)
+                if victim is seq:
+                    break
+            else:
+                scheduled.append((seq, n))
+                budget -= n
+                i += 1
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
+            seq = self.waiting[0]           # a waiting sequence holds no blocks
+            bm.match_prefix(seq)
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            n = min(remaining, budget)
+            chunk_refused = n < remaining and not self.enable_chunked_prefill and scheduled
+            if chunk_refused or not bm.allocate_slots(seq, n, admitting=bool(self.running)):
+                bm.free(seq)                # give the prefix hit back until it is admitted
+                seq.num_cached_tokens = 0
+                break
+            self.waiting.popleft()
+            self.prefix_queried_tokens += seq.num_tokens
+            self.prefix_hit_tokens += seq.num_cached_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append((seq, n))
+            budget -= n
+
+        scheduled.sort(key=lambda item: item[1] != 1)  # single-token queries (decodes) first
+        batch.seqs = [s for s, _ in scheduled]
+        batch.num_new_tokens = [n for _, n in scheduled]
+        batch.block_copies = bm.take_pending_copies()
+        return batch
+

@@ -1,0 +1,84 @@
+"""The one object that carries a sequence's state from admission to finish, and the request that owns it."""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from petrel.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class EngineRequest:
+    """What the engine core knows about a request: tokens in, parameters, and its sequences."""
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    cache_salt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    deadline: float | None = None      # monotonic time after which the request ends with 'timeout'
+    first_scheduled_time: float | None = None
+    seqs: list["Sequence"] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status is SequenceStatus.FINISHED for s in self.seqs) and len(self.seqs) == self.params.n
+
+
+_seq_ids = itertools.count()
+
+
+class Sequence:
+    """Tokens (prompt + output), how many of them are in the KV cache, and the blocks that hold them.
+
+    The scheduler only ever makes ``num_computed_tokens`` catch up with ``num_tokens``: prefill,
+    chunked prefill, prefix-cache hits and recomputation after preemption are the same arithmetic.
+    """
+
+    def __init__(self, request: EngineRequest, index: int, token_ids: list[int], num_prompt_tokens: int):
+        self.seq_id = next(_seq_ids)
+        self.request = request
+        self.index = index
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0     # prompt tokens served from the prefix cache at admission
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []   # hashes of the full blocks of token_ids, computed lazily
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None  # 'stop' | 'length' | 'abort'
+        self.stop_reason: int | str | None = None
+        self.generator = None                  # torch.Generator when the request has a seed
+        self.prompt_logprobs: list = []        # TokenLogprobs of prompt positions 1.., when asked for
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request.request_id}#{self.index}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={len(self.block_table)}, {self.status.value})")

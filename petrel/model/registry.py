@@ -1,0 +1,17 @@
+"""Architecture name -> model class."""
+from __future__ import annotations
+
+from petrel.model.llama import LlamaForCausalLM
+
+MODEL_CLASSES = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+}
+
+
+def model_class(architecture: str, where: str):
+    try:
+        return MODEL_CLASSES[architecture]
+    except KeyError:
+        raise ValueError(f"{where}: architecture {architecture!r} is not supported; petrel supports "
+                         f"{', '.join(sorted(MODEL_CLASSES))}") from None

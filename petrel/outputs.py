@@ -1,0 +1,149 @@
+"""What petrel hands back: per-step OutputChunks (one stream for every API) and the RequestOutput built from them."""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple
+
+FinishReason = Literal["stop", "length", "timeout", "cancelled"]
+
+
+class Logprob(NamedTuple):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+TokenLogprobs = dict[int, Logprob]
+
+
+@dataclass
+class FinishDetails:
+    """Why a sequence ended, in full: the matched stop token or string, or an abort's message."""
+    type: Literal["stop", "length", "abort"]
+    matched_token: int | None = None
+    matched_stop: str | None = None
+    message: str | None = None       # for aborts: 'cancelled' or 'timeout' or an error text
+
+
+@dataclass
+class OutputChunk:
+    """One step of one sequence's output: the gateway spec's fields plus what identifies the sequence."""
+    request_id: Any
+    index: int                                   # sequence index within the request
+    output_ids: list[int]
+    text: str                                    # text released this step (held back while a stop string may match)
+    finish_reason: Literal["stop", "length", "abort"] | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    output_token_logprobs: list[float] = field(default_factory=list)
+    finish_details: FinishDetails | None = None
+    spec_verify_ct: int | None = None
+    accept_draft_tokens: float | None = None
+    input_token_logprobs: tuple[list[float | None], list[int]] | None = None
+    input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    output_top_logprobs: list[list[tuple[int, float]]] | None = None
+    output_token_ranks: list[int] | None = None  # rank of each sampled token (1 = most likely)
+    input_token_ranks: list[int | None] | None = None
+    timestamp: float = 0.0                       # monotonic time the step ended
+    scheduled_time: float | None = None          # monotonic time the request was first scheduled
+
+
+@dataclass
+class RequestPerfMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_generated_tokens: int = 0
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.last_token_time is None else self.last_token_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        if self.first_token_time is None or self.num_generated_tokens < 2:
+            return None
+        return (self.last_token_time - self.first_token_time) / (self.num_generated_tokens - 1)
+
+    @property
+    def throughput(self) -> float | None:
+        e2e = self.e2e
+        return self.num_generated_tokens / e2e if e2e else None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    generation_logits: Any = None
+    additional_context_outputs: dict | None = None
+    additional_generation_outputs: dict | None = None
+    disaggregated_params: Any = None
+    request_perf_metrics: RequestPerfMetrics | None = None
+    # where the previous streamed snapshot ended, for the *_diff properties
+    _last_text_len: int = field(default=0, repr=False)
+    _last_token_len: int = field(default=0, repr=False)
+
+    @property
+    def length(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def text_diff(self) -> str:
+        return self.text[self._last_text_len:]
+
+    @property
+    def token_ids_diff(self) -> list[int]:
+        return self.token_ids[self._last_token_len:]
+
+    @property
+    def logprobs_diff(self) -> list[TokenLogprobs]:
+        return (self.logprobs or [])[self._last_token_len:]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: Any
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    context_logits: Any = None
+    disaggregated_params: Any = None
+    request_perf_metrics: RequestPerfMetrics | None = None
+
+    def snapshot(self) -> "RequestOutput":
+        """A copy that later steps do not change (lists copied, tensors shared)."""
+        snap = copy.copy(self)
+        snap.outputs = []
+        for out in self.outputs:
+            o = copy.copy(out)
+            o.token_ids = list(out.token_ids)
+            o.logprobs = None if out.logprobs is None else list(out.logprobs)
+            o.request_perf_metrics = copy.copy(out.request_perf_metrics)
+            snap.outputs.append(o)
+        snap.request_perf_metrics = copy.copy(self.request_perf_metrics)
+        return snap
