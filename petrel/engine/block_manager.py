@@ -100,7 +100,9 @@ class BlockManager:
                 self.evictable.pop(block)
             self.ref_counts[block] += 1
             seq.block_table.append(block)
-        seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * self.block_size
+        seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        # after a preemption the chain can run into the sequence's own output: report prompt tokens only
+        seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, admitting: bool = False) -> bool:
         """Make room for the next num_new_tokens KV entries; False (and nothing changed) if it cannot."""

@@ -126,6 +126,7 @@ class EngineCore:
         return self.scheduler.has_work
 
     # ------------------------------------------------------------------ the step
+    @torch.inference_mode()
     def step(self) -> list[EngineOutput]:
         t0 = time.monotonic()
         batch = self.scheduler.schedule()

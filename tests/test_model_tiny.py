@@ -1,0 +1,392 @@
+"""Model correctness on a tiny random-weight Llama: petrel's logits and greedy tokens against transformers.
+
+A tiny Llama is built with transformers (fixed seed, float32), saved as safetensors, and loaded through
+petrel's own loader. Petrel's model is then driven through the paged KV cache exactly as the engine does
+(ModelRunner.prepare builds the flat batch and the attention metadata) and every logit row is compared to
+transformers' full-sequence forward pass, which is the ground truth for every position (causal model).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import LlamaConfig  # noqa: E402
+from transformers import LlamaForCausalLM as HFLlamaForCausalLM  # noqa: E402
+
+from petrel.config import EngineConfig  # noqa: E402
+from petrel.engine.engine_core import EngineCore  # noqa: E402
+from petrel.engine.model_runner import ModelRunner, kv_bytes_per_block  # noqa: E402
+from petrel.engine.scheduler import ScheduledBatch  # noqa: E402
+from petrel.engine.sequence import EngineRequest, Sequence  # noqa: E402
+from petrel.model.loader import load_model, resolve_model  # noqa: E402
+from petrel.sampling_params import SamplingParams  # noqa: E402
+
+VOCAB = 256
+ATOL = 1e-4
+RTOL = 1e-4
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+
+# (num_key_value_heads, tie_word_embeddings): MHA/GQA x untied/tied heads
+VARIANTS = [(4, False), (2, False), (4, True), (2, True)]
+VARIANT_IDS = ["mha-untied", "gqa-untied", "mha-tied", "gqa-tied"]
+
+
+@dataclass
+class Tiny:
+    hf: torch.nn.Module       # transformers reference
+    model: torch.nn.Module    # petrel, loaded from the saved checkpoint
+    cfg: object               # petrel ModelConfig
+    path: str
+
+    def hf_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """[len, vocab] reference logits of every position."""
+        with torch.no_grad():
+            return self.hf(torch.tensor([token_ids])).logits[0].float()
+
+
+def _build_hf(kv_heads: int, tied: bool, rope_scaling: dict | None, seed: int,
+              head_dim: int | None = None) -> HFLlamaForCausalLM:
+    kwargs = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=256,
+                  tie_word_embeddings=tied, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+    if head_dim is not None:
+        kwargs["head_dim"] = head_dim
+    if rope_scaling is not None:
+        kwargs["rope_scaling"] = dict(rope_scaling)   # transformers 5 stores it as config.rope_parameters
+    config = LlamaConfig(**kwargs)
+    config._attn_implementation = "eager"             # a reference independent of petrel's SDPA calls
+    torch.manual_seed(seed)
+    hf = HFLlamaForCausalLM(config)
+    # Re-draw every weight, norms included (transformers initialises norms to 1, which would hide a
+    # misplaced norm), large enough that logits are peaked and greedy choices are not near-ties.
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    if tied:
+        assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+    return hf.float().eval()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    cache: dict = {}
+
+    def build(kv_heads: int = 4, tied: bool = False, rope_scaling: dict | None = None, seed: int = 0,
+              head_dim: int | None = None) -> Tiny:
+        key = (kv_heads, tied, json.dumps(rope_scaling, sort_keys=True), seed, head_dim)
+        if key not in cache:
+            hf = _build_hf(kv_heads, tied, rope_scaling, seed, head_dim)
+            path = tmp_path_factory.mktemp("tiny-llama")
+            hf.save_pretrained(path, safe_serialization=True)
+            model, cfg = load_model(resolve_model(str(path)), torch.float32, "cpu")
+            assert cfg.num_key_value_heads == kv_heads and cfg.tie_word_embeddings == tied
+            cache[key] = Tiny(hf, model, cfg, str(path))
+        return cache[key]
+
+    return build
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (n,), generator=g).tolist()   # avoid bos/eos ids
+
+
+class PagedDriver:
+    """Runs petrel's model over the paged KV cache the way the engine does, returning every row's logits.
+
+    Blocks are handed out in a scrambled order so that block tables are neither contiguous nor sorted.
+    """
+
+    def __init__(self, tiny: Tiny, block_size: int = 4, num_blocks: int = 64, seed: int = 0):
+        self.runner = ModelRunner(tiny.model, tiny.cfg, num_blocks, block_size, torch.float32, "cpu")
+        self.block_size = block_size
+        g = torch.Generator().manual_seed(seed)
+        self.free = torch.randperm(num_blocks, generator=g).tolist()
+        self._n = 0
+
+    def new_seq(self, token_ids: list[int]) -> Sequence:
+        self._n += 1
+        req = EngineRequest(f"r{self._n}", list(token_ids), SamplingParams(temperature=0.0))
+        return Sequence(req, 0, token_ids, len(token_ids))
+
+    def step(self, work: list[tuple[Sequence, int]]) -> list[torch.Tensor]:
+        """One step: each (seq, n) computes its next n tokens. Returns [n, vocab] logits per item, in order."""
+        bs = self.block_size
+        for seq, n in work:
+            assert seq.num_computed_tokens + n <= seq.num_tokens
+            needed = -(-(seq.num_computed_tokens + n) // bs) - len(seq.block_table)
+            for _ in range(max(needed, 0)):
+                seq.block_table.append(self.free.pop())
+        order = sorted(range(len(work)), key=lambda i: work[i][1] != 1)   # decodes first, as the scheduler does
+        batch = ScheduledBatch(seqs=[work[i][0] for i in order], num_new_tokens=[work[i][1] for i in order])
+        with torch.inference_mode():
+            input_ids, positions, meta = self.runner.prepare(batch)
+            hidden = self.runner.model(input_ids, positions, self.runner.kv_caches, meta)
+            logits = self.runner.model.compute_logits(hidden)
+        assert logits.shape == (batch.num_tokens, VOCAB)
+        out: list = [None] * len(work)
+        row = 0
+        for i in order:
+            seq, n = work[i]
+            out[i] = logits[row:row + n]
+            row += n
+            seq.num_computed_tokens += n
+        return out
+
+    def run_chunks(self, seq: Sequence, chunks: list[int]) -> torch.Tensor:
+        assert sum(chunks) == seq.num_tokens
+        return torch.cat([self.step([(seq, n)])[0] for n in chunks])
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str = ""):
+    torch.testing.assert_close(actual, expected, atol=ATOL, rtol=RTOL, msg=lambda m: f"{what}: {m}")
+
+
+# ---------------------------------------------------------------- 1. prefill
+
+@pytest.mark.parametrize("kv_heads,tied", VARIANTS, ids=VARIANT_IDS)
+def test_loader_config_and_weights(tiny, kv_heads, tied):
+    t = tiny(kv_heads, tied)
+    assert t.cfg.architecture == "LlamaForCausalLM"
+    assert (t.cfg.vocab_size, t.cfg.hidden_size, t.cfg.head_dim) == (VOCAB, 64, 16)
+    assert t.cfg.eos_token_ids == [2] and t.cfg.rope_scaling is None
+    if tied:
+        assert t.model.lm_head.weight is t.model.model.embed_tokens.weight
+    hf_sd = t.hf.state_dict()
+    for i in range(2):
+        a = f"model.layers.{i}.self_attn."
+        qkv = t.model.state_dict()[a + "qkv_proj.weight"]
+        torch.testing.assert_close(qkv, torch.cat([hf_sd[a + "q_proj.weight"], hf_sd[a + "k_proj.weight"],
+                                                   hf_sd[a + "v_proj.weight"]]), atol=0, rtol=0)
+    torch.testing.assert_close(t.model.lm_head.weight, t.hf.lm_head.weight, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("kv_heads,tied", VARIANTS, ids=VARIANT_IDS)
+def test_prefill_matches_transformers(tiny, kv_heads, tied):
+    t = tiny(kv_heads, tied)
+    drv = PagedDriver(t, block_size=4)
+    a, b, c = _tokens(23, 1), _tokens(9, 2), _tokens(16, 3)   # 23 and 9 end mid-block, 16 fills 4 blocks
+    alone = drv.run_chunks(drv.new_seq(a), [len(a)])
+    assert_close(alone, t.hf_logits(a), "single prefill")
+    # several prompts prefilled in one flat batch
+    seqs = [drv.new_seq(x) for x in (a, b, c)]
+    outs = drv.step([(s, s.num_tokens) for s in seqs])
+    for x, out in zip((a, b, c), outs):
+        assert_close(out, t.hf_logits(x), f"batched prefill of {len(x)} tokens")
+
+
+def test_prefill_single_token_prompt(tiny):
+    """A one-token prompt is a one-token query: it runs through the decode path with an empty history."""
+    t = tiny(2, False)
+    drv = PagedDriver(t)
+    a, b = _tokens(1, 4), _tokens(11, 5)
+    outs = drv.step([(drv.new_seq(b), 11), (drv.new_seq(a), 1)])
+    assert_close(outs[1], t.hf_logits(a), "one-token prompt")
+    assert_close(outs[0], t.hf_logits(b), "prefill next to it")
+
+
+def test_explicit_head_dim(tiny):
+    """head_dim from the config (32), not hidden_size // heads (16): q/o projections are wider than hidden."""
+    t = tiny(2, False, head_dim=32)
+    assert t.cfg.head_dim == 32
+    drv = PagedDriver(t, block_size=4)
+    tokens = _tokens(15, 6)
+    assert_close(drv.run_chunks(drv.new_seq(tokens), [6, 5, 1, 1, 1, 1]), t.hf_logits(tokens), "head_dim 32")
+
+
+# ---------------------------------------------------------------- 2. decode through the paged cache
+
+@pytest.mark.parametrize("kv_heads,tied", VARIANTS, ids=VARIANT_IDS)
+def test_step_by_step_decode_matches_transformers(tiny, kv_heads, tied):
+    t = tiny(kv_heads, tied)
+    drv = PagedDriver(t, block_size=4)
+    tokens = _tokens(26, 10)            # 7 prompt tokens, then 19 one-token steps: 7 blocks of 4
+    seq = drv.new_seq(tokens)
+    logits = drv.run_chunks(seq, [7] + [1] * 19)
+    assert len(seq.block_table) == 7
+    assert_close(logits, t.hf_logits(tokens), "step-by-step decode")
+
+
+def test_decode_matches_transformers_kv_cache_generation(tiny):
+    """Greedy decode: feed petrel's own argmax back, step by step, and compare with transformers' cached generate."""
+    t = tiny(2, False)
+    drv = PagedDriver(t, block_size=4)
+    prompt = _tokens(6, 11)
+    steps = 14
+    with torch.no_grad():
+        ref = t.hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=steps, min_new_tokens=steps,
+                            output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    ref_tokens = ref.sequences[0, len(prompt):].tolist()
+    ref_logits = torch.cat(ref.logits).float()     # [steps, vocab], one row per generated token
+    seq = drv.new_seq(prompt)
+
+    def greedy(row: torch.Tensor) -> int:   # min_new_tokens: transformers never picks eos here
+        row = row[-1].clone()
+        row[2] = float("-inf")
+        return int(row.argmax())
+
+    got_logits = [drv.step([(seq, len(prompt))])[0][-1:]]
+    for _ in range(steps - 1):
+        seq.token_ids.append(greedy(got_logits[-1]))
+        got_logits.append(drv.step([(seq, 1)])[0])
+    seq.token_ids.append(greedy(got_logits[-1]))
+    assert seq.token_ids[len(prompt):] == ref_tokens
+    # output_logits are the raw logits, before transformers' logits processors
+    assert_close(torch.cat(got_logits), ref_logits, "decode vs transformers generate")
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_mixed_batch_matches_each_sequence_alone(tiny, kv_heads):
+    """Decodes of sequences of different lengths share a step with a prefill; each matches its reference."""
+    t = tiny(kv_heads, False)
+    drv = PagedDriver(t, block_size=4)
+    a_tokens, b_tokens, c_tokens = _tokens(30, 20), _tokens(20, 21), _tokens(13, 22)
+    a, b, c = drv.new_seq(a_tokens), drv.new_seq(b_tokens), drv.new_seq(c_tokens)
+    got = {id(s): [] for s in (a, b, c)}
+
+    def step(work):
+        for (s, _), out in zip(work, drv.step(work)):
+            got[id(s)].append(out)
+
+    step([(a, 10)])                       # A prefills alone
+    step([(a, 1), (b, 13)])               # A decodes while B prefills
+    step([(a, 1), (b, 1), (c, 5)])        # two decodes of different table widths + C's first chunk
+    step([(c, 4), (b, 1), (a, 1)])        # C's second chunk listed first: the batch puts decodes first
+    for _ in range(4):                    # three decodes of three different lengths
+        step([(a, 1), (b, 1), (c, 1)])
+    step([(b, 1), (a, 1)])                # C finished; A and B go on
+    for _ in range(12):
+        step([(a, 1)])
+    for s, tokens in ((a, a_tokens), (b, b_tokens), (c, c_tokens)):
+        assert s.num_computed_tokens == s.num_tokens
+        assert_close(torch.cat(got[id(s)]), t.hf_logits(tokens), f"sequence of {len(tokens)} tokens in a mixed batch")
+    # and the same sequences run alone in a fresh cache give the same logits
+    for tokens in (a_tokens, b_tokens, c_tokens):
+        solo = PagedDriver(t, block_size=4, seed=1)
+        s = solo.new_seq(tokens)
+        assert_close(solo.run_chunks(s, [len(tokens)]), t.hf_logits(tokens), "alone")
+
+
+# ---------------------------------------------------------------- 3. chunked prefill
+
+@pytest.mark.parametrize("chunks", [[8, 12, 9], [5, 7, 17], [6, 1, 22], [14, 15]],
+                         ids=["aligned", "unaligned", "one-token-chunk", "two-chunks"])
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_chunked_prefill_matches_one_shot(tiny, kv_heads, chunks):
+    t = tiny(kv_heads, False)
+    tokens = _tokens(29, 30)
+    one_shot_drv = PagedDriver(t, block_size=4)
+    one_shot = one_shot_drv.run_chunks(one_shot_drv.new_seq(tokens), [29])
+    drv = PagedDriver(t, block_size=4, seed=3)
+    chunked = drv.run_chunks(drv.new_seq(tokens), chunks)
+    assert_close(chunked, one_shot, f"chunks {chunks} vs one shot")
+    assert_close(chunked, t.hf_logits(tokens), f"chunks {chunks} vs transformers")
+
+
+def test_chunked_prefill_next_to_other_work(tiny):
+    """Chunks of one prompt interleaved with another prompt's chunks and a third sequence's decodes."""
+    t = tiny(2, True)
+    drv = PagedDriver(t, block_size=4)
+    x_tokens, y_tokens, z_tokens = _tokens(25, 40), _tokens(17, 41), _tokens(12, 42)
+    x, y, z = drv.new_seq(x_tokens), drv.new_seq(y_tokens), drv.new_seq(z_tokens)
+    got = {id(s): [] for s in (x, y, z)}
+    plan = [[(z, 8)], [(x, 9), (y, 6), (z, 1)], [(y, 11), (z, 1), (x, 7)], [(x, 9), (z, 1)], [(z, 1)]]
+    for work in plan:
+        for (s, _), out in zip(work, drv.step(work)):
+            got[id(s)].append(out)
+    for s, tokens in ((x, x_tokens), (y, y_tokens), (z, z_tokens)):
+        assert_close(torch.cat(got[id(s)]), t.hf_logits(tokens), f"{len(tokens)}-token sequence")
+
+
+# ---------------------------------------------------------------- 4. Llama 3 rope scaling
+
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_llama3_rope_scaling_matches_transformers(tiny, kv_heads):
+    t = tiny(kv_heads, False, LLAMA3_ROPE)
+    assert t.cfg.rope_scaling is not None and t.cfg.rope_scaling["rope_type"] == "llama3"
+    assert t.cfg.rope_scaling["factor"] == 8.0 and t.cfg.rope_scaling["original_max_position_embeddings"] == 64
+    tokens = _tokens(150, 50)          # well past the original 64 positions
+    drv = PagedDriver(t, block_size=4)
+    seq = drv.new_seq(tokens)
+    logits = drv.run_chunks(seq, [100, 37] + [1] * 13)    # prefill, a chunk, decodes at positions 137..149
+    ref = t.hf_logits(tokens)
+    assert_close(logits, ref, "llama3 rope")
+    # the scaling matters: the same weights without it give different logits
+    unscaled = tiny(kv_heads, False, None)
+    for (name, w), (_, w0) in zip(t.hf.named_parameters(), unscaled.hf.named_parameters()):
+        assert torch.equal(w, w0), name
+    assert not torch.allclose(unscaled.hf_logits(tokens)[64:], ref[64:], atol=1e-2)
+
+
+# ---------------------------------------------------------------- 5. the whole engine, greedy
+
+def _engine_generate(t: Tiny, prompts: list[list[int]], max_tokens: int, **engine_kwargs) -> tuple[dict, EngineCore]:
+    core = EngineCore(EngineConfig(dtype="float32", device="cpu", **engine_kwargs), t.model, t.cfg)
+    for i, p in enumerate(prompts):
+        core.add_request(EngineRequest(f"req{i}", list(p), SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                                       eos_token_ids=tuple(t.cfg.eos_token_ids)))
+    results = {f"req{i}": [] for i in range(len(prompts))}
+    finish = {}
+    for _ in range(1000):
+        if not core.has_work:
+            break
+        for out in core.step():
+            assert out.request_id not in finish, "output after finish"
+            results[out.request_id].extend(out.new_token_ids)
+            if out.finish_reason is not None:
+                finish[out.request_id] = out.finish_reason
+        core.block_manager.check_integrity()
+    assert not core.has_work and set(finish) == set(results)
+    return results, core
+
+
+def _hf_generate(t: Tiny, prompt: list[int], max_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = t.hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_tokens,
+                            eos_token_id=t.cfg.eos_token_ids, pad_token_id=0,
+                            output_logits=True, return_dict_in_generate=True)
+    # precondition: no near-ties, so float rounding cannot flip a greedy choice
+    top2 = torch.cat(out.logits).topk(2, dim=-1).values
+    assert float((top2[:, 0] - top2[:, 1]).min()) > 10 * ATOL, "reference has a near-tie: pick another seed"
+    return out.sequences[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("engine_kwargs,expect_preemption", [
+    (dict(block_size=4, max_num_batched_tokens=16), False),   # chunked prefill mixed with decodes
+    (dict(block_size=4, max_num_batched_tokens=2048), False), # all prompts in one step
+    (dict(block_size=4, max_num_batched_tokens=16, max_num_seqs=3), True),  # tight memory: recomputation
+], ids=["chunked", "one-shot", "preempting"])
+def test_engine_greedy_matches_transformers_generate(tiny, engine_kwargs, expect_preemption):
+    t = tiny(2, False)
+    shared = _tokens(9, 60)
+    # The last two share a 2-block prefix. With a 16-token budget the third is admitted once the second has
+    # computed those blocks: the prefix cache serves 8 of its 9 tokens, and its last prompt token runs as a
+    # one-token query in the same step as the second prompt's final chunk (so the batch must put it first).
+    prompts = [_tokens(21, 61), shared + _tokens(5, 62), shared]
+    max_tokens = 20
+    per_block = kv_bytes_per_block(t.cfg, engine_kwargs["block_size"], torch.float32)
+    # roomy: 64 blocks; tight: 12 blocks (48 tokens) for three sequences that grow to 41 + 34 + 29 tokens
+    blocks = 12 if expect_preemption else 64
+    results, core = _engine_generate(t, prompts, max_tokens, kv_cache_memory=blocks * per_block, **engine_kwargs)
+    assert core.block_manager.num_blocks == blocks
+    if engine_kwargs["max_num_batched_tokens"] == 16:   # the third prompt reused the second one's blocks
+        hits = core.scheduler.prefix_hit_tokens           # (recomputation after preemption may reuse more)
+        assert hits >= 8 if expect_preemption else hits == 8
+    if expect_preemption:
+        assert core.scheduler.num_preemptions > 0
+    else:
+        assert core.scheduler.num_preemptions == 0
+    for i, p in enumerate(prompts):
+        expected = _hf_generate(t, p, max_tokens)
+        assert results[f"req{i}"] == expected, f"prompt {i}: petrel {results[f'req{i}']} != transformers {expected}"
