@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+import time
 from typing import Any, Sequence as Seq
 
 from petrel.config import EngineConfig
@@ -129,8 +130,7 @@ class RequestFuture:
         return snap
 
     def _metrics_copy(self) -> RequestPerfMetrics:
-        m = RequestPerfMetrics(**vars(self._metrics))
-        return m
+        return RequestPerfMetrics(**vars(self._metrics))
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
@@ -276,15 +276,11 @@ class LLM:
         if not progress:
             return [f.result() for f in futures]
         from tqdm.auto import tqdm
-        bar = tqdm(total=len(futures), desc="Processed prompts", unit="req")
-        done = threading.Event()
-        remaining = [len(futures)]
-        lock = threading.Lock()
         results = []
-        for f in futures:
-            results.append(f.result())
-            bar.update(1)
-        bar.close()
+        with tqdm(total=len(futures), desc="Processed prompts", unit="req") as bar:
+            for f in futures:   # in input order; the bar advances as each one is collected
+                results.append(f.result())
+                bar.update(1)
         return results
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
@@ -293,8 +289,7 @@ class LLM:
         """Apply the model's chat template to one conversation (or a list of them) and generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs) for c in conversations]
-        result = self.generate(prompts if len(prompts) > 1 else prompts[0], sampling_params, use_tqdm=use_tqdm)
-        return result
+        return self.generate(prompts if len(prompts) > 1 else prompts[0], sampling_params, use_tqdm=use_tqdm)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             chat_template_kwargs: dict | None = None) -> dict:
@@ -319,5 +314,4 @@ class LLM:
 
 
 def _now() -> float:
-    import time
     return time.monotonic()

@@ -223,11 +223,13 @@ def test_decodes_are_ordered_first():
     c = make_seq(list(range(200, 240)), max_tokens=2)   # 40 tokens, 30 fit beside the two decodes
     sched.add(c)
     batch, _ = step(sched)
-    assert batch.seqs == [a, b, c] and batch.num_new_tokens == [1, 1, 30]
+    # decodes first, shortest context first (b's context is one token shorter than a's)
+    assert b.num_computed_tokens < a.num_computed_tokens
+    assert batch.seqs == [b, a, c] and batch.num_new_tokens == [1, 1, 30]
     sched.running = [c, a, b]                # as if c were the oldest
     batch = sched.schedule()
     check_batch(sched, batch)
-    assert batch.seqs == [a, b, c] and batch.num_new_tokens == [1, 1, 10]
+    assert batch.seqs == [b, a, c] and batch.num_new_tokens == [1, 1, 10]
 
 
 # ---------------------------------------------------------------------------- preemption

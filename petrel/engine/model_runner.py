@@ -7,7 +7,7 @@ import torch
 
 from petrel.engine.scheduler import ScheduledBatch
 from petrel.engine.sequence import Sequence
-from petrel.model.attention import AttentionMetadata, PrefillChunk, new_kv_cache
+from petrel.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk, new_kv_cache
 from petrel.model.config import ModelConfig
 
 
@@ -18,6 +18,23 @@ class StepLogits:
     prompt_logits: list[tuple[Sequence, int, torch.Tensor]]  # (seq, first position, [k, vocab]) for prompt_logprobs
 
 
+DECODE_GROUP_SIZE = 16   # decodes attended per call: fewer calls vs. less padding read
+
+
+def keep_freed_memory_in_heap() -> None:
+    """Tell glibc to keep large freed buffers instead of returning them to the OS. Each step allocates
+    tens of MB of temporaries; handed back and faulted in again every step, those page faults cost
+    about as much as the decode step itself on CPU."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return  # not glibc
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)
+    libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
+
+
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
@@ -26,12 +43,18 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) ->
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: str):
+        if self.device_is_cpu(device):
+            keep_freed_memory_in_heap()
         self.model = model
         self.cfg = cfg
         self.block_size = block_size
         self.device = torch.device(device)
         self.kv_caches = [new_kv_cache(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype, device)
                           for _ in range(cfg.num_hidden_layers)]
+
+    @staticmethod
+    def device_is_cpu(device) -> bool:
+        return torch.device(device).type == "cpu"
 
     def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
@@ -57,11 +80,14 @@ class ModelRunner:
                     mask = torch.arange(end, device=self.device).unsqueeze(0) <= q
                 prefills.append(PrefillChunk(row, n, end, self._tensor(table[:-(-end // bs)]), mask))
         meta = AttentionMetadata(slot_mapping=self._tensor(slots), num_decode_tokens=len(decode_tables), prefills=prefills)
-        if decode_tables:
-            width = max(len(t) for t in decode_tables)
-            meta.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in decode_tables])
+        for start in range(0, len(decode_tables), DECODE_GROUP_SIZE):
+            tables = decode_tables[start:start + DECODE_GROUP_SIZE]
+            lens = decode_lens[start:start + DECODE_GROUP_SIZE]
+            width = max(len(t) for t in tables)
             span = torch.arange(width * bs, device=self.device)
-            meta.decode_mask = (span.unsqueeze(0) < self._tensor(decode_lens).unsqueeze(1)).view(len(decode_tables), 1, 1, -1)
+            meta.decode_groups.append(DecodeGroup(
+                start, start + len(tables), self._tensor([t + [0] * (width - len(t)) for t in tables]),
+                span.unsqueeze(0) < self._tensor(lens).unsqueeze(1)))
         return self._tensor(input_ids), self._tensor(positions), meta
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -78,24 +104,18 @@ class ModelRunner:
         input_ids, positions, meta = self.prepare(batch)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
 
-        rows, sample_seqs, prompt_spans = [], [], []
+        prompt_rows, prompt_spans, sample_rows, sample_seqs = [], [], [], []
         row = 0
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens
             if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
-                stop = min(start + n, seq.num_prompt_tokens - 1)
-                prompt_spans.append((seq, start, len(rows), stop - start))
-                rows.extend(range(row, row + stop - start))
-            if start + n == seq.num_tokens:
+                k = min(start + n, seq.num_prompt_tokens - 1) - start   # positions whose next token is in the prompt
+                prompt_spans.append((seq, start, len(prompt_rows), k))
+                prompt_rows.extend(range(row, row + k))
+            if start + n == seq.num_tokens:       # the chunk reaches the end: sample the next token
                 sample_seqs.append(seq)
-            row += n
-        sample_rows = []
-        row = 0
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            if seq.num_computed_tokens + n == seq.num_tokens:
                 sample_rows.append(row + n - 1)
             row += n
-        num_prompt_rows = len(rows)
-        logits = self.model.compute_logits(hidden[self._tensor(rows + sample_rows)])
+        logits = self.model.compute_logits(hidden[self._tensor(prompt_rows + sample_rows)])
         prompt_logits = [(seq, first, logits[at:at + k]) for seq, first, at, k in prompt_spans]
-        return StepLogits(sample_seqs, logits[num_prompt_rows:] if sample_seqs else None, prompt_logits)
+        return StepLogits(sample_seqs, logits[len(prompt_rows):] if sample_seqs else None, prompt_logits)

@@ -17,7 +17,7 @@ from petrel.engine.sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledBatch:
-    seqs: list[Sequence] = field(default_factory=list)       # decodes first, then prefill chunks
+    seqs: list[Sequence] = field(default_factory=list)       # decodes first (by context length), then prefill chunks
     num_new_tokens: list[int] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
@@ -111,7 +111,8 @@ class Scheduler:
             scheduled.append((seq, n))
             budget -= n
 
-        scheduled.sort(key=lambda item: item[1] != 1)  # single-token queries (decodes) first
+        # single-token queries (decodes) first, by context length, so the runner's decode groups pad little
+        scheduled.sort(key=lambda item: (item[1] != 1, item[0].num_computed_tokens if item[1] == 1 else 0))
         batch.seqs = [s for s, _ in scheduled]
         batch.num_new_tokens = [n for _, n in scheduled]
         batch.block_copies = bm.take_pending_copies()

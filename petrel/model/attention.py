@@ -1,7 +1,8 @@
 """Paged attention over a block-structured KV cache, in portable PyTorch (CPU or any device).
 
-A step's tokens arrive as one flat batch. Decode tokens (one query per sequence) come first and are
-attended together in one batched call; prefill chunks follow, one call per sequence. Every sequence
+A step's tokens arrive as one flat batch. Decode tokens (one query per sequence) come first, sorted by
+context length and attended in a few batched calls (groups of similar lengths, so little padding is read);
+prefill chunks follow, one call per sequence. Every sequence
 reads its keys and values through its block table, so prefix-cache hits, chunked prefill and
 recomputation after preemption are all the same code path.
 """
@@ -23,11 +24,19 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode rows [start, end) of the flat batch, of similar context lengths, attended in one call."""
+    start: int
+    end: int
+    block_tables: torch.Tensor      # [rows, max_blocks] int64, padded with block 0
+    mask: torch.Tensor              # [rows, max_blocks * block_size] bool: True where a key is in context
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor      # [num_tokens] int64: flat cache slot that receives each new K/V
     num_decode_tokens: int = 0
-    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64
-    decode_mask: torch.Tensor | None = None          # [num_decodes, 1, 1, max_blocks * block_size] bool
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -43,21 +52,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     key_cache, value_cache = kv_cache[0], kv_cache[1]
-    block_size = key_cache.shape[1]
     key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
 
     out = torch.empty_like(q)
-    nd = meta.num_decode_tokens
-    if nd:
-        group = num_heads // num_kv_heads
-        # Queries of one KV head's group attend as a short "sequence" against that head: no repeat of K/V.
-        qd = q[:nd].view(nd, num_kv_heads, group, head_dim)
-        tables = meta.decode_block_tables
-        kd = key_cache[tables].view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
-        vd = value_cache[tables].view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
-        out[:nd] = od.reshape(nd, num_heads, head_dim)
+    for g in meta.decode_groups:
+        out[g.start:g.end] = _decode_attention(q[g.start:g.end], key_cache, value_cache, g.block_tables, g.mask, scale)
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)
         if chunk.mask is None:  # the whole context is in this step: use the fresh K/V directly
@@ -70,3 +70,29 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
             attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale, enable_gqa=True)
         out[rows] = op.squeeze(0).transpose(0, 1)
     return out
+
+
+def _decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      block_tables: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token per sequence against its paged context, as two contiguous batched matmuls.
+
+    Each sequence's blocks are gathered whole (a copy of contiguous rows, no per-element indexing) into
+    [num_seqs, context, kv_heads * head_dim]. The queries are laid out block-diagonally over the KV heads
+    ([num_seqs, heads, kv_heads * head_dim], zeros outside a head's own KV head), so grouped-query
+    attention needs neither a repeat of K/V nor a transpose; the extra zero products cost little next
+    to reading the cache, which bounds this step.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    width = num_kv_heads * head_dim
+    flat_tables = block_tables.reshape(-1)
+    keys = key_cache.index_select(0, flat_tables).view(num_seqs, -1, width)
+    values = value_cache.index_select(0, flat_tables).view(num_seqs, -1, width)
+    own = torch.eye(num_kv_heads, dtype=q.dtype, device=q.device).view(1, num_kv_heads, 1, num_kv_heads, 1)
+    q_diag = (q.view(num_seqs, num_kv_heads, group, 1, head_dim) * own).view(num_seqs, num_heads, width)
+    scores = torch.bmm(q_diag, keys.transpose(1, 2)).mul_(scale)
+    scores.masked_fill_(~mask.view(num_seqs, 1, -1), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    mixed = torch.bmm(probs, values).view(num_seqs, num_kv_heads, group, num_kv_heads, head_dim)
+    return (mixed * own).sum(dim=3).view(num_seqs, num_heads, head_dim)
