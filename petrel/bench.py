@@ -93,10 +93,9 @@ def make_w4_prompts(num_requests: int = 32, prefix_len: int = 1024, suffix_len: 
 
 
 def w1_prompt_ids(tokenizer) -> list[int]:
-    """The chat template applied to the W1 message, tokenized as petrel's LLM.apply_chat_template does."""
-    messages = [{"role": "user", "content": W1_USER_MESSAGE}]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    """The chat template applied to the W1 message, as LLM.apply_chat_template does."""
+    from petrel.model.tokenizer import chat_prompt
+    return list(chat_prompt(tokenizer, [{"role": "user", "content": W1_USER_MESSAGE}])["prompt_token_ids"])
 
 
 def w1_metrics(t_start: float, token_times: list[float]) -> dict:
@@ -204,8 +203,8 @@ class HFRunner:
         from transformers import AutoModelForCausalLM
         transformers.logging.set_verbosity_error()
         self.torch = torch
-        self.dtype = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-                      "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}[args.dtype]
+        from petrel.config import TORCH_DTYPES
+        self.dtype = TORCH_DTYPES[args.dtype]
         self.batch_size = args.hf_batch_size
         self.pad = pad_token_id
         t0 = time.perf_counter()
@@ -423,9 +422,6 @@ def run(args) -> dict:
         for name in engines:
             _log(f"loading {ENGINE_LABELS[name]} ...")
             runners[name] = PetrelRunner(args) if name == "petrel" else HFRunner(args, source.path, pad)
-            if name == "petrel" and runners[name].llm.apply_chat_template(
-                    [{"role": "user", "content": W1_USER_MESSAGE}])["prompt_token_ids"] != w1_ids:
-                _log("warning: LLM.apply_chat_template gives other W1 ids than the tokenizer alone")
             info = runners[name].info()
             info["torch_threads"] = torch.get_num_threads()
             info["warmup_s"] = runners[name].warmup(w1_ids)

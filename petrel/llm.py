@@ -9,6 +9,7 @@ from typing import Any, Sequence as Seq
 
 from petrel.config import EngineConfig
 from petrel.engine.llm_engine import LLMEngine
+from petrel.model.tokenizer import chat_prompt
 from petrel.outputs import CompletionOutput, Logprob, OutputChunk, RequestOutput, RequestPerfMetrics
 from petrel.sampling_params import SamplingParams
 
@@ -293,12 +294,7 @@ class LLM:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             chat_template_kwargs: dict | None = None) -> dict:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                  **(chat_template_kwargs or {}))
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return {"prompt": text, "prompt_token_ids": ids}
+        return chat_prompt(self.tokenizer, messages, add_generation_prompt, chat_template_kwargs)
 
     def get_latest_iteration_stats(self):
         return self._engine.core.last_stats

@@ -43,7 +43,7 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) ->
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: str):
-        if self.device_is_cpu(device):
+        if torch.device(device).type == "cpu":
             keep_freed_memory_in_heap()
         self.model = model
         self.cfg = cfg
@@ -51,10 +51,6 @@ class ModelRunner:
         self.device = torch.device(device)
         self.kv_caches = [new_kv_cache(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype, device)
                           for _ in range(cfg.num_hidden_layers)]
-
-    @staticmethod
-    def device_is_cpu(device) -> bool:
-        return torch.device(device).type == "cpu"
 
     def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
@@ -79,7 +75,7 @@ class ModelRunner:
                     q = torch.arange(start, end, device=self.device).unsqueeze(1)
                     mask = torch.arange(end, device=self.device).unsqueeze(0) <= q
                 prefills.append(PrefillChunk(row, n, end, self._tensor(table[:-(-end // bs)]), mask))
-        meta = AttentionMetadata(slot_mapping=self._tensor(slots), num_decode_tokens=len(decode_tables), prefills=prefills)
+        meta = AttentionMetadata(slot_mapping=self._tensor(slots), prefills=prefills)
         for start in range(0, len(decode_tables), DECODE_GROUP_SIZE):
             tables = decode_tables[start:start + DECODE_GROUP_SIZE]
             lens = decode_lens[start:start + DECODE_GROUP_SIZE]

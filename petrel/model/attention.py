@@ -2,9 +2,8 @@
 
 A step's tokens arrive as one flat batch. Decode tokens (one query per sequence) come first, sorted by
 context length and attended in a few batched calls (groups of similar lengths, so little padding is read);
-prefill chunks follow, one call per sequence. Every sequence
-reads its keys and values through its block table, so prefix-cache hits, chunked prefill and
-recomputation after preemption are all the same code path.
+prefill chunks follow, one call per sequence. Every sequence reads its keys and values through its block
+table, so prefix-cache hits, chunked prefill and recomputation after preemption are all the same code path.
 """
 from __future__ import annotations
 
@@ -35,7 +34,6 @@ class DecodeGroup:
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor      # [num_tokens] int64: flat cache slot that receives each new K/V
-    num_decode_tokens: int = 0
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
 

@@ -7,6 +7,17 @@ import os
 from petrel.model.loader import ModelSource
 
 
+def chat_prompt(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                chat_template_kwargs: dict | None = None) -> dict:
+    """The chat template applied to messages: {"prompt": text, "prompt_token_ids": ids} (the template
+    writes the special tokens itself, so none are added when encoding)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         **(chat_template_kwargs or {}))
+    return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False)["input_ids"]}
+
+
 def _cache_dir() -> str:
     return os.path.join(os.environ.get("PETREL_CACHE", os.path.expanduser("~/.cache/petrel")), "tokenizers")
 
