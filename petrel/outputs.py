@@ -21,7 +21,7 @@ TokenLogprobs = dict[int, Logprob]
 class FinishDetails:
     """Why a sequence ended, in full: the matched stop token or string, or an abort's message."""
     type: Literal["stop", "length", "abort"]
-    matched_token: int | None = None
+    matched_token: int | tuple[int, ...] | None = None   # a stop token id, or a multi-token stop word
     matched_stop: str | None = None
     message: str | None = None       # for aborts: 'cancelled' or 'timeout' or an error text
 
@@ -48,6 +48,11 @@ class OutputChunk:
     input_token_ranks: list[int | None] | None = None
     timestamp: float = 0.0                       # monotonic time the step ended
     scheduled_time: float | None = None          # monotonic time the request was first scheduled
+    cumulative_logprob: float | None = None      # beam search: the beam's score (sum of logprobs)
+    context_logits: Any = None                   # [prompt_len, vocab], in the first chunk, when asked for
+    generation_logits: Any = None                # [len(output_ids), vocab], when asked for
+    additional_context_outputs: dict | None = None     # name -> [prompt_len, ...], in the first chunk
+    additional_generation_outputs: dict | None = None  # name -> [len(output_ids), ...]
 
 
 @dataclass

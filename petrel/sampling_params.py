@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+ADDITIONAL_OUTPUTS = ("hidden_states",)   # model outputs a request may ask for besides logits
+
 
 @dataclass
 class SamplingParams:
@@ -30,8 +32,19 @@ class SamplingParams:
     detokenize: bool = True
     return_perf_metrics: bool = False
     logits_processors: list[Callable] | None = field(default=None, repr=False)
-    # filled by the engine
-    end_id: int | None = field(default=None, repr=False)
+    bad_words: list[str] | None = None            # strings never generated (tokenized by the LLM front)
+    bad_words_token_ids: list[list[int]] | None = None   # token sequences whose last token is banned after the rest
+    stop_token_sequences: list[list[int]] | None = None  # multi-token stop words (ids)
+    # beam search: keep `beam_width` (or best_of) beams, return the best `n`
+    use_beam_search: bool = False
+    beam_width: int | None = None
+    best_of: int | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False   # True: stop at beam_width finished; False: when no beam can win; 'never'
+    # extra outputs
+    return_context_logits: bool = False
+    return_generation_logits: bool = False
+    additional_model_outputs: list[str] | None = None   # 'hidden_states' (final normed) for context and generation
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -40,7 +53,24 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        self.bad_words = list(self.bad_words or [])
+        self.bad_words_token_ids = [list(w) for w in (self.bad_words_token_ids or [])]
+        self.stop_token_sequences = [list(w) for w in (self.stop_token_sequences or [])]
+        self.additional_model_outputs = list(self.additional_model_outputs or [])
         self.validate()
+
+    @property
+    def num_beams(self) -> int:
+        """Beams kept per step (1 without beam search)."""
+        if not self.use_beam_search:
+            return 1
+        return self.beam_width or self.best_of or self.n
+
+    @property
+    def needs_context_outputs(self) -> bool:
+        """Outputs of every prompt position are asked for (so no prompt token may come from the cache)."""
+        return (self.prompt_logprobs is not None or self.return_context_logits
+                or bool(self.additional_model_outputs))
 
     @property
     def greedy(self) -> bool:
@@ -82,6 +112,19 @@ class SamplingParams:
             bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
+        for name in ("bad_words_token_ids", "stop_token_sequences"):
+            for w in getattr(self, name):
+                if not w or any(not isinstance(t, int) or t < 0 for t in w):
+                    raise ValueError(f"{name} must be non-empty lists of token ids (ints >= 0), got {w!r}")
+        if any(not isinstance(w, str) or not w for w in self.bad_words):
+            bad("bad_words", "must be non-empty strings")
+        unknown = [o for o in self.additional_model_outputs if o not in ADDITIONAL_OUTPUTS]
+        if unknown:
+            raise ValueError(f"additional_model_outputs has unknown names {unknown}; available: {list(ADDITIONAL_OUTPUTS)}")
+        if self.use_beam_search:
+            self._validate_beam_search(bad)
+        elif self.beam_width not in (None, 1):
+            bad("beam_width", "needs use_beam_search=True")
         if self.logit_bias is not None:
             for tok, bias in self.logit_bias.items():
                 if not isinstance(tok, int) or tok < 0:
@@ -89,8 +132,27 @@ class SamplingParams:
                 if not -100.0 <= bias <= 100.0:
                     raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {tok}")
 
+    def _validate_beam_search(self, bad) -> None:
+        width = self.num_beams
+        if not isinstance(width, int) or width < 1:
+            bad("beam_width", "must be an integer >= 1")
+        if self.n > width:
+            bad("n", f"must be <= the beam width ({width})")
+        if not isinstance(self.length_penalty, (int, float)):
+            bad("length_penalty", "must be a number")
+        if self.early_stopping not in (True, False, "never"):
+            bad("early_stopping", "must be True, False or 'never'")
+        if self.stop:
+            bad("stop", "is not supported with beam search (use stop_token_ids or stop_token_sequences)")
+        if not self.greedy and self.temperature != 1.0:
+            bad("temperature", "has no meaning for beam search (beams follow the log-probabilities); leave it at 0 or 1")
+        if self.top_p != 1.0 or self.top_k not in (0, 1) or self.min_p != 0.0:
+            raise ValueError("top_p, top_k and min_p do not apply to beam search: leave them at their defaults")
+
     def validate_for_model(self, vocab_size: int) -> None:
-        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias or {}))):
+        words = [t for w in self.bad_words_token_ids + self.stop_token_sequences for t in w]
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias or {})),
+                          ("bad_words/stop words", words)):
             bad = [t for t in ids if t >= vocab_size]
             if bad:
                 raise ValueError(f"{name} has token ids outside the vocabulary (size {vocab_size}): {bad[:5]}")

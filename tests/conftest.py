@@ -28,3 +28,11 @@ def hf_model():
 
 def free_blocks(llm) -> int:
     return llm.engine.call(lambda core: core.block_manager.num_free_blocks)
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """tiny(kv_heads=4, tied=False, rope_scaling=None, seed=0, head_dim=None) -> Tiny (transformers + petrel models)."""
+    pytest.importorskip("transformers")
+    from tiny_llama import tiny_factory
+    return tiny_factory(tmp_path_factory)

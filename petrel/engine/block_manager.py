@@ -87,7 +87,7 @@ class BlockManager:
         """On admission: take the longest chain of cached full blocks of the prompt (never all of it:
         at least one token is left to compute, so the step yields logits)."""
         assert not seq.block_table and seq.num_computed_tokens == 0
-        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+        if not self.enable_prefix_caching or seq.params.needs_context_outputs:
             return
         max_blocks = (seq.num_tokens - 1) // self.block_size
         self._extend_hashes(seq, max_blocks)

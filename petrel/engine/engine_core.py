@@ -11,7 +11,8 @@ from petrel.config import EngineConfig
 from petrel.engine.block_manager import BlockManager
 from petrel.engine.model_runner import ModelRunner, kv_bytes_per_block
 from petrel.engine.output_processor import EngineOutput
-from petrel.engine.sampler import Sampler, prompt_logprobs
+from petrel.engine.beam_search import BeamSearch, Hypothesis
+from petrel.engine.sampler import Sampler, prompt_logprobs, token_logprobs
 from petrel.engine.scheduler import Scheduler
 from petrel.engine.sequence import EngineRequest, Sequence
 from petrel.model.config import ModelConfig
@@ -36,7 +37,8 @@ class IterationStats:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, model: torch.nn.Module, model_config: ModelConfig):
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, model_config: ModelConfig,
+                 batched_post_processor=None):
         self.config = config
         self.model_config = model_config
         bs = config.block_size
@@ -55,7 +57,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill)
         self.runner = ModelRunner(model, model_config, num_blocks, bs, config.torch_dtype, config.device)
-        self.sampler = Sampler(model_config.vocab_size, config.seed)
+        self.sampler = Sampler(model_config.vocab_size, config.seed, batched_post_processor)
         self.requests: dict[object, EngineRequest] = {}
         self.iteration = 0
         self.last_stats: IterationStats | None = None
@@ -79,6 +81,10 @@ class EngineCore:
             raise ValueError(f"request_id {request.request_id!r} is already in flight")
         seq = Sequence(request, 0, request.prompt_token_ids, len(request.prompt_token_ids))
         self._seed(seq)
+        p = request.params
+        if p.use_beam_search:
+            request.beam_search = BeamSearch(p.num_beams, p.length_penalty, p.early_stopping,
+                                             min(p.max_tokens or self.max_model_len, self.max_model_len - seq.num_tokens))
         request.seqs.append(seq)
         self.requests[request.request_id] = request
         self.scheduler.add(seq)
@@ -93,20 +99,22 @@ class EngineCore:
         req = self.requests.pop(request_id, None)
         if req is None:
             return []
-        by_index = {s.index: s for s in req.seqs}
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+                seq.finish_reason = "abort"
+        by_index = {} if req.beam_search else {s.index: s for s in req.seqs}
         outputs = []
         now = time.monotonic()
         for i in range(req.params.n):
-            seq = by_index.get(i)
-            if seq is not None and seq.is_finished:
+            if i in req.finished_indices:
                 continue
-            if seq is not None:
-                self.scheduler.finish(seq)
-                seq.finish_reason = "abort"
+            seq = by_index.get(i)
             outputs.append(EngineOutput(request_id, i, [], finish_reason="abort", abort_message=message,
                                         num_prompt_tokens=len(req.prompt_token_ids),
                                         num_output_tokens=seq.num_output_tokens if seq else 0,
                                         num_cached_tokens=seq.num_cached_tokens if seq else 0, timestamp=now))
+            req.finished_indices.add(i)
         return outputs
 
     def finish_sequence(self, request_id, index: int, stop_reason) -> None:
@@ -118,6 +126,7 @@ class EngineCore:
         if not seq.is_finished:
             self.scheduler.finish(seq)
             seq.finish_reason, seq.stop_reason = "stop", stop_reason
+        req.finished_indices.add(index)
         if req.finished:
             del self.requests[request_id]
 
@@ -142,25 +151,64 @@ class EngineCore:
             seq.num_computed_tokens += n
             self.block_manager.cache_computed_blocks(seq)
 
-        for seq, first, logits in step_logits.prompt_logits:
-            skip = len(seq.prompt_logprobs) - first   # positions already scored before a preemption
-            if skip < logits.shape[0]:
-                nxt = seq.token_ids[first + 1 + skip:first + 1 + logits.shape[0]]
-                seq.prompt_logprobs.extend(prompt_logprobs(logits[skip:], nxt, seq.params.prompt_logprobs))
+        for rows in step_logits.context_rows:
+            self._collect_context_rows(rows)
 
         outputs: list[EngineOutput] = []
+        num_sampled = 0
         if step_logits.sample_seqs:
             seqs, rows = self._fork_new_sequences(step_logits.sample_seqs)
             logits = step_logits.sample_logits
             if rows != list(range(len(rows))):
                 logits = logits[torch.tensor(rows)]
+            extras = self._generation_extras(seqs, logits, step_logits.sample_hidden, rows)
             result = self.sampler.sample(logits, seqs)
+            num_sampled = len(seqs)
             now = time.monotonic()
-            for seq, token, lp in zip(seqs, result.token_ids, result.logprobs):
-                outputs.append(self._append_token(seq, token, lp, now))
+            beam_requests = {}
+            for i, (seq, token, lp) in enumerate(zip(seqs, result.token_ids, result.logprobs)):
+                if seq.params.use_beam_search:
+                    seq.beam_candidates = (result.beam_candidates[i], result.beam_logp.get(i), extras[i])
+                    beam_requests[seq.request.request_id] = seq.request
+                else:
+                    outputs.append(self._append_token(seq, token, lp, extras[i], now))
+            for req in beam_requests.values():
+                outputs.extend(self._beam_step(req, now))
         self.iteration += 1
-        self._record_stats(t0, batch, num_prompt_tokens, len(outputs))
+        self._record_stats(t0, batch, num_prompt_tokens, num_sampled)
         return outputs
+
+    def _collect_context_rows(self, rows) -> None:
+        """Keep a prompt span's logits / hidden states and score prompt logprobs (after a preemption the
+        recomputed positions that were already kept are skipped)."""
+        seq, p = rows.seq, rows.seq.params
+        skip = seq.num_context_rows - rows.first
+        new = {"logits": rows.logits, "hidden_states": rows.hidden}
+        k = next(t.shape[0] for t in new.values() if t is not None)
+        if skip >= k:
+            return
+        for name, tensor in new.items():
+            if tensor is not None:
+                seq.context_outputs.setdefault(name, []).append(tensor[skip:])
+        if p.prompt_logprobs is not None:
+            start = rows.first + skip
+            end = min(rows.first + k, seq.num_prompt_tokens - 1)     # the last prompt position has no next prompt token
+            if end > start:
+                nxt = seq.token_ids[start + 1:end + 1]
+                seq.prompt_logprobs.extend(prompt_logprobs(rows.logits[skip:skip + end - start], nxt, p.prompt_logprobs))
+
+    def _generation_extras(self, seqs, logits, hidden, rows) -> list[dict]:
+        """Raw logits / hidden states of each sampling row, for the sequences that asked for them."""
+        extras = []
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            entry = {}
+            if p.return_generation_logits:
+                entry["logits"] = logits[i].clone()
+            if "hidden_states" in p.additional_model_outputs and hidden is not None:
+                entry["hidden_states"] = hidden[rows[i]].clone()
+            extras.append(entry)
+        return extras
 
     def _fork_new_sequences(self, sample_seqs: list[Sequence]) -> tuple[list[Sequence], list[int]]:
         """A request with n > 1 forks its prompt's sequence when the prompt is done; all n sample from one row."""
@@ -169,7 +217,7 @@ class EngineCore:
             seqs.append(seq)
             rows.append(row)
             req = seq.request
-            if req.params.n > 1 and len(req.seqs) == 1 and seq.num_output_tokens == 0:
+            if req.params.n > 1 and not req.params.use_beam_search and len(req.seqs) == 1 and seq.num_output_tokens == 0:
                 prev = seq
                 for i in range(1, req.params.n):
                     child = Sequence(req, i, seq.token_ids, seq.num_prompt_tokens)
@@ -182,32 +230,163 @@ class EngineCore:
                     prev = child
         return seqs, rows
 
-    def _append_token(self, seq: Sequence, token: int, logprobs, now: float) -> EngineOutput:
+    def _append_token(self, seq: Sequence, token: int, logprobs, extras: dict, now: float) -> EngineOutput:
         req = seq.request
         p = seq.params
         seq.token_ids.append(token)
-        finish, stop_reason = None, None
-        if token in p.stop_token_ids:
-            finish, stop_reason = "stop", token
-        elif token in req.eos_token_ids and not p.ignore_eos:
-            finish, stop_reason = "stop", token
-        elif p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
-            finish = "length"
-        elif seq.num_tokens >= self.max_model_len:
-            finish = "length"
+        for name, row in extras.items():
+            seq.generation_outputs.setdefault(name, []).append(row)
+        finish, stop_reason = self._check_stop(seq, token)
         out = EngineOutput(req.request_id, seq.index, [token], [logprobs] if logprobs is not None else None,
                            finish_reason=finish, stop_reason=stop_reason,
                            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
                            num_cached_tokens=seq.num_cached_tokens, timestamp=now,
                            scheduled_time=req.first_scheduled_time)
-        if seq.num_output_tokens == 1 and seq.index == 0 and p.prompt_logprobs is not None:
-            out.prompt_logprobs = seq.prompt_logprobs
+        if "logits" in extras:
+            out.generation_logits = extras["logits"].unsqueeze(0)
+        if "hidden_states" in extras:
+            out.additional_generation_outputs = {"hidden_states": extras["hidden_states"].unsqueeze(0)}
+        if seq.num_output_tokens == 1 and seq.index == 0:
+            self._attach_context_outputs(out, seq)
         if finish is not None:
             self.scheduler.finish(seq)
             seq.finish_reason, seq.stop_reason = finish, stop_reason
+            req.finished_indices.add(seq.index)
             if req.finished:
                 self.requests.pop(req.request_id, None)
         return out
+
+    def _check_stop(self, seq: Sequence, token: int):
+        """(finish_reason, stop_reason) after `token` was appended, or (None, None)."""
+        p = seq.params
+        if token in p.stop_token_ids:
+            return "stop", token
+        if token in seq.request.eos_token_ids and not p.ignore_eos:
+            return "stop", token
+        for word in p.stop_token_sequences:
+            if seq.num_output_tokens >= len(word) and seq.token_ids[-len(word):] == word:
+                return "stop", tuple(word)
+        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            return "length", None
+        if seq.num_tokens >= self.max_model_len:
+            return "length", None
+        return None, None
+
+    def _attach_context_outputs(self, out: EngineOutput, seq: Sequence) -> None:
+        """The prompt's outputs ride on the request's first output of sequence 0."""
+        p = seq.params
+        if p.prompt_logprobs is not None:
+            out.prompt_logprobs = seq.prompt_logprobs
+        if p.return_context_logits:
+            out.context_logits = torch.cat(seq.context_outputs["logits"])
+        if "hidden_states" in p.additional_model_outputs:
+            out.additional_context_outputs = {"hidden_states": torch.cat(seq.context_outputs["hidden_states"])}
+
+    # ------------------------------------------------------------------ beam search
+    def _beam_step(self, req: EngineRequest, now: float) -> list[EngineOutput]:
+        """Advance a request's beams together once every live beam has its candidates."""
+        bs, p = req.beam_search, req.params
+        beams = [s for s in req.seqs if not s.is_finished]
+        if any(s.beam_candidates is None for s in beams):
+            return []      # some beam is still being (re)computed
+        num_out = beams[0].num_output_tokens
+        is_end = lambda t: t in p.stop_token_ids or (t in req.eos_token_ids and not p.ignore_eos)  # noqa: E731
+        keep, ended = bs.select([s.beam_candidates[0] for s in beams], [s.cum_logprob for s in beams], num_out, is_end)
+        for cand in ended:
+            parent = beams[cand.beam]
+            lp, extras = self._beam_token_record(parent, cand.token_id)
+            kept = self._extras_lists(parent)
+            for name, rows in extras.items():
+                kept.setdefault(name, []).extend(rows)
+            bs.add_hypothesis(Hypothesis(
+                parent.output_token_ids + [cand.token_id], cand.cum_logprob, bs.score(cand.cum_logprob, num_out + 1),
+                "stop", cand.token_id, parent.token_logprobs + lp, kept))
+
+        # children: a parent's first child takes over its sequence, the others fork it first
+        children: dict[int, list] = {}
+        for cand in keep:
+            children.setdefault(cand.beam, []).append(cand)
+        new_beams = []
+        for b, parent in enumerate(beams):
+            cands = children.get(b, [])
+            if not cands:
+                self.scheduler.finish(parent)
+                req.seqs.remove(parent)
+                continue
+            for cand in cands[1:]:
+                child = Sequence(req, len(req.seqs), parent.token_ids, parent.num_prompt_tokens)
+                self.block_manager.fork(parent, child)
+                child.cum_logprob, child.token_logprobs = parent.cum_logprob, list(parent.token_logprobs)
+                child.generation_outputs = {k: list(v) for k, v in parent.generation_outputs.items()}
+                child.context_outputs, child.prompt_logprobs = parent.context_outputs, parent.prompt_logprobs
+                child.beam_candidates = parent.beam_candidates
+                self.scheduler.add_running(child, after=parent)
+                req.seqs.append(child)
+                new_beams.append((child, cand))
+            new_beams.append((parent, cands[0]))
+        for seq, cand in new_beams:
+            lp, extras = self._beam_token_record(seq, cand.token_id)
+            seq.token_ids.append(cand.token_id)
+            seq.cum_logprob = cand.cum_logprob
+            seq.token_logprobs.extend(lp)
+            for name, rows in extras.items():
+                seq.generation_outputs.setdefault(name, []).extend(rows)
+        for seq, _ in new_beams:
+            seq.beam_candidates = None
+
+        length = num_out + 1
+        out_of_room = (p.max_tokens is not None and length >= p.max_tokens) or \
+            (new_beams and new_beams[0][0].num_tokens >= self.max_model_len)
+        if out_of_room:
+            for seq, cand in new_beams:
+                bs.add_hypothesis(Hypothesis(seq.output_token_ids, seq.cum_logprob, bs.score(seq.cum_logprob, length),
+                                             "length", None, list(seq.token_logprobs), self._extras_lists(seq)))
+            bs.done = True
+        else:
+            best = max((c.cum_logprob for c in keep), default=None)
+            bs.update_done(best, length)
+        return self._finish_beams(req, now) if bs.done else []
+
+    def _beam_token_record(self, seq: Sequence, token: int) -> tuple[list, dict]:
+        """What the beam keeps for appending `token`: its logprob entry (when asked) and the extras rows."""
+        _, logp, extras = seq.beam_candidates
+        p = seq.params
+        lp = [token_logprobs(logp, token, p.logprobs)] if logp is not None else []
+        return lp, {name: [row] for name, row in extras.items()}
+
+    @staticmethod
+    def _extras_lists(seq: Sequence) -> dict:
+        return {name: list(rows) for name, rows in seq.generation_outputs.items()}
+
+    def _finish_beams(self, req: EngineRequest, now: float) -> list[EngineOutput]:
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+        p = req.params
+        first = req.seqs[0] if req.seqs else None
+        outputs = []
+        for i, hyp in enumerate(req.beam_search.best(p.n)):
+            out = EngineOutput(req.request_id, i, list(hyp.output_token_ids),
+                               list(hyp.token_logprobs) if p.logprobs is not None else None,
+                               finish_reason=hyp.finish_reason, stop_reason=hyp.stop_reason,
+                               num_prompt_tokens=len(req.prompt_token_ids),
+                               num_output_tokens=len(hyp.output_token_ids),
+                               num_cached_tokens=first.num_cached_tokens if first else 0, timestamp=now,
+                               scheduled_time=req.first_scheduled_time, cumulative_logprob=hyp.cum_logprob)
+            if "logits" in hyp.extras:
+                out.generation_logits = torch.stack(hyp.extras["logits"])
+            if "hidden_states" in hyp.extras:
+                out.additional_generation_outputs = {"hidden_states": torch.stack(hyp.extras["hidden_states"])}
+            if i == 0 and first is not None:
+                self._attach_context_outputs(out, first)
+            outputs.append(out)
+            req.finished_indices.add(i)
+        for i in range(len(outputs), p.n):   # fewer hypotheses than asked (a tiny vocabulary): end the rest empty
+            outputs.append(EngineOutput(req.request_id, i, [], finish_reason="stop", timestamp=now,
+                                        num_prompt_tokens=len(req.prompt_token_ids)))
+            req.finished_indices.add(i)
+        self.requests.pop(req.request_id, None)
+        return outputs
 
     def _record_stats(self, t0: float, batch, num_prompt_tokens: int, num_generated: int) -> None:
         bm, sched = self.block_manager, self.scheduler

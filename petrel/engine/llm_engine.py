@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import logging
+import dataclasses
 import queue
 import threading
 import time
+from collections import deque
 from typing import Callable
 
 import torch
@@ -23,7 +25,7 @@ ChunkSink = Callable[[OutputChunk], None]
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, batched_post_processor=None, stats_history: int = 1000):
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -34,7 +36,8 @@ class LLMEngine:
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
-        self.core = EngineCore(config, model, model_config)
+        self.core = EngineCore(config, model, model_config, batched_post_processor)
+        self.stats_history: deque = deque(maxlen=stats_history)   # IterationStats of recent steps
         self.output_processor = OutputProcessor(self.tokenizer)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[object, list] = {}      # request_id -> [sink, sequences not finished yet]
@@ -53,19 +56,37 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ caller side (any thread)
     def add_request(self, request_id, prompt_token_ids: list[int], params, sink: ChunkSink,
-                    timeout: float | None = None, cache_salt: str | None = None) -> None:
-        """Validate (ValueError to the caller), then queue the request for the engine loop."""
+                    timeout: float | None = None, cache_salt: str | None = None, **request_options) -> None:
+        """Validate (ValueError to the caller), then queue the request for the engine loop.
+
+        request_options: EngineRequest fields the executor sets (client_id, logits_post_processor,
+        use_batched_post_processor, priority)."""
         if self._stopped.is_set():
             raise RuntimeError("the engine has been shut down")
+        if params.bad_words:
+            params = dataclasses.replace(params, bad_words_token_ids=params.bad_words_token_ids + self._bad_word_ids(params.bad_words))
+        if request_options.get("use_batched_post_processor") and self.core.sampler.batched_post_processor is None:
+            raise ValueError("logits_post_processor_name asks for the batched post-processor, but none is configured")
         self.core.validate(prompt_token_ids, params)
         if cache_salt is not None and (not isinstance(cache_salt, str) or len(cache_salt) > 512):
             raise ValueError("cache_salt must be a string of at most 512 characters")
         if timeout is not None and timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
-        request = EngineRequest(request_id, list(prompt_token_ids), params, self.eos_token_ids, cache_salt)
+        request = EngineRequest(request_id, list(prompt_token_ids), params, self.eos_token_ids, cache_salt,
+                                **request_options)
         if timeout is not None:
             request.deadline = request.arrival_time + timeout
         self._commands.put(("add", request, sink))
+
+    def _bad_word_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as it would be tokenized alone and after a space (both spellings are banned)."""
+        ids = []
+        for word in words:
+            for text in (word, " " + word.lstrip()):
+                tokens = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+                if tokens and tokens not in ids:
+                    ids.append(tokens)
+        return ids
 
     def abort_request(self, request_id, message: str = "cancelled") -> None:
         self._commands.put(("abort", request_id, message))
@@ -120,6 +141,9 @@ class LLMEngine:
                     logger.exception("engine step failed")
                     self._fail_all(f"engine error: {exc}")
                     continue
+                stats = self.core.last_stats
+                if stats is not None and (not self.stats_history or self.stats_history[-1] is not stats):
+                    self.stats_history.append(stats)
                 self._dispatch(outputs)
         self._fail_all("the engine has been shut down")
 

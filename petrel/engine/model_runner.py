@@ -1,7 +1,7 @@
 """The model runner owns tensors and nothing else: a scheduled batch in, logits for the rows that need them out."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -12,10 +12,20 @@ from petrel.model.config import ModelConfig
 
 
 @dataclass
+class ContextRows:
+    """Outputs of a span of prompt positions of one sequence (for prompt logprobs and context outputs)."""
+    seq: Sequence
+    first: int                          # prompt position of the first row
+    logits: torch.Tensor | None         # [k, vocab] float32, when logits are asked for
+    hidden: torch.Tensor | None         # [k, hidden], when hidden states are asked for
+
+
+@dataclass
 class StepLogits:
     sample_seqs: list[Sequence]          # sequences that reached their last token and sample next
     sample_logits: torch.Tensor | None   # [len(sample_seqs), vocab] float32
-    prompt_logits: list[tuple[Sequence, int, torch.Tensor]]  # (seq, first position, [k, vocab]) for prompt_logprobs
+    context_rows: list[ContextRows] = field(default_factory=list)
+    sample_hidden: torch.Tensor | None = None   # [len(sample_seqs), hidden] when a sampling sequence asks for it
 
 
 DECODE_GROUP_SIZE = 16   # decodes attended per call: fewer calls vs. less padding read
@@ -100,18 +110,33 @@ class ModelRunner:
         input_ids, positions, meta = self.prepare(batch)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
 
-        prompt_rows, prompt_spans, sample_rows, sample_seqs = [], [], [], []
+        context_rows, context_spans, sample_rows, sample_seqs = [], [], [], []
         row = 0
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens
-            if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
-                k = min(start + n, seq.num_prompt_tokens - 1) - start   # positions whose next token is in the prompt
-                prompt_spans.append((seq, start, len(prompt_rows), k))
-                prompt_rows.extend(range(row, row + k))
+            if seq.params.needs_context_outputs and start < seq.num_prompt_tokens:
+                k = min(start + n, seq.num_prompt_tokens) - start
+                context_spans.append((seq, start, len(context_rows), k))
+                context_rows.extend(range(row, row + k))
             if start + n == seq.num_tokens:       # the chunk reaches the end: sample the next token
                 sample_seqs.append(seq)
                 sample_rows.append(row + n - 1)
             row += n
-        logits = self.model.compute_logits(hidden[self._tensor(prompt_rows + sample_rows)])
-        prompt_logits = [(seq, first, logits[at:at + k]) for seq, first, at, k in prompt_spans]
-        return StepLogits(sample_seqs, logits[len(prompt_rows):] if sample_seqs else None, prompt_logits)
+        context_logits_wanted = any(s.params.prompt_logprobs is not None or s.params.return_context_logits
+                                    for s, *_ in context_spans)
+        if context_logits_wanted:
+            logits = self.model.compute_logits(hidden[self._tensor(context_rows + sample_rows)])
+            context_logits, sample_logits = logits[:len(context_rows)], logits[len(context_rows):]
+        else:
+            sample_logits = self.model.compute_logits(hidden[self._tensor(sample_rows)])
+        spans = []
+        for seq, first, at, k in context_spans:
+            p = seq.params
+            wants_logits = p.prompt_logprobs is not None or p.return_context_logits
+            wants_hidden = "hidden_states" in p.additional_model_outputs
+            spans.append(ContextRows(seq, first, context_logits[at:at + k] if wants_logits else None,
+                                     hidden[context_rows[at]:context_rows[at] + k].clone() if wants_hidden else None))
+        sample_hidden = None
+        if any("hidden_states" in s.params.additional_model_outputs for s in sample_seqs):
+            sample_hidden = hidden[self._tensor(sample_rows)]
+        return StepLogits(sample_seqs, sample_logits if sample_seqs else None, spans, sample_hidden)

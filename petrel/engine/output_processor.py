@@ -24,6 +24,11 @@ class EngineOutput:
     num_cached_tokens: int = 0
     timestamp: float = 0.0
     scheduled_time: float | None = None  # when the request was first scheduled (monotonic)
+    cumulative_logprob: float | None = None   # beam search: the beam's sum of logprobs
+    context_logits: object = None              # [prompt_len, vocab] tensor, once, when asked for
+    generation_logits: object = None           # [len(new_token_ids), vocab] tensor, when asked for
+    additional_context_outputs: dict | None = None
+    additional_generation_outputs: dict | None = None
 
 
 @dataclass
@@ -69,7 +74,10 @@ class OutputProcessor:
             request_id=out.request_id, index=out.index, output_ids=list(out.new_token_ids), text=text,
             finish_reason=finish_reason, prompt_tokens=out.num_prompt_tokens,
             completion_tokens=out.num_output_tokens, cached_tokens=out.num_cached_tokens, timestamp=out.timestamp,
-            scheduled_time=out.scheduled_time)
+            scheduled_time=out.scheduled_time, cumulative_logprob=out.cumulative_logprob,
+            context_logits=out.context_logits, generation_logits=out.generation_logits,
+            additional_context_outputs=out.additional_context_outputs,
+            additional_generation_outputs=out.additional_generation_outputs)
         if out.new_logprobs is not None:
             chunk.output_token_logprobs = [lp.logprob for lp in out.new_logprobs]
             chunk.output_token_ranks = [lp.rank for lp in out.new_logprobs]
@@ -83,7 +91,7 @@ class OutputProcessor:
         if finish_reason is not None:
             chunk.finish_details = FinishDetails(
                 type=finish_reason,
-                matched_token=stop_reason if isinstance(stop_reason, int) else None,
+                matched_token=stop_reason if isinstance(stop_reason, (int, tuple)) else None,
                 matched_stop=stop_reason if isinstance(stop_reason, str) else None,
                 message=out.abort_message)
             req.finished.add(out.index)

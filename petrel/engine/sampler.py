@@ -1,13 +1,15 @@
 """Logits -> tokens and logprobs for a whole step at once.
 
-Order: logits processors, logit bias, penalties, min_tokens masking, then greedy rows take argmax
+Order: logits processors (per request, then the engine's batched post-processor), logit bias, bad words,
+penalties, min_tokens masking, then beam-search rows report their best candidates, greedy rows take argmax
 and random rows go through temperature, top-k, top-p, min-p and an exponential race (which lets a
 per-sequence generator make a seeded sequence reproducible in any batch). Logprobs come from the
 same processed distribution the token was drawn from, with the token's rank.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -27,6 +29,14 @@ class TokenLogprobs:
 class SampleResult:
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
+    # beam-search rows: best (token, logprob) candidates, and the row's log-distribution when logprobs are asked
+    beam_candidates: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
+    beam_logp: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+def token_logprobs(logp_row: torch.Tensor, token: int, k: int) -> TokenLogprobs:
+    """The token's logprob and rank in one log-distribution row, with the top-k alternatives."""
+    return _gather_logprobs(logp_row.unsqueeze(0), torch.tensor([token], device=logp_row.device), [k])[0]
 
 
 def prompt_logprobs(logits: torch.Tensor, next_tokens: list[int], k: int) -> list[TokenLogprobs]:
@@ -48,21 +58,56 @@ def _gather_logprobs(logp: torch.Tensor, tokens: torch.Tensor, ks: list[int]) ->
     return out
 
 
+BatchedPostProcessor = Callable[[list, list[torch.Tensor], list[list[list[int]]], list], None]
+
+
 class Sampler:
-    def __init__(self, vocab_size: int, seed: int = 0):
+    def __init__(self, vocab_size: int, seed: int = 0, batched_post_processor: BatchedPostProcessor | None = None):
         self.vocab_size = vocab_size
         self.generator = torch.Generator().manual_seed(seed)
+        self.batched_post_processor = batched_post_processor
+
+    def _run_processors(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        batched = []
+        for i, seq in enumerate(seqs):
+            p, req = seq.params, seq.request
+            if p.logits_processors:
+                for fn in p.logits_processors:
+                    logits[i] = fn(seq.output_token_ids, logits[i])
+            if req.logits_post_processor is not None:
+                row = req.logits_post_processor(req.request_id, logits[i:i + 1], [seq.token_ids], req.client_id)
+                if row is not None:
+                    logits[i] = row.reshape(-1)
+            if req.use_batched_post_processor:
+                batched.append(i)
+        if batched:
+            if self.batched_post_processor is None:
+                raise ValueError("a request asked for the batched logits post-processor but none is configured")
+            rows = [logits[i:i + 1] for i in batched]     # views: the callback edits them in place
+            self.batched_post_processor([seqs[i].request.request_id for i in batched], rows,
+                                        [[seqs[i].token_ids] for i in batched],
+                                        [seqs[i].request.client_id for i in batched])
+
+    def _ban_bad_words(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        """A bad word's last token is banned when the sequence already ends with the rest of it."""
+        for i, seq in enumerate(seqs):
+            words = seq.params.bad_words_token_ids
+            if not words:
+                continue
+            tokens = seq.token_ids
+            banned = [w[-1] for w in words if len(w) == 1 or tokens[len(tokens) - len(w) + 1:] == w[:-1]]
+            if banned:
+                logits[i, banned] = float("-inf")
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         logits = logits.float()
         params = [s.params for s in seqs]
-        for i, (seq, p) in enumerate(zip(seqs, params)):
-            if p.logits_processors:
-                for fn in p.logits_processors:
-                    logits[i] = fn(seq.output_token_ids, logits[i])
+        self._run_processors(logits, seqs)
+        for i, p in enumerate(params):
             if p.logit_bias:
                 ids = torch.tensor(list(p.logit_bias), device=logits.device)
                 logits[i, ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device)
+        self._ban_bad_words(logits, seqs)
         if any(p.needs_penalties for p in params):
             self._apply_penalties(logits, seqs)
         for i, (seq, p) in enumerate(zip(seqs, params)):
@@ -71,7 +116,8 @@ class Sampler:
                 if banned:
                     logits[i, banned] = float("-inf")
 
-        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+        beams = [i for i, p in enumerate(params) if p.use_beam_search]
+        greedy = torch.tensor([p.greedy or p.use_beam_search for p in params], device=logits.device)
         tokens = logits.argmax(dim=-1)
         processed = logits
         if not bool(greedy.all()):
@@ -81,12 +127,25 @@ class Sampler:
             tokens[random_rows] = sampled
 
         result = SampleResult(tokens.tolist(), [None] * len(seqs))
-        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if beams:
+            self._beam_candidates(processed, beams, params, result)
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None and not p.use_beam_search]
         if wanted:
             logp = torch.log_softmax(processed[wanted], dim=-1)
             for i, lp in zip(wanted, _gather_logprobs(logp, tokens[wanted], [params[i].logprobs for i in wanted])):
                 result.logprobs[i] = lp
         return result
+
+    def _beam_candidates(self, logits: torch.Tensor, rows: list[int], params, result: SampleResult) -> None:
+        logp = torch.log_softmax(logits[rows], dim=-1)
+        k = min(2 * max(params[i].num_beams for i in rows), logp.shape[1])
+        vals, ids = logp.topk(k, dim=1)
+        vals, ids = vals.tolist(), ids.tolist()
+        for j, i in enumerate(rows):
+            width = min(2 * params[i].num_beams, k)
+            result.beam_candidates[i] = [(t, v) for t, v in zip(ids[j][:width], vals[j][:width]) if v != float("-inf")]
+            if params[i].logprobs is not None:
+                result.beam_logp[i] = logp[j]
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         for i, seq in enumerate(seqs):

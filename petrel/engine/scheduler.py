@@ -44,7 +44,13 @@ class Scheduler:
         self.prefix_hit_tokens = 0
 
     def add(self, seq: Sequence) -> None:
+        """Queue a new sequence behind every waiting one of equal or higher priority."""
         seq.status = SequenceStatus.WAITING
+        priority = seq.request.priority
+        for i, other in enumerate(self.waiting):
+            if other.request.priority < priority:
+                self.waiting.insert(i, seq)
+                return
         self.waiting.append(seq)
 
     def add_running(self, seq: Sequence, after: Sequence) -> None:
@@ -68,6 +74,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
+        seq.beam_candidates = None       # a beam recomputes its next-token candidates with its KV
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         batch.preempted.append(seq)
@@ -83,6 +90,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n == 0:      # a beam that has its candidates and waits for its other beams
+                i += 1
+                continue
             while not bm.allocate_slots(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim, batch)
@@ -110,6 +120,12 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append((seq, n))
             budget -= n
+
+        if not scheduled and self.waiting and self.running:
+            # only idle beams run, and they hold the blocks their other (preempted) beams need: recompute them too
+            for seq in list(self.running):
+                self._preempt(seq, batch)
+            return self.schedule()
 
         # single-token queries (decodes) first, by context length, so the runner's decode groups pad little
         scheduled.sort(key=lambda item: (item[1] != 1, item[0].num_computed_tokens if item[1] == 1 else 0))

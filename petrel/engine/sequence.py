@@ -5,6 +5,9 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Callable
+
+from petrel.engine.beam_search import BeamSearch
 
 from petrel.sampling_params import SamplingParams
 
@@ -26,11 +29,18 @@ class EngineRequest:
     arrival_time: float = field(default_factory=time.monotonic)
     deadline: float | None = None      # monotonic time after which the request ends with 'timeout'
     first_scheduled_time: float | None = None
+    client_id: int | None = None
+    priority: float = 0.5                      # 0..1; higher is admitted first among waiting requests
+    # executor-style logits post-processor: fn(request_id, logits [1, vocab], beam_tokens, client_id) -> logits
+    logits_post_processor: Callable | None = None
+    use_batched_post_processor: bool = False   # the engine's batched post-processor applies to this request
     seqs: list["Sequence"] = field(default_factory=list)
+    beam_search: BeamSearch | None = None      # set when params.use_beam_search
+    finished_indices: set[int] = field(default_factory=set)   # output indices already reported finished
 
     @property
     def finished(self) -> bool:
-        return all(s.status is SequenceStatus.FINISHED for s in self.seqs) and len(self.seqs) == self.params.n
+        return len(self.finished_indices) == self.params.n
 
 
 _seq_ids = itertools.count()
@@ -58,6 +68,16 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.generator = None                  # torch.Generator when the request has a seed
         self.prompt_logprobs: list = []        # TokenLogprobs of prompt positions 1.., when asked for
+        self.context_outputs: dict[str, list] = {}      # 'logits' / 'hidden_states' -> row chunks of the prompt
+        self.generation_outputs: dict[str, list] = {}   # same, one row per output token (when asked for)
+        self.cum_logprob = 0.0                 # beam search: sum of the output tokens' logprobs
+        self.token_logprobs: list = []         # beam search: what the sampler recorded per output token
+        self.beam_candidates: list[tuple[int, float]] | None = None   # beam search: best next tokens, waiting for the other beams
+
+    @property
+    def num_context_rows(self) -> int:
+        chunks = next(iter(self.context_outputs.values()), [])
+        return sum(c.shape[0] for c in chunks)
 
     @property
     def num_tokens(self) -> int:
