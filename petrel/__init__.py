@@ -4,7 +4,8 @@ from petrel.llm import LLM, RequestFuture
 from petrel.outputs import (CompletionOutput, FinishDetails, Logprob, OutputChunk, RequestOutput,
                             RequestPerfMetrics)
 from petrel.sampling_params import SamplingParams
+from petrel.text_request import TextGenerationRequest
 
 __all__ = ["LLM", "RequestFuture", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput",
-           "Logprob", "OutputChunk", "FinishDetails", "RequestPerfMetrics"]
+           "Logprob", "OutputChunk", "FinishDetails", "RequestPerfMetrics", "TextGenerationRequest"]
 __version__ = "0.1.0"

@@ -3,15 +3,19 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import threading
 import time
 from typing import Any, Sequence as Seq
+
+import torch
 
 from petrel.config import EngineConfig
 from petrel.engine.llm_engine import LLMEngine
 from petrel.model.tokenizer import chat_prompt
 from petrel.outputs import CompletionOutput, Logprob, OutputChunk, RequestOutput, RequestPerfMetrics
 from petrel.sampling_params import SamplingParams
+from petrel.text_request import TextGenerationRequest
 
 PromptType = str | list[int]
 
@@ -33,10 +37,12 @@ class RequestFuture:
         self._cond = threading.Condition()
         self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
         self._error: str | None = None
+        self._chunks: list[OutputChunk] = []
 
     # ------------------------------------------------------------------ fed by the engine thread
     def _on_chunk(self, chunk: OutputChunk) -> None:
         with self._cond:
+            self._chunks.append(chunk)
             self._apply(chunk)
             self._version += 1
             self._cond.notify_all()
@@ -58,6 +64,11 @@ class RequestFuture:
                 continue
             self._apply_to(co, chunk)
         out.num_cached_tokens = max(out.num_cached_tokens, chunk.cached_tokens)
+        if chunk.context_logits is not None:
+            out.context_logits = chunk.context_logits
+        if chunk.additional_context_outputs:
+            for co in out.outputs:
+                co.additional_context_outputs = dict(chunk.additional_context_outputs)
         if chunk.input_token_logprobs is not None:
             out.prompt_logprobs = self._prompt_logprobs(chunk)
             for co in out.outputs:
@@ -71,6 +82,13 @@ class RequestFuture:
     def _apply_to(self, co: CompletionOutput, chunk: OutputChunk) -> None:
         co.token_ids.extend(chunk.output_ids)
         co.text += chunk.text
+        if chunk.generation_logits is not None:
+            co.generation_logits = chunk.generation_logits if co.generation_logits is None else \
+                torch.cat([co.generation_logits, chunk.generation_logits])
+        for name, value in (chunk.additional_generation_outputs or {}).items():
+            outputs = dict(co.additional_generation_outputs or {})   # a new dict: snapshots keep theirs
+            outputs[name] = value if name not in outputs else torch.cat([outputs[name], value])
+            co.additional_generation_outputs = outputs
         if chunk.output_top_logprobs is not None:
             if co.logprobs is None:
                 co.logprobs, co.cumulative_logprob = [], 0.0
@@ -78,6 +96,8 @@ class RequestFuture:
                                           chunk.output_token_ranks, chunk.output_top_logprobs):
                 co.logprobs.append(self._logprob_dict(tok, lp, rank, top))
                 co.cumulative_logprob += lp
+        if chunk.cumulative_logprob is not None:      # beam search: the beam's own score
+            co.cumulative_logprob = chunk.cumulative_logprob
         if chunk.finish_reason is not None:
             details = chunk.finish_details
             if chunk.finish_reason == "abort":
@@ -170,6 +190,20 @@ class RequestFuture:
             if finished:
                 return
 
+    def output_chunks(self):
+        """The engine's per-step OutputChunks of this request (every sequence), as they arrive, until it finished:
+        the stream every other view (RequestOutput, executor Responses, server events) is built from."""
+        sent = 0
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: len(self._chunks) > sent or self._output.finished)
+                new = self._chunks[sent:]
+                finished = self._output.finished and len(self._chunks) == sent + len(new)
+            sent += len(new)
+            yield from new
+            if finished:
+                return
+
     async def _updates_async(self):
         """Yields each time new output arrived, until the request finished."""
         loop = asyncio.get_running_loop()
@@ -232,13 +266,29 @@ class LLM:
             return self._tokenize(prompt["prompt"])
         raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
-    def generate_async(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+    @property
+    def model_names(self) -> list[str]:
+        """Names a request may use for the loaded model."""
+        source = self._engine.source
+        return list(dict.fromkeys(n for n in (source.name, os.path.basename(source.path),
+                                              os.path.splitext(os.path.basename(source.path))[0]) if n))
+
+    def generate_async(self, prompt: PromptType | TextGenerationRequest, sampling_params: SamplingParams | None = None,
                        streaming: bool = False, timeout: float | None = None,
                        cache_salt: str | None = None) -> RequestFuture:
-        """Queue one request and return its future at once. `timeout` (seconds) ends it with finish_reason 'timeout'."""
-        params = sampling_params or SamplingParams()
-        text, ids = self._tokenize(prompt)
-        future = RequestFuture(next(self._ids), text, ids, params, streaming, self._engine)
+        """Queue one request and return its future at once. `timeout` (seconds) ends it with finish_reason 'timeout'.
+        `prompt` may be a TextGenerationRequest (its request_id, sampling_params and cache_salt are then used)."""
+        request_id = None
+        if isinstance(prompt, TextGenerationRequest):
+            if sampling_params is not None:
+                raise ValueError("sampling_params: a TextGenerationRequest carries its own")
+            request_id, cache_salt = prompt.request_id, prompt.cache_salt
+            text, ids, params = prompt.resolve(self.tokenizer, self.model_names)
+        else:
+            params = sampling_params or SamplingParams()
+            text, ids = self._tokenize(prompt)
+        future = RequestFuture(next(self._ids) if request_id is None else request_id, text, ids, params,
+                               streaming, self._engine)
         future._metrics.arrival_time = _now()
         self._engine.add_request(future.request_id, ids, params, future._on_chunk, timeout, cache_salt)
         return future
@@ -248,9 +298,22 @@ class LLM:
                  use_tqdm: bool = True, timeout: float | None = None,
                  cache_salt: str | None = None) -> RequestOutput | list[RequestOutput]:
         """Generate for one prompt (returns one RequestOutput) or many (a list, in input order)."""
-        single = isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                              and all(isinstance(t, int) for t in prompts)) or isinstance(prompts, dict)
+        single = isinstance(prompts, (str, dict, TextGenerationRequest)) or (
+            isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts))
         batch = [prompts] if single else list(prompts)
+        if any(isinstance(p, TextGenerationRequest) for p in batch):
+            if sampling_params is not None:
+                raise ValueError("sampling_params: TextGenerationRequests carry their own")
+            futures = []
+            try:
+                for request in batch:
+                    futures.append(self.generate_async(request, timeout=timeout))
+            except Exception:
+                for f in futures:
+                    f.abort()
+                raise
+            results = self._wait_all(futures, use_tqdm and not single)
+            return results[0] if single else results
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(batch):
                 raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(batch)} prompts")

@@ -40,7 +40,9 @@ class LLMEngine:
         self.stats_history: deque = deque(maxlen=stats_history)   # IterationStats of recent steps
         self.output_processor = OutputProcessor(self.tokenizer)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._sinks: dict[object, list] = {}      # request_id -> [sink, sequences not finished yet]
+        self._sinks: dict[object, list] = {}      # request_id -> [sink, sequences not finished yet] (loop thread)
+        self._in_flight: set = set()               # request ids added and not finished (any thread, under the lock)
+        self._in_flight_lock = threading.Lock()
         self._deadlines: dict[object, float] = {}
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="petrel-engine", daemon=True)
@@ -76,6 +78,10 @@ class LLMEngine:
                                 **request_options)
         if timeout is not None:
             request.deadline = request.arrival_time + timeout
+        with self._in_flight_lock:
+            if request_id in self._in_flight:
+                raise ValueError(f"request_id {request_id!r} is already in flight")
+            self._in_flight.add(request_id)
         self._commands.put(("add", request, sink))
 
     def _bad_word_ids(self, words: list[str]) -> list[list[int]]:
@@ -181,6 +187,8 @@ class LLMEngine:
                 entry[1] -= 1
                 if entry[1] == 0:
                     del self._sinks[out.request_id]
+                    with self._in_flight_lock:
+                        self._in_flight.discard(out.request_id)
                     self._deadlines.pop(out.request_id, None)
             try:
                 entry[0](chunk)
@@ -203,4 +211,6 @@ class LLMEngine:
             sink(OutputChunk(request_id, -1, [], "", "abort", 0, 0, 0,
                              finish_details=FinishDetails("abort", message=message)))
         self._sinks.clear()
+        with self._in_flight_lock:
+            self._in_flight.clear()
         self.output_processor.requests.clear()
