@@ -1,5 +1,6 @@
 """petrel: a fast LLM inference engine and server."""
 from petrel.config import EngineConfig
+from petrel.guided_decoding import GuidedDecodingParams
 from petrel.llm import LLM, RequestFuture
 from petrel.outputs import (CompletionOutput, FinishDetails, Logprob, OutputChunk, RequestOutput,
                             RequestPerfMetrics)
@@ -7,5 +8,6 @@ from petrel.sampling_params import SamplingParams
 from petrel.text_request import TextGenerationRequest
 
 __all__ = ["LLM", "RequestFuture", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput",
-           "Logprob", "OutputChunk", "FinishDetails", "RequestPerfMetrics", "TextGenerationRequest"]
+           "Logprob", "OutputChunk", "FinishDetails", "RequestPerfMetrics", "TextGenerationRequest",
+           "GuidedDecodingParams"]
 __version__ = "0.1.0"

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from petrel.guided_decoding import GuidedDecodingParams
+
 ADDITIONAL_OUTPUTS = ("hidden_states",)   # model outputs a request may ask for besides logits
 
 
@@ -45,6 +47,7 @@ class SamplingParams:
     return_context_logits: bool = False
     return_generation_logits: bool = False
     additional_model_outputs: list[str] | None = None   # 'hidden_states' (final normed) for context and generation
+    guided_decoding: GuidedDecodingParams | None = None  # constrain the output (JSON schema, regex, grammar, ...)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -121,6 +124,8 @@ class SamplingParams:
         unknown = [o for o in self.additional_model_outputs if o not in ADDITIONAL_OUTPUTS]
         if unknown:
             raise ValueError(f"additional_model_outputs has unknown names {unknown}; available: {list(ADDITIONAL_OUTPUTS)}")
+        if self.guided_decoding is not None and not isinstance(self.guided_decoding, GuidedDecodingParams):
+            bad("guided_decoding", "must be a GuidedDecodingParams")
         if self.use_beam_search:
             self._validate_beam_search(bad)
         elif self.beam_width not in (None, 1):

@@ -12,6 +12,7 @@ from petrel.engine.block_manager import BlockManager
 from petrel.engine.model_runner import ModelRunner, kv_bytes_per_block
 from petrel.engine.output_processor import EngineOutput
 from petrel.engine.beam_search import BeamSearch, Hypothesis
+from petrel.engine.grammar import GrammarCompiler
 from petrel.engine.sampler import Sampler, prompt_logprobs, token_logprobs
 from petrel.engine.scheduler import Scheduler
 from petrel.engine.sequence import EngineRequest, Sequence
@@ -81,6 +82,7 @@ class EngineCore:
             raise ValueError(f"request_id {request.request_id!r} is already in flight")
         seq = Sequence(request, 0, request.prompt_token_ids, len(request.prompt_token_ids))
         self._seed(seq)
+        self._attach_grammar(seq)
         p = request.params
         if p.use_beam_search:
             request.beam_search = BeamSearch(p.num_beams, p.length_penalty, p.early_stopping,
@@ -88,6 +90,11 @@ class EngineCore:
         request.seqs.append(seq)
         self.requests[request.request_id] = request
         self.scheduler.add(seq)
+
+    @staticmethod
+    def _attach_grammar(seq: Sequence) -> None:
+        if seq.request.compiled_grammar is not None:
+            seq.grammar = GrammarCompiler.matcher(seq.request.compiled_grammar)
 
     def _seed(self, seq: Sequence) -> None:
         seed = seq.params.seed
@@ -222,6 +229,7 @@ class EngineCore:
                 for i in range(1, req.params.n):
                     child = Sequence(req, i, seq.token_ids, seq.num_prompt_tokens)
                     self._seed(child)
+                    self._attach_grammar(child)
                     self.block_manager.fork(seq, child)
                     self.scheduler.add_running(child, after=prev)
                     req.seqs.append(child)
@@ -259,6 +267,12 @@ class EngineCore:
     def _check_stop(self, seq: Sequence, token: int):
         """(finish_reason, stop_reason) after `token` was appended, or (None, None)."""
         p = seq.params
+        if seq.grammar is not None:
+            if not seq.grammar.accept_token(token):   # only when every token was masked (e.g. a processor's -inf)
+                logger.warning("request %r: token %d is outside its grammar; ending it", seq.request.request_id, token)
+                return "stop", None
+            if seq.grammar.is_terminated():
+                return "stop", token if token in seq.request.eos_token_ids or token in p.stop_token_ids else None
         if token in p.stop_token_ids:
             return "stop", token
         if token in seq.request.eos_token_ids and not p.ignore_eos:
@@ -320,6 +334,7 @@ class EngineCore:
                 child.generation_outputs = {k: list(v) for k, v in parent.generation_outputs.items()}
                 child.context_outputs, child.prompt_logprobs = parent.context_outputs, parent.prompt_logprobs
                 child.beam_candidates = parent.beam_candidates
+                child.grammar = parent.grammar.fork() if parent.grammar is not None else None
                 self.scheduler.add_running(child, after=parent)
                 req.seqs.append(child)
                 new_beams.append((child, cand))
@@ -327,6 +342,8 @@ class EngineCore:
         for seq, cand in new_beams:
             lp, extras = self._beam_token_record(seq, cand.token_id)
             seq.token_ids.append(cand.token_id)
+            if seq.grammar is not None:
+                seq.grammar.accept_token(cand.token_id)
             seq.cum_logprob = cand.cum_logprob
             seq.token_logprobs.extend(lp)
             for name, rows in extras.items():

@@ -13,6 +13,7 @@ import torch
 
 from petrel.config import EngineConfig
 from petrel.engine.engine_core import EngineCore
+from petrel.engine.grammar import GrammarCompiler
 from petrel.engine.output_processor import OutputProcessor
 from petrel.engine.sequence import EngineRequest
 from petrel.model.loader import load_model, resolve_model
@@ -43,6 +44,7 @@ class LLMEngine:
         self._sinks: dict[object, list] = {}      # request_id -> [sink, sequences not finished yet] (loop thread)
         self._in_flight: set = set()               # request ids added and not finished (any thread, under the lock)
         self._in_flight_lock = threading.Lock()
+        self._grammar_compiler: GrammarCompiler | None = None
         self._deadlines: dict[object, float] = {}
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="petrel-engine", daemon=True)
@@ -70,6 +72,8 @@ class LLMEngine:
         if request_options.get("use_batched_post_processor") and self.core.sampler.batched_post_processor is None:
             raise ValueError("logits_post_processor_name asks for the batched post-processor, but none is configured")
         self.core.validate(prompt_token_ids, params)
+        if params.guided_decoding is not None:
+            request_options["compiled_grammar"] = self.grammar_compiler.compile(params.guided_decoding)
         if cache_salt is not None and (not isinstance(cache_salt, str) or len(cache_salt) > 512):
             raise ValueError("cache_salt must be a string of at most 512 characters")
         if timeout is not None and timeout <= 0:
@@ -83,6 +87,15 @@ class LLMEngine:
                 raise ValueError(f"request_id {request_id!r} is already in flight")
             self._in_flight.add(request_id)
         self._commands.put(("add", request, sink))
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Built on first use (reading the vocabulary takes a fraction of a second)."""
+        with self._in_flight_lock:
+            if self._grammar_compiler is None:
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                                         list(self.eos_token_ids))
+            return self._grammar_compiler
 
     def _bad_word_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word as it would be tokenized alone and after a space (both spellings are banned)."""

@@ -1,7 +1,7 @@
 """Logits -> tokens and logprobs for a whole step at once.
 
 Order: logits processors (per request, then the engine's batched post-processor), logit bias, bad words,
-penalties, min_tokens masking, then beam-search rows report their best candidates, greedy rows take argmax
+penalties, min_tokens masking, the grammar masks of guided sequences, then beam-search rows report their best candidates, greedy rows take argmax
 and random rows go through temperature, top-k, top-p, min-p and an exponential race (which lets a
 per-sequence generator make a seeded sequence reproducible in any batch). Logprobs come from the
 same processed distribution the token was drawn from, with the token's rank.
@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from petrel.engine.grammar import apply_grammar_masks
 from petrel.engine.sequence import Sequence
 
 
@@ -115,6 +116,9 @@ class Sampler:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(seq.request.eos_token_ids))
                 if banned:
                     logits[i, banned] = float("-inf")
+        guided = {i: seq.grammar for i, seq in enumerate(seqs) if seq.grammar is not None}
+        if guided:
+            apply_grammar_masks(logits, guided)
 
         beams = [i for i, p in enumerate(params) if p.use_beam_search]
         greedy = torch.tensor([p.greedy or p.use_beam_search for p in params], device=logits.device)

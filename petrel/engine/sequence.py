@@ -36,6 +36,7 @@ class EngineRequest:
     use_batched_post_processor: bool = False   # the engine's batched post-processor applies to this request
     seqs: list["Sequence"] = field(default_factory=list)
     beam_search: BeamSearch | None = None      # set when params.use_beam_search
+    compiled_grammar: object = None            # xgrammar CompiledGrammar when params.guided_decoding is set
     finished_indices: set[int] = field(default_factory=set)   # output indices already reported finished
 
     @property
@@ -73,6 +74,7 @@ class Sequence:
         self.cum_logprob = 0.0                 # beam search: sum of the output tokens' logprobs
         self.token_logprobs: list = []         # beam search: what the sampler recorded per output token
         self.beam_candidates: list[tuple[int, float]] | None = None   # beam search: best next tokens, waiting for the other beams
+        self.grammar = None                    # xgrammar GrammarMatcher of a guided sequence (kept across preemption)
 
     @property
     def num_context_rows(self) -> int:
