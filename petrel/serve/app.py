@@ -27,16 +27,33 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _bearer = HTTPBearer(auto_error=False, description="the server's --api-key, when it has one")
 
 
-def _sse_doc(model) -> dict:
-    return {"description": f"stream=true: server-sent events, each `data: <{model.__name__} JSON>`, "
-                           "ending with `data: [DONE]`",
-            "schema": {"type": "string"}}
+
+
+def _add_stream_schemas(app: FastAPI, models) -> None:
+    """The SSE event models appear only in text/event-stream content: put their schemas in the document."""
+    make_default = app.openapi
+
+    def openapi():
+        if app.openapi_schema is None:
+            doc = make_default()
+            schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+            for model in models:
+                schema = model.model_json_schema(ref_template="#/components/schemas/{model}", mode="serialization")
+                for name, sub in schema.pop("$defs", {}).items():
+                    schemas.setdefault(name, sub)
+                schemas.setdefault(model.__name__, schema)
+            app.openapi_schema = doc
+        return app.openapi_schema
+    app.openapi = openapi
 
 
 def _responses(model, stream_model=None) -> dict:
     ok = {"model": model, "description": "the result (application/json)"}
     if stream_model is not None:
-        ok["content"] = {"text/event-stream": _sse_doc(stream_model)}
+        ok["description"] = (f"stream=false: the {model.__name__} (application/json). stream=true: server-sent "
+                             f"events (text/event-stream), each `data: <{stream_model.__name__} JSON>`, "
+                             "then `data: [DONE]`")
+        ok["content"] = {"text/event-stream": {"schema": {"$ref": f"#/components/schemas/{stream_model.__name__}"}}}
     return {200: ok, **ERROR_RESPONSES}
 
 
@@ -121,5 +138,6 @@ def build_app(llm, served_model_name: str | None = None, api_key: str | None = N
 
     app.include_router(v1)
     app.include_router(extra)
+    _add_stream_schemas(app, [CompletionStreamResponse, ChatCompletionChunk])
     return app
 
