@@ -49,7 +49,7 @@ def plan_tools(req: ChatCompletionRequest) -> ToolPlan:
     elif choice == "required" and len(names) == 1:
         forced = names[0]
     if forced is not None:   # the model continues a call the server opened, so it cannot answer otherwise
-        plan.prefill = f'<tool_call>\n{{"name": {json.dumps(forced)}, "arguments": '
+        plan.prefill = f'<tool_call>\n{{"name": {json.dumps(forced)}, "arguments":'
     elif choice == "required":
         plan.prefill = '<tool_call>\n{"name": "'
     if plan.prefill:
