@@ -49,6 +49,13 @@ def greedy(llm, prompt, max_tokens, **kw):
     return llm.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, **kw)).outputs[0]
 
 
+def metric(server, name: str) -> float:
+    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
+        if line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
 def wait_for_baseline(llm, baseline, seconds=15.0):
     deadline = time.monotonic() + seconds
     while free_blocks(llm) != baseline and time.monotonic() < deadline:
@@ -323,6 +330,7 @@ def test_required_tool_choice_and_auto(llm, client):
 
 def test_disconnect_while_streaming_aborts(llm, server):
     baseline = free_blocks(llm)
+    aborted = metric(server, "petrel_request_aborted_total")
     body = {"prompt": "Write a very long essay about the ocean.", "max_tokens": 3000, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
@@ -334,6 +342,7 @@ def test_disconnect_while_streaming_aborts(llm, server):
                     break
         assert free_blocks(llm) < baseline     # the request holds blocks while it runs
     assert wait_for_baseline(llm, baseline) == baseline
+    assert metric(server, "petrel_request_aborted_total") == aborted + 1
     llm.engine.call(lambda core: core.block_manager.check_integrity())
 
 
@@ -467,3 +476,10 @@ def test_metrics_count_requests(server, client):
     assert samples[f"petrel_engine_up{{{label}}}"] == 1
     assert 0 <= samples[f"petrel_kv_cache_usage_perc{{{label}}}"] <= 1
     assert 0 <= samples[f"petrel_prefix_cache_hit_rate{{{label}}}"] <= 1
+
+
+def test_w3_client_smoke(server):
+    from benchmarks.w3_serve import run_client
+    from petrel.bench import make_w2_prompts
+    result = asyncio.run(run_client(server.url, MODEL, make_w2_prompts(3, 40), max_tokens=4, concurrency=2))
+    assert result["valid"] and result["output_tokens"] == 12 and result["ttft_p50_s"] > 0

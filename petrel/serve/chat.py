@@ -93,12 +93,15 @@ async def create_chat_completion(state: ServeState, req: ChatCompletionRequest, 
         future = state.llm.generate_async(ids, params, streaming=req.stream, cache_salt=req.cache_salt)
     except ValueError as exc:
         raise from_value_error(exc, {"prompt": "messages"}) from None
+    except RuntimeError as exc:   # the engine is shut down
+        raise APIError(str(exc), 503) from None
     rid, created = new_id("chatcmpl"), int(time.time())
     if req.stream:
         return StreamingResponse(_stream(state, req, plan, future, ids, rid, created), media_type="text/event-stream")
     try:
         (out,) = await wait_all_or_abort(request, [future])
     except ClientGone:
+        state.metrics.aborted.inc()
         return Response(status_code=499)
     except RuntimeError as exc:
         raise APIError(str(exc), 500) from None
@@ -196,6 +199,7 @@ async def _stream(state: ServeState, req: ChatCompletionRequest, plan: ToolPlan,
         return
     finally:   # the client went away (cancelled or closed generator): free the request's KV blocks
         if not future.done():
+            state.metrics.aborted.inc()
             future.abort()
     state.metrics.record_request(last, ["tool_calls" if num_calls[co.index] else api_finish_reason(co.finish_reason)
                                         for co in last.outputs])

@@ -82,12 +82,16 @@ async def create_completion(state: ServeState, req: CompletionRequest, request: 
     except ValueError as exc:
         abort_unfinished(futures)
         raise from_value_error(exc) from None
+    except RuntimeError as exc:   # the engine is shut down
+        abort_unfinished(futures)
+        raise APIError(str(exc), 503) from None
     rid, created = new_id("cmpl"), int(time.time())
     if req.stream:
         return StreamingResponse(_stream(state, req, prompts, futures, rid, created), media_type="text/event-stream")
     try:
         outputs = await wait_all_or_abort(request, futures)
     except ClientGone:
+        state.metrics.aborted.inc()
         return Response(status_code=499)
     except RuntimeError as exc:
         raise APIError(str(exc), 500) from None
@@ -162,6 +166,8 @@ async def _stream(state: ServeState, req: CompletionRequest, prompts, futures, r
         yield SSE_DONE
         return
     finally:   # the client went away (cancelled or closed generator): free the requests' KV blocks
+        if not all(f.done() for f in futures):
+            state.metrics.aborted.inc()
         abort_unfinished(futures)
     if include_usage:
         body = CompletionStreamResponse(id=rid, created=created, model=state.model_name, choices=[],

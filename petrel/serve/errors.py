@@ -104,4 +104,5 @@ ERROR_RESPONSES = {status: {"model": ErrorResponse, "description": text} for sta
     (401, "missing or wrong API key (when the server runs with --api-key)"),
     (404, "unknown model"),
     (500, "an error inside the engine"),
+    (503, "the engine is shut down"),
 )}
