@@ -6,6 +6,7 @@ tool calls equal the parser run on the engine's own greedy output; free KV block
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 
@@ -211,7 +212,17 @@ STREAM_PROMPTS = ["Hello, my name is", "Write a poem about the sea.", "Repeat af
                   "Emoji list: 🎉🦜🎉🦜🎉🦜", "Question: What is 17 times 23? Answer:", "The history of Rome " * 6]
 
 
+def _cold(kw: dict) -> dict:
+    """A fresh cache_salt: the prefix cache cannot make usage.cached_tokens depend on which request ran first."""
+    extra = dict(kw.pop("extra_body", {}), cache_salt=f"stream-eq-{next(_SALTS)}")
+    return dict(kw, extra_body=extra)
+
+
+_SALTS = itertools.count()
+
+
 async def _collect_completion(aclient, prompt, stream, **kw):
+    kw = _cold(kw)
     if not stream:
         r = await aclient.completions.create(model=MODEL, prompt=prompt, stream=False, **kw)
         c = r.choices[0]
@@ -230,6 +241,7 @@ async def _collect_completion(aclient, prompt, stream, **kw):
 
 
 async def _collect_chat(aclient, content, stream, **kw):
+    kw = _cold(kw)
     messages = [{"role": "user", "content": content}]
     if not stream:
         r = await aclient.chat.completions.create(model=MODEL, messages=messages, stream=False, **kw)
@@ -265,6 +277,7 @@ def test_stream_equals_non_stream(aclient):
         plain, streamed = results[i], results[i + 1]
         assert streamed == plain, f"pair {i // 2}"
         assert plain[3]["completion_tokens"] == len(plain[1])
+        assert plain[3]["prompt_tokens_details"]["cached_tokens"] == 0
     assert any(any(ord(ch) > 0x2000 for ch in r[0]) for r in results), "some output has multi-byte characters"
 
 
