@@ -1,4 +1,4 @@
-"""petrel generate | chat | bench"""
+"""petrel generate | chat | serve | bench"""
 from __future__ import annotations
 
 import argparse
@@ -96,8 +96,13 @@ def main(argv: list[str] | None = None) -> int:
     _engine_args(chat)
     _sampling_args(chat, 512)
     sub.add_parser("bench", help="benchmarks W1/W2/W4 against transformers (see `petrel bench --help`)")
+    from petrel.serve.server import add_arguments as serve_arguments
+    serve_arguments(sub.add_parser("serve", help="an OpenAI-compatible HTTP server (see `petrel serve --help`)"))
     args = parser.parse_args(argv)
     try:
+        if args.command == "serve":
+            from petrel.serve.server import run as cmd_serve
+            return cmd_serve(args)
         return cmd_generate(args) if args.command == "generate" else cmd_chat(args)
     except ValueError as exc:
         print(f"petrel: error: {exc}", file=sys.stderr)

@@ -1,0 +1,143 @@
+"""The FastAPI app: OpenAI-compatible routes over one LLM. `build_app(llm, ...)` is all a server needs."""
+from __future__ import annotations
+
+import asyncio
+import secrets
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+import petrel
+from petrel.serve.chat import create_chat_completion
+from petrel.serve.chat_template import ChatTemplate, messages_for_template
+from petrel.serve.completions import create_completion
+from petrel.serve.errors import ERROR_RESPONSES, APIError, install_error_handlers
+from petrel.serve.logprobs import TokenText
+from petrel.serve.metrics import ServerMetrics
+from petrel.serve.params import ServerLimits
+from petrel.serve.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+                                   CompletionRequest, CompletionResponse, CompletionStreamResponse,
+                                   DetokenizeRequest, DetokenizeResponse, ErrorResponse, HealthResponse, ModelCard,
+                                   ModelList, TokenizeRequest, TokenizeResponse)
+from petrel.serve.streams import ServeState
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+_bearer = HTTPBearer(auto_error=False, description="the server's --api-key, when it has one")
+
+
+
+
+def _add_stream_schemas(app: FastAPI, models) -> None:
+    """The SSE event models appear only in text/event-stream content: put their schemas in the document."""
+    make_default = app.openapi
+
+    def openapi():
+        if app.openapi_schema is None:
+            doc = make_default()
+            schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+            for model in models:
+                schema = model.model_json_schema(ref_template="#/components/schemas/{model}", mode="serialization")
+                for name, sub in schema.pop("$defs", {}).items():
+                    schemas.setdefault(name, sub)
+                schemas.setdefault(model.__name__, schema)
+            app.openapi_schema = doc
+        return app.openapi_schema
+    app.openapi = openapi
+
+
+def _responses(model, stream_model=None) -> dict:
+    ok = {"model": model, "description": "the result (application/json)"}
+    if stream_model is not None:
+        ok["description"] = (f"stream=false: the {model.__name__} (application/json). stream=true: server-sent "
+                             f"events (text/event-stream), each `data: <{stream_model.__name__} JSON>`, "
+                             "then `data: [DONE]`")
+        ok["content"] = {"text/event-stream": {"schema": {"$ref": f"#/components/schemas/{stream_model.__name__}"}}}
+    return {200: ok, **ERROR_RESPONSES}
+
+
+def build_app(llm, served_model_name: str | None = None, api_key: str | None = None,
+              chat_template: str | None = None, max_n: int = 16, health_timeout: float = 5.0) -> FastAPI:
+    """An app serving `llm` (a petrel.LLM). `chat_template` is Jinja source overriding the model's."""
+    name = served_model_name or getattr(llm.config, "model", None) or DEFAULT_MODEL_NAME
+    core = llm.engine.core
+    limits = ServerLimits(max_model_len=llm.engine.max_model_len, vocab_size=core.model_config.vocab_size,
+                          max_n=max_n)
+    state = ServeState(llm=llm, model_name=name, limits=limits,
+                       template=ChatTemplate(llm.tokenizer, chat_template), metrics=ServerMetrics(name),
+                       token_text=TokenText(llm.tokenizer), api_key=api_key, health_timeout=health_timeout)
+
+    async def check_key(creds: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
+        if state.api_key is None:
+            return
+        if creds is None or not secrets.compare_digest(creds.credentials.encode(), state.api_key.encode()):
+            raise APIError("Incorrect or missing API key: send `Authorization: Bearer <key>`", 401,
+                           code="invalid_api_key")
+
+    app = FastAPI(title="petrel", version=petrel.__version__,
+                  description="An OpenAI-compatible server for the petrel inference engine.")
+    app.state.petrel = state
+    install_error_handlers(app)
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
+    extra = APIRouter(dependencies=[Depends(check_key)])
+
+    @v1.post("/completions", response_model=None, responses=_responses(CompletionResponse, CompletionStreamResponse),
+             summary="Create a completion (OpenAI legacy completions)")
+    async def completions(body: CompletionRequest, request: Request):
+        return await create_completion(state, body, request)
+
+    @v1.post("/chat/completions", response_model=None,
+             responses=_responses(ChatCompletionResponse, ChatCompletionChunk), summary="Create a chat completion")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await create_chat_completion(state, body, request)
+
+    @v1.get("/models", response_model=ModelList, responses=ERROR_RESPONSES, summary="The served model")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=name, created=state.created, root=getattr(llm.config, "model", None),
+                                         max_model_len=limits.max_model_len)])
+
+    @extra.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES,
+                summary="Token ids of a prompt, or of messages through the chat template")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        state.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError("give exactly one of prompt and messages", 400, param="prompt")
+        if body.prompt is not None:
+            ids = llm.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
+        else:
+            text = state.template.render(messages_for_template(body.messages, state.template.supports_tools),
+                                         add_generation_prompt=body.add_generation_prompt)
+            ids = llm.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return TokenizeResponse(count=len(ids), max_model_len=limits.max_model_len, tokens=ids)
+
+    @extra.post("/detokenize", response_model=DetokenizeResponse, responses=ERROR_RESPONSES,
+                summary="The text of token ids")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        state.check_model(body.model)
+        bad = [t for t in body.tokens if not 0 <= t < limits.vocab_size]
+        if bad:
+            raise APIError(f"tokens outside the vocabulary (size {limits.vocab_size}): {bad[:5]}", 400, param="tokens")
+        return DetokenizeResponse(prompt=llm.tokenizer.decode(body.tokens))
+
+    @app.get("/health", response_model=HealthResponse, summary="200 when the engine loop answers in time",
+             responses={503: {"model": ErrorResponse, "description": "the engine loop is stuck or gone"}})
+    async def health():
+        try:
+            await asyncio.to_thread(llm.engine.call, lambda core: None, state.health_timeout)
+        except Exception as exc:  # noqa: BLE001 - any failure to round-trip is unhealthy
+            return APIError(f"the engine did not answer: {type(exc).__name__}: {exc}", 503).response()
+        return JSONResponse(HealthResponse().model_dump())
+
+    @app.get("/metrics", summary="Prometheus metrics", response_class=Response,
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                              "description": "Prometheus text exposition format"}})
+    async def metrics():
+        data = await state.metrics.render(llm.engine)
+        return Response(data, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    app.include_router(v1)
+    app.include_router(extra)
+    _add_stream_schemas(app, [CompletionStreamResponse, ChatCompletionChunk])
+    return app
+

@@ -1,0 +1,209 @@
+"""POST /v1/chat/completions: messages -> chat template -> SamplingParams -> a response or SSE chunks,
+with tool calls parsed out of the model's text (tool_parser) in both."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from petrel.serve.chat_template import messages_for_template
+from petrel.serve.completions import api_finish_reason
+from petrel.serve.errors import APIError, from_value_error
+from petrel.serve.logprobs import chat_logprobs
+from petrel.serve.params import build_sampling_params, check_prompt_length, resolve_max_tokens
+from petrel.serve.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+                                   ChatStreamChoice, ChoiceLogprobs, DeltaFunctionCall, DeltaMessage, DeltaToolCall,
+                                   FunctionCall, PromptTokensDetails, ResponseMessage, ToolCall, Usage)
+from petrel.serve.streams import SSE_DONE, ClientGone, ServeState, new_id, sse, wait_all_or_abort
+from petrel.serve.tool_parser import ToolCallParser, parse_all
+
+TOOL_CALL_STOP = "</tool_call>"
+
+
+@dataclass
+class ToolPlan:
+    """How tools shape this request: parse the output? what the server prefilled for the model to continue."""
+    parse: bool = False
+    prefill: str = ""
+    single: bool = False        # parallel_tool_calls=false: keep the first call
+
+
+def plan_tools(req: ChatCompletionRequest) -> ToolPlan:
+    choice = req.tool_choice
+    tools = req.tools or []
+    names = [t.function.name for t in tools]
+    if choice is not None and choice != "none" and not tools:
+        raise APIError("tool_choice needs tools", 400, param="tool_choice")
+    if not tools or choice == "none":
+        return ToolPlan()
+    plan = ToolPlan(parse=True, single=req.parallel_tool_calls is False)
+    forced = None
+    if not isinstance(choice, str) and choice is not None:
+        if choice.function.name not in names:
+            raise APIError(f"tool_choice names {choice.function.name!r}, which is not among the tools {names}", 400,
+                           param="tool_choice")
+        forced = choice.function.name
+    elif choice == "required" and len(names) == 1:
+        forced = names[0]
+    if forced is not None:   # the model continues a call the server opened, so it cannot answer otherwise
+        plan.prefill = f'<tool_call>\n{{"name": {json.dumps(forced)}, "arguments":'
+    elif choice == "required":
+        plan.prefill = '<tool_call>\n{"name": "'
+    if plan.prefill:
+        plan.single = True
+    return plan
+
+
+def _check_unsupported(req: ChatCompletionRequest) -> None:
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "text":
+        raise APIError(f"response_format type {fmt.type!r} needs guided (constrained) decoding, which this petrel "
+                       f"server does not have yet; only 'text' is supported", 400, param="response_format")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError("top_logprobs needs logprobs=true", 400, param="top_logprobs")
+
+
+def _call_objects(calls, prefix: str) -> list[ToolCall]:
+    return [ToolCall(id=new_id(prefix).replace("-", "_"), function=FunctionCall(name=c.name, arguments=c.arguments))
+            for c in calls]
+
+
+async def create_chat_completion(state: ServeState, req: ChatCompletionRequest, request: Request) -> Response:
+    state.check_model(req.model)
+    _check_unsupported(req)
+    plan = plan_tools(req)
+    template = state.template
+    messages = messages_for_template(req.messages, template.supports_tools)
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if plan.parse else None
+    text = template.render(messages, tools, req.add_generation_prompt, req.continue_final_message,
+                           req.chat_template_kwargs) + plan.prefill
+    ids = state.llm.tokenizer(text, add_special_tokens=False)["input_ids"]
+    check_prompt_length(len(ids), state.limits, "messages")
+    param = "max_tokens" if req.max_completion_tokens is None and req.max_tokens is not None else "max_completion_tokens"
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens = resolve_max_tokens(requested, None, len(ids), state.limits, param)
+    k = (req.top_logprobs or 0) if req.logprobs else None
+    params = build_sampling_params(req, max_tokens=max_tokens, limits=state.limits, logprobs=k,
+                                   extra_stop=[TOOL_CALL_STOP] if plan.prefill else None,
+                                   renames={"max_tokens": param, "logprobs": "top_logprobs"})
+    try:
+        future = state.llm.generate_async(ids, params, streaming=req.stream, cache_salt=req.cache_salt)
+    except ValueError as exc:
+        raise from_value_error(exc, {"prompt": "messages"}) from None
+    except RuntimeError as exc:   # the engine is shut down
+        raise APIError(str(exc), 503) from None
+    rid, created = new_id("chatcmpl"), int(time.time())
+    if req.stream:
+        return StreamingResponse(_stream(state, req, plan, future, ids, rid, created), media_type="text/event-stream")
+    try:
+        (out,) = await wait_all_or_abort(request, [future])
+    except ClientGone:
+        state.metrics.aborted.inc()
+        return Response(status_code=499)
+    except RuntimeError as exc:
+        raise APIError(str(exc), 500) from None
+    choices = []
+    for co in out.outputs:
+        message = ResponseMessage(content=co.text)
+        finish = api_finish_reason(co.finish_reason)
+        if plan.parse:
+            parsed = parse_all(co.text, prefix=plan.prefill)
+            calls = parsed.calls[:1] if plan.single else parsed.calls
+            if calls:
+                message = ResponseMessage(content=parsed.content or None, tool_calls=_call_objects(calls, "call"))
+                finish = "tool_calls"
+            else:
+                message = ResponseMessage(content=parsed.content)
+        choice = ChatChoice(index=co.index, message=message, finish_reason=finish, stop_reason=co.stop_reason)
+        if k is not None:
+            choice.logprobs = ChoiceLogprobs(content=chat_logprobs(co.token_ids, co.logprobs or [], k, state.token_text))
+        if req.return_token_ids:
+            choice.token_ids = co.token_ids
+        choices.append(choice)
+    state.metrics.record_request(out, [c.finish_reason for c in choices])
+    body = ChatCompletionResponse(id=rid, created=created, model=state.model_name, choices=choices,
+                                  usage=_usage(out), prompt_token_ids=ids if req.return_token_ids else None)
+    return JSONResponse(body.model_dump(mode="json"))
+
+
+def _usage(out) -> Usage:
+    prompt = len(out.prompt_token_ids)
+    completion = sum(len(co.token_ids) for co in out.outputs)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens))
+
+
+async def _stream(state: ServeState, req: ChatCompletionRequest, plan: ToolPlan, future, ids, rid: str, created: int):
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    exclude = None if include_usage else {"usage"}
+    k = (req.top_logprobs or 0) if req.logprobs else None
+    parsers = {}
+    num_calls = {i: 0 for i in range(req.n)}
+    finished: set[int] = set()
+
+    def chunk(choice: ChatStreamChoice) -> str:
+        body = ChatCompletionChunk(id=rid, created=created, model=state.model_name, choices=[choice])
+        return sse(body.model_dump(mode="json", exclude=exclude))
+
+    def deltas(i: int, content: str, calls) -> DeltaMessage:
+        if plan.single:
+            calls = calls[:max(0, 1 - num_calls[i])]
+        tool_deltas = []
+        for c in calls:
+            tc = _call_objects([c], "call")[0]
+            tool_deltas.append(DeltaToolCall(index=num_calls[i], id=tc.id, type="function",
+                                             function=DeltaFunctionCall(name=c.name, arguments=c.arguments)))
+            num_calls[i] += 1
+        return DeltaMessage(content=content or None, tool_calls=tool_deltas or None)
+
+    for i in range(req.n):
+        yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
+        if plan.parse:
+            parsers[i] = ToolCallParser()
+            parsers[i].feed(plan.prefill)   # the prefill opens a call block: it yields nothing by itself
+    last = None
+    try:
+        async for snap in future:
+            last = snap
+            for co in snap.outputs:
+                i = co.index
+                if i in finished:
+                    continue
+                done = co.finish_reason is not None
+                if plan.parse:
+                    parsed = parsers[i].feed(co.text_diff)
+                    if done:
+                        parsed += parsers[i].finish()
+                    delta = deltas(i, parsed.content, parsed.calls)
+                else:
+                    delta = DeltaMessage(content=co.text_diff or None)
+                toks = co.token_ids_diff
+                choice = ChatStreamChoice(index=i, delta=delta)
+                if k is not None and toks:
+                    choice.logprobs = ChoiceLogprobs(content=chat_logprobs(toks, co.logprobs_diff, k, state.token_text))
+                if req.return_token_ids and toks:
+                    choice.token_ids = toks
+                if delta.content is not None or delta.tool_calls or choice.logprobs or choice.token_ids:
+                    yield chunk(choice)
+                if done:
+                    finished.add(i)
+                    reason = "tool_calls" if num_calls[i] else api_finish_reason(co.finish_reason)
+                    yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(), finish_reason=reason,
+                                                 stop_reason=co.stop_reason))
+    except RuntimeError as exc:
+        yield sse(APIError(str(exc), 500).body())
+        yield SSE_DONE
+        return
+    finally:   # the client went away (cancelled or closed generator): free the request's KV blocks
+        if not future.done():
+            state.metrics.aborted.inc()
+            future.abort()
+    state.metrics.record_request(last, ["tool_calls" if num_calls[co.index] else api_finish_reason(co.finish_reason)
+                                        for co in last.outputs])
+    if include_usage:
+        body = ChatCompletionChunk(id=rid, created=created, model=state.model_name, choices=[], usage=_usage(last))
+        yield sse(body.model_dump(mode="json"))
+    yield SSE_DONE

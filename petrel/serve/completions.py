@@ -1,0 +1,176 @@
+"""POST /v1/completions: prompts -> SamplingParams -> futures -> a CompletionResponse or SSE chunks."""
+from __future__ import annotations
+
+import time
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from petrel.serve.errors import APIError, from_value_error
+from petrel.serve.logprobs import completion_logprobs
+from petrel.serve.params import build_sampling_params, check_prompt_length, resolve_max_tokens
+from petrel.serve.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, CompletionStreamResponse,
+                                   PromptTokensDetails, Usage)
+from petrel.serve.streams import (SSE_DONE, ClientGone, ServeState, abort_unfinished, merged, new_id, sse,
+                                  wait_all_or_abort)
+
+DEFAULT_MAX_TOKENS = 16   # OpenAI's default for the legacy endpoint
+
+
+def api_finish_reason(reason: str | None) -> str | None:
+    """petrel's stop | length | timeout | cancelled -> OpenAI's; a cut-short sequence reads as 'length'."""
+    if reason is None or reason in ("stop", "length"):
+        return reason
+    return "length"
+
+
+def _prompts(state: ServeState, prompt) -> list[tuple[str, list[int]]]:
+    """(text, token ids) per prompt; the text of a token-id prompt is its decoding (for echo)."""
+    tok = state.llm.tokenizer
+    if isinstance(prompt, str):
+        items = [prompt]
+    elif prompt and isinstance(prompt[0], int):
+        items = [list(prompt)]
+    else:
+        items = list(prompt)
+    if not items:
+        raise APIError("prompt is an empty list", 400, param="prompt")
+    if len(items) > state.limits.max_prompts:
+        raise APIError(f"prompt has {len(items)} prompts; this server allows {state.limits.max_prompts} per request",
+                       400, param="prompt")
+    vocab = state.limits.vocab_size
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            out.append((item, tok(item)["input_ids"]))
+        else:
+            bad = [t for t in item if not 0 <= t < vocab]
+            if bad:
+                raise APIError(f"prompt has token ids outside the vocabulary (size {vocab}): {bad[:5]}", 400,
+                               param="prompt")
+            out.append((tok.decode(item), list(item)))
+    return out
+
+
+def _usage(outputs) -> Usage:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(co.token_ids) for o in outputs for co in o.outputs)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(o.num_cached_tokens for o in outputs)))
+
+
+async def create_completion(state: ServeState, req: CompletionRequest, request: Request) -> Response:
+    state.check_model(req.model)
+    if req.suffix:
+        raise APIError("suffix is not supported", 400, param="suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError("best_of is supported only equal to n (petrel returns every sequence it samples)", 400,
+                       param="best_of")
+    prompts = _prompts(state, req.prompt)
+    requested = req.max_tokens if "max_tokens" in req.model_fields_set else None
+    params_list = []
+    for _, ids in prompts:
+        check_prompt_length(len(ids), state.limits, "prompt")
+        max_tokens = resolve_max_tokens(requested, DEFAULT_MAX_TOKENS, len(ids), state.limits, "max_tokens")
+        params_list.append(build_sampling_params(
+            req, max_tokens=max_tokens, limits=state.limits, logprobs=req.logprobs,
+            prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None))
+    futures = []
+    try:
+        for (_, ids), params in zip(prompts, params_list):
+            futures.append(state.llm.generate_async(ids, params, streaming=req.stream, cache_salt=req.cache_salt))
+    except ValueError as exc:
+        abort_unfinished(futures)
+        raise from_value_error(exc) from None
+    except RuntimeError as exc:   # the engine is shut down
+        abort_unfinished(futures)
+        raise APIError(str(exc), 503) from None
+    rid, created = new_id("cmpl"), int(time.time())
+    if req.stream:
+        return StreamingResponse(_stream(state, req, prompts, futures, rid, created), media_type="text/event-stream")
+    try:
+        outputs = await wait_all_or_abort(request, futures)
+    except ClientGone:
+        state.metrics.aborted.inc()
+        return Response(status_code=499)
+    except RuntimeError as exc:
+        raise APIError(str(exc), 500) from None
+    choices = []
+    for p, ((text, ids), out) in enumerate(zip(prompts, outputs)):
+        state.metrics.record_request(out, [api_finish_reason(co.finish_reason) for co in out.outputs])
+        for co in out.outputs:
+            choice = CompletionChoice(index=p * req.n + co.index, text=(text if req.echo else "") + co.text,
+                                      finish_reason=api_finish_reason(co.finish_reason), stop_reason=co.stop_reason)
+            if req.logprobs is not None:
+                toks = (ids if req.echo else []) + co.token_ids
+                entries = (list(out.prompt_logprobs or [None] * len(ids)) if req.echo else []) + list(co.logprobs or [])
+                choice.logprobs = completion_logprobs(toks, entries, req.logprobs, state.token_text)
+            if req.return_token_ids:
+                choice.prompt_token_ids, choice.token_ids = ids, co.token_ids
+            choices.append(choice)
+    body = CompletionResponse(id=rid, created=created, model=state.model_name, choices=choices, usage=_usage(outputs))
+    return JSONResponse(body.model_dump(mode="json"))
+
+
+async def _stream(state: ServeState, req: CompletionRequest, prompts, futures, rid: str, created: int):
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    exclude = None if include_usage else {"usage"}
+    want_tokens = req.logprobs is not None or req.return_token_ids
+    n = req.n
+    echoed: set[int] = set()
+    finished: set[int] = set()
+    offsets: dict[int, int] = {}
+    final_outputs = [None] * len(futures)
+
+    def chunk(choice: CompletionChoice) -> str:
+        body = CompletionStreamResponse(id=rid, created=created, model=state.model_name, choices=[choice])
+        return sse(body.model_dump(mode="json", exclude=exclude))
+
+    try:
+        async for p, snap in merged(futures):
+            text0, ids = prompts[p]
+            for co in snap.outputs:
+                idx = p * n + co.index
+                if idx in finished:
+                    continue
+                text, toks, entries = co.text_diff, co.token_ids_diff, co.logprobs_diff
+                prompt_part = req.echo and idx not in echoed
+                if prompt_part:
+                    echoed.add(idx)
+                    text = text0 + text
+                done = co.finish_reason is not None
+                if not (text or (want_tokens and toks) or done or prompt_part):
+                    continue
+                choice = CompletionChoice(index=idx, text=text)
+                if req.logprobs is not None:
+                    all_toks = (ids if prompt_part else []) + toks
+                    all_entries = ((list(snap.prompt_logprobs or [None] * len(ids)) if prompt_part else [])
+                                   + list(entries))
+                    choice.logprobs = completion_logprobs(all_toks, all_entries, req.logprobs, state.token_text,
+                                                          offsets.get(idx, 0))
+                    offsets[idx] = offsets.get(idx, 0) + sum(len(t) for t in choice.logprobs.tokens)
+                if req.return_token_ids:
+                    choice.token_ids = toks
+                    if prompt_part:
+                        choice.prompt_token_ids = ids
+                if done:
+                    finished.add(idx)
+                    choice.finish_reason = api_finish_reason(co.finish_reason)
+                    choice.stop_reason = co.stop_reason
+                yield chunk(choice)
+            if snap.finished:
+                final_outputs[p] = snap
+                state.metrics.record_request(snap, [api_finish_reason(co.finish_reason) for co in snap.outputs])
+    except RuntimeError as exc:
+        yield sse(APIError(str(exc), 500).body())
+        yield SSE_DONE
+        return
+    finally:   # the client went away (cancelled or closed generator): free the requests' KV blocks
+        if not all(f.done() for f in futures):
+            state.metrics.aborted.inc()
+        abort_unfinished(futures)
+    if include_usage:
+        body = CompletionStreamResponse(id=rid, created=created, model=state.model_name, choices=[],
+                                        usage=_usage(final_outputs))
+        yield sse(body.model_dump(mode="json"))
+    yield SSE_DONE

@@ -1,0 +1,96 @@
+"""Prometheus metrics, one CollectorRegistry per app. The names are part of petrel's interface: never rename.
+
+Per request (recorded when it ends): petrel_request_success_total{finished_reason}, petrel_request_aborted_total
+(the client went away), petrel_prompt_tokens_total,
+petrel_generation_tokens_total, petrel_time_to_first_token_seconds, petrel_time_per_output_token_seconds,
+petrel_e2e_request_latency_seconds. Engine state (read through the engine loop at each scrape):
+petrel_num_requests_running, petrel_num_requests_waiting, petrel_kv_cache_usage_perc,
+petrel_prefix_cache_hit_rate, petrel_prefix_cache_queries_tokens, petrel_prefix_cache_hits_tokens,
+petrel_num_preemptions.
+"""
+from __future__ import annotations
+
+import asyncio
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+_TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+        r = self.registry
+
+        def counter(name, doc, extra=()):
+            return Counter(name, doc, ["model_name", *extra], registry=r)
+
+        def gauge(name, doc):
+            return Gauge(name, doc, ["model_name"], registry=r).labels(**labels)
+
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, ["model_name"], buckets=buckets, registry=r).labels(**labels)
+
+        self._labels = labels
+        self.request_success = counter("petrel_request_success", "Finished sequences by finish reason",
+                                       ["finished_reason"])
+        self.aborted = counter("petrel_request_aborted", "Requests aborted because the client went away").labels(**labels)
+        self.prompt_tokens = counter("petrel_prompt_tokens", "Prompt tokens of finished requests").labels(**labels)
+        self.generation_tokens = counter("petrel_generation_tokens", "Generated tokens").labels(**labels)
+        self.ttft = histogram("petrel_time_to_first_token_seconds", "Time to first token", _LATENCY_BUCKETS)
+        self.tpot = histogram("petrel_time_per_output_token_seconds", "Time per output token after the first",
+                              _TPOT_BUCKETS)
+        self.e2e = histogram("petrel_e2e_request_latency_seconds", "Arrival to last token", _LATENCY_BUCKETS)
+        self.running = gauge("petrel_num_requests_running", "Sequences in the running batch")
+        self.waiting = gauge("petrel_num_requests_waiting", "Sequences waiting to be scheduled")
+        self.kv_usage = gauge("petrel_kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1)")
+        self.hit_rate = gauge("petrel_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / queried")
+        self.prefix_queries = gauge("petrel_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = gauge("petrel_prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache")
+        self.preemptions = gauge("petrel_num_preemptions", "Sequences preempted since start")
+        self.engine_up = gauge("petrel_engine_up", "1 when the engine loop answered this scrape, else 0")
+
+    def record_request(self, output, finish_reasons: list[str]) -> None:
+        """One finished request (a RequestOutput with perf metrics) and its choices' API finish reasons."""
+        for reason in finish_reasons:
+            self.request_success.labels(finished_reason=reason, **self._labels).inc()
+        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        self.generation_tokens.inc(sum(len(o.token_ids) for o in output.outputs))
+        m = output.request_perf_metrics
+        if m is None:
+            return
+        if m.ttft is not None:
+            self.ttft.observe(m.ttft)
+        if m.tpot is not None:
+            self.tpot.observe(m.tpot)
+        if m.e2e is not None:
+            self.e2e.observe(m.e2e)
+
+    async def render(self, engine, timeout: float = 2.0) -> bytes:
+        try:
+            state = await asyncio.to_thread(engine.call, _engine_state, timeout)
+        except Exception:  # noqa: BLE001 - a stuck engine still gets its request metrics scraped
+            state = None
+        if state is None:
+            self.engine_up.set(0)
+        else:
+            self.engine_up.set(1)
+            self.running.set(state["running"])
+            self.waiting.set(state["waiting"])
+            self.kv_usage.set(state["kv_usage"])
+            self.hit_rate.set(state["hit_rate"])
+            self.prefix_queries.set(state["queried"])
+            self.prefix_hits.set(state["hits"])
+            self.preemptions.set(state["preemptions"])
+        return generate_latest(self.registry)
+
+
+def _engine_state(core) -> dict:
+    bm, sched = core.block_manager, core.scheduler
+    queried, hits = sched.prefix_queried_tokens, sched.prefix_hit_tokens
+    return {"running": len(sched.running), "waiting": len(sched.waiting),
+            "kv_usage": bm.num_used_blocks / bm.num_blocks if bm.num_blocks else 0.0,
+            "hit_rate": hits / queried if queried else 0.0, "queried": queried, "hits": hits,
+            "preemptions": sched.num_preemptions}

@@ -1,0 +1,105 @@
+"""`petrel serve`: options, the engine, uvicorn. BackgroundServer runs the app in a thread (tests, benchmarks)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import threading
+import time
+
+import uvicorn
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--model", default=None, help="GGUF file, Hugging Face directory or hub id (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--tokenizer", default=None, help="another tokenizer directory or hub id")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("PETREL_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on /v1, /tokenize and /detokenize "
+                        "(default: $PETREL_API_KEY, else none)")
+    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: the model's)")
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template (file or text) overriding the model's")
+    p.add_argument("--max-n", type=int, default=16, help="most choices (n) per request")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    g = p.add_argument_group("engine options (see petrel/config.py)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=None)
+    g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
+    g.add_argument("--max-num-seqs", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--no-chunked-prefill", action="store_true")
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+    return p
+
+
+def engine_options(args) -> dict:
+    options = {"dtype": args.dtype, "device": args.device}
+    for key in ("tokenizer", "max_model_len", "block_size", "kv_cache_memory", "max_num_seqs",
+                "max_num_batched_tokens", "seed", "num_threads"):
+        value = getattr(args, key)
+        if value is not None:
+            options[key] = value
+    if args.no_prefix_caching:
+        options["enable_prefix_caching"] = False
+    if args.no_chunked_prefill:
+        options["enable_chunked_prefill"] = False
+    return options
+
+
+def run(args) -> int:
+    from petrel import LLM
+    from petrel.serve.app import build_app
+    from petrel.serve.chat_template import load_template_source
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    template = load_template_source(args.chat_template)
+    llm = LLM(args.model, **engine_options(args))
+    try:
+        app = build_app(llm, args.served_model_name, args.api_key, template, max_n=args.max_n)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    finally:
+        llm.shutdown()
+    return 0
+
+
+class BackgroundServer:
+    """uvicorn serving `app` on 127.0.0.1 in a daemon thread, on a free port picked by the OS."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.host, self.port = self.sock.getsockname()[:2]
+        config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       name="petrel-serve", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> "BackgroundServer":
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.sock.close()
+
+    def __enter__(self) -> "BackgroundServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

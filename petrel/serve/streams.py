@@ -1,0 +1,116 @@
+"""Request plumbing shared by the endpoints: the server's state, SSE framing, merged streams, and aborting
+requests whose client went away."""
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from fastapi import Request
+
+from petrel.serve.chat_template import ChatTemplate
+from petrel.serve.errors import APIError
+from petrel.serve.logprobs import TokenText
+from petrel.serve.metrics import ServerMetrics
+from petrel.serve.params import ServerLimits
+
+
+@dataclass
+class ServeState:
+    llm: object
+    model_name: str
+    limits: ServerLimits
+    template: ChatTemplate
+    metrics: ServerMetrics
+    token_text: TokenText
+    api_key: str | None = None
+    health_timeout: float = 5.0
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(f"The model `{model}` does not exist. This server serves `{self.model_name}`.", 404,
+                           param="model", code="model_not_found")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+def sse(payload) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def abort_unfinished(futures) -> None:
+    for f in futures:
+        if not f.done():
+            f.abort()
+
+
+async def merged(futures) -> AsyncIterator[tuple[int, object]]:
+    """(prompt index, RequestOutput snapshot) from several streaming futures as they arrive. Leaving the
+    loop early (client gone, error) aborts the requests that are still running."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, future):
+        try:
+            async for snap in future:
+                queue.put_nowait((i, snap, None))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((i, None, exc))
+            return
+        queue.put_nowait((i, None, None))
+
+    tasks = [asyncio.ensure_future(pump(i, f)) for i, f in enumerate(futures)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, snap, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if snap is None:
+                remaining -= 1
+                continue
+            yield i, snap
+    finally:
+        abort_unfinished(futures)
+        for t in tasks:
+            t.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class ClientGone(Exception):
+    """The client closed the connection before the response was ready."""
+
+
+async def wait_all_or_abort(request: Request, futures) -> list:
+    """Await every future; if the client disconnects first, abort them all (freeing their KV blocks)."""
+    watcher = asyncio.ensure_future(_disconnected(request))
+    work = asyncio.ensure_future(asyncio.gather(*(_await(f) for f in futures)))
+    try:
+        done, _ = await asyncio.wait({watcher, work}, return_when=asyncio.FIRST_COMPLETED)
+        if work in done:
+            return work.result()
+        raise ClientGone()
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+        abort_unfinished(futures)
+
+
+async def _await(future):
+    return await future
