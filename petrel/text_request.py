@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from petrel.guided_decoding import GuidedDecodingParams
 from petrel.model.tokenizer import chat_prompt
 from petrel.sampling_params import SamplingParams
 
@@ -23,7 +24,7 @@ class TextGenerationRequest:
     prompt: str | Sequence[int] | None = None   # text or token ids (exclusive with messages)
     messages: list[dict] = field(default_factory=list)   # chat turns: {"role": ..., "content": ...}
     tools: list[dict] | None = None             # function tools, rendered through the chat template
-    response_format: dict | None = None         # structured output (needs guided decoding)
+    response_format: dict | None = None         # structured output: json_object or json_schema (guided decoding)
     timestamp_ns: int = 0                       # when the client sent it (kept, not interpreted)
     request_path: str = "/"
     logprobs: int = 0                           # top logprobs per generated token (0: none)
@@ -41,11 +42,26 @@ class TextGenerationRequest:
             raise ValueError(f"cache_salt must be a string of at most {MAX_CACHE_SALT_CHARS} characters")
         if not isinstance(self.logprobs, int) or self.logprobs < 0:
             raise ValueError(f"logprobs must be an integer >= 0, got {self.logprobs!r}")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format: structured output needs guided decoding, which this build "
-                             "does not have yet")
+        if self.response_format is not None:
+            self._guided_decoding()     # validates it
         if self.tools is not None and not self.messages:
             raise ValueError("tools need chat messages")
+
+    def _guided_decoding(self) -> GuidedDecodingParams | None:
+        """response_format ({"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}})
+        as guided decoding."""
+        fmt = self.response_format or {}
+        kind = fmt.get("type", "text")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return GuidedDecodingParams(json_object=True)
+        if kind == "json_schema":
+            schema = (fmt.get("json_schema") or {}).get("schema")
+            if schema is None:
+                raise ValueError("response_format json_schema needs json_schema.schema")
+            return GuidedDecodingParams(json=schema)
+        raise ValueError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
 
     def resolve(self, tokenizer, model_names: Sequence[str]) -> tuple[str | None, list[int], SamplingParams]:
         """(prompt text, prompt token ids, sampling params) for the engine."""
@@ -64,6 +80,11 @@ class TextGenerationRequest:
             text, ids = None, list(self.prompt)
         params = self.sampling_params
         changes = {}
+        guided = self._guided_decoding()
+        if guided is not None:
+            if params.guided_decoding is not None:
+                raise ValueError("response_format and sampling_params.guided_decoding are both set")
+            changes["guided_decoding"] = guided
         if self.logprobs:
             changes["logprobs"] = self.logprobs
             if self.echo:

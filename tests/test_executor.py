@@ -130,12 +130,21 @@ def test_cancel_mid_stream_ends_with_a_final_response_and_frees_blocks(executor,
 
 
 def test_await_with_timeout_returns_empty_in_time(executor, prompt_ids):
+    rid = executor.enqueue_request(Request(prompt_ids, 200))     # not streaming: nothing until it is done
     t0 = time.monotonic()
-    assert executor.await_responses(10 ** 9, timeout=0.3) == []
-    assert executor.await_responses(timeout=0.2) == []
+    assert executor.await_responses(rid, timeout=0.3) == []
+    assert executor.await_responses([rid], timeout=0.2) == [[]]
     assert time.monotonic() - t0 < 2.0
-    rid = executor.enqueue_request(Request(prompt_ids, 3))
-    assert executor.await_responses([rid, 10 ** 9], timeout=60)[1] == []
+    executor.cancel_request(rid)
+    [r] = collect(executor, rid)
+    assert r.result.finish_reasons == [FinishReason.CANCELLED]
+    with pytest.raises(ValueError, match="not in flight"):      # finished and taken: waiting would never end
+        executor.await_responses(rid)
+    with pytest.raises(ValueError, match="not in flight"):
+        executor.await_responses(10 ** 9, timeout=1)
+    t0 = time.monotonic()
+    assert executor.await_responses() == []                      # nothing in flight: no wait at all
+    assert time.monotonic() - t0 < 0.5
 
 
 def test_malformed_requests_get_error_responses_and_others_go_on(executor, prompt_ids):

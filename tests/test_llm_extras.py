@@ -93,7 +93,8 @@ def test_text_generation_request_prompt_logprobs_echo_salt(llm):
     (dict(prompt="x", messages=[{"role": "user", "content": "y"}]), "exactly one"),
     (dict(), "exactly one"),
     (dict(prompt="x", cache_salt="s" * 513), "cache_salt"),
-    (dict(prompt="x", response_format={"type": "json_object"}), "response_format"),
+    (dict(prompt="x", response_format={"type": "yaml"}), "response_format"),
+    (dict(prompt="x", response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "schema"),
     (dict(prompt="x", logprobs=-1), "logprobs"),
 ])
 def test_text_generation_request_rejects_bad_fields(kwargs, needle):

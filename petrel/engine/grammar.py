@@ -49,8 +49,8 @@ class GrammarCompiler:
         try:
             if kind == "json":
                 return c.compile_json_schema(params.schema_text(), any_whitespace=params.any_whitespace)
-            if kind == "json_object":
-                return c.compile_builtin_json_grammar()
+            if kind == "json_object":      # any JSON object (the builtin JSON grammar would allow any value)
+                return c.compile_json_schema('{"type": "object"}', any_whitespace=params.any_whitespace)
             if kind == "regex":
                 return c.compile_regex(params.regex)
             if kind == "grammar":

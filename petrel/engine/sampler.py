@@ -1,10 +1,10 @@
 """Logits -> tokens and logprobs for a whole step at once.
 
 Order: logits processors (per request, then the engine's batched post-processor), logit bias, bad words,
-penalties, min_tokens masking, the grammar masks of guided sequences, then beam-search rows report their best candidates, greedy rows take argmax
-and random rows go through temperature, top-k, top-p, min-p and an exponential race (which lets a
-per-sequence generator make a seeded sequence reproducible in any batch). Logprobs come from the
-same processed distribution the token was drawn from, with the token's rank.
+penalties, min_tokens masking, the grammar masks of guided sequences; then beam-search rows report their
+best candidates, greedy rows take argmax, and random rows go through temperature, top-k, top-p, min-p and
+an exponential race (which lets a per-sequence generator make a seeded sequence reproducible in any batch).
+Logprobs come from the same processed distribution the token was drawn from, with the token's rank.
 """
 from __future__ import annotations
 

@@ -111,8 +111,7 @@ class Executor:
         if not isinstance(request.max_tokens, int) or request.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {request.max_tokens!r}")
         sc, oc = request.sampling_config, request.output_config
-        if request.guided_decoding_params is not None:
-            raise ValueError("guided_decoding_params: guided decoding is not available in this build yet")
+        guided = request.guided_decoding_params.to_params() if request.guided_decoding_params is not None else None
         width = sc.beam_width
         if not isinstance(width, int) or width < 1:
             raise ValueError(f"sampling_config.beam_width must be an integer >= 1, got {width!r}")
@@ -142,7 +141,7 @@ class Executor:
             early_stopping=False if early is None else early,
             logprobs=0 if oc.return_log_probs else None,
             return_context_logits=oc.return_context_logits, return_generation_logits=oc.return_generation_logits,
-            additional_model_outputs=names, detokenize=False,
+            additional_model_outputs=names, detokenize=False, guided_decoding=guided,
             ignore_eos=request.end_id is not None,
             stop_token_ids=[request.end_id] if request.end_id is not None else None)
         options = {"client_id": request.client_id, "priority": request.priority}
@@ -270,16 +269,28 @@ class Executor:
     # ------------------------------------------------------------------ responses (caller side)
     def await_responses(self, request_id: int | list[int] | None = None, timeout: float | None = None):
         """Responses ready now, waiting up to `timeout` seconds (None: until there is one) for the first.
-        No id: responses of any request. An id: that request's. A list of ids: a list of lists."""
+        No id: responses of any request (an empty list at once when none is in flight). An id: that
+        request's (ValueError for an id that has nothing left to give). A list of ids: a list of lists."""
         if isinstance(request_id, (list, tuple)):
             wanted = set(request_id)
-            got = self._take(lambda r: r.request_id in wanted, timeout)
+            self._check_known(wanted)
+            got = self._take(lambda r: r.request_id in wanted, timeout, lambda: bool(wanted & set(self._states)))
             return [[r for r in got if r.request_id == i] for i in request_id]
         if request_id is None:
-            return self._take(lambda r: True, timeout)
-        return self._take(lambda r: r.request_id == request_id, timeout)
+            return self._take(lambda r: True, timeout, lambda: bool(self._states))
+        self._check_known({request_id})
+        return self._take(lambda r: r.request_id == request_id, timeout, lambda: request_id in self._states)
 
-    def _take(self, match, timeout: float | None) -> list[Response]:
+    def _check_known(self, ids: set) -> None:
+        """An id with nothing in flight and nothing ready would be waited on forever: refuse it."""
+        with self._cond:
+            unknown = ids - set(self._states) - {r.request_id for r in self._ready}
+        if unknown:
+            raise ValueError(f"request ids {sorted(unknown)} are not in flight and have no responses ready "
+                             f"(never enqueued, or finished and already awaited)")
+
+    def _take(self, match, timeout: float | None, pending) -> list[Response]:
+        """Wait for responses that `match`; `pending()` says whether any could still come (else return now)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:
@@ -287,7 +298,7 @@ class Executor:
                 if taken:
                     self._ready = [r for r in self._ready if not match(r)]
                     return taken
-                if self._shutdown:
+                if self._shutdown or not pending():
                     return []
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:

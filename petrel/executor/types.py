@@ -60,11 +60,30 @@ class OutputConfig:
     additional_model_outputs: list[AdditionalModelOutput] | None = None
 
 
+class GuideType(enum.Enum):
+    JSON = "json"                    # any JSON object
+    JSON_SCHEMA = "json_schema"      # guide: a JSON schema (text)
+    REGEX = "regex"                  # guide: a regular expression
+    EBNF_GRAMMAR = "ebnf_grammar"    # guide: an EBNF grammar with a `root` rule
+    STRUCTURAL_TAG = "structural_tag"   # guide: an xgrammar structural tag (JSON text)
+
+
 @dataclass
 class GuidedDecodingParams:
-    """Structured output (JSON, JSON schema, regex, EBNF grammar). Served once guided decoding lands."""
-    guide_type: str
+    """Structured output with xgrammar: the guide type and, except for JSON, its guide text."""
+    guide_type: GuideType
     guide: str | None = None
+
+    def to_params(self):
+        from petrel.guided_decoding import GuidedDecodingParams as Guided
+        kind = GuideType(self.guide_type)
+        if kind is GuideType.JSON:
+            return Guided(json_object=True)
+        if not self.guide:
+            raise ValueError(f"guided_decoding_params: {kind.name} needs a guide")
+        field_name = {GuideType.JSON_SCHEMA: "json", GuideType.REGEX: "regex", GuideType.EBNF_GRAMMAR: "grammar",
+                      GuideType.STRUCTURAL_TAG: "structural_tag"}[kind]
+        return Guided(**{field_name: self.guide})
 
 
 @dataclass
