@@ -422,7 +422,6 @@ BAD_REQUESTS = [
     (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
     (CHAT, {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400,
      "response_format"),
-    (CHAT, {"messages": USER, "response_format": {"type": "json_object"}}, 400, "response_format"),
     (CHAT, {"messages": USER, "tool_choice": "required"}, 400, "tool_choice"),
     (CHAT, {"messages": USER, "tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      400, "tool_choice"),

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from petrel.serve.chat_template import messages_for_template
 from petrel.serve.completions import api_finish_reason
 from petrel.serve.errors import APIError, from_value_error
+from petrel.serve.guided import compile_guided, guided_from_request, guided_value_error
 from petrel.serve.logprobs import chat_logprobs
 from petrel.serve.params import build_sampling_params, check_prompt_length, resolve_max_tokens
 from petrel.serve.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
@@ -58,10 +59,6 @@ def plan_tools(req: ChatCompletionRequest) -> ToolPlan:
 
 
 def _check_unsupported(req: ChatCompletionRequest) -> None:
-    fmt = req.response_format
-    if fmt is not None and fmt.type != "text":
-        raise APIError(f"response_format type {fmt.type!r} needs guided (constrained) decoding, which this petrel "
-                       f"server does not have yet; only 'text' is supported", 400, param="response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs needs logprobs=true", 400, param="top_logprobs")
 
@@ -74,6 +71,7 @@ def _call_objects(calls, prefix: str) -> list[ToolCall]:
 async def create_chat_completion(state: ServeState, req: ChatCompletionRequest, request: Request) -> Response:
     state.check_model(req.model)
     _check_unsupported(req)
+    guided = guided_from_request(req)
     plan = plan_tools(req)
     template = state.template
     messages = messages_for_template(req.messages, template.supports_tools)
@@ -88,11 +86,13 @@ async def create_chat_completion(state: ServeState, req: ChatCompletionRequest, 
     k = (req.top_logprobs or 0) if req.logprobs else None
     params = build_sampling_params(req, max_tokens=max_tokens, limits=state.limits, logprobs=k,
                                    extra_stop=[TOOL_CALL_STOP] if plan.prefill else None,
-                                   renames={"max_tokens": param, "logprobs": "top_logprobs"})
+                                   renames={"max_tokens": param, "logprobs": "top_logprobs"},
+                                   guided_decoding=guided.params if guided else None)
+    await compile_guided(state, guided)
     try:
         future = state.llm.generate_async(ids, params, streaming=req.stream, cache_salt=req.cache_salt)
     except ValueError as exc:
-        raise from_value_error(exc, {"prompt": "messages"}) from None
+        raise guided_value_error(exc, guided) or from_value_error(exc, {"prompt": "messages"}) from None
     except RuntimeError as exc:   # the engine is shut down
         raise APIError(str(exc), 503) from None
     rid, created = new_id("chatcmpl"), int(time.time())
