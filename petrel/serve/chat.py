@@ -2,7 +2,6 @@
 with tool calls parsed out of the model's text (tool_parser) in both."""
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 
@@ -12,13 +11,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from petrel.serve.chat_template import messages_for_template
 from petrel.serve.completions import api_finish_reason
 from petrel.serve.errors import APIError, from_value_error
-from petrel.serve.guided import compile_guided, guided_from_request, guided_value_error
+from petrel.serve.guided import Guided, compile_guided, guided_from_request, guided_value_error
 from petrel.serve.logprobs import chat_logprobs
 from petrel.serve.params import build_sampling_params, check_prompt_length, resolve_max_tokens
 from petrel.serve.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                                    ChatStreamChoice, ChoiceLogprobs, DeltaFunctionCall, DeltaMessage, DeltaToolCall,
                                    FunctionCall, PromptTokensDetails, ResponseMessage, ToolCall, Usage)
 from petrel.serve.streams import SSE_DONE, ClientGone, ServeState, new_id, sse, wait_all_or_abort
+from petrel.serve.tool_grammar import CALL_START, any_call_grammar, named_call_grammar, named_prefill
 from petrel.serve.tool_parser import ToolCallParser, parse_all
 
 TOOL_CALL_STOP = "</tool_call>"
@@ -30,6 +30,7 @@ class ToolPlan:
     parse: bool = False
     prefill: str = ""
     single: bool = False        # parallel_tool_calls=false: keep the first call
+    guided: Guided | None = None   # a forced call: the grammar its arguments follow
 
 
 def plan_tools(req: ChatCompletionRequest) -> ToolPlan:
@@ -49,10 +50,18 @@ def plan_tools(req: ChatCompletionRequest) -> ToolPlan:
         forced = choice.function.name
     elif choice == "required" and len(names) == 1:
         forced = names[0]
-    if forced is not None:   # the model continues a call the server opened, so it cannot answer otherwise
-        plan.prefill = f'<tool_call>\n{{"name": {json.dumps(forced)}, "arguments":'
-    elif choice == "required":
-        plan.prefill = '<tool_call>\n{"name": "'
+    # a forced call: the model continues a call the server opened, so it cannot answer otherwise, and a
+    # grammar holds what it writes to the tool's parameters schema (tool_grammar)
+    try:
+        if forced is not None:
+            plan.prefill = named_prefill(forced)
+            parameters = next(t.function.parameters for t in tools if t.function.name == forced)
+            plan.guided = Guided(named_call_grammar(parameters), "tools")
+        elif choice == "required":
+            plan.prefill = CALL_START
+            plan.guided = Guided(any_call_grammar([(t.function.name, t.function.parameters) for t in tools]), "tools")
+    except ValueError as exc:
+        raise APIError(str(exc), 400, param="tools") from None
     if plan.prefill:
         plan.single = True
     return plan
@@ -73,6 +82,12 @@ async def create_chat_completion(state: ServeState, req: ChatCompletionRequest, 
     _check_unsupported(req)
     guided = guided_from_request(req)
     plan = plan_tools(req)
+    if plan.guided is not None:
+        if guided is not None:
+            raise APIError(f"tool_choice {'required' if req.tool_choice == 'required' else 'naming a function'} "
+                           f"constrains the output to a tool call; it cannot be combined with {guided.param}", 400,
+                           param=guided.param)
+        guided = plan.guided
     template = state.template
     messages = messages_for_template(req.messages, template.supports_tools)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if plan.parse else None
