@@ -19,6 +19,7 @@ from petrel.serve.protocol import (ChatChoice, ChatCompletionChunk, ChatCompleti
                                    FunctionCall, PromptTokensDetails, ResponseMessage, ToolCall, Usage)
 from petrel.serve.streams import SSE_DONE, ClientGone, ServeState, new_id, sse, wait_all_or_abort
 from petrel.serve.tool_grammar import CALL_START, any_call_grammar, named_call_grammar, named_prefill
+from petrel.serve.tool_grammar import available as tool_grammar_available
 from petrel.serve.tool_parser import ToolCallParser, parse_all
 
 TOOL_CALL_STOP = "</tool_call>"
@@ -51,15 +52,19 @@ def plan_tools(req: ChatCompletionRequest) -> ToolPlan:
     elif choice == "required" and len(names) == 1:
         forced = names[0]
     # a forced call: the model continues a call the server opened, so it cannot answer otherwise, and a
-    # grammar holds what it writes to the tool's parameters schema (tool_grammar)
+    # grammar holds what it writes to the tool's parameters schema (tool_grammar; without xgrammar, no grammar)
+    constrain = tool_grammar_available()
     try:
         if forced is not None:
             plan.prefill = named_prefill(forced)
-            parameters = next(t.function.parameters for t in tools if t.function.name == forced)
-            plan.guided = Guided(named_call_grammar(parameters), "tools")
+            if constrain:
+                parameters = next(t.function.parameters for t in tools if t.function.name == forced)
+                plan.guided = Guided(named_call_grammar(parameters), "tools")
         elif choice == "required":
-            plan.prefill = CALL_START
-            plan.guided = Guided(any_call_grammar([(t.function.name, t.function.parameters) for t in tools]), "tools")
+            plan.prefill = CALL_START if constrain else CALL_START + '{"name": "'
+            if constrain:
+                plan.guided = Guided(any_call_grammar([(t.function.name, t.function.parameters) for t in tools]),
+                                     "tools")
     except ValueError as exc:
         raise APIError(str(exc), 400, param="tools") from None
     if plan.prefill:

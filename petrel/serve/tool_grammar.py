@@ -6,9 +6,11 @@ Two shapes (the prefill is what the server appends to the prompt; the grammar co
   several        prefill `<tool_call>\\n`   grammar `<one of {"name": <fn>, "arguments": <its parameters>}>\\n</tool_call>`
 The JSON is compact (", " and ": " separators, no newlines), which a small model cannot pad endlessly.
 The grammar is built with xgrammar and handed to the engine as EBNF text (GuidedDecodingParams.grammar).
+Without xgrammar installed (`available()` is False) the server opens the call but cannot constrain it.
 """
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -17,6 +19,15 @@ from petrel.guided_decoding import GuidedDecodingParams
 
 CALL_START = "<tool_call>\n"
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+@functools.cache
+def available() -> bool:
+    try:
+        _xgrammar()
+    except ValueError:
+        return False
+    return True
 
 
 def named_prefill(name: str) -> str:
