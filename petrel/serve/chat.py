@@ -2,7 +2,6 @@
 with tool calls parsed out of the model's text (tool_parser) in both."""
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 
@@ -12,12 +11,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from petrel.serve.chat_template import messages_for_template
 from petrel.serve.completions import api_finish_reason
 from petrel.serve.errors import APIError, from_value_error
+from petrel.serve.guided import Guided, compile_guided, guided_from_request, guided_value_error
 from petrel.serve.logprobs import chat_logprobs
 from petrel.serve.params import build_sampling_params, check_prompt_length, resolve_max_tokens
 from petrel.serve.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                                    ChatStreamChoice, ChoiceLogprobs, DeltaFunctionCall, DeltaMessage, DeltaToolCall,
                                    FunctionCall, PromptTokensDetails, ResponseMessage, ToolCall, Usage)
 from petrel.serve.streams import SSE_DONE, ClientGone, ServeState, new_id, sse, wait_all_or_abort
+from petrel.serve.tool_grammar import CALL_START, any_call_grammar, named_call_grammar, named_prefill
+from petrel.serve.tool_grammar import available as tool_grammar_available
 from petrel.serve.tool_parser import ToolCallParser, parse_all
 
 TOOL_CALL_STOP = "</tool_call>"
@@ -29,6 +31,7 @@ class ToolPlan:
     parse: bool = False
     prefill: str = ""
     single: bool = False        # parallel_tool_calls=false: keep the first call
+    guided: Guided | None = None   # a forced call: the grammar its arguments follow
 
 
 def plan_tools(req: ChatCompletionRequest) -> ToolPlan:
@@ -48,20 +51,28 @@ def plan_tools(req: ChatCompletionRequest) -> ToolPlan:
         forced = choice.function.name
     elif choice == "required" and len(names) == 1:
         forced = names[0]
-    if forced is not None:   # the model continues a call the server opened, so it cannot answer otherwise
-        plan.prefill = f'<tool_call>\n{{"name": {json.dumps(forced)}, "arguments":'
-    elif choice == "required":
-        plan.prefill = '<tool_call>\n{"name": "'
+    # a forced call: the model continues a call the server opened, so it cannot answer otherwise, and a
+    # grammar holds what it writes to the tool's parameters schema (tool_grammar; without xgrammar, no grammar)
+    constrain = tool_grammar_available()
+    try:
+        if forced is not None:
+            plan.prefill = named_prefill(forced)
+            if constrain:
+                parameters = next(t.function.parameters for t in tools if t.function.name == forced)
+                plan.guided = Guided(named_call_grammar(parameters), "tools")
+        elif choice == "required":
+            plan.prefill = CALL_START if constrain else CALL_START + '{"name": "'
+            if constrain:
+                plan.guided = Guided(any_call_grammar([(t.function.name, t.function.parameters) for t in tools]),
+                                     "tools")
+    except ValueError as exc:
+        raise APIError(str(exc), 400, param="tools") from None
     if plan.prefill:
         plan.single = True
     return plan
 
 
 def _check_unsupported(req: ChatCompletionRequest) -> None:
-    fmt = req.response_format
-    if fmt is not None and fmt.type != "text":
-        raise APIError(f"response_format type {fmt.type!r} needs guided (constrained) decoding, which this petrel "
-                       f"server does not have yet; only 'text' is supported", 400, param="response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs needs logprobs=true", 400, param="top_logprobs")
 
@@ -74,7 +85,14 @@ def _call_objects(calls, prefix: str) -> list[ToolCall]:
 async def create_chat_completion(state: ServeState, req: ChatCompletionRequest, request: Request) -> Response:
     state.check_model(req.model)
     _check_unsupported(req)
+    guided = guided_from_request(req)
     plan = plan_tools(req)
+    if plan.guided is not None:
+        if guided is not None:
+            raise APIError(f"tool_choice {'required' if req.tool_choice == 'required' else 'naming a function'} "
+                           f"constrains the output to a tool call; it cannot be combined with {guided.param}", 400,
+                           param=guided.param)
+        guided = plan.guided
     template = state.template
     messages = messages_for_template(req.messages, template.supports_tools)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if plan.parse else None
@@ -88,11 +106,13 @@ async def create_chat_completion(state: ServeState, req: ChatCompletionRequest, 
     k = (req.top_logprobs or 0) if req.logprobs else None
     params = build_sampling_params(req, max_tokens=max_tokens, limits=state.limits, logprobs=k,
                                    extra_stop=[TOOL_CALL_STOP] if plan.prefill else None,
-                                   renames={"max_tokens": param, "logprobs": "top_logprobs"})
+                                   renames={"max_tokens": param, "logprobs": "top_logprobs"},
+                                   guided_decoding=guided.params if guided else None)
+    await compile_guided(state, guided)
     try:
         future = state.llm.generate_async(ids, params, streaming=req.stream, cache_salt=req.cache_salt)
     except ValueError as exc:
-        raise from_value_error(exc, {"prompt": "messages"}) from None
+        raise guided_value_error(exc, guided) or from_value_error(exc, {"prompt": "messages"}) from None
     except RuntimeError as exc:   # the engine is shut down
         raise APIError(str(exc), 503) from None
     rid, created = new_id("chatcmpl"), int(time.time())

@@ -7,6 +7,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from petrel.serve.errors import APIError, from_value_error
+from petrel.serve.guided import compile_guided, guided_from_request, guided_value_error
 from petrel.serve.logprobs import completion_logprobs
 from petrel.serve.params import build_sampling_params, check_prompt_length, resolve_max_tokens
 from petrel.serve.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, CompletionStreamResponse,
@@ -67,6 +68,7 @@ async def create_completion(state: ServeState, req: CompletionRequest, request: 
         raise APIError("best_of is supported only equal to n (petrel returns every sequence it samples)", 400,
                        param="best_of")
     prompts = _prompts(state, req.prompt)
+    guided = guided_from_request(req)
     requested = req.max_tokens if "max_tokens" in req.model_fields_set else None
     params_list = []
     for _, ids in prompts:
@@ -74,14 +76,16 @@ async def create_completion(state: ServeState, req: CompletionRequest, request: 
         max_tokens = resolve_max_tokens(requested, DEFAULT_MAX_TOKENS, len(ids), state.limits, "max_tokens")
         params_list.append(build_sampling_params(
             req, max_tokens=max_tokens, limits=state.limits, logprobs=req.logprobs,
-            prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None))
+            prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
+            guided_decoding=guided.params if guided else None))
+    await compile_guided(state, guided)
     futures = []
     try:
         for (_, ids), params in zip(prompts, params_list):
             futures.append(state.llm.generate_async(ids, params, streaming=req.stream, cache_salt=req.cache_salt))
     except ValueError as exc:
         abort_unfinished(futures)
-        raise from_value_error(exc) from None
+        raise guided_value_error(exc, guided) or from_value_error(exc) from None
     except RuntimeError as exc:   # the engine is shut down
         abort_unfinished(futures)
         raise APIError(str(exc), 503) from None

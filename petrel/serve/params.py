@@ -59,7 +59,7 @@ def resolve_max_tokens(requested: int | None, default: int | None, num_prompt_to
 
 def build_sampling_params(req, *, max_tokens: int, limits: ServerLimits, logprobs: int | None,
                           prompt_logprobs: int | None = None, extra_stop: list[str] | None = None,
-                          renames: dict[str, str] | None = None) -> SamplingParams:
+                          renames: dict[str, str] | None = None, guided_decoding=None) -> SamplingParams:
     """The fields both endpoints share; `req` is a CompletionRequest or ChatCompletionRequest."""
     if req.n > limits.max_n:
         raise APIError(f"n is {req.n}; this server allows at most {limits.max_n}", 400, param="n")
@@ -71,7 +71,7 @@ def build_sampling_params(req, *, max_tokens: int, limits: ServerLimits, logprob
         stop_token_ids=req.stop_token_ids, seed=req.seed, logit_bias=parse_logit_bias(req.logit_bias, limits.vocab_size),
         ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs, return_perf_metrics=True)
+        prompt_logprobs=prompt_logprobs, return_perf_metrics=True, guided_decoding=guided_decoding)
     for name, default in (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0),
                           ("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
                           ("min_tokens", 0)):

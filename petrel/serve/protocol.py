@@ -50,6 +50,14 @@ class SamplingExtras(_Request):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = Field(False, description="add prompt_token_ids and token_ids to each choice")
+    # guided (constrained) decoding: at most one of these (and, in chat, of response_format) per request
+    guided_json: dict[str, Any] | str | None = Field(
+        None, description="constrain the output to this JSON schema (an object, or its JSON text)")
+    guided_regex: str | None = Field(None, description="constrain the output to match this regular expression")
+    guided_grammar: str | None = Field(
+        None, description="constrain the output to this EBNF grammar (xgrammar's GBNF dialect, start rule `root`)")
+    guided_choice: list[str] | None = Field(None, min_length=1,
+                                            description="the output is exactly one of these strings")
 
 
 class PromptTokensDetails(_Response):
@@ -180,9 +188,19 @@ class NamedToolChoice(_Request):
     function: NamedFunction
 
 
+class JsonSchemaFormat(_Request):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), populate_by_name=True)
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$", description="a name for the output format")
+    description: str | None = Field(None, description="what the output is for (not used to constrain it)")
+    schema_: dict[str, Any] | None = Field(None, alias="schema",
+                                           description="the JSON schema the output must match (required here)")
+    strict: bool | None = Field(None, description="accepted; petrel always constrains the output to the schema")
+
+
 class ResponseFormat(_Request):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    type: Literal["text", "json_object", "json_schema"] = Field(
+        description="text: free text; json_object: any JSON object; json_schema: JSON matching json_schema.schema")
+    json_schema: JsonSchemaFormat | None = Field(None, description="with type json_schema: the schema")
 
 
 class ChatCompletionRequest(SamplingExtras):
