@@ -43,7 +43,7 @@ class GuidedDecodingParams:
         if kind == "json_object":
             return ""
         if kind == "choice":
-            return json.dumps(self.choice)
+            return json.dumps(self.choice, ensure_ascii=False)
         if kind == "structural_tag":
             value = self.structural_tag
             return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
@@ -63,4 +63,4 @@ def _schema_text(schema: Any) -> str:
         schema = schema.model_json_schema()
     if not isinstance(schema, dict):
         raise ValueError(f"guided_decoding.json must be a JSON schema object, got {type(schema).__name__}")
-    return json.dumps(schema, sort_keys=True)
+    return json.dumps(schema)     # key order kept: properties are generated in the schema's order

@@ -13,11 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 import httpx
+import jsonschema
 import pytest
 from pydantic import BaseModel, Field
-
-jsonschema = pytest.importorskip("jsonschema")
-pytest.importorskip("xgrammar")
 
 from petrel.serve.errors import APIError
 from petrel.serve.guided import guided_from_request

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 
 import torch
 
@@ -24,25 +25,29 @@ def _xgrammar():
 
 
 class GrammarCompiler:
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], cache_size: int = 256):
         xgr = _xgrammar()
         self.vocab_size = vocab_size
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
         self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
-        self._cache: dict[tuple[str, str], object] = {}
+        self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()   # least recently used first
+        self._cache_size = cache_size
         self._lock = threading.Lock()
-        self.num_compiled = 0        # distinct constraints compiled (a repeated one is served from the cache)
+        self.num_compiled = 0        # compilations so far (a repeated constraint is served from the cache)
 
     def compile(self, params: GuidedDecodingParams):
         key = (params.kind, params.spec)
         with self._lock:
             if key in self._cache:
+                self._cache.move_to_end(key)
                 return self._cache[key]
         compiled = self._compile(params)
         with self._lock:
-            self._cache.setdefault(key, compiled)
-            self.num_compiled = len(self._cache)
-            return self._cache[key]
+            self.num_compiled += 1
+            self._cache[key] = compiled
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+            return compiled
 
     def _compile(self, params: GuidedDecodingParams):
         kind, c = params.kind, self._compiler
@@ -56,7 +61,7 @@ class GrammarCompiler:
             if kind == "grammar":
                 return c.compile_grammar(params.grammar)
             if kind == "choice":
-                return c.compile_grammar("root ::= " + " | ".join(json.dumps(x) for x in params.choice))
+                return c.compile_grammar("root ::= " + " | ".join(json.dumps(x, ensure_ascii=False) for x in params.choice))
             return c.compile_structural_tag(params.spec)
         except ValueError:
             raise
