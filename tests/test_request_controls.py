@@ -174,3 +174,26 @@ def test_bad_params_name_the_field():
         SamplingParams(stop_token_sequences=[[1, -2]])
     with pytest.raises(ValueError, match="additional_model_outputs"):
         SamplingParams(additional_model_outputs=["attention_maps"])
+
+
+def test_a_failing_logits_processor_fails_only_its_request(tiny):
+    t = tiny(2, False)
+    prompts = [_tokens(6, 40), _tokens(9, 41)]
+    alone = greedy(t, prompts[1], max_tokens=6)
+    calls = []
+
+    def explode(output_ids, logits):
+        calls.append(len(output_ids))
+        if len(output_ids) == 2:
+            raise RuntimeError("boom")
+        return logits
+    core = make_core(t)
+    core.add_request(EngineRequest("bad", prompts[0], SamplingParams(temperature=0.0, max_tokens=6,
+                                                                      logits_processors=[explode])))
+    core.add_request(EngineRequest("good", prompts[1], SamplingParams(temperature=0.0, max_tokens=6)))
+    outs = drain(core)                    # drain also checks that every block came back
+    bad = outs[("bad", 0)]
+    assert len(tokens_of(bad)) == 2 and bad[-1].finish_reason == "abort"
+    assert "logits processor failed: RuntimeError: boom" in bad[-1].abort_message
+    assert tokens_of(outs[("good", 0)]) == alone and outs[("good", 0)][-1].finish_reason == "length"
+    assert "bad" not in core.requests

@@ -172,8 +172,13 @@ class EngineCore:
             result = self.sampler.sample(logits, seqs)
             num_sampled = len(seqs)
             now = time.monotonic()
+            failed = {seqs[i].request.request_id: message for i, message in result.errors.items()}
+            for request_id, message in failed.items():
+                outputs.extend(self.abort_request(request_id, message))
             beam_requests = {}
             for i, (seq, token, lp) in enumerate(zip(seqs, result.token_ids, result.logprobs)):
+                if seq.request.request_id in failed:
+                    continue
                 if seq.params.use_beam_search:
                     seq.beam_candidates = (result.beam_candidates[i], result.beam_logp.get(i), extras[i])
                     beam_requests[seq.request.request_id] = seq.request

@@ -110,6 +110,16 @@ class LLMEngine:
     def abort_request(self, request_id, message: str = "cancelled") -> None:
         self._commands.put(("abort", request_id, message))
 
+    def abort_all(self, message: str) -> None:
+        """End every request in flight with an abort carrying `message` (e.g. a server shutting down)."""
+        self._commands.put(("abort_all", message))
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        """Requests added and not finished yet (queued, waiting or running)."""
+        with self._in_flight_lock:
+            return len(self._in_flight)
+
     def call(self, fn: Callable, timeout: float | None = 30.0):
         """Run fn(core) inside the engine loop and return its result (a health check, stats, tests)."""
         done = threading.Event()
@@ -178,6 +188,9 @@ class LLMEngine:
         elif kind == "abort":
             _, request_id, message = cmd
             self._dispatch(self.core.abort_request(request_id, message))
+        elif kind == "abort_all":
+            for request_id in list(self._sinks):
+                self._dispatch(self.core.abort_request(request_id, cmd[1]))
         elif kind == "call":
             cmd[1](self.core)
 

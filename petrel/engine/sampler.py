@@ -33,6 +33,7 @@ class SampleResult:
     # beam-search rows: best (token, logprob) candidates, and the row's log-distribution when logprobs are asked
     beam_candidates: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
     beam_logp: dict[int, torch.Tensor] = field(default_factory=dict)
+    errors: dict[int, str] = field(default_factory=dict)   # rows whose request failed (a processor raised)
 
 
 def token_logprobs(logp_row: torch.Tensor, token: int, k: int) -> TokenLogprobs:
@@ -68,26 +69,34 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
         self.batched_post_processor = batched_post_processor
 
-    def _run_processors(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    def _run_processors(self, logits: torch.Tensor, seqs: list[Sequence]) -> dict[int, str]:
+        """Run the requests' logits processors. A processor that raises fails its own rows only: the
+        returned {row: error} lets the core end those requests while the rest of the step goes on."""
+        errors: dict[int, str] = {}
         batched = []
         for i, seq in enumerate(seqs):
             p, req = seq.params, seq.request
-            if p.logits_processors:
-                for fn in p.logits_processors:
+            try:
+                for fn in p.logits_processors or ():
                     logits[i] = fn(seq.output_token_ids, logits[i])
-            if req.logits_post_processor is not None:
-                row = req.logits_post_processor(req.request_id, logits[i:i + 1], [seq.token_ids], req.client_id)
-                if row is not None:
-                    logits[i] = row.reshape(-1)
+                if req.logits_post_processor is not None:
+                    row = req.logits_post_processor(req.request_id, logits[i:i + 1], [seq.token_ids], req.client_id)
+                    if row is not None:
+                        logits[i] = row.reshape(-1)
+            except Exception as exc:  # noqa: BLE001 - user code: fail that request, not the step
+                errors[i] = f"logits processor failed: {type(exc).__name__}: {exc}"
+                continue
             if req.use_batched_post_processor:
                 batched.append(i)
         if batched:
-            if self.batched_post_processor is None:
-                raise ValueError("a request asked for the batched logits post-processor but none is configured")
             rows = [logits[i:i + 1] for i in batched]     # views: the callback edits them in place
-            self.batched_post_processor([seqs[i].request.request_id for i in batched], rows,
-                                        [[seqs[i].token_ids] for i in batched],
-                                        [seqs[i].request.client_id for i in batched])
+            try:
+                self.batched_post_processor([seqs[i].request.request_id for i in batched], rows,
+                                            [[seqs[i].token_ids] for i in batched],
+                                            [seqs[i].request.client_id for i in batched])
+            except Exception as exc:  # noqa: BLE001
+                errors.update({i: f"batched logits post-processor failed: {type(exc).__name__}: {exc}" for i in batched})
+        return errors
 
     def _ban_bad_words(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         """A bad word's last token is banned when the sequence already ends with the rest of it."""
@@ -103,7 +112,9 @@ class Sampler:
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         logits = logits.float()
         params = [s.params for s in seqs]
-        self._run_processors(logits, seqs)
+        errors = self._run_processors(logits, seqs)
+        for i in errors:                       # keep the failed rows harmless for the rest of the step
+            logits[i] = 0.0
         for i, p in enumerate(params):
             if p.logit_bias:
                 ids = torch.tensor(list(p.logit_bias), device=logits.device)
@@ -130,7 +141,7 @@ class Sampler:
             sampled = self._sample_random(processed, [seqs[i] for i in random_rows], random_rows)
             tokens[random_rows] = sampled
 
-        result = SampleResult(tokens.tolist(), [None] * len(seqs))
+        result = SampleResult(tokens.tolist(), [None] * len(seqs), errors=errors)
         if beams:
             self._beam_candidates(processed, beams, params, result)
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None and not p.use_beam_search]

@@ -13,6 +13,7 @@ from petrel.serve.chat import create_chat_completion
 from petrel.serve.chat_template import ChatTemplate, messages_for_template
 from petrel.serve.completions import create_completion
 from petrel.serve.errors import ERROR_RESPONSES, APIError, install_error_handlers
+from petrel.serve.limits import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
 from petrel.serve.logprobs import TokenText
 from petrel.serve.metrics import ServerMetrics
 from petrel.serve.params import ServerLimits
@@ -23,6 +24,7 @@ from petrel.serve.protocol import (ChatCompletionChunk, ChatCompletionRequest, C
 from petrel.serve.streams import ServeState
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MAX_QUEUE_LEN = 1024     # requests waiting beyond the running batch before new ones get 429
 
 _bearer = HTTPBearer(auto_error=False, description="the server's --api-key, when it has one")
 
@@ -58,15 +60,19 @@ def _responses(model, stream_model=None) -> dict:
 
 
 def build_app(llm, served_model_name: str | None = None, api_key: str | None = None,
-              chat_template: str | None = None, max_n: int = 16, health_timeout: float = 5.0) -> FastAPI:
-    """An app serving `llm` (a petrel.LLM). `chat_template` is Jinja source overriding the model's."""
+              chat_template: str | None = None, max_n: int = 16, health_timeout: float = 5.0,
+              max_queue_len: int | None = DEFAULT_MAX_QUEUE_LEN,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    """An app serving `llm` (a petrel.LLM). `chat_template` is Jinja source overriding the model's.
+    At most max_num_seqs + max_queue_len requests are in flight (None: no limit); more get 429."""
     name = served_model_name or getattr(llm.config, "model", None) or DEFAULT_MODEL_NAME
     core = llm.engine.core
     limits = ServerLimits(max_model_len=llm.engine.max_model_len, vocab_size=core.model_config.vocab_size,
                           max_n=max_n)
     state = ServeState(llm=llm, model_name=name, limits=limits,
                        template=ChatTemplate(llm.tokenizer, chat_template), metrics=ServerMetrics(name),
-                       token_text=TokenText(llm.tokenizer), api_key=api_key, health_timeout=health_timeout)
+                       token_text=TokenText(llm.tokenizer), api_key=api_key, health_timeout=health_timeout,
+                       max_pending=None if max_queue_len is None else llm.config.max_num_seqs + max_queue_len)
 
     async def check_key(creds: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
         if state.api_key is None:
@@ -79,6 +85,7 @@ def build_app(llm, served_model_name: str | None = None, api_key: str | None = N
                   description="An OpenAI-compatible server for the petrel inference engine.")
     app.state.petrel = state
     install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
     extra = APIRouter(dependencies=[Depends(check_key)])
 

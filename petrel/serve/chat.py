@@ -109,6 +109,7 @@ async def create_chat_completion(state: ServeState, req: ChatCompletionRequest, 
                                    renames={"max_tokens": param, "logprobs": "top_logprobs"},
                                    guided_decoding=guided.params if guided else None)
     await compile_guided(state, guided)
+    state.check_capacity(1)
     try:
         future = state.llm.generate_async(ids, params, streaming=req.stream, cache_salt=req.cache_salt)
     except ValueError as exc:

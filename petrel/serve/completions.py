@@ -79,6 +79,7 @@ async def create_completion(state: ServeState, req: CompletionRequest, request: 
             prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
             guided_decoding=guided.params if guided else None))
     await compile_guided(state, guided)
+    state.check_capacity(len(prompts))
     futures = []
     try:
         for (_, ids), params in zip(prompts, params_list):

@@ -14,7 +14,7 @@ logger = logging.getLogger("petrel.serve")
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
           405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
-          500: "server_error", 503: "service_unavailable"}
+          429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
 
 
 class APIError(Exception):
@@ -103,6 +103,8 @@ ERROR_RESPONSES = {status: {"model": ErrorResponse, "description": text} for sta
     (400, "invalid request: bad JSON, wrong types, unknown fields, values out of range, too long a prompt"),
     (401, "missing or wrong API key (when the server runs with --api-key)"),
     (404, "unknown model"),
+    (413, "the request body is larger than the server accepts (--max-request-bytes)"),
+    (429, "the server is full: more requests in flight than --max-num-seqs + --max-queue-len; retry later"),
     (500, "an error inside the engine"),
     (503, "the engine is shut down"),
 )}

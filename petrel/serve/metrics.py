@@ -1,7 +1,7 @@
 """Prometheus metrics, one CollectorRegistry per app. The names are part of petrel's interface: never rename.
 
 Per request (recorded when it ends): petrel_request_success_total{finished_reason}, petrel_request_aborted_total
-(the client went away), petrel_prompt_tokens_total,
+(the client went away), petrel_request_rejected_total (429: the server was full), petrel_prompt_tokens_total,
 petrel_generation_tokens_total, petrel_time_to_first_token_seconds, petrel_time_per_output_token_seconds,
 petrel_e2e_request_latency_seconds. Engine state (read through the engine loop at each scrape):
 petrel_num_requests_running, petrel_num_requests_waiting, petrel_kv_cache_usage_perc,
@@ -37,6 +37,8 @@ class ServerMetrics:
         self.request_success = counter("petrel_request_success", "Finished sequences by finish reason",
                                        ["finished_reason"])
         self.aborted = counter("petrel_request_aborted", "Requests aborted because the client went away").labels(**labels)
+        self.rejected = counter("petrel_request_rejected", "Requests refused with 429 because the server was full"
+                                ).labels(**labels)
         self.prompt_tokens = counter("petrel_prompt_tokens", "Prompt tokens of finished requests").labels(**labels)
         self.generation_tokens = counter("petrel_generation_tokens", "Generated tokens").labels(**labels)
         self.ttft = histogram("petrel_time_to_first_token_seconds", "Time to first token", _LATENCY_BUCKETS)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -22,6 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: the model's)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template (file or text) overriding the model's")
     p.add_argument("--max-n", type=int, default=16, help="most choices (n) per request")
+    p.add_argument("--max-queue-len", type=int, default=1024,
+                   help="requests that may wait beyond the running batch; more get 429 (-1: no limit)")
+    p.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024, help="larger bodies get 413")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     g = p.add_argument_group("engine options (see petrel/config.py)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -60,11 +64,32 @@ def run(args) -> int:
     template = load_template_source(args.chat_template)
     llm = LLM(args.model, **engine_options(args))
     try:
-        app = build_app(llm, args.served_model_name, args.api_key, template, max_n=args.max_n)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+        app = build_app(llm, args.served_model_name, args.api_key, template, max_n=args.max_n,
+                        max_queue_len=None if args.max_queue_len < 0 else args.max_queue_len,
+                        max_request_bytes=args.max_request_bytes)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                timeout_graceful_shutdown=5)
+        # uvicorn re-raises the signal that stopped it once it has shut down; with these handlers that
+        # ends here, so a drained SIGTERM / Ctrl-C exits 0 instead of dying by the signal
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: None)
+        DrainingServer(config, llm).run()
     finally:
         llm.shutdown()
     return 0
+
+
+class DrainingServer(uvicorn.Server):
+    """On SIGTERM / Ctrl-C: end every request in flight with a final error event (streams then close with
+    [DONE]), so uvicorn's graceful shutdown finds nothing left to wait for and the process exits 0."""
+
+    def __init__(self, config, llm):
+        super().__init__(config)
+        self.llm = llm
+
+    def handle_exit(self, sig, frame) -> None:
+        self.llm.engine.abort_all("the server is shutting down")
+        super().handle_exit(sig, frame)
 
 
 class BackgroundServer:

@@ -28,7 +28,18 @@ class ServeState:
     token_text: TokenText
     api_key: str | None = None
     health_timeout: float = 5.0
+    max_pending: int | None = None     # most requests in flight (running + queued); past it: 429
     created: int = field(default_factory=lambda: int(time.time()))
+
+    def check_capacity(self, num_new: int = 1) -> None:
+        """Refuse new work with 429 rather than queue without bound."""
+        if self.max_pending is None:
+            return
+        pending = self.llm.engine.num_unfinished_requests
+        if pending + num_new > self.max_pending:
+            self.metrics.rejected.inc()
+            raise APIError(f"the server is full ({pending} requests in flight, limit {self.max_pending}); "
+                           f"retry later", 429, code="server_overloaded")
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
