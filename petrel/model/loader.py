@@ -154,19 +154,37 @@ def load_model_config(source: ModelSource, reader=None) -> ModelConfig:
     return cfg
 
 
+class _ReadingFiles:
+    """Turns any failure while reading model files into a ValueError that names the file and says why."""
+
+    def __init__(self, source: ModelSource):
+        self.source = source
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        if exc is None or isinstance(exc, (KeyboardInterrupt, MemoryError)):
+            return False
+        raise ValueError(f"could not read the model at {self.source.path}: {type(exc).__name__}: {exc} "
+                         f"(is the file complete and not corrupt?)") from exc
+
+
 def load_model(source: ModelSource, dtype: torch.dtype, device: str) -> tuple[torch.nn.Module, ModelConfig]:
-    reader = _gguf_reader(source) if source.kind == "gguf" else None
-    cfg = load_model_config(source, reader)
+    with _ReadingFiles(source):
+        reader = _gguf_reader(source) if source.kind == "gguf" else None
+        cfg = load_model_config(source, reader)
     cls = model_class(cfg.architecture, f"model {source.name!r}")
     with torch.device("meta"):
         model = cls(cfg)
     model = model.to_empty(device="cpu").float()
     if cfg.tie_word_embeddings:  # to_empty() unties shared parameters
         model.lm_head.weight = model.model.embed_tokens.weight
-    if reader is not None:
-        model.load_weights(gguf_weights(reader, cfg))
-    else:
-        model.load_weights(hf_weights(source.path))
+    with _ReadingFiles(source):
+        if reader is not None:
+            model.load_weights(gguf_weights(reader, cfg))
+        else:
+            model.load_weights(hf_weights(source.path))
     # buffers (rotary tables) were created on meta: rebuild them on the real device
     for module in model.modules():
         if hasattr(module, "cos") and hasattr(module, "sin"):
