@@ -46,7 +46,7 @@ class FakeEngine:
 
 
 def fake_llm(tokenizer, mode="ok"):
-    return SimpleNamespace(tokenizer=tokenizer, engine=FakeEngine(mode), config=SimpleNamespace(model=None))
+    return SimpleNamespace(tokenizer=tokenizer, engine=FakeEngine(mode), config=SimpleNamespace(model=None, max_num_seqs=4))
 
 
 LIMITS = ServerLimits(max_model_len=100, vocab_size=1000, max_n=4)
