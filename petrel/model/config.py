@@ -19,7 +19,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False     # bias on q, k, v and o projections (Llama's flag)
+    qkv_bias: bool = False           # bias on q, k, v only (Qwen2)
     mlp_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
@@ -27,6 +28,7 @@ class ModelConfig:
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelConfig":
         archs = cfg.get("architectures") or []
+        architecture = archs[0] if archs else cfg.get("model_type", "?")
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         rope_scaling = cfg.get("rope_scaling")
@@ -37,7 +39,7 @@ class ModelConfig:
             if rope_params.get("rope_type", "default") != "default":
                 rope_scaling = rope_params
         return cls(
-            architecture=archs[0] if archs else cfg.get("model_type", "?"),
+            architecture=architecture,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
@@ -51,6 +53,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=cfg.get("attention_bias", False),
+            qkv_bias=architecture == "Qwen2ForCausalLM",   # Qwen2 always has them; the config does not say
             mlp_bias=cfg.get("mlp_bias", False),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),

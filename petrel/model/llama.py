@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral without sliding window) over a flat token batch."""
+"""Llama-family decoder over a flat token batch: Llama 2/3, SmolLM2, Mistral, and the families that differ from
+Llama only by a config flag: Qwen2 / Qwen2.5 (bias on q, k, v)."""
 from __future__ import annotations
 
 from typing import Iterable
@@ -17,7 +18,8 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=cfg.attention_bias or cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
         self.rotary = rotary
         self.scale = self.head_dim ** -0.5

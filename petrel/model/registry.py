@@ -6,6 +6,7 @@ from petrel.model.llama import LlamaForCausalLM
 MODEL_CLASSES = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,      # + qkv bias (ModelConfig.qkv_bias)
 }
 
 

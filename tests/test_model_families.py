@@ -1,0 +1,128 @@
+"""Model families beyond Llama, each on a tiny random-weight model checked against transformers.
+
+For every family a tiny model (vocab 256, hidden 64, 2 layers, 4 heads, 2 KV heads) is built with transformers,
+its weights re-drawn (norms not all ones, biases not all zeros), saved as safetensors and loaded through
+petrel's loader. Then: (a) prefill logits equal transformers', (b) step-by-step paged decode equals
+transformers, (c) chunked prefill equals one shot, (d) the whole engine's greedy tokens equal `hf.generate`.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from petrel.engine.model_runner import kv_bytes_per_block  # noqa: E402
+from petrel.model.loader import load_model, resolve_model  # noqa: E402
+
+from test_model_tiny import PagedDriver, _engine_generate, _hf_generate, assert_close  # noqa: E402
+from tiny_llama import VOCAB, Tiny, _tokens, redraw_weights  # noqa: E402
+
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+
+# family id -> (transformers config class name, model class name, config overrides)
+FAMILIES = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False)),
+    "qwen2-tied": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+}
+FAMILY_IDS = list(FAMILIES)
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    cache: dict = {}
+
+    def build(name: str, seed: int = 0) -> Tiny:
+        if (name, seed) not in cache:
+            config_cls, model_cls, overrides = FAMILIES[name]
+            config = getattr(transformers, config_cls)(**{**COMMON, **overrides})
+            config._attn_implementation = "eager"   # a reference independent of petrel's SDPA calls
+            torch.manual_seed(seed)
+            hf = getattr(transformers, model_cls)(config)
+            redraw_weights(hf, seed)
+            hf = hf.float().eval()
+            path = tmp_path_factory.mktemp(name)
+            hf.save_pretrained(path, safe_serialization=True)
+            model, cfg = load_model(resolve_model(str(path)), torch.float32, "cpu")
+            cache[(name, seed)] = Tiny(hf, model, cfg, str(path))
+        return cache[(name, seed)]
+
+    return build
+
+
+def test_qwen2_loads_qkv_bias(family):
+    for name, tied in (("qwen2", False), ("qwen2-tied", True)):
+        t = family(name)
+        assert t.cfg.architecture == "Qwen2ForCausalLM" and t.cfg.qkv_bias and not t.cfg.attention_bias
+        assert t.cfg.tie_word_embeddings == tied
+        attn = t.model.model.layers[1].self_attn
+        assert attn.o_proj.bias is None
+        hf_attn = t.hf.model.layers[1].self_attn
+        expected = torch.cat([hf_attn.q_proj.bias, hf_attn.k_proj.bias, hf_attn.v_proj.bias])
+        torch.testing.assert_close(attn.qkv_proj.bias, expected, atol=0, rtol=0)
+        assert expected.abs().min() > 0    # re-drawn, so a lost bias would show in the logits
+
+
+# ---------------------------------------------------------------- (a) prefill
+
+@pytest.mark.parametrize("name", FAMILY_IDS)
+def test_prefill_matches_transformers(family, name):
+    t = family(name)
+    drv = PagedDriver(t, block_size=4)
+    prompts = [_tokens(23, 1), _tokens(9, 2), _tokens(1, 3)]   # mid-block ends, and a one-token prompt
+    seqs = [drv.new_seq(p) for p in prompts]
+    outs = drv.step([(s, s.num_tokens) for s in seqs])
+    for p, out in zip(prompts, outs):
+        assert_close(out, t.hf_logits(p), f"{name}: prefill of {len(p)} tokens")
+
+
+# ---------------------------------------------------------------- (b) decode through the paged cache
+
+@pytest.mark.parametrize("name", FAMILY_IDS)
+def test_step_by_step_decode_matches_transformers(family, name):
+    t = family(name)
+    drv = PagedDriver(t, block_size=4)
+    tokens = _tokens(30, 10)
+    other = _tokens(14, 11)
+    a, b = drv.new_seq(tokens), drv.new_seq(other)
+    got_a, got_b = drv.step([(a, 6), (b, 5)])
+    got_a, got_b = [got_a], [got_b]
+    for i in range(24):               # a decodes to the end; b decodes next to it while it lasts
+        work = [(a, 1)] + ([(b, 1)] if b.num_computed_tokens < b.num_tokens else [])
+        outs = drv.step(work)
+        got_a.append(outs[0])
+        if len(outs) > 1:
+            got_b.append(outs[1])
+    assert_close(torch.cat(got_a), t.hf_logits(tokens), f"{name}: step-by-step decode")
+    assert_close(torch.cat(got_b), t.hf_logits(other), f"{name}: decode next to another sequence")
+
+
+# ---------------------------------------------------------------- (c) chunked prefill
+
+@pytest.mark.parametrize("name", FAMILY_IDS)
+def test_chunked_prefill_matches_one_shot(family, name):
+    t = family(name)
+    tokens = _tokens(30, 30)
+    one = PagedDriver(t, block_size=4)
+    one_shot = one.run_chunks(one.new_seq(tokens), [30])
+    for chunks in ([8, 12, 10], [5, 1, 17, 7]):
+        drv = PagedDriver(t, block_size=4, seed=3)
+        chunked = drv.run_chunks(drv.new_seq(tokens), chunks)
+        assert_close(chunked, one_shot, f"{name}: chunks {chunks} vs one shot")
+    assert_close(one_shot, t.hf_logits(tokens), f"{name}: one shot vs transformers")
+
+
+# ---------------------------------------------------------------- (d) the whole engine, greedy
+
+@pytest.mark.parametrize("name", FAMILY_IDS)
+def test_engine_greedy_matches_transformers_generate(family, name):
+    t = family(name)
+    shared = _tokens(9, 60)
+    prompts = [_tokens(21, 61), shared + _tokens(5, 62), shared]
+    blocks = 64 * kv_bytes_per_block(t.cfg, 4, torch.float32)
+    results, core = _engine_generate(t, prompts, 16, block_size=4, max_num_batched_tokens=16, kv_cache_memory=blocks)
+    assert core.scheduler.prefix_hit_tokens == 8    # the third prompt reused the second one's two blocks
+    for i, p in enumerate(prompts):
+        expected = _hf_generate(t, p, 16)
+        assert results[f"req{i}"] == expected, f"{name} prompt {i}: petrel {results[f'req{i}']} != {expected}"
