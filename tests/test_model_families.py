@@ -25,8 +25,12 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidde
 FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False)),
     "qwen2-tied": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    # head_dim 32 != hidden / heads (16): q/o projections wider than hidden, as in Qwen3 checkpoints
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=True)),
+    "qwen3-bias": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, attention_bias=True)),
 }
-FAMILY_IDS = list(FAMILIES)
+VARIANT_IDS = list(FAMILIES)                          # prefill and decode run on every variant
+FAMILY_IDS = ["qwen2", "qwen3"]                       # one per family for the slower tests
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +68,23 @@ def test_qwen2_loads_qkv_bias(family):
         assert expected.abs().min() > 0    # re-drawn, so a lost bias would show in the logits
 
 
+def test_qwen3_loads_qk_norm(family):
+    t = family("qwen3")
+    assert t.cfg.architecture == "Qwen3ForCausalLM" and t.cfg.qk_norm and t.cfg.head_dim == 32
+    assert not (t.cfg.qkv_bias or t.cfg.attention_bias) and t.model.model.layers[0].self_attn.qkv_proj.bias is None
+    for i in range(2):
+        attn, hf_attn = t.model.model.layers[i].self_attn, t.hf.model.layers[i].self_attn
+        for mine, theirs in ((attn.q_norm, hf_attn.q_norm), (attn.k_norm, hf_attn.k_norm)):
+            assert mine.weight.shape == (32,)
+            torch.testing.assert_close(mine.weight, theirs.weight, atol=0, rtol=0)
+            assert not torch.allclose(mine.weight, torch.ones(32), atol=0.05)   # re-drawn: a skipped norm shows
+    biased = family("qwen3-bias")      # Qwen3's attention_bias puts a bias on o_proj too
+    assert biased.cfg.attention_bias and biased.model.model.layers[0].self_attn.o_proj.bias is not None
+
+
 # ---------------------------------------------------------------- (a) prefill
 
-@pytest.mark.parametrize("name", FAMILY_IDS)
+@pytest.mark.parametrize("name", VARIANT_IDS)
 def test_prefill_matches_transformers(family, name):
     t = family(name)
     drv = PagedDriver(t, block_size=4)
@@ -79,7 +97,7 @@ def test_prefill_matches_transformers(family, name):
 
 # ---------------------------------------------------------------- (b) decode through the paged cache
 
-@pytest.mark.parametrize("name", FAMILY_IDS)
+@pytest.mark.parametrize("name", VARIANT_IDS)
 def test_step_by_step_decode_matches_transformers(family, name):
     t = family(name)
     drv = PagedDriver(t, block_size=4)

@@ -21,6 +21,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False     # bias on q, k, v and o projections (Llama's flag)
     qkv_bias: bool = False           # bias on q, k, v only (Qwen2)
+    qk_norm: bool = False            # RMS norm over each head of q and k, before rotary (Qwen3)
     mlp_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
@@ -54,6 +55,7 @@ class ModelConfig:
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=cfg.get("attention_bias", False),
             qkv_bias=architecture == "Qwen2ForCausalLM",   # Qwen2 always has them; the config does not say
+            qk_norm=architecture == "Qwen3ForCausalLM",
             mlp_bias=cfg.get("mlp_bias", False),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),

@@ -7,6 +7,7 @@ MODEL_CLASSES = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,      # + qkv bias (ModelConfig.qkv_bias)
+    "Qwen3ForCausalLM": LlamaForCausalLM,      # + per-head q/k norm (ModelConfig.qk_norm)
 }
 
 
