@@ -28,9 +28,14 @@ FAMILIES = {
     # head_dim 32 != hidden / heads (16): q/o projections wider than hidden, as in Qwen3 checkpoints
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=True)),
     "qwen3-bias": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, attention_bias=True)),
+    # a window of 8 keys under sequences of up to 30 tokens in blocks of 4
+    "mistral-sw": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8)),
+    # layer 0 full, layer 1 windowed (max_window_layers), a window of 6 that is not a multiple of the block size
+    "qwen2-sw": ("Qwen2Config", "Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=6,
+                                                          max_window_layers=1)),
 }
 VARIANT_IDS = list(FAMILIES)                          # prefill and decode run on every variant
-FAMILY_IDS = ["qwen2", "qwen3"]                       # one per family for the slower tests
+FAMILY_IDS = ["qwen2", "qwen3", "mistral-sw"]                       # one per family for the slower tests
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +85,37 @@ def test_qwen3_loads_qk_norm(family):
             assert not torch.allclose(mine.weight, torch.ones(32), atol=0.05)   # re-drawn: a skipped norm shows
     biased = family("qwen3-bias")      # Qwen3's attention_bias puts a bias on o_proj too
     assert biased.cfg.attention_bias and biased.model.model.layers[0].self_attn.o_proj.bias is not None
+
+
+def test_sliding_window_config(family):
+    assert family("mistral-sw").cfg.sliding_windows == [8, 8]
+    assert family("qwen2-sw").cfg.sliding_windows == [None, 6]
+    assert family("qwen2").cfg.sliding_windows == []      # Qwen2.5 checkpoints: use_sliding_window false
+    mistral = family("mistral-sw").model.model.layers
+    assert [layer.self_attn.sliding_window for layer in mistral] == [8, 8]
+
+
+@pytest.mark.parametrize("name", ["mistral-sw", "qwen2-sw"])
+def test_sliding_window_matters(family, name):
+    """The window changes the logits past it: petrel with the window ignored is far from transformers."""
+    t = family(name)
+    tokens = _tokens(30, 8)
+    ref = t.hf_logits(tokens)
+    layers = [layer.self_attn for layer in t.model.model.layers]
+    windows = [a.sliding_window for a in layers]
+    try:
+        for a in layers:
+            a.sliding_window = None
+        drv = PagedDriver(t)
+        unwindowed = drv.run_chunks(drv.new_seq(tokens), [12, 9] + [1] * 9)
+    finally:
+        for a, w in zip(layers, windows):
+            a.sliding_window = w
+    window = max(w for w in windows if w)
+    assert_close(unwindowed[:window], ref[:window], "within the window")   # no difference before it fills
+    assert (unwindowed[window:] - ref[window:]).abs().max() > 0.1
+    drv = PagedDriver(t)
+    assert_close(drv.run_chunks(drv.new_seq(tokens), [12, 9] + [1] * 9), ref, "windowed")
 
 
 # ---------------------------------------------------------------- (a) prefill

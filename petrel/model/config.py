@@ -23,6 +23,7 @@ class ModelConfig:
     qkv_bias: bool = False           # bias on q, k, v only (Qwen2)
     qk_norm: bool = False            # RMS norm over each head of q and k, before rotary (Qwen3)
     mlp_bias: bool = False
+    sliding_windows: list[int | None] = field(default_factory=list)  # per layer: keys a query sees, None = all
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -57,9 +58,13 @@ class ModelConfig:
             qkv_bias=architecture == "Qwen2ForCausalLM",   # Qwen2 always has them; the config does not say
             qk_norm=architecture == "Qwen3ForCausalLM",
             mlp_bias=cfg.get("mlp_bias", False),
+            sliding_windows=_sliding_windows(cfg),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
         )
+
+    def sliding_window(self, layer: int) -> int | None:
+        return self.sliding_windows[layer] if self.sliding_windows else None
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict, has_output_tensor: bool) -> "ModelConfig":
@@ -93,3 +98,17 @@ class ModelConfig:
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=[eos] if eos is not None else [],
         )
+
+
+def _sliding_windows(cfg: dict) -> list[int | None]:
+    """Each layer's attention window from a Hugging Face config: `sliding_window` (Mistral, Phi-3: every layer),
+    gated by `use_sliding_window` and split by `layer_types` or `max_window_layers` (Qwen2, Qwen3)."""
+    window, n = cfg.get("sliding_window"), cfg["num_hidden_layers"]
+    if not window or cfg.get("use_sliding_window", True) is False:
+        return []
+    types = cfg.get("layer_types")
+    if types is None and "max_window_layers" in cfg:
+        types = ["sliding_attention" if i >= cfg["max_window_layers"] else "full_attention" for i in range(n)]
+    if types is None:
+        return [window] * n
+    return [window if t == "sliding_attention" else None for t in types]
