@@ -13,7 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from petrel.engine.model_runner import kv_bytes_per_block  # noqa: E402
-from petrel.model.loader import load_model, resolve_model  # noqa: E402
+from petrel.model.loader import hf_weights, load_model, resolve_model  # noqa: E402
 
 from test_model_tiny import PagedDriver, _engine_generate, _hf_generate, assert_close  # noqa: E402
 from tiny_llama import VOCAB, Tiny, _tokens, redraw_weights  # noqa: E402
@@ -33,9 +33,12 @@ FAMILIES = {
     # layer 0 full, layer 1 windowed (max_window_layers), a window of 6 that is not a multiple of the block size
     "qwen2-sw": ("Qwen2Config", "Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=6,
                                                           max_window_layers=1)),
+    # checkpoint with fused qkv_proj and gate_up_proj; Phi-3-mini-4k's config has a sliding window too
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0)),
+    "phi3-sw": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0, sliding_window=8, tie_word_embeddings=True)),
 }
 VARIANT_IDS = list(FAMILIES)                          # prefill and decode run on every variant
-FAMILY_IDS = ["qwen2", "qwen3", "mistral-sw"]                       # one per family for the slower tests
+FAMILY_IDS = ["qwen2", "qwen3", "mistral-sw", "phi3"]                      # one per family for the slower tests
 
 
 @pytest.fixture(scope="module")
@@ -87,15 +90,33 @@ def test_qwen3_loads_qk_norm(family):
     assert biased.cfg.attention_bias and biased.model.model.layers[0].self_attn.o_proj.bias is not None
 
 
+def test_phi3_loads_fused_checkpoint(family):
+    t = family("phi3")
+    assert t.cfg.architecture == "Phi3ForCausalLM" and t.cfg.sliding_windows == []
+    names = {name for name, _ in hf_weights(t.path)}
+    assert "model.layers.0.self_attn.qkv_proj.weight" in names and "model.layers.0.mlp.gate_up_proj.weight" in names
+    mine, theirs = t.model.state_dict(), t.hf.state_dict()
+    for name in ("model.layers.1.self_attn.qkv_proj.weight", "model.layers.1.mlp.gate_up_proj.weight"):
+        torch.testing.assert_close(mine[name], theirs[name], atol=0, rtol=0)
+
+
+def test_partial_rotary_is_refused(tmp_path):
+    config = transformers.Phi3Config(**COMMON, pad_token_id=0, partial_rotary_factor=0.5)
+    transformers.Phi3ForCausalLM(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.5"):
+        load_model(resolve_model(str(tmp_path)), torch.float32, "cpu")
+
+
 def test_sliding_window_config(family):
     assert family("mistral-sw").cfg.sliding_windows == [8, 8]
     assert family("qwen2-sw").cfg.sliding_windows == [None, 6]
     assert family("qwen2").cfg.sliding_windows == []      # Qwen2.5 checkpoints: use_sliding_window false
+    assert family("phi3-sw").cfg.sliding_windows == [8, 8]
     mistral = family("mistral-sw").model.model.layers
     assert [layer.self_attn.sliding_window for layer in mistral] == [8, 8]
 
 
-@pytest.mark.parametrize("name", ["mistral-sw", "qwen2-sw"])
+@pytest.mark.parametrize("name", ["mistral-sw", "qwen2-sw", "phi3-sw"])
 def test_sliding_window_matters(family, name):
     """The window changes the logits past it: petrel with the window ignored is far from transformers."""
     t = family(name)

@@ -40,6 +40,9 @@ class ModelConfig:
             rope_theta = rope_params.get("rope_theta", rope_theta)
             if rope_params.get("rope_type", "default") != "default":
                 rope_scaling = rope_params
+        partial = (rope_params or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+        if partial != 1.0:
+            raise ValueError(f"partial rotary embedding (partial_rotary_factor {partial}) is not supported")
         return cls(
             architecture=architecture,
             vocab_size=cfg["vocab_size"],

@@ -1,7 +1,8 @@
 """Llama-family decoder over a flat token batch.
 
 Llama 2/3, SmolLM2 and Mistral (sliding window included), and the families that differ from Llama only by a
-config flag: Qwen2 / Qwen2.5 (bias on q, k, v), Qwen3 (RMS norm on each q and k head before rotary).
+config flag: Qwen2 / Qwen2.5 (bias on q, k, v), Qwen3 (RMS norm on each q and k head before rotary). Phi-3 is
+Llama with q/k/v and gate/up stored fused in the checkpoint, as petrel holds them.
 """
 from __future__ import annotations
 
@@ -127,7 +128,8 @@ class LlamaForCausalLM(nn.Module):
                 if params[name].shape != tensor.shape:
                     raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}")
                 params[name].data.copy_(tensor)
-                loaded.add(name)
+                fused = next((f for f in shard_sizes if f in name), None)   # stored fused already (Phi-3)
+                loaded.update([f"{name}#{i}" for i in range(len(shard_sizes[fused]))] if fused else [name])
         expected = set()
         for pname in params:
             fused = next((f for f in shard_sizes if f in pname), None)
