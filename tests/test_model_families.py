@@ -13,7 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from petrel.engine.model_runner import kv_bytes_per_block  # noqa: E402
-from petrel.model.loader import hf_weights, load_model, resolve_model  # noqa: E402
+from petrel.model.loader import _GGUF_NAMES, hf_weights, load_model, resolve_model  # noqa: E402
 
 from test_model_tiny import PagedDriver, _engine_generate, _hf_generate, assert_close  # noqa: E402
 from tiny_llama import VOCAB, Tiny, _tokens, redraw_weights  # noqa: E402
@@ -201,3 +201,55 @@ def test_engine_greedy_matches_transformers_generate(family, name):
     for i, p in enumerate(prompts):
         expected = _hf_generate(t, p, 16)
         assert results[f"req{i}"] == expected, f"{name} prompt {i}: petrel {results[f'req{i}']} != {expected}"
+
+
+# ---------------------------------------------------------------- GGUF files of the Qwen families
+
+def _write_gguf(t: Tiny, arch: str, path: str) -> None:
+    """The tiny model as llama.cpp lays it out (float32 tensors, llama.cpp names; no q/k permutation for qwen)."""
+    gguf = pytest.importorskip("gguf")
+    c = t.hf.config
+    w = gguf.GGUFWriter(path, arch)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(t.cfg.head_dim)
+    w.add_value_length(t.cfg.head_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"t{i}" for i in range(VOCAB)])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    gguf_name = {hf: short for short, hf in _GGUF_NAMES.items()}
+    for name, tensor in t.hf.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        parts = name.split(".")
+        if parts[:2] == ["model", "layers"]:
+            target = f"blk.{parts[2]}.{gguf_name['.'.join(parts[3:-1])]}.{parts[-1]}"
+        else:
+            target = f"{gguf_name['.'.join(parts[:-1])]}.{parts[-1]}"
+        w.add_tensor(target, tensor.numpy().astype("float32"))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("name,arch", [("qwen2", "qwen2"), ("qwen3", "qwen3")])
+def test_gguf_qwen_matches_transformers(family, tmp_path, name, arch):
+    t = family(name)
+    path = str(tmp_path / f"{name}.gguf")
+    _write_gguf(t, arch, path)
+    model, cfg = load_model(resolve_model(path), torch.float32, "cpu")
+    assert cfg.architecture == t.cfg.architecture and cfg.head_dim == t.cfg.head_dim
+    assert (cfg.qkv_bias, cfg.qk_norm, cfg.tie_word_embeddings) == (t.cfg.qkv_bias, t.cfg.qk_norm,
+                                                                    t.cfg.tie_word_embeddings)
+    g = Tiny(t.hf, model, cfg, path)
+    tokens = _tokens(19, 70)
+    drv = PagedDriver(g)
+    assert_close(drv.run_chunks(drv.new_seq(tokens), [11, 1, 7]), t.hf_logits(tokens), f"{name} from GGUF")

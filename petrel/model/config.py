@@ -4,6 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+# GGUF `general.architecture` -> the Hugging Face architecture it holds (the same metadata keys for each)
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
 @dataclass
 class ModelConfig:
     architecture: str
@@ -72,8 +76,8 @@ class ModelConfig:
     @classmethod
     def from_gguf_metadata(cls, meta: dict, has_output_tensor: bool) -> "ModelConfig":
         arch = meta["general.architecture"]
-        if arch != "llama":
-            raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: llama)")
+        if arch not in GGUF_ARCHITECTURES:
+            raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHITECTURES)})")
 
         def get(key, default=None):
             return meta.get(f"{arch}.{key}", default)
@@ -84,8 +88,9 @@ class ModelConfig:
         if get("rope.scaling.type") == "linear":
             scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
         eos = meta.get("tokenizer.ggml.eos_token_id")
+        architecture = GGUF_ARCHITECTURES[arch]
         return cls(
-            architecture="LlamaForCausalLM",
+            architecture=architecture,
             vocab_size=get("vocab_size") or len(meta["tokenizer.ggml.tokens"]),
             hidden_size=hidden,
             intermediate_size=get("feed_forward_length"),
@@ -98,6 +103,8 @@ class ModelConfig:
             rope_theta=get("rope.freq_base", 10000.0),
             rope_scaling=scaling,
             tie_word_embeddings=not has_output_tensor,
+            qkv_bias=architecture == "Qwen2ForCausalLM",
+            qk_norm=architecture == "Qwen3ForCausalLM",
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=[eos] if eos is not None else [],
         )
