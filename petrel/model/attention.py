@@ -6,9 +6,9 @@ prefill chunks follow, one call per sequence. Every sequence reads its keys and 
 table, so prefix-cache hits, chunked prefill and recomputation after preemption are all the same code path.
 
 Sliding-window attention (Mistral, Phi-3, some Qwen layers): with a window W, the query at position p sees only
-the keys at positions p-W+1 .. p. Both paths then gather only the blocks that hold a key some query of the call
-can see, and mask the rest of the span. Blocks wholly behind the window stay allocated in the cache (the block
-manager knows nothing of windows); they are just never read.
+the keys at positions p-W+1 .. p. Decode groups and cached prefill chunks skip the leading blocks that no query
+of the call can see and mask the rest of the span; a one-shot prefill masks its fresh K/V. Blocks wholly behind
+the window stay allocated in the cache (the block manager knows nothing of windows); they are just never read.
 """
 from __future__ import annotations
 
