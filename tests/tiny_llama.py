@@ -47,8 +47,15 @@ def _build_hf(kv_heads: int, tied: bool, rope_scaling: dict | None, seed: int,
     config._attn_implementation = "eager"             # a reference independent of petrel's SDPA calls
     torch.manual_seed(seed)
     hf = HFLlamaForCausalLM(config)
-    # Re-draw every weight, norms included (transformers initialises norms to 1, which would hide a
-    # misplaced norm), large enough that logits are peaked and greedy choices are not near-ties.
+    redraw_weights(hf, seed)
+    if tied:
+        assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+    return hf.float().eval()
+
+
+def redraw_weights(hf: torch.nn.Module, seed: int) -> None:
+    """Re-draw every weight, norms included (transformers initialises norms to 1, which would hide a
+    misplaced norm), large enough that logits are peaked and greedy choices are not near-ties."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in hf.named_parameters():
@@ -58,9 +65,6 @@ def _build_hf(kv_heads: int, tied: bool, rope_scaling: dict | None, seed: int,
                 p.copy_(torch.randn(p.shape, generator=g))
             else:
                 p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
-    if tied:
-        assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
-    return hf.float().eval()
 
 
 def tiny_factory(tmp_path_factory):

@@ -91,9 +91,10 @@ class ModelRunner:
             lens = decode_lens[start:start + DECODE_GROUP_SIZE]
             width = max(len(t) for t in tables)
             span = torch.arange(width * bs, device=self.device)
+            lens_t = self._tensor(lens)
             meta.decode_groups.append(DecodeGroup(
                 start, start + len(tables), self._tensor([t + [0] * (width - len(t)) for t in tables]),
-                span.unsqueeze(0) < self._tensor(lens).unsqueeze(1)))
+                span.unsqueeze(0) < lens_t.unsqueeze(1), lens, lens_t))
         return self._tensor(input_ids), self._tensor(positions), meta
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:

@@ -4,6 +4,11 @@ A step's tokens arrive as one flat batch. Decode tokens (one query per sequence)
 context length and attended in a few batched calls (groups of similar lengths, so little padding is read);
 prefill chunks follow, one call per sequence. Every sequence reads its keys and values through its block
 table, so prefix-cache hits, chunked prefill and recomputation after preemption are all the same code path.
+
+Sliding-window attention (Mistral, Phi-3, some Qwen layers): with a window W, the query at position p sees only
+the keys at positions p-W+1 .. p. Decode groups and cached prefill chunks skip the leading blocks that no query
+of the call can see and mask the rest of the span; a one-shot prefill masks its fresh K/V. Blocks wholly behind
+the window stay allocated in the cache (the block manager knows nothing of windows); they are just never read.
 """
 from __future__ import annotations
 
@@ -29,6 +34,8 @@ class DecodeGroup:
     end: int
     block_tables: torch.Tensor      # [rows, max_blocks] int64, padded with block 0
     mask: torch.Tensor              # [rows, max_blocks * block_size] bool: True where a key is in context
+    context_lens: list[int]         # per row: tokens in the KV cache, this step's included
+    context_lens_t: torch.Tensor    # the same on the device, int64
 
 
 @dataclass
@@ -45,29 +52,68 @@ def new_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: 
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, heads, d]; k, v: [T, kv_heads, d] for this step's tokens. Returns [T, heads, d]."""
+                    meta: AttentionMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """q: [T, heads, d]; k, v: [T, kv_heads, d] for this step's tokens. Returns [T, heads, d].
+
+    sliding_window: when set, each query attends to its last `sliding_window` positions only (itself included).
+    """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    block_size = key_cache.shape[1]
 
     out = torch.empty_like(q)
     for g in meta.decode_groups:
-        out[g.start:g.end] = _decode_attention(q[g.start:g.end], key_cache, value_cache, g.block_tables, g.mask, scale)
+        tables, mask = g.block_tables, g.mask
+        if sliding_window is not None and max(g.context_lens) > sliding_window:
+            tables, mask = _windowed_decode_span(g, sliding_window, block_size)
+        out[g.start:g.end] = _decode_attention(q[g.start:g.end], key_cache, value_cache, tables, mask, scale)
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)
-        if chunk.mask is None:  # the whole context is in this step: use the fresh K/V directly
-            kp, vp = k[rows], v[rows]
+        first_pos = chunk.context_len - chunk.num_tokens
+        if sliding_window is not None and chunk.context_len > sliding_window:
+            # Keys from the block holding the first visible position on; mask causal and window together.
+            first_block = max(0, first_pos - sliding_window + 1) // block_size
+            offset = first_block * block_size
+            if chunk.mask is None:      # first_pos == 0, so offset == 0: the fresh K/V are the whole context
+                kp, vp = k[rows], v[rows]
+            else:
+                kp, vp = _gather(key_cache, value_cache, chunk.block_table[first_block:], chunk.context_len - offset)
+            q_pos = torch.arange(first_pos, chunk.context_len, device=q.device).unsqueeze(1)
+            k_pos = torch.arange(offset, chunk.context_len, device=q.device).unsqueeze(0)
+            mask, causal = (k_pos <= q_pos) & (k_pos > q_pos - sliding_window), False
+        elif chunk.mask is None:        # the whole context is in this step: use the fresh K/V directly
+            kp, vp, mask, causal = k[rows], v[rows], None, True
         else:
-            kp = key_cache[chunk.block_table].view(-1, num_kv_heads, head_dim)[:chunk.context_len]
-            vp = value_cache[chunk.block_table].view(-1, num_kv_heads, head_dim)[:chunk.context_len]
+            kp, vp = _gather(key_cache, value_cache, chunk.block_table, chunk.context_len)
+            mask, causal = chunk.mask, False
         op = F.scaled_dot_product_attention(
             q[rows].transpose(0, 1).unsqueeze(0), kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
-            attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale, enable_gqa=True)
+            attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
         out[rows] = op.squeeze(0).transpose(0, 1)
     return out
+
+
+def _gather(key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor, length: int):
+    """The first `length` keys and values held by the blocks of `block_table`, as [length, kv_heads, d]."""
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    return (key_cache[block_table].view(-1, num_kv_heads, head_dim)[:length],
+            value_cache[block_table].view(-1, num_kv_heads, head_dim)[:length])
+
+
+def _windowed_decode_span(g: DecodeGroup, window: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode group's block tables and mask restricted to a sliding window.
+
+    The query of a row with context length L sits at position L-1 and sees keys L-W .. L-1. Block columns
+    before the earliest such key of any row are dropped; what remains is masked per row.
+    """
+    first_block = max(0, min(g.context_lens) - window) // block_size
+    offset = first_block * block_size
+    k_pos = torch.arange(offset, g.block_tables.shape[1] * block_size, device=g.mask.device).unsqueeze(0)
+    in_window = k_pos >= (g.context_lens_t - window).unsqueeze(1)
+    return g.block_tables[:, first_block:], g.mask[:, offset:] & in_window
 
 
 def _decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -4,6 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+# GGUF `general.architecture` -> the Hugging Face architecture it holds (the same metadata keys for each)
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
 @dataclass
 class ModelConfig:
     architecture: str
@@ -19,14 +23,18 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False     # bias on q, k, v and o projections (Llama's flag)
+    qkv_bias: bool = False           # bias on q, k, v only (Qwen2)
+    qk_norm: bool = False            # RMS norm over each head of q and k, before rotary (Qwen3)
     mlp_bias: bool = False
+    sliding_windows: list[int | None] = field(default_factory=list)  # per layer: keys a query sees, None = all
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelConfig":
         archs = cfg.get("architectures") or []
+        architecture = archs[0] if archs else cfg.get("model_type", "?")
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         rope_scaling = cfg.get("rope_scaling")
@@ -36,8 +44,11 @@ class ModelConfig:
             rope_theta = rope_params.get("rope_theta", rope_theta)
             if rope_params.get("rope_type", "default") != "default":
                 rope_scaling = rope_params
+        partial = (rope_params or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+        if partial != 1.0:
+            raise ValueError(f"partial rotary embedding (partial_rotary_factor {partial}) is not supported")
         return cls(
-            architecture=archs[0] if archs else cfg.get("model_type", "?"),
+            architecture=architecture,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
@@ -51,16 +62,22 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=cfg.get("attention_bias", False),
+            qkv_bias=architecture == "Qwen2ForCausalLM",   # Qwen2 always has them; the config does not say
+            qk_norm=architecture == "Qwen3ForCausalLM",
             mlp_bias=cfg.get("mlp_bias", False),
+            sliding_windows=_sliding_windows(cfg),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
         )
 
+    def sliding_window(self, layer: int) -> int | None:
+        return self.sliding_windows[layer] if self.sliding_windows else None
+
     @classmethod
     def from_gguf_metadata(cls, meta: dict, has_output_tensor: bool) -> "ModelConfig":
         arch = meta["general.architecture"]
-        if arch != "llama":
-            raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: llama)")
+        if arch not in GGUF_ARCHITECTURES:
+            raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHITECTURES)})")
 
         def get(key, default=None):
             return meta.get(f"{arch}.{key}", default)
@@ -71,8 +88,9 @@ class ModelConfig:
         if get("rope.scaling.type") == "linear":
             scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
         eos = meta.get("tokenizer.ggml.eos_token_id")
+        architecture = GGUF_ARCHITECTURES[arch]
         return cls(
-            architecture="LlamaForCausalLM",
+            architecture=architecture,
             vocab_size=get("vocab_size") or len(meta["tokenizer.ggml.tokens"]),
             hidden_size=hidden,
             intermediate_size=get("feed_forward_length"),
@@ -85,6 +103,22 @@ class ModelConfig:
             rope_theta=get("rope.freq_base", 10000.0),
             rope_scaling=scaling,
             tie_word_embeddings=not has_output_tensor,
+            qkv_bias=architecture == "Qwen2ForCausalLM",
+            qk_norm=architecture == "Qwen3ForCausalLM",
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=[eos] if eos is not None else [],
         )
+
+
+def _sliding_windows(cfg: dict) -> list[int | None]:
+    """Each layer's attention window from a Hugging Face config: `sliding_window` (Mistral, Phi-3: every layer),
+    gated by `use_sliding_window` and split by `layer_types` or `max_window_layers` (Qwen2, Qwen3)."""
+    window, n = cfg.get("sliding_window"), cfg["num_hidden_layers"]
+    if not window or cfg.get("use_sliding_window", True) is False:
+        return []
+    types = cfg.get("layer_types")
+    if types is None and "max_window_layers" in cfg:
+        types = ["sliding_attention" if i >= cfg["max_window_layers"] else "full_attention" for i in range(n)]
+    if types is None:
+        return [window] * n
+    return [window if t == "sliding_attention" else None for t in types]

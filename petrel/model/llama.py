@@ -1,4 +1,9 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral without sliding window) over a flat token batch."""
+"""Llama-family decoder over a flat token batch.
+
+Llama 2/3, SmolLM2 and Mistral (sliding window included), and the families that differ from Llama only by a
+config flag: Qwen2 / Qwen2.5 (bias on q, k, v), Qwen3 (RMS norm on each q and k head before rotary). Phi-3 is
+Llama with q/k/v and gate/up stored fused in the checkpoint, as petrel holds them.
+"""
 from __future__ import annotations
 
 from typing import Iterable
@@ -12,13 +17,18 @@ from petrel.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, layer: int):
         super().__init__()
+        self.sliding_window = cfg.sliding_window(layer)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=cfg.attention_bias or cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.rotary = rotary
         self.scale = self.head_dim ** -0.5
 
@@ -27,8 +37,10 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -43,10 +55,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, rotary)
+        self.self_attn = LlamaAttention(cfg, rotary, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
@@ -60,7 +72,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -116,7 +128,8 @@ class LlamaForCausalLM(nn.Module):
                 if params[name].shape != tensor.shape:
                     raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}")
                 params[name].data.copy_(tensor)
-                loaded.add(name)
+                fused = next((f for f in shard_sizes if f in name), None)   # stored fused already (Phi-3)
+                loaded.update([f"{name}#{i}" for i in range(len(shard_sizes[fused]))] if fused else [name])
         expected = set()
         for pname in params:
             fused = next((f for f in shard_sizes if f in pname), None)

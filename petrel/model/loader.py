@@ -77,7 +77,7 @@ _GGUF_NAMES = {
     "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 
@@ -101,6 +101,7 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def gguf_weights(reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     from gguf.quants import dequantize
+    permuted = cfg.architecture == "LlamaForCausalLM"   # llama.cpp permutes q/k rows for llama only
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue
@@ -111,9 +112,9 @@ def gguf_weights(reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]
             name = f"{_GGUF_NAMES[parts[0]]}.{parts[1]}"
         data = dequantize(t.data, t.tensor_type)
         data = data.reshape([int(d) for d in reversed(t.shape)])
-        if parts[0] == "blk" and parts[2] == "attn_q":
+        if permuted and parts[0] == "blk" and parts[2] == "attn_q":
             data = _unpermute_rope(data, cfg.num_attention_heads)
-        elif parts[0] == "blk" and parts[2] == "attn_k":
+        elif permuted and parts[0] == "blk" and parts[2] == "attn_k":
             data = _unpermute_rope(data, cfg.num_key_value_heads)
         yield name, torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy
 

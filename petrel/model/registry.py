@@ -6,6 +6,9 @@ from petrel.model.llama import LlamaForCausalLM
 MODEL_CLASSES = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,      # + qkv bias (ModelConfig.qkv_bias)
+    "Qwen3ForCausalLM": LlamaForCausalLM,      # + per-head q/k norm (ModelConfig.qk_norm)
+    "Phi3ForCausalLM": LlamaForCausalLM,       # checkpoint holds qkv_proj and gate_up_proj fused
 }
 
 
