@@ -278,6 +278,10 @@ class LLM:
                        cache_salt: str | None = None) -> RequestFuture:
         """Queue one request and return its future at once. `timeout` (seconds) ends it with finish_reason 'timeout'.
         `prompt` may be a TextGenerationRequest (its request_id, sampling_params and cache_salt are then used)."""
+        return self._prepare(prompt, sampling_params, cache_salt)(streaming, timeout)
+
+    def _prepare(self, prompt, sampling_params: SamplingParams | None, cache_salt: str | None):
+        """Tokenize and check one prompt now; return submit(streaming, timeout) -> RequestFuture that queues it."""
         request_id = None
         if isinstance(prompt, TextGenerationRequest):
             if sampling_params is not None:
@@ -287,48 +291,35 @@ class LLM:
         else:
             params = sampling_params or SamplingParams()
             text, ids = self._tokenize(prompt)
-        future = RequestFuture(next(self._ids) if request_id is None else request_id, text, ids, params,
-                               streaming, self._engine)
-        future._metrics.arrival_time = _now()
-        self._engine.add_request(future.request_id, ids, params, future._on_chunk, timeout, cache_salt)
-        return future
 
-    def generate(self, prompts: PromptType | Seq[PromptType],
+        def submit(streaming: bool, timeout: float | None) -> RequestFuture:
+            future = RequestFuture(next(self._ids) if request_id is None else request_id, text, ids, params,
+                                   streaming, self._engine)
+            future._metrics.arrival_time = _now()
+            self._engine.add_request(future.request_id, ids, params, future._on_chunk, timeout, cache_salt)
+            return future
+        return submit
+
+    def generate(self, prompts: PromptType | TextGenerationRequest | Seq[PromptType | TextGenerationRequest],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True, timeout: float | None = None,
                  cache_salt: str | None = None) -> RequestOutput | list[RequestOutput]:
-        """Generate for one prompt (returns one RequestOutput) or many (a list, in input order)."""
+        """Generate for one prompt (returns one RequestOutput) or many (a list, in input order). Every prompt is
+        tokenized and checked before any is queued; if queueing one fails, those already queued are aborted."""
         single = isinstance(prompts, (str, dict, TextGenerationRequest)) or (
             isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts))
         batch = [prompts] if single else list(prompts)
-        if any(isinstance(p, TextGenerationRequest) for p in batch):
-            if sampling_params is not None:
-                raise ValueError("sampling_params: TextGenerationRequests carry their own")
-            futures = []
-            try:
-                for request in batch:
-                    futures.append(self.generate_async(request, timeout=timeout))
-            except Exception:
-                for f in futures:
-                    f.abort()
-                raise
-            results = self._wait_all(futures, use_tqdm and not single)
-            return results[0] if single else results
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(batch):
                 raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(batch)} prompts")
             params_list = list(sampling_params)
         else:
             params_list = [sampling_params] * len(batch)
-        tokenized = [self._tokenize(p) for p in batch]
+        submits = [self._prepare(p, params, cache_salt) for p, params in zip(batch, params_list)]
         futures = []
         try:
-            for (text, ids), params in zip(tokenized, params_list):
-                params = params or SamplingParams()
-                future = RequestFuture(next(self._ids), text, ids, params, False, self._engine)
-                future._metrics.arrival_time = _now()
-                self._engine.add_request(future.request_id, ids, params, future._on_chunk, timeout, cache_salt)
-                futures.append(future)
+            for submit in submits:
+                futures.append(submit(False, timeout))
         except Exception:
             for f in futures:
                 f.abort()
