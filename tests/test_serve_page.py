@@ -1,6 +1,8 @@
 """The chat page at GET /: plain files from petrel/serve/static, public even when the API needs a key."""
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -49,3 +51,17 @@ def test_page_is_public_when_the_api_needs_a_key(llm):
         assert httpx.get(f"{srv.url}/v1/models").status_code == 401
         ok = httpx.get(f"{srv.url}/v1/models", headers={"Authorization": "Bearer s3cret"})
         assert ok.status_code == 200 and ok.json()["data"][0]["id"]
+
+
+def test_the_request_the_page_sends_streams_content_then_usage(server):
+    """The body app.js posts: SSE `data:` lines of chunks, a usage chunk (for tokens/s), then [DONE]."""
+    model = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+    body = {"model": model, "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+            "stream": True, "stream_options": {"include_usage": True}, "temperature": 0.7, "max_tokens": 4}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        data = [line[5:].strip() for line in r.iter_lines() if line.startswith("data:")]
+    assert data[-1] == "[DONE]"
+    events = [json.loads(d) for d in data[:-1]]
+    text = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
+    assert text and events[-1]["usage"]["completion_tokens"] <= 4
