@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 import petrel
@@ -27,6 +29,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MAX_QUEUE_LEN = 1024     # requests waiting beyond the running batch before new ones get 429
 
 _bearer = HTTPBearer(auto_error=False, description="the server's --api-key, when it has one")
+STATIC_DIR = os.path.join(os.path.dirname(__file__), "static")
 
 
 
@@ -143,6 +146,12 @@ def build_app(llm, served_model_name: str | None = None, api_key: str | None = N
         data = await state.metrics.render(llm.engine)
         return Response(data, media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    # the chat page: public (its own API calls carry the key), plain files, not part of the API schema
+    @app.get("/", include_in_schema=False)
+    async def chat_page():
+        return FileResponse(os.path.join(STATIC_DIR, "index.html"), media_type="text/html; charset=utf-8")
+
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     app.include_router(v1)
     app.include_router(extra)
     _add_stream_schemas(app, [CompletionStreamResponse, ChatCompletionChunk])

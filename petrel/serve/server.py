@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 
@@ -69,6 +70,7 @@ def run(args) -> int:
                         max_request_bytes=args.max_request_bytes)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=5)
+        print(startup_banner(llm, app.state.petrel.model_name, args.host, args.port), file=sys.stderr, flush=True)
         # uvicorn re-raises the signal that stopped it once it has shut down; with these handlers that
         # ends here, so a drained SIGTERM / Ctrl-C exits 0 instead of dying by the signal
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -77,6 +79,18 @@ def run(args) -> int:
     finally:
         llm.shutdown()
     return 0
+
+
+def startup_banner(llm, model_name: str, host: str, port: int) -> str:
+    """What `petrel serve` says before it listens: the model, dtype, device, KV-cache capacity, the URL."""
+    bm = llm.engine.core.block_manager
+    shown = f"[{host}]" if ":" in host else host
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else shown}:{port}"
+    return (f"petrel serve: model {model_name} ({getattr(llm.config, 'model', None) or 'default'}), "
+            f"dtype {llm.config.dtype}, device {llm.config.device}, "
+            f"KV cache {bm.num_blocks * bm.block_size} tokens ({bm.num_blocks} blocks of {bm.block_size}), "
+            f"max model len {llm.engine.max_model_len}\n"
+            f"petrel serve: API at {url}/v1, chat page at {url}/")
 
 
 class DrainingServer(uvicorn.Server):

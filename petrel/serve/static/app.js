@@ -1,0 +1,192 @@
+// petrel chat page: plain JS, no build step. Talks to GET /v1/models and POST /v1/chat/completions (stream: true).
+"use strict";
+
+const STORE = "petrel-chat";
+const $ = (id) => document.getElementById(id);
+const els = {
+  model: $("model"), temperature: $("temperature"), maxTokens: $("max-tokens"), apiKey: $("api-key"),
+  system: $("system"), status: $("status"), log: $("log"), composer: $("composer"), input: $("input"),
+  send: $("send"), stop: $("stop"), clear: $("clear"),
+};
+
+// conversation: [{role, content, stats?, error?}]; settings are kept with it (the API key only per tab)
+let state = { messages: [], settings: {} };
+let controller = null;
+
+function load() {
+  try { state = Object.assign(state, JSON.parse(localStorage.getItem(STORE) || "{}")); } catch (_) { /* fresh */ }
+  const s = state.settings;
+  if (s.temperature !== undefined) els.temperature.value = s.temperature;
+  if (s.maxTokens !== undefined) els.maxTokens.value = s.maxTokens;
+  if (s.system !== undefined) els.system.value = s.system;
+  els.apiKey.value = sessionStorage.getItem(STORE + "-key") || "";
+}
+
+function save() {
+  state.settings = { temperature: els.temperature.value, maxTokens: els.maxTokens.value,
+                     system: els.system.value, model: els.model.value || state.settings.model };
+  localStorage.setItem(STORE, JSON.stringify({ messages: state.messages, settings: state.settings }));
+  sessionStorage.setItem(STORE + "-key", els.apiKey.value);
+}
+
+function headers() {
+  const h = { "Content-Type": "application/json" };
+  if (els.apiKey.value.trim()) h["Authorization"] = "Bearer " + els.apiKey.value.trim();
+  return h;
+}
+
+function setStatus(text) { els.status.textContent = text; }
+
+function bubble(msg) {
+  const div = document.createElement("div");
+  div.className = "msg " + msg.role + (msg.error ? " error" : "");
+  const role = document.createElement("span");
+  role.className = "role";
+  role.textContent = msg.role === "user" ? "You" : "Assistant";
+  const text = document.createElement("span");
+  text.className = "text";
+  text.textContent = msg.error ? msg.content + "\n" + msg.error : msg.content;
+  const stats = document.createElement("span");
+  stats.className = "stats";
+  stats.textContent = msg.stats ? "\n" + msg.stats : "";
+  div.append(role, text, stats);
+  els.log.append(div);
+  return { div, text, stats };
+}
+
+function render() {
+  els.log.replaceChildren();
+  state.messages.forEach(bubble);
+}
+
+async function errorText(resp) {
+  try {
+    const body = await resp.json();
+    return `HTTP ${resp.status}: ${(body.error && body.error.message) || JSON.stringify(body)}`;
+  } catch (_) {
+    return `HTTP ${resp.status} ${resp.statusText}`;
+  }
+}
+
+async function loadModels() {
+  try {
+    const resp = await fetch("/v1/models", { headers: headers() });
+    if (!resp.ok) { setStatus("Could not list models: " + await errorText(resp)); return; }
+    const data = (await resp.json()).data || [];
+    els.model.replaceChildren(...data.map((m) => new Option(m.id, m.id)));
+    if (state.settings.model && data.some((m) => m.id === state.settings.model)) els.model.value = state.settings.model;
+    setStatus(data.length ? "Ready." : "The server lists no models.");
+  } catch (err) {
+    setStatus("Could not reach the server: " + err.message);
+  }
+}
+
+// Split a server-sent-events byte stream into the payloads of its `data:` lines.
+async function* sseData(body) {
+  const reader = body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) break;
+    buffer += decoder.decode(value, { stream: true });
+    let nl;
+    while ((nl = buffer.indexOf("\n")) >= 0) {
+      const line = buffer.slice(0, nl).replace(/\r$/, "");
+      buffer = buffer.slice(nl + 1);
+      if (!line.startsWith("data:")) continue;
+      const data = line.slice(5).trim();
+      if (data && data !== "[DONE]") yield data;
+    }
+  }
+}
+
+async function send(content) {
+  const history = state.messages.filter((m) => !m.error).map((m) => ({ role: m.role, content: m.content }));
+  const system = els.system.value.trim();
+  const messages = (system ? [{ role: "system", content: system }] : []).concat(history, [{ role: "user", content }]);
+  state.messages.push({ role: "user", content });
+  bubble(state.messages[state.messages.length - 1]);
+  const reply = { role: "assistant", content: "" };
+  const view = bubble(reply);
+  const conversation = state.messages;   // Clear replaces it: a reply then belongs to no conversation
+  save();
+
+  const body = { model: els.model.value, messages, stream: true, stream_options: { include_usage: true } };
+  const temperature = parseFloat(els.temperature.value);
+  const maxTokens = parseInt(els.maxTokens.value, 10);
+  if (!Number.isNaN(temperature)) body.temperature = temperature;
+  if (!Number.isNaN(maxTokens)) body.max_tokens = maxTokens;
+
+  controller = new AbortController();
+  els.send.disabled = true; els.stop.disabled = false;
+  setStatus("Generating…");
+  const start = performance.now();
+  let first = null, chunks = 0, usage = null, finish = null;
+  try {
+    const resp = await fetch("/v1/chat/completions", { method: "POST", headers: headers(), body: JSON.stringify(body),
+                                                        signal: controller.signal });
+    if (!resp.ok) throw new Error(await errorText(resp));
+    for await (const data of sseData(resp.body)) {
+      const event = JSON.parse(data);
+      if (event.error) throw new Error(event.error.message || JSON.stringify(event.error));
+      if (event.usage) usage = event.usage;
+      const choice = (event.choices || [])[0];
+      if (!choice) continue;
+      if (choice.finish_reason) finish = choice.finish_reason;
+      const piece = choice.delta && choice.delta.content;
+      if (piece) {
+        if (first === null) first = performance.now();
+        chunks += 1;
+        reply.content += piece;
+        view.text.textContent = reply.content;
+      }
+    }
+    setStatus("Ready.");
+  } catch (err) {
+    if (err.name === "AbortError") { finish = "stopped"; setStatus("Stopped."); }
+    else { reply.error = err.message; view.div.classList.add("error"); view.text.textContent = reply.content + "\n" + err.message; setStatus("Error."); }
+  } finally {
+    const end = performance.now();
+    const tokens = usage ? usage.completion_tokens : chunks;
+    const parts = [];
+    if (first !== null) {
+      parts.push(`TTFT ${((first - start) / 1000).toFixed(2)} s`);
+      const decode = (end - first) / 1000;
+      if (tokens > 1 && decode > 0) parts.push(`${((tokens - 1) / decode).toFixed(1)} tokens/s`);
+    }
+    parts.push(`${tokens} tokens`);
+    if (finish) parts.push(finish);
+    reply.stats = parts.join(" · ");
+    view.stats.textContent = "\n" + reply.stats;
+    if (state.messages === conversation) conversation.push(reply);
+    save();
+    controller = null;
+    els.send.disabled = false; els.stop.disabled = true;
+  }
+}
+
+els.composer.addEventListener("submit", (e) => {
+  e.preventDefault();
+  const content = els.input.value.trim();
+  if (!content || controller) return;
+  els.input.value = "";
+  send(content);
+});
+els.input.addEventListener("keydown", (e) => {
+  if (e.key === "Enter" && !e.shiftKey && !e.isComposing) { e.preventDefault(); els.composer.requestSubmit(); }
+});
+els.stop.addEventListener("click", () => { if (controller) controller.abort(); });
+els.clear.addEventListener("click", () => {
+  if (controller) controller.abort();
+  state.messages = [];
+  save();
+  render();
+  setStatus("Conversation cleared.");
+});
+for (const el of [els.temperature, els.maxTokens, els.system, els.model]) el.addEventListener("change", save);
+els.apiKey.addEventListener("change", () => { save(); loadModels(); });
+
+load();
+render();
+loadModels();
