@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PROMPT ?= Write a haiku about a petrel, the seabird.
 
-.PHONY: run test install bench clean
+.PHONY: run test install bench stress clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,9 @@ run: install
 
 test: install
 	$(PY) -m pytest -q tests
+
+stress: install             # minutes: 500 concurrent streams, then a 2,000-request fault soak (tests/stress)
+	$(PY) -m tests.stress.run
 
 bench: install
 	$(VENV)/bin/petrel bench --workloads w1,w2,w4

@@ -76,6 +76,21 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     return APIError(f"{param}: {first.get('msg')}{more}", 400, param=param)
 
 
+def _body_parse_error(exc: StarletteHTTPException):
+    """FastAPI answers a body json.loads fails on (other than a JSONDecodeError) with a bare 400 "There was an
+    error parsing the body", keeping the cause: say what was wrong."""
+    if exc.status_code != 400 or exc.detail != "There was an error parsing the body":
+        return None
+    cause = exc.__cause__
+    if isinstance(cause, UnicodeDecodeError):
+        message = f"the request body is not valid JSON: it is not UTF-8 text ({cause.reason} at byte {cause.start})"
+    elif isinstance(cause, RecursionError):
+        message = "the request body is not valid JSON petrel accepts: its arrays / objects are nested too deeply"
+    else:
+        message = f"the request body is not valid JSON: {type(cause).__name__ if cause else 'unparseable'}"
+    return APIError(message, 400, code="invalid_json").response()
+
+
 def _is_union_tag(part: str) -> bool:
     return "[" in part or part in ("str", "int", "float", "bool", "NamedToolChoice")
 
@@ -91,7 +106,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
-        return APIError(str(exc.detail), exc.status_code).response()
+        return _body_parse_error(exc) or APIError(str(exc.detail), exc.status_code).response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):

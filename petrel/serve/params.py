@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from petrel.sampling_params import SamplingParams
 from petrel.serve.errors import APIError, from_value_error
 
+MAX_STOP_STRINGS = 64   # most stop strings per request: each one is searched for after every token
+
 
 @dataclass
 class ServerLimits:
@@ -13,6 +15,8 @@ class ServerLimits:
     vocab_size: int
     max_n: int = 16               # most choices per request
     max_prompts: int = 64         # most prompts in one /v1/completions request
+    max_stop: int = MAX_STOP_STRINGS
+
 
 
 def parse_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
@@ -66,6 +70,9 @@ def build_sampling_params(req, *, max_tokens: int, limits: ServerLimits, logprob
     if req.stream_options is not None and not req.stream:
         raise APIError("stream_options needs stream=true", 400, param="stream_options")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > limits.max_stop:
+        raise APIError(f"stop has {len(stop)} strings; this server allows at most {limits.max_stop}", 400,
+                       param="stop")
     kwargs = dict(
         n=req.n, max_tokens=max_tokens, stop=stop + list(extra_stop or []),
         stop_token_ids=req.stop_token_ids, seed=req.seed, logit_bias=parse_logit_bias(req.logit_bias, limits.vocab_size),

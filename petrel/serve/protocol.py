@@ -9,13 +9,38 @@ from __future__ import annotations
 import time
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 MAX_LOGPROBS = 20   # most alternatives per token a request may ask for (OpenAI: 5 legacy, 20 chat)
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, value):
+        """JSON may escape half a UTF-16 pair (\\ud800): such a string is no text the tokenizer can encode."""
+        _check_text(value)
+        return value
+
+
+def _check_text(value, depth: int = 0) -> None:
+    if isinstance(value, str):
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"the text has a lone UTF-16 surrogate ({value[exc.start]!r} at character "
+                                 f"{exc.start}), which is not valid Unicode") from None
+    elif depth < 64 and isinstance(value, (list, tuple)):
+        for item in value:
+            if not isinstance(item, (int, float)):
+                _check_text(item, depth + 1)
+    elif depth < 64 and isinstance(value, dict):
+        for key, item in value.items():
+            _check_text(key, depth + 1)
+            _check_text(item, depth + 1)
 
 
 class _Response(BaseModel):

@@ -1,0 +1,159 @@
+"""Hostile inputs against the real server: each one gets a 4xx with a clear message naming the problem (or, where
+the input is legitimate, a well-formed 200) in bounded time, never a 500, and the server keeps serving."""
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from petrel.serve.app import build_app
+from petrel.serve.params import MAX_STOP_STRINGS
+from petrel.serve.server import BackgroundServer
+from tests.conftest import free_blocks
+
+pytestmark = pytest.mark.e2e
+
+SMALL_CONTEXT = 48     # the server's context limit in the at-the-limit cases (generation there stays cheap)
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+    srv = BackgroundServer(build_app(llm))
+    srv.baseline = free_blocks(llm)
+    with srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def small_server(llm):
+    app = build_app(llm, max_n=4)
+    app.state.petrel.limits.max_model_len = SMALL_CONTEXT     # as if the model's context were 48 tokens
+    with BackgroundServer(app) as srv:
+        yield srv
+
+
+def nested_schema(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+def raw(text: str) -> bytes:
+    return text.encode("utf-8")
+
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+USER = [{"role": "user", "content": "Hi"}]
+
+# (id, path, body (dict: sent as JSON; bytes: sent as is), allowed statuses, the field the error names or a
+#  phrase its message contains (None: a 200 case))
+CASES = [
+    ("invalid_utf8_bytes", C, b'{"prompt": "ab\xff\xfe\xc3(", "max_tokens": 2}', {400}, "JSON"),
+    ("lone_surrogate_escape", C, raw('{"prompt": "x\\ud800y", "max_tokens": 2}'), {400}, "prompt"),
+    ("lone_surrogate_in_chat", CHAT, raw('{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 2}'),
+     {400}, "messages"),
+    ("lone_surrogate_in_stop", C, raw('{"prompt": "hi", "stop": ["\\ud83d"], "max_tokens": 2}'), {400}, "stop"),
+    ("control_characters", C, {"prompt": "a\x00b\x01\x07\x1b[31m\x7f\u202e\ufeff", "max_tokens": 2}, {200}, None),
+    ("control_characters_chat", CHAT, {"messages": [{"role": "user", "content": "\x00\x1b\x08"}], "max_tokens": 2},
+     {200}, None),
+    ("stop_5000_strings", C, {"prompt": "hi", "max_tokens": 2, "stop": [f"s{i}" for i in range(5000)]}, {400}, "stop"),
+    ("stop_just_over_limit", CHAT, {"messages": USER, "max_tokens": 2, "stop": ["x"] * (MAX_STOP_STRINGS + 1)},
+     {400}, "stop"),
+    ("stop_at_limit", C, {"prompt": "hi", "max_tokens": 2, "stop": [f"z{i}" for i in range(MAX_STOP_STRINGS)]},
+     {200}, None),
+    ("catastrophic_regex", C, {"prompt": "Say a:", "max_tokens": 6, "guided_regex": "(a+)+$"}, {200, 400}, "regex"),
+    ("catastrophic_regex_nested", C, {"prompt": "Say a:", "max_tokens": 6, "guided_regex": "((a|aa)+)+(b|c)*\\1$"},
+     {200, 400}, "regex"),
+    ("json_schema_depth_200", C, {"prompt": "{", "max_tokens": 4, "guided_json": nested_schema(200)}, {200, 400},
+     "guided_json"),
+    ("json_schema_self_ref", C, {"prompt": "{", "max_tokens": 4, "guided_json": {"$ref": "#"}}, {200, 400},
+     "guided_json"),
+    ("json_schema_self_ref_property", C, {"prompt": "{", "max_tokens": 4, "guided_json": {
+        "type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}}, {200, 400}, "guided_json"),
+    ("json_body_nested_100k", C, raw('{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}"), {400}, "JSON"),
+    ("wrong_role", CHAT, {"messages": [{"role": "wizard", "content": "hi"}], "max_tokens": 2}, {400}, "role"),
+    ("role_missing", CHAT, {"messages": [{"content": "hi"}], "max_tokens": 2}, {400}, "role"),
+    ("messages_empty", CHAT, {"messages": [], "max_tokens": 2}, {400}, "messages"),
+    ("n_at_limit", C, {"prompt": "hi", "max_tokens": 1, "n": 16}, {200}, None),
+    ("n_over_limit", C, {"prompt": "hi", "max_tokens": 1, "n": 17}, {400}, "n"),
+    ("n_huge", C, {"prompt": "hi", "max_tokens": 1, "n": 10**12}, {400}, "n"),
+    ("n_zero", C, {"prompt": "hi", "max_tokens": 1, "n": 0}, {400}, "n"),
+    ("max_tokens_zero", C, {"prompt": "hi", "max_tokens": 0}, {400}, "max_tokens"),
+    ("max_tokens_negative", CHAT, {"messages": USER, "max_tokens": -5}, {400}, "max_tokens"),
+    ("max_tokens_2_pow_70", C, {"prompt": "hi", "max_tokens": 2**70}, {400}, "max_tokens"),
+    ("max_tokens_float", C, {"prompt": "hi", "max_tokens": 1.5}, {400}, "max_tokens"),
+    ("temperature_nan", C, raw('{"prompt": "hi", "max_tokens": 1, "temperature": NaN}'), {400}, "temperature"),
+    ("temperature_infinity", C, raw('{"prompt": "hi", "max_tokens": 1, "temperature": Infinity}'), {400},
+     "temperature"),
+    ("prompt_1mb", C, {"prompt": "lorem ipsum " * 87_382, "max_tokens": 1}, {400}, "prompt"),
+    ("prompt_ids_over_context", C, {"prompt": [1] * 100_000, "max_tokens": 1}, {400}, "prompt"),
+    ("prompt_ids_out_of_vocab", C, {"prompt": [1, 2, 10**9], "max_tokens": 1}, {400}, "prompt"),
+    ("prompt_ids_negative", C, {"prompt": [-1], "max_tokens": 1}, {400}, "prompt"),
+    ("prompt_empty", C, {"prompt": "", "max_tokens": 2}, {400}, "prompt"),
+    ("prompt_empty_list", C, {"prompt": [], "max_tokens": 2}, {400}, "prompt"),
+    ("prompt_list_of_empty", C, {"prompt": ["", "hi"], "max_tokens": 2}, {400}, "prompt"),
+    ("prompt_too_many", C, {"prompt": ["hi"] * 10_000, "max_tokens": 1}, {400}, "prompt"),
+    ("logit_bias_100k_keys", C, {"prompt": "hi", "max_tokens": 1, "logit_bias": {str(i): 1 for i in range(100_000)}},
+     {400}, "logit_bias"),
+    ("body_not_object", C, b'["prompt", "hi"]', {400}, "object"),
+    ("body_empty", C, b"", {400}, "body"),
+]
+
+
+def post(url: str, body) -> httpx.Response:
+    if isinstance(body, bytes):
+        return httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=120)
+    return httpx.post(url, json=body, timeout=120)
+
+
+@pytest.mark.parametrize("name,path,body,statuses,names", CASES, ids=[c[0] for c in CASES])
+def test_hostile_input(server, name, path, body, statuses, names):
+    t0 = time.monotonic()
+    r = post(server.url + path, body)
+    elapsed = time.monotonic() - t0
+    assert r.status_code in statuses, f"{name}: {r.status_code} {r.text[:1000]}"
+    assert elapsed < 60, f"{name} took {elapsed:.1f} s"
+    data = r.json()
+    if r.status_code == 200:
+        assert data["choices"] and all(isinstance(c.get("text", c.get("message")), (str, dict)) for c in data["choices"])
+        assert data["usage"]["completion_tokens"] >= 1
+        return
+    err = data["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    assert names in (err["param"] or "") or names.lower() in err["message"].lower(), f"{name}: {err}"
+    assert "internal error" not in err["message"]
+
+
+@pytest.mark.parametrize("path,key", [(C, "prompt"), (CHAT, "messages")])
+def test_max_tokens_at_and_past_the_context(small_server, llm, path, key):
+    """max_tokens that exactly fills the context is served; one more is a 400 naming max_tokens."""
+    body = {key: "hi" if key == "prompt" else USER, "ignore_eos": True}
+    r = httpx.post(small_server.url + path, json={**body, "max_tokens": 1}, timeout=60)
+    assert r.status_code == 200, r.text
+    prompt_tokens = r.json()["usage"]["prompt_tokens"]
+    left = SMALL_CONTEXT - prompt_tokens
+    name = "max_tokens" if key == "prompt" else "max_completion_tokens"
+    r = httpx.post(small_server.url + path, json={**body, name: left}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == left
+    r = httpx.post(small_server.url + path, json={**body, name: left + 1}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == name and err["code"] == "context_length_exceeded", err
+
+
+def test_the_server_keeps_serving_after_hostile_inputs(server, llm):
+    for name, path, body, _, _ in CASES[:20]:
+        post(server.url + path, body)
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 4},
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+    deadline = time.monotonic() + 15
+    while (llm.engine.num_unfinished_requests or free_blocks(llm) != server.baseline) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert llm.engine.num_unfinished_requests == 0
+    assert free_blocks(llm) == server.baseline
