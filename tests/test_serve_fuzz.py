@@ -57,6 +57,12 @@ def cheap(case) -> None:
         body["max_tokens"] = MAX_GEN_TOKENS
 
 
+def _content_type(response) -> str:
+    """schemathesis 4 keeps each header as a list of values."""
+    value = response.headers.get("content-type") or response.headers.get("Content-Type") or ""
+    return " ".join(value) if isinstance(value, (list, tuple)) else value
+
+
 def check_response(case, response) -> None:
     label = f"{case.method} {case.path} body={json.dumps(case.body, default=repr)[:2000]}"
     assert response.status_code < 500, f"{label} -> {response.status_code} {response.text[:2000]}"
@@ -67,7 +73,7 @@ def check_response(case, response) -> None:
         assert set(err) == {"message", "type", "param", "code"}, f"{label} -> {body}"
         assert isinstance(err["message"], str) and err["message"], f"{label} -> {body}"
         assert isinstance(err["type"], str), f"{label} -> {body}"
-    elif "text/event-stream" in response.headers.get("content-type", ""):
+    elif "text/event-stream" in _content_type(response):
         events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
         assert events and events[-1] == "[DONE]", f"{label} -> {response.text[-500:]}"
         for event in events[:-1]:
