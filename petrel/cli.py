@@ -58,11 +58,24 @@ class UserError(Exception):
     """A mistake the user can fix: printed as one line, exit status 2."""
 
 
+def speculative_config_json(text: str) -> dict:
+    """argparse type of --speculative-config: a JSON object (checked when the engine starts)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc.msg})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file, Hugging Face directory or hub id (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
     p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--speculative-config", type=speculative_config_json, default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram"}\' (see `petrel serve --help`)')
     p.add_argument("-v", "--verbose", action="store_true", help="log engine INFO messages to stderr")
 
 
@@ -81,6 +94,8 @@ def _make_llm(args):
         options["kv_cache_memory"] = args.kv_cache_memory
     if args.max_num_seqs:
         options["max_num_seqs"] = args.max_num_seqs
+    if args.speculative_config:
+        options["speculative_config"] = args.speculative_config
     return LLM(args.model, **options)
 
 

@@ -1,12 +1,63 @@
 """EngineConfig: every engine option in one place, validated once at start-up, defaults that work on a laptop."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 
 import torch
 
 TORCH_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
+
+
+SPECULATIVE_METHODS = ("ngram", "draft_model", "self")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding: propose up to k tokens cheaply, verify them in one target forward pass.
+
+    method 'ngram': continue the latest earlier occurrence of the sequence's last n tokens (prompt lookup),
+    n from prompt_lookup_max down to prompt_lookup_min; no extra model.
+    method 'draft_model': a smaller model with the same vocabulary (draft_model: path or hub id) drafts greedily
+    with its own paged KV cache (same block tables as the target).
+    method 'self': the target's first draft_num_layers layers, its final norm and LM head draft (early exit).
+    """
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    draft_model: str | None = None
+    draft_num_layers: int | None = None   # 'self': None means a quarter of the target's layers
+
+    @classmethod
+    def coerce(cls, value) -> "SpeculativeConfig | None":
+        """A SpeculativeConfig from itself, a dict (the CLI's JSON) or None."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            known = {f.name for f in fields(cls)}
+            unknown = sorted(set(value) - known)
+            if unknown:
+                raise ValueError(f"speculative_config has unknown field(s) {unknown}; known: {sorted(known)}")
+            return cls(**value)
+        raise ValueError(f"speculative_config must be a SpeculativeConfig or a dict, got {type(value).__name__}")
+
+    def __post_init__(self):
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {list(SPECULATIVE_METHODS)}, got {self.method!r}")
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be 1..16, got {self.num_speculative_tokens!r}")
+        if not (isinstance(self.prompt_lookup_min, int) and isinstance(self.prompt_lookup_max, int)
+                and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max):
+            raise ValueError("speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min!r}, {self.prompt_lookup_max!r}")
+        if self.method == "draft_model" and not self.draft_model:
+            raise ValueError("speculative_config.draft_model (a model path or hub id) is needed for method 'draft_model'")
+        if self.draft_num_layers is not None and (not isinstance(self.draft_num_layers, int) or self.draft_num_layers < 1):
+            raise ValueError(f"speculative_config.draft_num_layers must be a positive integer, got {self.draft_num_layers!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
 @dataclass
@@ -25,6 +76,7 @@ class EngineConfig:
     kv_cache_hash_seed: str = ""          # combined with each request's cache_salt in the root block hash
     seed: int = 0
     num_threads: int | None = None        # torch intra-op threads (None: torch's default)
+    speculative_config: SpeculativeConfig | dict | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -43,6 +95,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
+        self.speculative_config = SpeculativeConfig.coerce(self.speculative_config)
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads!r}")
 

@@ -98,6 +98,10 @@ class RequestFuture:
                 co.cumulative_logprob += lp
         if chunk.cumulative_logprob is not None:      # beam search: the beam's own score
             co.cumulative_logprob = chunk.cumulative_logprob
+        if chunk.spec_verify_ct is not None:
+            co.spec_verify_ct = chunk.spec_verify_ct
+        if chunk.accept_draft_tokens is not None:
+            co.accept_draft_tokens = chunk.accept_draft_tokens
         if chunk.finish_reason is not None:
             details = chunk.finish_details
             if chunk.finish_reason == "abort":

@@ -102,6 +102,8 @@ class CompletionOutput:
     additional_generation_outputs: dict | None = None
     disaggregated_params: Any = None
     request_perf_metrics: RequestPerfMetrics | None = None
+    spec_verify_ct: int | None = None          # speculative decoding: verify rounds so far
+    accept_draft_tokens: float | None = None   # accepted draft tokens per verify round, once finished
     # where the previous streamed snapshot ended, for the *_diff properties
     _last_text_len: int = field(default=0, repr=False)
     _last_token_len: int = field(default=0, repr=False)

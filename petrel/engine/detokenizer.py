@@ -22,14 +22,18 @@ class IncrementalDetokenizer:
         self.text = ""          # all decoded output text (stop-truncated once a stop string matched)
         self.released = 0       # how much of self.text has been handed out
         self.stopped_by: str | None = None
+        self.num_tokens_added = 0   # of the last add_tokens call: how many were taken (fewer when a stop matched)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add_tokens(self, token_ids: list[int]) -> str | None:
-        """Append new tokens; returns the stop string if one now matches (the text is then cut)."""
+        """Append new tokens; returns the stop string if one now matches (the text is then cut, and the
+        tokens after the one that completed it are not taken)."""
+        self.num_tokens_added = 0
         for tok in token_ids:
             self.tokens.append(tok)
+            self.num_tokens_added += 1
             prefix = self._decode(self.tokens[self.prefix_offset:self.read_offset])
             full = self._decode(self.tokens[self.prefix_offset:])
             if full.endswith("\ufffd") or len(full) <= len(prefix):

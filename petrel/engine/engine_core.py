@@ -15,6 +15,7 @@ from petrel.engine.beam_search import BeamSearch, Hypothesis
 from petrel.engine.grammar import GrammarCompiler
 from petrel.engine.sampler import Sampler, prompt_logprobs, token_logprobs
 from petrel.engine.scheduler import Scheduler
+from petrel.engine.speculative import build_proposer
 from petrel.engine.sequence import EngineRequest, Sequence
 from petrel.model.config import ModelConfig
 
@@ -35,11 +36,13 @@ class IterationStats:
     kv_blocks_free: int
     kv_blocks_cached: int
     prefix_cache_hit_rate: float
+    num_draft_tokens: int = 0       # speculative decoding: draft tokens verified this step
+    num_accepted_tokens: int = 0    # and how many of them were accepted
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig, model: torch.nn.Module, model_config: ModelConfig,
-                 batched_post_processor=None):
+                 batched_post_processor=None, draft_model: tuple[torch.nn.Module, ModelConfig] | None = None):
         self.config = config
         self.model_config = model_config
         bs = config.block_size
@@ -59,9 +62,19 @@ class EngineCore:
                                    config.enable_chunked_prefill)
         self.runner = ModelRunner(model, model_config, num_blocks, bs, config.torch_dtype, config.device)
         self.sampler = Sampler(model_config.vocab_size, config.seed, batched_post_processor)
+        self.spec = config.speculative_config
+        self.proposer = None
+        if self.spec is not None:
+            draft_runner = None
+            if draft_model is not None:
+                draft_runner = ModelRunner(draft_model[0], draft_model[1], num_blocks, bs, config.torch_dtype,
+                                           config.device)
+            self.proposer = build_proposer(self.spec, self.runner, draft_runner)
         self.requests: dict[object, EngineRequest] = {}
         self.iteration = 0
         self.last_stats: IterationStats | None = None
+        self.num_draft_tokens = 0       # speculative decoding, since start: drafts verified, and accepted
+        self.num_accepted_tokens = 0
 
     # ------------------------------------------------------------------ requests
     def validate(self, prompt_token_ids: list[int], params) -> None:
@@ -145,15 +158,21 @@ class EngineCore:
     @torch.inference_mode()
     def step(self) -> list[EngineOutput]:
         t0 = time.monotonic()
+        if self.proposer is not None:
+            for seq in self.scheduler.running:
+                seq.num_lookahead = self._lookahead(seq)
         batch = self.scheduler.schedule()
         if not batch:
             return []
         for seq in batch.seqs:
             if seq.request.first_scheduled_time is None:
                 seq.request.first_scheduled_time = t0
+        if self.proposer is not None:
+            self._propose(batch)
         step_logits = self.runner.execute(batch)
         num_prompt_tokens = 0
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            n -= len(seq.spec_token_ids)          # drafts count as computed once accepted
             num_prompt_tokens += max(0, min(seq.num_computed_tokens + n, seq.num_prompt_tokens) - seq.num_computed_tokens)
             seq.num_computed_tokens += n
             self.block_manager.cache_computed_blocks(seq)
@@ -162,33 +181,118 @@ class EngineCore:
             self._collect_context_rows(rows)
 
         outputs: list[EngineOutput] = []
-        num_sampled = 0
+        num_generated = num_accepted = 0
         if step_logits.sample_seqs:
             seqs, rows = self._fork_new_sequences(step_logits.sample_seqs)
+            rows = [step_logits.first_rows[r] for r in rows]
+            outputs, num_generated, num_accepted = self._sample_and_append(seqs, rows, step_logits)
+        num_draft = self._finish_verification(batch)
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        self.iteration += 1
+        self._record_stats(t0, batch, num_prompt_tokens, num_generated, num_draft, num_accepted)
+        return outputs
+
+    def _sample_and_append(self, seqs: list[Sequence], rows: list[int], step_logits):
+        """Sample every sequence's next token; a sequence with drafts goes on to its next row while the
+        sampled token equals its draft (speculative verification). One merged output per sequence.
+        Returns (outputs, tokens sampled, drafts accepted)."""
+        merged: dict[Sequence, EngineOutput] = {}
+        failed: dict = {}
+        beam_requests = {}
+        num_generated = num_accepted = 0
+        position = 0
+        now = time.monotonic()
+        while seqs:
             logits = step_logits.sample_logits
             if rows != list(range(len(rows))):
                 logits = logits[torch.tensor(rows)]
+            drafts = [s.spec_token_ids[position] if position < len(s.spec_token_ids) else None for s in seqs]
             extras = self._generation_extras(seqs, logits, step_logits.sample_hidden, rows)
-            result = self.sampler.sample(logits, seqs)
-            num_sampled = len(seqs)
-            now = time.monotonic()
-            failed = {seqs[i].request.request_id: message for i, message in result.errors.items()}
-            for request_id, message in failed.items():
-                outputs.extend(self.abort_request(request_id, message))
-            beam_requests = {}
+            result = self.sampler.sample(logits, seqs, drafts if self.proposer is not None else None)
+            for i, message in result.errors.items():
+                failed.setdefault(seqs[i].request.request_id, message)
+            next_seqs, next_rows = [], []
             for i, (seq, token, lp) in enumerate(zip(seqs, result.token_ids, result.logprobs)):
                 if seq.request.request_id in failed:
                     continue
+                num_generated += 1
                 if seq.params.use_beam_search:
                     seq.beam_candidates = (result.beam_candidates[i], result.beam_logp.get(i), extras[i])
                     beam_requests[seq.request.request_id] = seq.request
-                else:
-                    outputs.append(self._append_token(seq, token, lp, extras[i], now))
-            for req in beam_requests.values():
-                outputs.extend(self._beam_step(req, now))
-        self.iteration += 1
-        self._record_stats(t0, batch, num_prompt_tokens, num_sampled)
-        return outputs
+                    continue
+                out = self._append_token(seq, token, lp, extras[i], now)
+                merged[seq] = _merge_outputs(merged[seq], out) if seq in merged else out
+                if token == drafts[i]:
+                    seq.num_accepted_tokens += 1
+                    num_accepted += 1
+                    if out.finish_reason is None:
+                        next_seqs.append(seq)
+                        next_rows.append(rows[i] + 1)
+            seqs, rows = next_seqs, next_rows
+            position += 1
+        outputs = []
+        for request_id, message in failed.items():
+            outputs.extend(self.abort_request(request_id, message))
+        for seq, out in merged.items():
+            if seq.request.request_id in failed:
+                continue
+            if self.proposer is not None:
+                self._attach_spec_stats(out, seq)
+            outputs.append(out)
+        for req in beam_requests.values():
+            outputs.extend(self._beam_step(req, now))
+        return outputs, num_generated, num_accepted
+
+    # ------------------------------------------------------------------ speculative decoding
+    def _lookahead(self, seq: Sequence) -> int:
+        """How many draft tokens a running sequence may verify next step (0: decode plainly)."""
+        p = seq.params
+        if p.use_beam_search or seq.num_output_tokens == 0 or seq.num_computed_tokens != seq.num_tokens - 1:
+            return 0
+        k = min(self.spec.num_speculative_tokens, self.max_model_len - seq.num_tokens)
+        if p.max_tokens is not None:
+            k = min(k, p.max_tokens - seq.num_output_tokens - 1)   # the step emits at most drafts + 1 tokens
+        return max(k, 0)
+
+    def _propose(self, batch) -> None:
+        """Fill the draft tokens of the sequences the scheduler gave lookahead room, and fit the batch to them."""
+        picked = [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
+                  if n > 1 and seq.num_computed_tokens == seq.num_tokens - 1]
+        if not picked:
+            return
+        seqs = [batch.seqs[i] for i in picked]
+        drafts = self.proposer.propose(seqs, [batch.num_new_tokens[i] - 1 for i in picked])
+        for i, seq, draft in zip(picked, seqs, drafts):
+            seq.spec_token_ids = draft[:batch.num_new_tokens[i] - 1]
+            batch.num_new_tokens[i] = 1 + len(seq.spec_token_ids)
+        # a sequence left without drafts is a plain decode again: decodes go first
+        order = sorted(range(len(batch.seqs)), key=lambda i: (batch.num_new_tokens[i] != 1, batch.num_new_tokens[i] == 1
+                                                              and batch.seqs[i].num_computed_tokens))
+        batch.seqs = [batch.seqs[i] for i in order]
+        batch.num_new_tokens = [batch.num_new_tokens[i] for i in order]
+
+    def _finish_verification(self, batch) -> int:
+        """After a step: accepted drafts are computed K/V; clear the drafts. Returns the number of drafts."""
+        num_draft = 0
+        for seq in batch.seqs:
+            if not seq.spec_token_ids:
+                continue
+            num_draft += len(seq.spec_token_ids)
+            seq.spec_verify_ct += 1
+            seq.num_draft_tokens += len(seq.spec_token_ids)
+            seq.spec_token_ids = []
+            if not seq.is_finished:
+                seq.num_computed_tokens = seq.num_tokens - 1
+                seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
+                self.block_manager.cache_computed_blocks(seq)
+        return num_draft
+
+    @staticmethod
+    def _attach_spec_stats(out: EngineOutput, seq: Sequence) -> None:
+        out.spec_verify_ct = seq.spec_verify_ct + (1 if seq.spec_token_ids else 0)
+        if out.finish_reason is not None:
+            out.accept_draft_tokens = seq.num_accepted_tokens / out.spec_verify_ct if out.spec_verify_ct else 0.0
 
     def _collect_context_rows(self, rows) -> None:
         """Keep a prompt span's logits / hidden states and score prompt logprobs (after a preemption the
@@ -410,7 +514,8 @@ class EngineCore:
         self.requests.pop(req.request_id, None)
         return outputs
 
-    def _record_stats(self, t0: float, batch, num_prompt_tokens: int, num_generated: int) -> None:
+    def _record_stats(self, t0: float, batch, num_prompt_tokens: int, num_generated: int,
+                      num_draft: int = 0, num_accepted: int = 0) -> None:
         bm, sched = self.block_manager, self.scheduler
         queried = sched.prefix_queried_tokens
         self.last_stats = IterationStats(
@@ -418,4 +523,20 @@ class EngineCore:
             num_running=len(sched.running), num_waiting=len(sched.waiting), num_preempted=len(batch.preempted),
             num_prompt_tokens=num_prompt_tokens, num_generation_tokens=num_generated,
             kv_blocks_used=bm.num_used_blocks, kv_blocks_free=bm.num_free_blocks, kv_blocks_cached=bm.num_cached_blocks,
-            prefix_cache_hit_rate=sched.prefix_hit_tokens / queried if queried else 0.0)
+            prefix_cache_hit_rate=sched.prefix_hit_tokens / queried if queried else 0.0,
+            num_draft_tokens=num_draft, num_accepted_tokens=num_accepted)
+
+
+def _merge_outputs(first: EngineOutput, later: EngineOutput) -> EngineOutput:
+    """One step's consecutive outputs of one sequence (accepted drafts, then one more token) as one output."""
+    first.new_token_ids += later.new_token_ids
+    if first.new_logprobs is not None and later.new_logprobs is not None:
+        first.new_logprobs += later.new_logprobs
+    for name in ("finish_reason", "stop_reason", "num_output_tokens", "timestamp"):
+        setattr(first, name, getattr(later, name))
+    if first.generation_logits is not None and later.generation_logits is not None:
+        first.generation_logits = torch.cat([first.generation_logits, later.generation_logits])
+    if first.additional_generation_outputs and later.additional_generation_outputs:
+        first.additional_generation_outputs = {
+            k: torch.cat([v, later.additional_generation_outputs[k]]) for k, v in first.additional_generation_outputs.items()}
+    return first

@@ -37,7 +37,14 @@ class LLMEngine:
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
-        self.core = EngineCore(config, model, model_config, batched_post_processor)
+        draft = None
+        spec = config.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            draft = load_model(resolve_model(spec.draft_model), config.torch_dtype, config.device)
+            if draft[1].vocab_size != model_config.vocab_size:
+                raise ValueError(f"the draft model's vocabulary ({draft[1].vocab_size} tokens) differs from the "
+                                 f"target's ({model_config.vocab_size}): speculative decoding needs the same one")
+        self.core = EngineCore(config, model, model_config, batched_post_processor, draft)
         self.stats_history: deque = deque(maxlen=stats_history)   # IterationStats of recent steps
         self.output_processor = OutputProcessor(self.tokenizer)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()

@@ -12,6 +12,14 @@ from petrel.model.config import ModelConfig
 
 
 @dataclass
+class QuerySpan:
+    """Consecutive tokens of one sequence to run through the model: their ids, first position, block table."""
+    token_ids: list[int]
+    start: int
+    block_table: list[int]
+
+
+@dataclass
 class ContextRows:
     """Outputs of a span of prompt positions of one sequence (for prompt logprobs and context outputs)."""
     seq: Sequence
@@ -23,9 +31,10 @@ class ContextRows:
 @dataclass
 class StepLogits:
     sample_seqs: list[Sequence]          # sequences that reached their last token and sample next
-    sample_logits: torch.Tensor | None   # [len(sample_seqs), vocab] float32
+    sample_logits: torch.Tensor | None   # [rows, vocab] float32: one row per sample sequence, 1 + k when it
+    first_rows: list[int] = field(default_factory=list)    # verifies k draft tokens; each sequence's first row
     context_rows: list[ContextRows] = field(default_factory=list)
-    sample_hidden: torch.Tensor | None = None   # [len(sample_seqs), hidden] when a sampling sequence asks for it
+    sample_hidden: torch.Tensor | None = None   # rows as sample_logits, when a sampling sequence asks for it
 
 
 DECODE_GROUP_SIZE = 16   # decodes attended per call: fewer calls vs. less padding read
@@ -66,17 +75,24 @@ class ModelRunner:
         return torch.tensor(data, dtype=dtype, device=self.device)
 
     def prepare(self, batch: ScheduledBatch):
+        """The scheduled tokens as one flat batch (decodes first, as the scheduler orders them)."""
+        return self.build_inputs([QuerySpan(seq.pending_token_ids(n), seq.num_computed_tokens, seq.block_table)
+                                  for seq, n in zip(batch.seqs, batch.num_new_tokens)])
+
+    def build_inputs(self, spans: list["QuerySpan"]):
+        """Flat input ids, positions and attention metadata; single-token spans must come first."""
         bs = self.block_size
         input_ids, positions, slots = [], [], []
         prefills, decode_tables, decode_lens = [], [], []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+        for span in spans:
+            start, n, table = span.start, len(span.token_ids), span.block_table
+            end = start + n
             row = len(input_ids)
-            input_ids.extend(seq.token_ids[start:end])
+            input_ids.extend(span.token_ids)
             positions.extend(range(start, end))
-            table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if n == 1:
+                assert not prefills, "single-token spans come first"
                 decode_tables.append(table)
                 decode_lens.append(end)
             else:
@@ -97,6 +113,17 @@ class ModelRunner:
                 span.unsqueeze(0) < lens_t.unsqueeze(1), lens, lens_t))
         return self._tensor(input_ids), self._tensor(positions), meta
 
+    @torch.inference_mode()
+    def last_token_logits(self, spans: list["QuerySpan"], num_layers: int | None = None) -> torch.Tensor:
+        """Write the spans' K/V and return the logits after each span's last token ([len(spans), vocab]).
+        num_layers: stop after the model's first layers (early exit)."""
+        order = sorted(range(len(spans)), key=lambda i: (len(spans[i].token_ids) != 1, spans[i].start))
+        input_ids, positions, meta = self.build_inputs([spans[i] for i in order])
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, num_layers=num_layers)
+        ends = torch.tensor([len(spans[i].token_ids) for i in order]).cumsum(0) - 1
+        logits = self.model.compute_logits(hidden[ends.to(self.device)])
+        return logits[torch.tensor(order).argsort().to(self.device)]
+
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
             return
@@ -111,7 +138,7 @@ class ModelRunner:
         input_ids, positions, meta = self.prepare(batch)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
 
-        context_rows, context_spans, sample_rows, sample_seqs = [], [], [], []
+        context_rows, context_spans, sample_rows, sample_seqs, first_rows = [], [], [], [], []
         row = 0
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens
@@ -119,9 +146,11 @@ class ModelRunner:
                 k = min(start + n, seq.num_prompt_tokens) - start
                 context_spans.append((seq, start, len(context_rows), k))
                 context_rows.extend(range(row, row + k))
-            if start + n == seq.num_tokens:       # the chunk reaches the end: sample the next token
+            num_draft = len(seq.spec_token_ids)
+            if start + n == seq.num_tokens + num_draft:   # reaches the end: sample the next token (and verify drafts)
                 sample_seqs.append(seq)
-                sample_rows.append(row + n - 1)
+                first_rows.append(len(sample_rows))
+                sample_rows.extend(range(row + n - 1 - num_draft, row + n))
             row += n
         context_logits_wanted = any(s.params.prompt_logprobs is not None or s.params.return_context_logits
                                     for s, *_ in context_spans)
@@ -140,4 +169,4 @@ class ModelRunner:
         sample_hidden = None
         if any("hidden_states" in s.params.additional_model_outputs for s in sample_seqs):
             sample_hidden = hidden[self._tensor(sample_rows)]
-        return StepLogits(sample_seqs, sample_logits if sample_seqs else None, spans, sample_hidden)
+        return StepLogits(sample_seqs, sample_logits if sample_seqs else None, first_rows, spans, sample_hidden)

@@ -29,6 +29,8 @@ class EngineOutput:
     generation_logits: object = None           # [len(new_token_ids), vocab] tensor, when asked for
     additional_context_outputs: dict | None = None
     additional_generation_outputs: dict | None = None
+    spec_verify_ct: int | None = None          # speculative decoding: verify rounds so far
+    accept_draft_tokens: float | None = None   # accepted draft tokens per verify round, on the final output
 
 
 @dataclass
@@ -64,24 +66,33 @@ class OutputProcessor:
         matched = None
         text = ""
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
+        new_ids, dropped = list(out.new_token_ids), 0
         if detokenizer is not None:
-            if out.new_token_ids:
-                matched = detokenizer.add_tokens(out.new_token_ids)
+            if new_ids:
+                matched = detokenizer.add_tokens(new_ids)
                 if matched is not None:
                     finish_reason, stop_reason = "stop", matched
+                    # several tokens in one step (speculative decoding): none after the stop string's
+                    kept = detokenizer.num_tokens_added
+                    new_ids, dropped = new_ids[:kept], len(new_ids) - kept
             text = detokenizer.release(finished=finish_reason is not None)
         chunk = OutputChunk(
-            request_id=out.request_id, index=out.index, output_ids=list(out.new_token_ids), text=text,
+            request_id=out.request_id, index=out.index, output_ids=new_ids, text=text,
             finish_reason=finish_reason, prompt_tokens=out.num_prompt_tokens,
-            completion_tokens=out.num_output_tokens, cached_tokens=out.num_cached_tokens, timestamp=out.timestamp,
+            completion_tokens=out.num_output_tokens - dropped, cached_tokens=out.num_cached_tokens,
+            timestamp=out.timestamp, spec_verify_ct=out.spec_verify_ct,
+            accept_draft_tokens=out.accept_draft_tokens,
             scheduled_time=out.scheduled_time, cumulative_logprob=out.cumulative_logprob,
             context_logits=out.context_logits, generation_logits=out.generation_logits,
             additional_context_outputs=out.additional_context_outputs,
             additional_generation_outputs=out.additional_generation_outputs)
         if out.new_logprobs is not None:
-            chunk.output_token_logprobs = [lp.logprob for lp in out.new_logprobs]
-            chunk.output_token_ranks = [lp.rank for lp in out.new_logprobs]
-            chunk.output_top_logprobs = [lp.top for lp in out.new_logprobs]
+            new_logprobs = out.new_logprobs[:len(new_ids)]
+            chunk.output_token_logprobs = [lp.logprob for lp in new_logprobs]
+            chunk.output_token_ranks = [lp.rank for lp in new_logprobs]
+            chunk.output_top_logprobs = [lp.top for lp in new_logprobs]
+        if dropped and chunk.generation_logits is not None:
+            chunk.generation_logits = chunk.generation_logits[:len(new_ids)]
         if out.prompt_logprobs is not None:
             first = req.prompt_token_ids[:1]
             chunk.input_token_logprobs = ([None] + [lp.logprob for lp in out.prompt_logprobs],

@@ -109,7 +109,9 @@ class Sampler:
             if banned:
                 logits[i, banned] = float("-inf")
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[int | None] | None = None) -> SampleResult:
+        """drafts: a speculative draft token per row (or None). A greedy row ignores it (the caller compares);
+        a random row accepts it with its probability, else samples from the rest of the distribution."""
         logits = logits.float()
         params = [s.params for s in seqs]
         errors = self._run_processors(logits, seqs)
@@ -138,7 +140,8 @@ class Sampler:
         if not bool(greedy.all()):
             processed = logits.clone()
             random_rows = (~greedy).nonzero().squeeze(1).tolist()
-            sampled = self._sample_random(processed, [seqs[i] for i in random_rows], random_rows)
+            sampled = self._sample_random(processed, [seqs[i] for i in random_rows], random_rows,
+                                          [drafts[i] for i in random_rows] if drafts else None)
             tokens[random_rows] = sampled
 
         result = SampleResult(tokens.tolist(), [None] * len(seqs), errors=errors)
@@ -177,8 +180,12 @@ class Sampler:
                 counts = torch.zeros_like(row).scatter_add_(0, out, torch.ones_like(out, dtype=row.dtype))
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
-    def _sample_random(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> torch.Tensor:
-        """Temperature, top-k, top-p, min-p on the given rows (in place), then draw one token per row."""
+    def _sample_random(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int],
+                       drafts: list[int | None] | None = None) -> torch.Tensor:
+        """Temperature, top-k, top-p, min-p on the given rows (in place), then draw one token per row.
+
+        A row with a draft token d (speculative decoding, d proposed deterministically) keeps d with probability
+        p(d); otherwise it draws from p with d removed. Either way the token is distributed exactly as p."""
         x = logits[rows]
         params = [s.params for s in seqs]
         temps = torch.tensor([p.temperature for p in params], device=x.device).unsqueeze(1)
@@ -206,6 +213,17 @@ class Sampler:
         logits[rows] = x
         probs = x.softmax(dim=1)
         noise = torch.empty_like(probs)
+        accepted = {}
         for j, seq in enumerate(seqs):
-            noise[j].exponential_(generator=seq.generator or self.generator)
-        return (probs / noise).argmax(dim=1)
+            generator = seq.generator or self.generator
+            draft = drafts[j] if drafts else None
+            if draft is not None:
+                if torch.rand((), generator=generator).item() < probs[j, draft].item():
+                    accepted[j] = draft
+                else:
+                    probs[j, draft] = 0.0
+            noise[j].exponential_(generator=generator)
+        tokens = (probs / noise).argmax(dim=1)
+        for j, draft in accepted.items():
+            tokens[j] = draft
+        return tokens

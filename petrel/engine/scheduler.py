@@ -1,7 +1,8 @@
 """Continuous batching: which sequences run this step and how many tokens each. No torch here.
 
 Admission (who may hold KV memory) and batching (what runs this step, within a token budget) are
-separate decisions. Running sequences go first, oldest first; then waiting ones are admitted while
+separate decisions. A decoding sequence with a lookahead (speculative decoding) is given room for that
+many draft tokens after its next one, when the budget and the blocks allow; otherwise it decodes plainly. Running sequences go first, oldest first; then waiting ones are admitted while
 blocks and the budget last. A prompt that does not fit the budget is prefilled in chunks across steps.
 When blocks run out, the newest running sequence is preempted: its blocks are freed and it goes back
 to the front of the queue, to be recomputed later (its full blocks stay in the prefix cache).
@@ -75,6 +76,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.beam_candidates = None       # a beam recomputes its next-token candidates with its KV
+        seq.num_draft_computed = 0       # a draft model recomputes its K/V too
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         batch.preempted.append(seq)
@@ -91,6 +93,12 @@ class Scheduler:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if n == 0:      # a beam that has its candidates and waits for its other beams
+                i += 1
+                continue
+            lookahead = min(seq.num_lookahead, budget - n) if n == seq.num_tokens - seq.num_computed_tokens == 1 else 0
+            if lookahead > 0 and bm.allocate_slots(seq, n + lookahead):   # room for draft tokens to verify
+                scheduled.append((seq, n + lookahead))
+                budget -= n + lookahead
                 i += 1
                 continue
             while not bm.allocate_slots(seq, n):

@@ -75,11 +75,24 @@ class Sequence:
         self.token_logprobs: list = []         # beam search: what the sampler recorded per output token
         self.beam_candidates: list[tuple[int, float]] | None = None   # beam search: best next tokens, waiting for the other beams
         self.grammar = None                    # xgrammar GrammarMatcher of a guided sequence (kept across preemption)
+        # speculative decoding
+        self.num_lookahead = 0                 # draft slots the scheduler reserves beyond the next token
+        self.spec_token_ids: list[int] = []    # this step's draft tokens, verified after the token_ids
+        self.num_draft_computed = 0            # positions whose K/V a draft model holds
+        self.spec_verify_ct = 0                # verify rounds so far
+        self.num_draft_tokens = 0              # draft tokens proposed so far
+        self.num_accepted_tokens = 0           # draft tokens accepted so far
 
     @property
     def num_context_rows(self) -> int:
         chunks = next(iter(self.context_outputs.values()), [])
         return sum(c.shape[0] for c in chunks)
+
+    def pending_token_ids(self, n: int) -> list[int]:
+        """The next n tokens to compute: the uncomputed token_ids, then the draft tokens."""
+        start = self.num_computed_tokens
+        tokens = self.token_ids[start:start + n]
+        return tokens + self.spec_token_ids[:n - len(tokens)]
 
     @property
     def num_tokens(self) -> int:

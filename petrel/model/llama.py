@@ -92,10 +92,12 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
-        """Flat batch in ([T] ids and positions), final hidden states out ([T, hidden])."""
+                meta: AttentionMetadata, num_layers: int | None = None) -> torch.Tensor:
+        """Flat batch in ([T] ids and positions), final hidden states out ([T, hidden]).
+
+        num_layers: run only the first layers, then the final norm (early exit, for self-speculation)."""
         x = self.model.embed_tokens(input_ids)
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+        for layer, kv_cache in zip(self.model.layers[:num_layers], kv_caches):
             x = layer(x, positions, kv_cache, meta)
         return self.model.norm(x)
 

@@ -6,7 +6,8 @@ petrel_generation_tokens_total, petrel_time_to_first_token_seconds, petrel_time_
 petrel_e2e_request_latency_seconds. Engine state (read through the engine loop at each scrape):
 petrel_num_requests_running, petrel_num_requests_waiting, petrel_kv_cache_usage_perc,
 petrel_prefix_cache_hit_rate, petrel_prefix_cache_queries_tokens, petrel_prefix_cache_hits_tokens,
-petrel_num_preemptions.
+petrel_num_preemptions, and with speculative decoding petrel_spec_decode_num_draft_tokens,
+petrel_spec_decode_num_accepted_tokens, petrel_spec_decode_acceptance_rate (accepted / drafted since start).
 """
 from __future__ import annotations
 
@@ -52,6 +53,9 @@ class ServerMetrics:
         self.prefix_queries = gauge("petrel_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache")
         self.prefix_hits = gauge("petrel_prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache")
         self.preemptions = gauge("petrel_num_preemptions", "Sequences preempted since start")
+        self.spec_drafted = gauge("petrel_spec_decode_num_draft_tokens", "Draft tokens verified since start")
+        self.spec_accepted = gauge("petrel_spec_decode_num_accepted_tokens", "Draft tokens accepted since start")
+        self.spec_rate = gauge("petrel_spec_decode_acceptance_rate", "Accepted / verified draft tokens since start")
         self.engine_up = gauge("petrel_engine_up", "1 when the engine loop answered this scrape, else 0")
 
     def record_request(self, output, finish_reasons: list[str]) -> None:
@@ -86,6 +90,9 @@ class ServerMetrics:
             self.prefix_queries.set(state["queried"])
             self.prefix_hits.set(state["hits"])
             self.preemptions.set(state["preemptions"])
+            self.spec_drafted.set(state["drafted"])
+            self.spec_accepted.set(state["accepted"])
+            self.spec_rate.set(state["accepted"] / state["drafted"] if state["drafted"] else 0.0)
         return generate_latest(self.registry)
 
 
@@ -95,4 +102,4 @@ def _engine_state(core) -> dict:
     return {"running": len(sched.running), "waiting": len(sched.waiting),
             "kv_usage": bm.num_used_blocks / bm.num_blocks if bm.num_blocks else 0.0,
             "hit_rate": hits / queried if queried else 0.0, "queried": queried, "hits": hits,
-            "preemptions": sched.num_preemptions}
+            "preemptions": sched.num_preemptions, "drafted": core.num_draft_tokens, "accepted": core.num_accepted_tokens}

@@ -12,6 +12,8 @@ import time
 
 import uvicorn
 
+from petrel.cli import speculative_config_json
+
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="GGUF file, Hugging Face directory or hub id (default: SmolLM2-135M-Instruct)")
@@ -40,13 +42,16 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+    g.add_argument("--speculative-config", type=speculative_config_json, default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                        '(methods: ngram, draft_model with "draft_model": PATH, self with "draft_num_layers": N)')
     return p
 
 
 def engine_options(args) -> dict:
     options = {"dtype": args.dtype, "device": args.device}
     for key in ("tokenizer", "max_model_len", "block_size", "kv_cache_memory", "max_num_seqs",
-                "max_num_batched_tokens", "seed", "num_threads"):
+                "max_num_batched_tokens", "seed", "num_threads", "speculative_config"):
         value = getattr(args, key)
         if value is not None:
             options[key] = value
