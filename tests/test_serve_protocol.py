@@ -5,6 +5,7 @@ A fake LLM (the real default tokenizer, a fake engine loop) stands behind the ap
 """
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from types import SimpleNamespace
@@ -18,6 +19,7 @@ from petrel.serve.chat_template import ChatTemplate, messages_for_template
 from petrel.serve.errors import APIError
 from petrel.serve.params import ServerLimits, build_sampling_params, parse_logit_bias, resolve_max_tokens
 from petrel.serve.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from petrel.serve.streams import outputs_or_none
 
 
 @pytest.fixture(scope="module")
@@ -231,6 +233,48 @@ def test_check_health_on_a_real_engine(tiny, tokenizer, tmp_path):
         llm.shutdown()
     with pytest.raises(RuntimeError, match="not running"):
         llm.engine.check_health()
+
+
+class FakeFuture:
+    """A request future that resolves to `value`, raises `error`, or never finishes."""
+
+    def __init__(self, value=None, error=None, never=False):
+        self.value, self.error, self.never, self.aborted = value, error, never, False
+
+    def done(self):
+        return not self.never
+
+    def abort(self):
+        self.aborted = True
+
+    def __await__(self):
+        return self._result().__await__()
+
+    async def _result(self):
+        if self.never:
+            await asyncio.Event().wait()
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def test_outputs_or_none_maps_a_gone_client_and_engine_errors():
+    async def connected():
+        await asyncio.Event().wait()
+
+    async def gone():
+        return {"type": "http.disconnect"}
+    aborted = []
+    state = SimpleNamespace(metrics=SimpleNamespace(aborted=SimpleNamespace(inc=lambda: aborted.append(1))))
+    assert asyncio.run(outputs_or_none(state, SimpleNamespace(receive=connected), [FakeFuture("a"), FakeFuture("b")])) \
+        == ["a", "b"]
+    stuck = FakeFuture(never=True)
+    assert asyncio.run(outputs_or_none(state, SimpleNamespace(receive=gone), [stuck])) is None   # the caller's 499
+    assert stuck.aborted and aborted == [1]
+    failed = [FakeFuture(error=RuntimeError("request 3 failed: engine error: boom"))]
+    with pytest.raises(APIError) as err:
+        asyncio.run(outputs_or_none(state, SimpleNamespace(receive=connected), failed))
+    assert err.value.status == 500 and err.value.message.endswith("boom") and aborted == [1]
 
 
 def test_metrics_read_engine_state(tokenizer):
