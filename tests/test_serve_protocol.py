@@ -1,9 +1,11 @@
 """The server without a model: request conversion, chat templates, error bodies, /health, the OpenAPI document.
 
-A fake LLM (the real default tokenizer, a fake engine loop) stands behind the app; nothing here loads weights.
+A fake LLM (the real default tokenizer, a fake engine loop) stands behind the app; nothing here loads real weights
+(one health test runs the engine loop on the tiny random Llama).
 """
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from types import SimpleNamespace
@@ -11,11 +13,13 @@ from types import SimpleNamespace
 import pytest
 from fastapi.testclient import TestClient
 
+from petrel.engine.llm_engine import STEP_STALL_LIMIT, LLMEngine
 from petrel.serve.app import build_app
 from petrel.serve.chat_template import ChatTemplate, messages_for_template
 from petrel.serve.errors import APIError
 from petrel.serve.params import ServerLimits, build_sampling_params, parse_logit_bias, resolve_max_tokens
 from petrel.serve.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from petrel.serve.streams import outputs_or_none
 
 
 @pytest.fixture(scope="module")
@@ -26,15 +30,20 @@ def tokenizer():
 
 
 class FakeEngine:
-    """Answers engine.call like the loop does, or hangs (stuck loop) or raises (dead loop)."""
+    """A fake engine loop: answers engine.call like the loop does, or hangs (stuck, or busy in a long step) or raises
+    (dead loop). `step_age`: seconds since the step now in progress began (None: not in a step)."""
+    check_health = LLMEngine.check_health
 
-    def __init__(self, mode="ok"):
+    def __init__(self, mode="ok", step_age=None):
         self.mode = mode
         bm = SimpleNamespace(num_used_blocks=3, num_blocks=10)
         sched = SimpleNamespace(running=[1], waiting=[], prefix_queried_tokens=10, prefix_hit_tokens=4,
                                 num_preemptions=0)
         self.core = SimpleNamespace(model_config=SimpleNamespace(vocab_size=49152), block_manager=bm, scheduler=sched)
         self.max_model_len = 64
+        self._stopped = threading.Event()
+        self._thread = SimpleNamespace(is_alive=lambda: mode != "dead")
+        self.step_started = None if step_age is None else time.monotonic() - step_age
 
     def call(self, fn, timeout=30.0):
         if self.mode == "hung":
@@ -45,8 +54,9 @@ class FakeEngine:
         return fn(self.core)
 
 
-def fake_llm(tokenizer, mode="ok"):
-    return SimpleNamespace(tokenizer=tokenizer, engine=FakeEngine(mode), config=SimpleNamespace(model=None, max_num_seqs=4))
+def fake_llm(tokenizer, mode="ok", step_age=None):
+    return SimpleNamespace(tokenizer=tokenizer, engine=FakeEngine(mode, step_age),
+                           config=SimpleNamespace(model=None, max_num_seqs=4))
 
 
 LIMITS = ServerLimits(max_model_len=100, vocab_size=1000, max_n=4)
@@ -157,9 +167,16 @@ def test_image_parts_are_refused():
 
 # ---------------------------------------------------------------------------------------- the app, faked engine
 
-@pytest.mark.parametrize("mode, status", [("ok", 200), ("hung", 503), ("dead", 503)])
-def test_health_round_trips_through_the_engine(tokenizer, mode, status):
-    app = build_app(fake_llm(tokenizer, mode), health_timeout=0.3)
+@pytest.mark.parametrize("mode, step_age, status", [
+    ("ok", None, 200),                      # idle: the loop answers the round trip
+    ("hung", 0.0, 200),                     # in a step: healthy without a round trip (this loop would not answer)
+    ("hung", None, 503),                    # not in a step and not answering: stuck
+    ("hung", STEP_STALL_LIMIT + 1, 503),    # in a step older than the stall limit, not answering: stuck
+    ("dead", None, 503),                    # the loop thread has ended
+    ("dead", 0.0, 503),                     # ... whatever step stamp it left behind
+])
+def test_health_checks_the_engine_loop(tokenizer, mode, step_age, status):
+    app = build_app(fake_llm(tokenizer, mode, step_age), health_timeout=0.3)
     with TestClient(app) as client:
         t0 = time.monotonic()
         r = client.get("/health")
@@ -167,6 +184,97 @@ def test_health_round_trips_through_the_engine(tokenizer, mode, status):
         assert time.monotonic() - t0 < 5
         if status == 503:
             assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+        else:
+            assert r.json() == {"status": "ok"}
+
+
+def test_health_answers_at_once_during_a_long_step(tokenizer):
+    app = build_app(fake_llm(tokenizer, "hung", step_age=30.0), health_timeout=10.0)
+    with TestClient(app) as client:
+        t0 = time.monotonic()
+        assert client.get("/health").status_code == 200
+        assert time.monotonic() - t0 < 1.0        # not the 10 s a round trip would wait
+
+
+def test_check_health_on_a_real_engine(tiny, tokenizer, tmp_path):
+    """The tiny random Llama's engine loop (the default tokenizer beside it): healthy idle, after generating, at once
+    during a slow step and after a failed one; not once shut down."""
+    from petrel import LLM, SamplingParams
+    tokenizer.save_pretrained(tmp_path)
+    llm = LLM(tiny(2, False).path, tokenizer=str(tmp_path), kv_cache_memory=1 << 20)
+    try:
+        llm.engine.check_health()
+        out = llm.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        assert len(out.outputs[0].token_ids) == 8
+        assert llm.engine.step_started is None
+        llm.engine.check_health()
+        step = llm.engine.core.step               # now a slow step: check_health must not wait behind it
+        llm.engine.core.step = lambda: time.sleep(1.0) or step()
+        worker = threading.Thread(target=llm.generate, args=([5, 6, 7], SamplingParams(max_tokens=1)),
+                                  kwargs={"use_tqdm": False})
+        worker.start()
+        for _ in range(1000):
+            if llm.engine.step_started is not None:
+                break
+            time.sleep(0.01)
+        assert llm.engine.step_started is not None
+        t0 = time.monotonic()
+        llm.engine.check_health(timeout=10.0)
+        assert time.monotonic() - t0 < 0.5
+        worker.join()
+        llm.engine.core.step = lambda: 1 / 0     # a failed step fails its request; the loop goes on, stamp cleared
+        with pytest.raises(RuntimeError, match="engine error: division by zero"):
+            llm.generate([5, 6, 7], SamplingParams(max_tokens=1), use_tqdm=False)
+        assert llm.engine.step_started is None
+        llm.engine.core.step = step
+        llm.engine.check_health()
+        assert len(llm.generate([5, 6], SamplingParams(max_tokens=2), use_tqdm=False).outputs[0].token_ids) == 2
+    finally:
+        llm.shutdown()
+    with pytest.raises(RuntimeError, match="not running"):
+        llm.engine.check_health()
+
+
+class FakeFuture:
+    """A request future that resolves to `value`, raises `error`, or never finishes."""
+
+    def __init__(self, value=None, error=None, never=False):
+        self.value, self.error, self.never, self.aborted = value, error, never, False
+
+    def done(self):
+        return not self.never
+
+    def abort(self):
+        self.aborted = True
+
+    def __await__(self):
+        return self._result().__await__()
+
+    async def _result(self):
+        if self.never:
+            await asyncio.Event().wait()
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def test_outputs_or_none_maps_a_gone_client_and_engine_errors():
+    async def connected():
+        await asyncio.Event().wait()
+
+    async def gone():
+        return {"type": "http.disconnect"}
+    aborted = []
+    state = SimpleNamespace(metrics=SimpleNamespace(aborted=SimpleNamespace(inc=lambda: aborted.append(1))))
+    assert asyncio.run(outputs_or_none(state, SimpleNamespace(receive=connected), [FakeFuture("a"), FakeFuture("b")])) \
+        == ["a", "b"]
+    stuck = FakeFuture(never=True)
+    assert asyncio.run(outputs_or_none(state, SimpleNamespace(receive=gone), [stuck])) is None   # the caller's 499
+    assert stuck.aborted and aborted == [1]
+    failed = [FakeFuture(error=RuntimeError("request 3 failed: engine error: boom"))]
+    with pytest.raises(APIError) as err:
+        asyncio.run(outputs_or_none(state, SimpleNamespace(receive=connected), failed))
+    assert err.value.status == 500 and err.value.message.endswith("boom") and aborted == [1]
 
 
 def test_metrics_read_engine_state(tokenizer):

@@ -23,6 +23,7 @@ from petrel.outputs import FinishDetails, OutputChunk
 logger = logging.getLogger("petrel")
 
 ChunkSink = Callable[[OutputChunk], None]
+STEP_STALL_LIMIT = 60.0   # seconds one engine step may run before check_health stops taking it as a sign of life
 
 
 class LLMEngine:
@@ -54,6 +55,7 @@ class LLMEngine:
         self._grammar_compiler: GrammarCompiler | None = None
         self._deadlines: dict[object, float] = {}
         self._stopped = threading.Event()
+        self.step_started: float | None = None    # time.monotonic() when the step now running began
         self._thread = threading.Thread(target=self._run, name="petrel-engine", daemon=True)
         self._thread.start()
 
@@ -145,6 +147,16 @@ class LLMEngine:
             raise box["error"]
         return box.get("value")
 
+    def check_health(self, timeout: float = 0.2) -> None:
+        """Raise unless the engine loop is alive and either in a step begun less than STEP_STALL_LIMIT ago (no
+        waiting behind a long step) or answering a round trip within `timeout` (TimeoutError: a stuck loop)."""
+        if self._stopped.is_set() or not self._thread.is_alive():
+            raise RuntimeError("the engine loop is not running")
+        started = self.step_started
+        if started is not None and time.monotonic() - started < STEP_STALL_LIMIT:
+            return
+        self.call(lambda core: None, timeout=timeout)
+
     def shutdown(self) -> None:
         if not self._stopped.is_set():
             self._stopped.set()
@@ -171,12 +183,15 @@ class LLMEngine:
                 break
             self._expire_deadlines()
             if self.core.has_work:
+                self.step_started = time.monotonic()
                 try:
                     outputs = self.core.step()
                 except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the loop
                     logger.exception("engine step failed")
                     self._fail_all(f"engine error: {exc}")
                     continue
+                finally:
+                    self.step_started = None
                 stats = self.core.last_stats
                 if stats is not None and (not self.stats_history or self.stats_history[-1] is not stats):
                     self.stats_history.append(stats)

@@ -130,11 +130,12 @@ def build_app(llm, served_model_name: str | None = None, api_key: str | None = N
             raise APIError(f"tokens outside the vocabulary (size {limits.vocab_size}): {bad[:5]}", 400, param="tokens")
         return DetokenizeResponse(prompt=llm.tokenizer.decode(body.tokens))
 
-    @app.get("/health", response_model=HealthResponse, summary="200 when the engine loop answers in time",
+    @app.get("/health", response_model=HealthResponse,
+             summary="200 when the engine loop is in a step (not stalled) or answers in time",
              responses={503: {"model": ErrorResponse, "description": "the engine loop is stuck or gone"}})
     async def health():
         try:
-            await asyncio.to_thread(llm.engine.call, lambda core: None, state.health_timeout)
+            await asyncio.to_thread(llm.engine.check_health, state.health_timeout)
         except Exception as exc:  # noqa: BLE001 - any failure to round-trip is unhealthy
             return APIError(f"the engine did not answer: {type(exc).__name__}: {exc}", 503).response()
         return JSONResponse(HealthResponse().model_dump())

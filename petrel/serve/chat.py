@@ -17,7 +17,7 @@ from petrel.serve.params import build_sampling_params, check_prompt_length, reso
 from petrel.serve.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                                    ChatStreamChoice, ChoiceLogprobs, DeltaFunctionCall, DeltaMessage, DeltaToolCall,
                                    FunctionCall, PromptTokensDetails, ResponseMessage, ToolCall, Usage)
-from petrel.serve.streams import SSE_DONE, ClientGone, ServeState, new_id, sse, wait_all_or_abort
+from petrel.serve.streams import SSE_DONE, ServeState, new_id, outputs_or_none, sse
 from petrel.serve.tool_grammar import CALL_START, any_call_grammar, named_call_grammar, named_prefill
 from petrel.serve.tool_grammar import available as tool_grammar_available
 from petrel.serve.tool_parser import ToolCallParser, parse_all
@@ -119,13 +119,10 @@ async def create_chat_completion(state: ServeState, req: ChatCompletionRequest, 
     rid, created = new_id("chatcmpl"), int(time.time())
     if req.stream:
         return StreamingResponse(_stream(state, req, plan, future, ids, rid, created), media_type="text/event-stream")
-    try:
-        (out,) = await wait_all_or_abort(request, [future])
-    except ClientGone:
-        state.metrics.aborted.inc()
+    outputs = await outputs_or_none(state, request, [future])
+    if outputs is None:
         return Response(status_code=499)
-    except RuntimeError as exc:
-        raise APIError(str(exc), 500) from None
+    (out,) = outputs
     choices = []
     for co in out.outputs:
         message = ResponseMessage(content=co.text)

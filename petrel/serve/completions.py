@@ -12,8 +12,7 @@ from petrel.serve.logprobs import completion_logprobs
 from petrel.serve.params import build_sampling_params, check_prompt_length, resolve_max_tokens
 from petrel.serve.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, CompletionStreamResponse,
                                    PromptTokensDetails, Usage)
-from petrel.serve.streams import (SSE_DONE, ClientGone, ServeState, abort_unfinished, merged, new_id, sse,
-                                  wait_all_or_abort)
+from petrel.serve.streams import SSE_DONE, ServeState, abort_unfinished, merged, new_id, outputs_or_none, sse
 
 DEFAULT_MAX_TOKENS = 16   # OpenAI's default for the legacy endpoint
 
@@ -93,13 +92,9 @@ async def create_completion(state: ServeState, req: CompletionRequest, request: 
     rid, created = new_id("cmpl"), int(time.time())
     if req.stream:
         return StreamingResponse(_stream(state, req, prompts, futures, rid, created), media_type="text/event-stream")
-    try:
-        outputs = await wait_all_or_abort(request, futures)
-    except ClientGone:
-        state.metrics.aborted.inc()
+    outputs = await outputs_or_none(state, request, futures)
+    if outputs is None:
         return Response(status_code=499)
-    except RuntimeError as exc:
-        raise APIError(str(exc), 500) from None
     choices = []
     for p, ((text, ids), out) in enumerate(zip(prompts, outputs)):
         state.metrics.record_request(out, [api_finish_reason(co.finish_reason) for co in out.outputs])

@@ -123,5 +123,17 @@ async def wait_all_or_abort(request: Request, futures) -> list:
         abort_unfinished(futures)
 
 
+async def outputs_or_none(state: ServeState, request: Request, futures) -> list | None:
+    """wait_all_or_abort for an endpoint: None when the client went away first (counted as aborted; answer 499);
+    an engine error is a 500."""
+    try:
+        return await wait_all_or_abort(request, futures)
+    except ClientGone:
+        state.metrics.aborted.inc()
+        return None
+    except RuntimeError as exc:
+        raise APIError(str(exc), 500) from None
+
+
 async def _await(future):
     return await future
