@@ -49,6 +49,8 @@ def test_missing_model_is_one_clear_line(tmp_path):
     (("generate",), "give a prompt, or --input FILE"),
     (("generate", "hi", "--input", "x.txt"), "not both"),
     (("serve", "--chat-template", "not-a-file-nor-a-template"), "--chat-template"),
+    (("serve", "--speculative-config", "{method: ngram}"), "--speculative-config: not valid JSON"),
+    (("generate", "hi", "--speculative-config", '{"method": "medusa"}'), "speculative_config.method"),
 ])
 def test_user_mistakes_exit_2_without_a_traceback(args, message):
     r = petrel(*args)

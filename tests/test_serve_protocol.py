@@ -39,7 +39,8 @@ class FakeEngine:
         bm = SimpleNamespace(num_used_blocks=3, num_blocks=10)
         sched = SimpleNamespace(running=[1], waiting=[], prefix_queried_tokens=10, prefix_hit_tokens=4,
                                 num_preemptions=0)
-        self.core = SimpleNamespace(model_config=SimpleNamespace(vocab_size=49152), block_manager=bm, scheduler=sched)
+        self.core = SimpleNamespace(model_config=SimpleNamespace(vocab_size=49152), block_manager=bm, scheduler=sched,
+                                    num_draft_tokens=8, num_accepted_tokens=6)
         self.max_model_len = 64
         self._stopped = threading.Event()
         self._thread = SimpleNamespace(is_alive=lambda: mode != "dead")
@@ -283,6 +284,8 @@ def test_metrics_read_engine_state(tokenizer):
     assert 'petrel_kv_cache_usage_perc{model_name="SmolLM2-135M-Instruct"} 0.3' in text
     assert 'petrel_prefix_cache_hit_rate{model_name="SmolLM2-135M-Instruct"} 0.4' in text
     assert 'petrel_num_requests_running{model_name="SmolLM2-135M-Instruct"} 1.0' in text
+    assert 'petrel_spec_decode_num_draft_tokens{model_name="SmolLM2-135M-Instruct"} 8.0' in text
+    assert 'petrel_spec_decode_acceptance_rate{model_name="SmolLM2-135M-Instruct"} 0.75' in text
     for name in ("petrel_request_success_total", "petrel_prompt_tokens_total", "petrel_generation_tokens_total",
                  "petrel_time_to_first_token_seconds", "petrel_time_per_output_token_seconds",
                  "petrel_e2e_request_latency_seconds", "petrel_num_requests_waiting"):
