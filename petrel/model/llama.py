@@ -13,57 +13,57 @@ from torch import nn
 
 from petrel.model.attention import AttentionMetadata, paged_attention
 from petrel.model.config import ModelConfig
-from petrel.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from petrel.model.layers import Linear, RMSNorm, RotaryEmbedding, silu_and_mul
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.sliding_window = cfg.sliding_window(layer)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=cfg.attention_bias or cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.rotary = rotary
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x, positions, kv_cache, meta: AttentionMetadata):
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+    def forward(self, x, cos_sin, kv_cache, meta: AttentionMetadata):
+        qkv = self.qkv_proj(x)
+        heads = self.num_heads
+        # queries and keys side by side, as [T, heads + kv_heads, head_dim]: one rotary pass for both
+        qk = qkv[:, :self.q_size + self.kv_size].view(-1, heads + self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
+            qk = torch.cat([self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])], dim=1)
+        qk = RotaryEmbedding.rotate(qk, cos_sin)
+        out = paged_attention(qk[:, :heads], qk[:, heads:], v, kv_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, rotary, layer)
+        self.self_attn = LlamaAttention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, x, positions, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+    def forward(self, x, cos_sin, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -71,8 +71,8 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, i) for i in range(cfg.num_hidden_layers))
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -87,7 +87,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -97,8 +97,9 @@ class LlamaForCausalLM(nn.Module):
 
         num_layers: run only the first layers, then the final norm (early exit, for self-speculation)."""
         x = self.model.embed_tokens(input_ids)
+        cos_sin = self.model.rotary.for_positions(positions, x.dtype)
         for layer, kv_cache in zip(self.model.layers[:num_layers], kv_caches):
-            x = layer(x, positions, kv_cache, meta)
+            x = layer(x, cos_sin, kv_cache, meta)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
