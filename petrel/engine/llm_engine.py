@@ -55,6 +55,8 @@ class LLMEngine:
         self._grammar_compiler: GrammarCompiler | None = None
         self._deadlines: dict[object, float] = {}
         self._stopped = threading.Event()
+        self._closed = False                      # the loop takes no more commands (set under _in_flight_lock)
+        self._dead: str | None = None             # "the engine loop has stopped: <cause>" once the loop thread died
         self.step_started: float | None = None    # time.monotonic() when the step now running began
         self._thread = threading.Thread(target=self._run, name="petrel-engine", daemon=True)
         self._thread.start()
@@ -74,8 +76,7 @@ class LLMEngine:
 
         request_options: EngineRequest fields the executor sets (client_id, logits_post_processor,
         use_batched_post_processor, priority)."""
-        if self._stopped.is_set():
-            raise RuntimeError("the engine has been shut down")
+        self._raise_if_closed()
         if params.bad_words:
             params = dataclasses.replace(params, bad_words_token_ids=params.bad_words_token_ids + self._bad_word_ids(params.bad_words))
         if request_options.get("use_batched_post_processor") and self.core.sampler.batched_post_processor is None:
@@ -91,11 +92,20 @@ class LLMEngine:
                                 **request_options)
         if timeout is not None:
             request.deadline = request.arrival_time + timeout
-        with self._in_flight_lock:
+        with self._in_flight_lock:   # queued under the lock: a loop that has closed never misses it
+            if self._closed:
+                self._raise_if_closed(closed=True)
             if request_id in self._in_flight:
                 raise ValueError(f"request_id {request_id!r} is already in flight")
             self._in_flight.add(request_id)
-        self._commands.put(("add", request, sink))
+            self._commands.put(("add", request, sink))
+
+    def _raise_if_closed(self, closed: bool = False) -> None:
+        """RuntimeError if the engine takes no new work: its loop died (naming why) or it was shut down."""
+        if self._dead is not None:
+            raise RuntimeError(self._dead)
+        if closed or self._stopped.is_set():
+            raise RuntimeError("the engine has been shut down")
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:
@@ -140,7 +150,10 @@ class LLMEngine:
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 box["error"] = exc
             done.set()
-        self._commands.put(("call", job))
+        with self._in_flight_lock:
+            if self._closed:   # nothing would ever answer
+                self._raise_if_closed(closed=True)
+            self._commands.put(("call", job))
         if not done.wait(timeout):
             raise TimeoutError("the engine loop did not answer in time")
         if "error" in box:
@@ -150,12 +163,16 @@ class LLMEngine:
     def check_health(self, timeout: float = 0.2) -> None:
         """Raise unless the engine loop is alive and either in a step begun less than STEP_STALL_LIMIT ago (no
         waiting behind a long step) or answering a round trip within `timeout` (TimeoutError: a stuck loop)."""
+        if self._dead is not None:
+            raise RuntimeError(self._dead)
         if self._stopped.is_set() or not self._thread.is_alive():
             raise RuntimeError("the engine loop is not running")
         started = self.step_started
         if started is not None and time.monotonic() - started < STEP_STALL_LIMIT:
             return
         self.call(lambda core: None, timeout=timeout)
+        if self._dead is not None:   # answered by a dying loop's last drain
+            raise RuntimeError(self._dead)
 
     def shutdown(self) -> None:
         if not self._stopped.is_set():
@@ -166,6 +183,22 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ engine side
     def _run(self) -> None:
+        """The loop thread: however it ends (shutdown, or an exception of any kind escaping the loop, which would
+        otherwise end the thread silently and leave every request hanging), every request in flight or queued gets
+        a final abort chunk, and no new work is taken."""
+        message = "the engine has been shut down"
+        try:
+            self._loop()
+        except BaseException as exc:  # noqa: BLE001 - a daemon thread: nothing above it to re-raise to
+            logger.critical("the engine loop died", exc_info=True)
+            cause = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            message = self._dead = f"the engine loop has stopped: {cause}"
+        finally:
+            with self._in_flight_lock:
+                self._closed = True
+            self._fail_all(message)
+
+    def _loop(self) -> None:
         while not self._stopped.is_set():
             busy = self.core.has_work
             wait = 0.0 if busy else (0.05 if self._deadlines else None)
@@ -196,7 +229,6 @@ class LLMEngine:
                 if stats is not None and (not self.stats_history or self.stats_history[-1] is not stats):
                     self.stats_history.append(stats)
                 self._dispatch(outputs)
-        self._fail_all("the engine has been shut down")
 
     def _handle(self, cmd) -> None:
         kind = cmd[0]
@@ -254,10 +286,16 @@ class LLMEngine:
             elif cmd[0] == "call":
                 cmd[1](self.core)
         for request_id in list(self._sinks):
-            self._dispatch(self.core.abort_request(request_id, message))
-        for request_id, (sink, _) in list(self._sinks.items()):  # queued but never added to the core
-            sink(OutputChunk(request_id, -1, [], "", "abort", 0, 0, 0,
-                             finish_details=FinishDetails("abort", message=message)))
+            try:
+                self._dispatch(self.core.abort_request(request_id, message))
+            except BaseException:  # noqa: BLE001 - a broken core or output processor: answered below instead
+                logger.exception("aborting request %r failed", request_id)
+        for request_id, (sink, _) in list(self._sinks.items()):  # queued but never added to the core, or not aborted
+            try:
+                sink(OutputChunk(request_id, -1, [], "", "abort", 0, 0, 0,
+                                 finish_details=FinishDetails("abort", message=message)))
+            except BaseException:  # noqa: BLE001 - one caller's sink must not keep the others waiting
+                logger.exception("output sink for request %r failed", request_id)
         self._sinks.clear()
         with self._in_flight_lock:
             self._in_flight.clear()
