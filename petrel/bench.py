@@ -3,6 +3,8 @@
     petrel bench                       # W1 + W2, petrel and transformers, float32
     petrel bench --workloads w1,w2,w4 --out results.json
     petrel bench --quick --engines petrel   # a smoke test (seconds, not minutes)
+    petrel bench latency | throughput | prefix [options]     # W1 / W2 / W4 alone
+    petrel bench serve [--url URL] [--sweep 1,4,16] [--plot out.png]   # W3, see petrel/bench_serve.py
 
 The workloads are those of the project's bench/WORKLOADS.md (regenerated here, nothing read from disk):
   W1  single stream: the chat template applied to W1_USER_MESSAGE, greedy, exactly 256 new tokens;
@@ -481,7 +483,8 @@ def _size(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--workloads", default="w1,w2", help="comma-separated, from w1,w2,w4 (default: w1,w2)")
+    parser.add_argument("--workloads", default="w1,w2", help="comma-separated, from w1,w2,w4 (default: w1,w2); "
+                        "or a subcommand: latency (W1), throughput (W2), prefix (W4), serve (W3, its own options)")
     parser.add_argument("--engines", default="petrel,hf", help="comma-separated, from petrel,hf (default: both)")
     parser.add_argument("--dtype", default="float32", help="model dtype for both engines (default: float32)")
     parser.add_argument("--model", default=None,
@@ -493,7 +496,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              f"{QUICK.w4_suffix_len}) x {QUICK.w4_new_tokens} new")
     parser.add_argument("--w1-runs", type=int, default=None,
                         help=f"timed W1 runs per engine, median reported (default: {FULL.w1_runs}, quick: 1)")
-    parser.add_argument("--out", default=None, metavar="FILE.json", help="also write all results to this file")
+    parser.add_argument("--json", "--out", dest="out", default=None, metavar="FILE.json",
+                        help="also write all results to this file")
     group = parser.add_argument_group("petrel engine options")
     group.add_argument("--max-num-seqs", type=int, default=None)
     group.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -512,9 +516,24 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         prog=prog, description="Benchmark petrel against Hugging Face transformers (same process, same run)."))
 
 
+SUBCOMMANDS = {"latency": "w1", "throughput": "w2", "prefix": "w4"}
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point (`petrel bench`, or `petrel bench`): 0 when every figure counts, 1 otherwise."""
-    return run_parsed(build_parser().parse_args(argv))
+    """Entry point of `petrel bench`: 0 when every figure counts, 1 otherwise.
+
+    `petrel bench latency|throughput|prefix [options]` runs W1 / W2 / W4 (the same as --workloads w1 / w2 / w4);
+    `petrel bench serve [options]` runs W3 against a server (see petrel/bench_serve.py); with no subcommand the
+    options pick the workloads (--workloads w1,w2 by default)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "serve":
+        from petrel.bench_serve import main as serve_main
+        return serve_main(argv[1:])
+    if argv and argv[0] in SUBCOMMANDS:
+        name = argv.pop(0)
+        args = build_parser(f"petrel bench {name}").parse_args(argv + ["--workloads", SUBCOMMANDS[name]])
+        return run_parsed(args)
+    return run_parsed(build_parser("petrel bench").parse_args(argv))
 
 
 def run_parsed(args: argparse.Namespace) -> int:

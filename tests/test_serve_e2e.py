@@ -495,7 +495,20 @@ def test_metrics_count_requests(server, client):
 
 
 def test_w3_client_smoke(server):
-    from benchmarks.w3_serve import run_client
     from petrel.bench import make_w2_prompts
+    from petrel.bench_serve import run_client
     result = asyncio.run(run_client(server.url, MODEL, make_w2_prompts(3, 40), max_tokens=4, concurrency=2))
     assert result["valid"] and result["output_tokens"] == 12 and result["ttft_p50_s"] > 0
+
+
+def test_bench_serve_sweep_writes_json_and_a_plot(server, tmp_path):
+    pytest.importorskip("matplotlib")
+    from petrel.cli import main
+    out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    rc = main(["bench", "serve", "--url", server.url, "--model", MODEL, "--num-prompts", "3", "--max-tokens", "4",
+               "--sweep", "1,3", "--json", str(out), "--plot", str(png)])
+    assert rc == 0
+    runs = json.loads(out.read_text())["sweep"]
+    assert [r["concurrency"] for r in runs] == [1, 3]
+    assert all(r["valid"] and r["output_tokens"] == 12 and r["tpot_p50_s"] > 0 for r in runs)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
