@@ -266,11 +266,7 @@ class EngineCore:
         for i, seq, draft in zip(picked, seqs, drafts):
             seq.spec_token_ids = draft[:batch.num_new_tokens[i] - 1]
             batch.num_new_tokens[i] = 1 + len(seq.spec_token_ids)
-        # a sequence left without drafts is a plain decode again: decodes go first
-        order = sorted(range(len(batch.seqs)), key=lambda i: (batch.num_new_tokens[i] != 1, batch.num_new_tokens[i] == 1
-                                                              and batch.seqs[i].num_computed_tokens))
-        batch.seqs = [batch.seqs[i] for i in order]
-        batch.num_new_tokens = [batch.num_new_tokens[i] for i in order]
+        batch.put_decodes_first()   # a sequence left without drafts is a plain decode again
 
     def _finish_verification(self, batch) -> int:
         """After a step: accepted drafts are computed K/V; clear the drafts. Returns the number of drafts."""

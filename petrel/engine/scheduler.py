@@ -30,6 +30,15 @@ class ScheduledBatch:
     def __len__(self) -> int:
         return len(self.seqs)
 
+    def put_decodes_first(self) -> None:
+        """Single-token queries (decodes) first, by context length, so the runner's decode groups pad little."""
+        def key(i):
+            decode = self.num_new_tokens[i] == 1
+            return not decode, self.seqs[i].num_computed_tokens if decode else 0
+        order = sorted(range(len(self.seqs)), key=key)
+        self.seqs = [self.seqs[i] for i in order]
+        self.num_new_tokens = [self.num_new_tokens[i] for i in order]
+
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
@@ -135,10 +144,9 @@ class Scheduler:
                 self._preempt(seq, batch)
             return self.schedule()
 
-        # single-token queries (decodes) first, by context length, so the runner's decode groups pad little
-        scheduled.sort(key=lambda item: (item[1] != 1, item[0].num_computed_tokens if item[1] == 1 else 0))
         batch.seqs = [s for s, _ in scheduled]
         batch.num_new_tokens = [n for _, n in scheduled]
+        batch.put_decodes_first()
         batch.block_copies = bm.take_pending_copies()
         return batch
 
