@@ -130,3 +130,20 @@ def test_serve_examples_run(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_every_file_the_docs_name_exists():
+    for doc in (ROOT / "README.md", ROOT / "docs" / "ARCHITECTURE.md"):
+        named = set(re.findall(r"\b((?:petrel|tests|benchmarks|docs)/[\w/.-]+\.(?:py|md|png|html))", doc.read_text()))
+        assert named, doc
+        missing = sorted(p for p in named if not (ROOT / p).exists())
+        assert not missing, f"{doc.name} names files that do not exist: {missing}"
+
+
+def test_the_configuration_table_lists_every_engine_option():
+    from dataclasses import fields
+
+    from petrel.config import EngineConfig
+    table = README[README.index("### Configuration"):README.index("## Layout")]
+    documented = set(re.findall(r"^\| `(\w+)` \|", table, flags=re.M))
+    assert documented == {f.name for f in fields(EngineConfig)}
