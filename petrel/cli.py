@@ -1,4 +1,4 @@
-"""petrel generate | chat | serve | bench"""
+"""petrel generate | chat | serve | route | bench"""
 from __future__ import annotations
 
 import argparse
@@ -252,6 +252,15 @@ def cmd_bench(argv: list[str]) -> int:
 
 # ------------------------------------------------------------------------------------------- main
 
+ROUTE_EPILOG = """\
+examples:
+  petrel serve --port 8001 & petrel serve --port 8002 &
+  petrel route --backends http://127.0.0.1:8001 http://127.0.0.1:8002 --port 8000
+  curl http://127.0.0.1:8000/health            # the router's view of every backend
+A request may pick its backend with "target_endpoint": URL in the body (or an X-Target-Endpoint header).
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="petrel", formatter_class=RAW, epilog=MAIN_EPILOG,
                                      description="petrel: a fast LLM inference engine with an OpenAI-compatible server.")
@@ -282,6 +291,13 @@ def build_parser() -> argparse.ArgumentParser:
                                    description="Serve the model over an OpenAI-compatible HTTP API, with a "
                                                "chat page for the browser at /.",
                                    formatter_class=RAW, epilog=SERVE_EPILOG))
+    from petrel.route import add_arguments as route_arguments
+    route_arguments(sub.add_parser("route", help="one OpenAI-compatible front over several petrel servers",
+                                   description="Spread requests over several `petrel serve` backends: requests "
+                                               "sharing a prompt prefix go to the same backend (its prefix cache), "
+                                               "load evens out, a dead backend is skipped and its unanswered "
+                                               "requests are retried on another.",
+                                   formatter_class=RAW, epilog=ROUTE_EPILOG))
     return parser
 
 
@@ -296,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             from petrel.serve.server import run as cmd_serve
             return cmd_serve(args)
+        if args.command == "route":
+            from petrel.route import run as cmd_route
+            return cmd_route(args)
         return cmd_generate(args) if args.command == "generate" else cmd_chat(args)
     except (UserError, ValueError) as exc:
         print(f"petrel: error: {exc}", file=sys.stderr)

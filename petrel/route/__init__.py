@@ -1,0 +1,32 @@
+"""`petrel route`: a prefix- and load-aware OpenAI-compatible front over several petrel servers."""
+from petrel.route.router import Backend, Router, build_router_app, prefix_of
+
+__all__ = ["Backend", "Router", "build_router_app", "prefix_of", "add_arguments", "run"]
+
+
+def add_arguments(p):
+    p.add_argument("--backends", nargs="+", required=True, metavar="URL",
+                   help="the petrel servers to spread requests over, e.g. http://10.0.0.2:8000 http://10.0.0.3:8000")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--prefix-chars", type=int, default=256,
+                   help="requests whose prompts agree on this many first characters go to the same backend")
+    p.add_argument("--max-imbalance", type=int, default=8,
+                   help="a backend with this many more requests in flight than the least loaded one is passed over")
+    p.add_argument("--health-interval", type=float, default=2.0, help="seconds between health checks")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    return p
+
+
+def run(args) -> int:
+    import logging
+    import sys
+
+    import uvicorn
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    router = Router(args.backends, args.prefix_chars, args.max_imbalance)
+    app = build_router_app(router, args.health_interval)
+    print(f"petrel route: http://{args.host}:{args.port}/v1 over {len(router.backends)} backend(s): "
+          f"{', '.join(b.url for b in router.backends)}", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
