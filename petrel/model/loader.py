@@ -189,6 +189,6 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: str) -> tuple[to
     # buffers (rotary tables) were created on meta: rebuild them on the real device
     for module in model.modules():
         if hasattr(module, "cos") and hasattr(module, "sin"):
-            fresh = type(module)(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+            fresh = type(module)(*module.args)   # each table as its model built it (Gemma 3 has two)
             module.cos, module.sin = fresh.cos, fresh.sin
     return model.to(device=device, dtype=dtype).eval(), cfg
