@@ -5,7 +5,8 @@ from dataclasses import dataclass, field
 
 
 # GGUF `general.architecture` -> the Hugging Face architecture it holds (the same metadata keys for each)
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                      "gemma3": "Gemma3ForCausalLM"}
 
 
 @dataclass
@@ -101,22 +102,42 @@ class ModelConfig:
             scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
         eos = meta.get("tokenizer.ggml.eos_token_id")
         architecture = GGUF_ARCHITECTURES[arch]
+        gemma = architecture == "Gemma3ForCausalLM"
+        head_dim = get("attention.key_length") or hidden // heads
+        layers = get("block_count")
+        windows: list[int | None] = []
+        if gemma and get("attn_logit_softcapping") is not None:
+            raise ValueError(f"attention logit soft-capping (attn_logit_softcapping {get('attn_logit_softcapping')}) "
+                             f"is not supported")
+        if gemma:   # every 6th layer global unless the file says otherwise (llama.cpp's default for gemma3)
+            pattern = get("attention.sliding_window_pattern", 6)
+            window = get("attention.sliding_window")
+            if isinstance(pattern, list):   # per layer, True = sliding
+                windows = [window if sliding else None for sliding in pattern]
+            else:
+                windows = _gemma3_sliding_windows({"sliding_window": window, "num_hidden_layers": layers,
+                                                   "sliding_window_pattern": pattern})
         return cls(
             architecture=architecture,
             vocab_size=get("vocab_size") or len(meta["tokenizer.ggml.tokens"]),
             hidden_size=hidden,
             intermediate_size=get("feed_forward_length"),
-            num_hidden_layers=get("block_count"),
+            num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=get("attention.head_count_kv", heads),
-            head_dim=get("attention.key_length") or hidden // heads,
+            head_dim=head_dim,
             max_position_embeddings=get("context_length", 2048),
             rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-6),
             rope_theta=get("rope.freq_base", 10000.0),
             rope_scaling=scaling,
             tie_word_embeddings=not has_output_tensor,
             qkv_bias=architecture == "Qwen2ForCausalLM",
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            sliding_windows=windows,
+            rope_local_theta=10_000.0 if gemma else None,
+            # llama.cpp's rule: hidden / heads for the 62-layer 27B, head_dim for the others
+            query_pre_attn_scalar=(hidden // heads if layers == 62 else head_dim) if gemma else None,
+            final_logit_softcapping=get("final_logit_softcapping") if gemma else None,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=[eos] if eos is not None else [],
         )

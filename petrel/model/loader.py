@@ -80,6 +80,9 @@ _GGUF_NAMES = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+# Gemma 3's four norms per layer: llama.cpp's ffn_norm is the norm before the MLP, and two more follow
+_GGUF_NAMES_GEMMA3 = {**_GGUF_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                      "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 
 
 def read_gguf_metadata(reader) -> dict:
@@ -102,16 +105,20 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
 def gguf_weights(reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     from gguf.quants import dequantize
     permuted = cfg.architecture == "LlamaForCausalLM"   # llama.cpp permutes q/k rows for llama only
+    gemma = cfg.architecture == "Gemma3ForCausalLM"
+    names = _GGUF_NAMES_GEMMA3 if gemma else _GGUF_NAMES
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue
         parts = t.name.split(".")
         if parts[0] == "blk":
-            name = f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
+            name = f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
         else:
-            name = f"{_GGUF_NAMES[parts[0]]}.{parts[1]}"
+            name = f"{names[parts[0]]}.{parts[1]}"
         data = dequantize(t.data, t.tensor_type)
         data = data.reshape([int(d) for d in reversed(t.shape)])
+        if gemma and name.endswith("norm.weight"):
+            data = data - 1.0   # llama.cpp stores Gemma's norm weights as 1 + w (what they multiply by)
         if permuted and parts[0] == "blk" and parts[2] == "attn_q":
             data = _unpermute_rope(data, cfg.num_attention_heads)
         elif permuted and parts[0] == "blk" and parts[2] == "attn_k":
