@@ -255,7 +255,7 @@ def test_gguf_gemma3_matches_transformers(gemma, tmp_path):
     w.close()
     model, cfg = load_model(resolve_model(path), torch.float32, "cpu")
     for field in ("architecture", "head_dim", "sliding_windows", "rope_theta", "rope_local_theta",
-                  "query_pre_attn_scalar", "tie_word_embeddings", "qk_norm", "final_logit_softcapping"):
+                  "query_pre_attn_scalar", "tie_word_embeddings", "qk_norm", "final_logit_softcapping", "eos_token_ids"):
         assert getattr(cfg, field) == getattr(t.cfg, field), field
     g = Tiny(t.hf, model, cfg, path)
     tokens = _tokens(30, 70)
@@ -298,6 +298,7 @@ def test_gemma3_270m_gguf_greedy_matches_transformers():
     assert cfg.architecture == "Gemma3ForCausalLM" and cfg.num_hidden_layers == 18 and cfg.head_dim == 256
     assert cfg.sliding_windows == ([512] * 5 + [None]) * 3 and cfg.rope_local_theta == 10_000.0
     assert cfg.tie_word_embeddings and cfg.query_pre_attn_scalar == 256
+    assert cfg.eos_token_ids == [1, 106]     # <eos>, and <end_of_turn> as Hugging Face's generation_config has it
     folder, name = os.path.dirname(path), os.path.basename(path)
     tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()

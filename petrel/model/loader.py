@@ -148,8 +148,11 @@ def load_model_config(source: ModelSource, reader=None) -> ModelConfig:
     """reader: an open GGUFReader of a GGUF source, to avoid parsing the file twice (it is slow)."""
     if source.kind == "gguf":
         reader = reader or _gguf_reader(source)
-        return ModelConfig.from_gguf_metadata(read_gguf_metadata(reader),
-                                              any(t.name == "output.weight" for t in reader.tensors))
+        cfg = ModelConfig.from_gguf_metadata(read_gguf_metadata(reader),
+                                             any(t.name == "output.weight" for t in reader.tensors))
+        if cfg.architecture == "Gemma3ForCausalLM":
+            _add_gemma_end_of_turn(reader, cfg)
+        return cfg
     with open(os.path.join(source.path, "config.json")) as f:
         cfg = ModelConfig.from_hf_config(json.load(f))
     gen_path = os.path.join(source.path, "generation_config.json")
@@ -160,6 +163,17 @@ def load_model_config(source: ModelSource, reader=None) -> ModelConfig:
             if e not in cfg.eos_token_ids:
                 cfg.eos_token_ids.append(e)
     return cfg
+
+
+def _add_gemma_end_of_turn(reader, cfg: ModelConfig) -> None:
+    """Gemma ends a chat turn with <end_of_turn> (id 106), a stop token in Hugging Face's generation_config but
+    not in GGUF's eos_token_id: add it when the vocabulary has it there."""
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    end_of_turn = 106
+    if tokens is None or len(tokens.data) <= end_of_turn or end_of_turn in cfg.eos_token_ids:
+        return
+    if bytes(tokens.parts[tokens.data[end_of_turn]]) == b"<end_of_turn>":
+        cfg.eos_token_ids.append(end_of_turn)
 
 
 class _ReadingFiles:
