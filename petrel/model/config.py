@@ -5,7 +5,8 @@ from dataclasses import dataclass, field
 
 
 # GGUF `general.architecture` -> the Hugging Face architecture it holds (the same metadata keys for each)
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                      "gemma3": "Gemma3ForCausalLM"}
 
 
 @dataclass
@@ -28,6 +29,9 @@ class ModelConfig:
     qk_norm: bool = False            # RMS norm over each head of q and k, before rotary (Qwen3)
     mlp_bias: bool = False
     sliding_windows: list[int | None] = field(default_factory=list)  # per layer: keys a query sees, None = all
+    rope_local_theta: float | None = None   # rotary base of the sliding-window layers (Gemma 3); None = rope_theta
+    query_pre_attn_scalar: float | None = None   # attention scale is this ** -0.5 (Gemma); None = head_dim
+    final_logit_softcapping: float | None = None   # logits = cap * tanh(logits / cap) (Gemma)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -40,6 +44,12 @@ class ModelConfig:
         rope_scaling = cfg.get("rope_scaling")
         rope_theta = cfg.get("rope_theta")
         rope_params = cfg.get("rope_parameters")  # newer transformers layout
+        gemma = architecture == "Gemma3ForCausalLM"
+        local_theta = None
+        if gemma:
+            rope_theta, rope_scaling, local_theta = _gemma3_rope(cfg)
+            rope_params = None
+            _check_gemma3(cfg)
         if rope_params:
             rope_theta = rope_params.get("rope_theta", rope_theta)
             if rope_params.get("rope_type", "default") != "default":
@@ -60,12 +70,15 @@ class ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta or 10000.0,
             rope_scaling=rope_scaling,
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", gemma),   # Gemma's config default is tied
             attention_bias=cfg.get("attention_bias", False),
             qkv_bias=architecture == "Qwen2ForCausalLM",   # Qwen2 always has them; the config does not say
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
             mlp_bias=cfg.get("mlp_bias", False),
-            sliding_windows=_sliding_windows(cfg),
+            sliding_windows=_gemma3_sliding_windows(cfg) if gemma else _sliding_windows(cfg),
+            rope_local_theta=local_theta,
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256) if gemma else None,
+            final_logit_softcapping=cfg.get("final_logit_softcapping") if gemma else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
         )
@@ -89,22 +102,42 @@ class ModelConfig:
             scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
         eos = meta.get("tokenizer.ggml.eos_token_id")
         architecture = GGUF_ARCHITECTURES[arch]
+        gemma = architecture == "Gemma3ForCausalLM"
+        head_dim = get("attention.key_length") or hidden // heads
+        layers = get("block_count")
+        windows: list[int | None] = []
+        if gemma and get("attn_logit_softcapping") is not None:
+            raise ValueError(f"attention logit soft-capping (attn_logit_softcapping {get('attn_logit_softcapping')}) "
+                             f"is not supported")
+        if gemma:   # every 6th layer global unless the file says otherwise (llama.cpp's default for gemma3)
+            pattern = get("attention.sliding_window_pattern", 6)
+            window = get("attention.sliding_window")
+            if isinstance(pattern, list):   # per layer, True = sliding
+                windows = [window if sliding else None for sliding in pattern]
+            else:
+                windows = _gemma3_sliding_windows({"sliding_window": window, "num_hidden_layers": layers,
+                                                   "sliding_window_pattern": pattern})
         return cls(
             architecture=architecture,
             vocab_size=get("vocab_size") or len(meta["tokenizer.ggml.tokens"]),
             hidden_size=hidden,
             intermediate_size=get("feed_forward_length"),
-            num_hidden_layers=get("block_count"),
+            num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=get("attention.head_count_kv", heads),
-            head_dim=get("attention.key_length") or hidden // heads,
+            head_dim=head_dim,
             max_position_embeddings=get("context_length", 2048),
             rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-6),
             rope_theta=get("rope.freq_base", 10000.0),
             rope_scaling=scaling,
             tie_word_embeddings=not has_output_tensor,
             qkv_bias=architecture == "Qwen2ForCausalLM",
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            sliding_windows=windows,
+            rope_local_theta=10_000.0 if gemma else None,
+            # llama.cpp's rule: hidden / heads for the 62-layer 27B, head_dim for the others
+            query_pre_attn_scalar=(hidden // heads if layers == 62 else head_dim) if gemma else None,
+            final_logit_softcapping=get("final_logit_softcapping") if gemma else None,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=[eos] if eos is not None else [],
         )
@@ -121,4 +154,39 @@ def _sliding_windows(cfg: dict) -> list[int | None]:
         types = ["sliding_attention" if i >= cfg["max_window_layers"] else "full_attention" for i in range(n)]
     if types is None:
         return [window] * n
+    return [window if t == "sliding_attention" else None for t in types]
+
+
+def _gemma3_rope(cfg: dict) -> tuple[float, dict | None, float]:
+    """(global theta, global scaling, local theta) of a Gemma 3 config: transformers 5 writes `rope_parameters`
+    per layer type; older configs hold rope_theta, rope_scaling (global layers) and rope_local_base_freq."""
+    params = cfg.get("rope_parameters") or {}
+    full = params.get("full_attention") or {}
+    local = params.get("sliding_attention") or {}
+    theta = full.get("rope_theta", cfg.get("rope_theta", 1_000_000.0))
+    scaling = full if full.get("rope_type", "default") != "default" else cfg.get("rope_scaling")
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"rope scaling on Gemma 3 sliding-window layers ({local}) is not supported")
+    local_theta = local.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))
+    return theta, scaling, local_theta
+
+
+def _check_gemma3(cfg: dict) -> None:
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise ValueError(f"attention logit soft-capping (attn_logit_softcapping {cfg['attn_logit_softcapping']}) "
+                         f"is not supported")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("bidirectional attention (use_bidirectional_attention) is not supported")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"Gemma 3 activation {act!r} is not supported (supported: gelu_pytorch_tanh)")
+
+
+def _gemma3_sliding_windows(cfg: dict) -> list[int | None]:
+    """Gemma 3: `layer_types`, or every `sliding_window_pattern`-th layer global (default 6), the rest windowed."""
+    window, n = cfg.get("sliding_window") or 4096, cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None:
+        pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
     return [window if t == "sliding_attention" else None for t in types]

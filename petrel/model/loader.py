@@ -80,6 +80,9 @@ _GGUF_NAMES = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+# Gemma 3's four norms per layer: llama.cpp's ffn_norm is the norm before the MLP, and two more follow
+_GGUF_NAMES_GEMMA3 = {**_GGUF_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                      "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 
 
 def read_gguf_metadata(reader) -> dict:
@@ -102,16 +105,20 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
 def gguf_weights(reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     from gguf.quants import dequantize
     permuted = cfg.architecture == "LlamaForCausalLM"   # llama.cpp permutes q/k rows for llama only
+    gemma = cfg.architecture == "Gemma3ForCausalLM"
+    names = _GGUF_NAMES_GEMMA3 if gemma else _GGUF_NAMES
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue
         parts = t.name.split(".")
         if parts[0] == "blk":
-            name = f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
+            name = f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
         else:
-            name = f"{_GGUF_NAMES[parts[0]]}.{parts[1]}"
+            name = f"{names[parts[0]]}.{parts[1]}"
         data = dequantize(t.data, t.tensor_type)
         data = data.reshape([int(d) for d in reversed(t.shape)])
+        if gemma and name.endswith("norm.weight"):
+            data = data - 1.0   # llama.cpp stores Gemma's norm weights as 1 + w (what they multiply by)
         if permuted and parts[0] == "blk" and parts[2] == "attn_q":
             data = _unpermute_rope(data, cfg.num_attention_heads)
         elif permuted and parts[0] == "blk" and parts[2] == "attn_k":
@@ -141,8 +148,11 @@ def load_model_config(source: ModelSource, reader=None) -> ModelConfig:
     """reader: an open GGUFReader of a GGUF source, to avoid parsing the file twice (it is slow)."""
     if source.kind == "gguf":
         reader = reader or _gguf_reader(source)
-        return ModelConfig.from_gguf_metadata(read_gguf_metadata(reader),
-                                              any(t.name == "output.weight" for t in reader.tensors))
+        cfg = ModelConfig.from_gguf_metadata(read_gguf_metadata(reader),
+                                             any(t.name == "output.weight" for t in reader.tensors))
+        if cfg.architecture == "Gemma3ForCausalLM":
+            _add_gemma_end_of_turn(reader, cfg)
+        return cfg
     with open(os.path.join(source.path, "config.json")) as f:
         cfg = ModelConfig.from_hf_config(json.load(f))
     gen_path = os.path.join(source.path, "generation_config.json")
@@ -153,6 +163,17 @@ def load_model_config(source: ModelSource, reader=None) -> ModelConfig:
             if e not in cfg.eos_token_ids:
                 cfg.eos_token_ids.append(e)
     return cfg
+
+
+def _add_gemma_end_of_turn(reader, cfg: ModelConfig) -> None:
+    """Gemma ends a chat turn with <end_of_turn> (id 106), a stop token in Hugging Face's generation_config but
+    not in GGUF's eos_token_id: add it when the vocabulary has it there."""
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    end_of_turn = 106
+    if tokens is None or len(tokens.data) <= end_of_turn or end_of_turn in cfg.eos_token_ids:
+        return
+    if bytes(tokens.parts[tokens.data[end_of_turn]]) == b"<end_of_turn>":
+        cfg.eos_token_ids.append(end_of_turn)
 
 
 class _ReadingFiles:
@@ -189,6 +210,6 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: str) -> tuple[to
     # buffers (rotary tables) were created on meta: rebuild them on the real device
     for module in model.modules():
         if hasattr(module, "cos") and hasattr(module, "sin"):
-            fresh = type(module)(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+            fresh = type(module)(*module.args)   # each table as its model built it (Gemma 3 has two)
             module.cos, module.sin = fresh.cos, fresh.sin
     return model.to(device=device, dtype=dtype).eval(), cfg

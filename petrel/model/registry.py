@@ -1,6 +1,7 @@
 """Architecture name -> model class."""
 from __future__ import annotations
 
+from petrel.model.gemma3 import Gemma3ForCausalLM
 from petrel.model.llama import LlamaForCausalLM
 
 MODEL_CLASSES = {
@@ -9,6 +10,7 @@ MODEL_CLASSES = {
     "Qwen2ForCausalLM": LlamaForCausalLM,      # + qkv bias (ModelConfig.qkv_bias)
     "Qwen3ForCausalLM": LlamaForCausalLM,      # + per-head q/k norm (ModelConfig.qk_norm)
     "Phi3ForCausalLM": LlamaForCausalLM,       # checkpoint holds qkv_proj and gate_up_proj fused
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,    # Gemma 3 text (petrel/model/gemma3.py)
 }
 
 

