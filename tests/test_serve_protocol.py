@@ -43,6 +43,7 @@ class FakeEngine:
                                     num_draft_tokens=8, num_accepted_tokens=6)
         self.max_model_len = 64
         self._stopped = threading.Event()
+        self._dead = None                        # LLMEngine's cause of a dead loop (None: alive)
         self._thread = SimpleNamespace(is_alive=lambda: mode != "dead")
         self.step_started = None if step_age is None else time.monotonic() - step_age
 
