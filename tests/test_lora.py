@@ -209,3 +209,63 @@ def test_engine_options_validated():
         with pytest.raises(ValueError, match=name):
             EngineConfig(**{name: 0})
     assert EngineConfig().enable_lora is False
+
+
+def test_serve_lora_modules(setup):
+    """The OpenAI `model` field picks an adapter; /v1/models lists the base model and the adapters."""
+    from fastapi.testclient import TestClient
+    from petrel.serve.app import build_app
+    t, _, _, lora1, lora2, _ = setup
+    llm = _llm(setup)
+    try:
+        with pytest.raises(ValueError, match="adapter_config.json"):
+            build_app(llm, "base", lora_modules={"nope": "/nonexistent/adapter"})
+        app = build_app(llm, "base", lora_modules={"a1": lora1.lora_path, "a2": lora2.lora_path})
+        p = prompt(70)
+        expected = {name: llm.generate(p, GREEDY, use_tqdm=False, lora_request=lr).outputs[0].text
+                    for name, lr in (("base", None), ("a1", lora1), ("a2", lora2))}
+        assert len(set(expected.values())) == 3
+        with TestClient(app) as client:
+            models = client.get("/v1/models").json()["data"]
+            assert [m["id"] for m in models] == ["base", "a1", "a2"]
+            assert models[1]["parent"] == "base" and models[1]["root"] == lora1.lora_path
+            for name in ("base", "a1", "a2"):
+                body = {"model": name, "prompt": p, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+                r = client.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                assert r.json()["model"] == name
+                assert r.json()["choices"][0]["text"] == expected[name]
+            chat = client.post("/v1/chat/completions", json={"model": "a3", "max_tokens": 4,
+                                                             "messages": [{"role": "user", "content": "x"}]})
+            assert chat.status_code == 404, chat.text
+        # a chat template whose ids fit the tiny model's 256-token vocabulary: chat picks the adapter too
+        chat_app = build_app(llm, "base", chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}",
+                             lora_modules={"a1": lora1.lora_path})
+        ids = llm.tokenizer("a,b,x", add_special_tokens=False)["input_ids"]
+        assert max(ids) < 256
+        with TestClient(chat_app) as client:
+            for name, lr in (("a1", lora1), ("base", None)):
+                want = llm.generate(ids, GREEDY, use_tqdm=False, lora_request=lr).outputs[0].text
+                chat = client.post("/v1/chat/completions", json={
+                    "model": name, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                    "messages": [{"role": "user", "content": "a,b,x"}]})
+                assert chat.status_code == 200, chat.text
+                assert chat.json()["model"] == name
+                assert chat.json()["choices"][0]["message"]["content"] == want
+            r = client.post("/v1/completions", json={"model": "a3", "prompt": p, "max_tokens": 2})
+            assert r.status_code == 404 and "`a1`" in r.json()["error"]["message"]
+    finally:
+        llm.shutdown()
+
+
+def test_serve_lora_arguments():
+    import argparse
+    from petrel.serve.server import add_arguments, engine_options, lora_modules
+    parse = add_arguments(argparse.ArgumentParser()).parse_args
+    args = parse(["--enable-lora", "--max-loras", "2", "--lora-modules", "a=/x", "b=/y"])
+    assert lora_modules(args) == {"a": "/x", "b": "/y"}
+    assert engine_options(args)["enable_lora"] is True and engine_options(args)["max_loras"] == 2
+    with pytest.raises(ValueError, match="needs --enable-lora"):
+        lora_modules(parse(["--lora-modules", "a=/x"]))
+    with pytest.raises(ValueError, match="NAME=PATH"):
+        lora_modules(parse(["--enable-lora", "--lora-modules", "a"]))
