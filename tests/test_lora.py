@@ -269,3 +269,33 @@ def test_serve_lora_arguments():
         lora_modules(parse(["--lora-modules", "a=/x"]))
     with pytest.raises(ValueError, match="NAME=PATH"):
         lora_modules(parse(["--enable-lora", "--lora-modules", "a"]))
+
+
+@pytest.mark.parametrize("spec", [{"method": "ngram"}, {"method": "self", "draft_num_layers": 1}], ids=["ngram", "self"])
+def test_speculative_decoding_with_adapters(setup, spec):
+    """Drafts verified in the adapter's forward: greedy tokens unchanged (the 'self' draft runs the base model's
+    first layers, which only lowers acceptance)."""
+    _, _, refs, lora1, lora2, _ = setup
+    llm = _llm(setup, speculative_config=spec)
+    try:
+        prompts = [prompt(80 + i, 12) * 2 for i in range(3)]     # repeats: the n-gram proposer finds drafts
+        loras = [lora1, None, lora2]
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
+        for p, lr, out in zip(prompts, loras, outs):
+            assert out.outputs[0].token_ids == hf_greedy(refs[lr.lora_int_id if lr else None], p)
+    finally:
+        llm.shutdown()
+
+
+def test_parallel_sampling_keeps_the_adapter(setup):
+    """n > 1 forks the prompt's sequence: every sample runs with the request's adapter."""
+    _, _, refs, lora1, _, _ = setup
+    llm = _llm(setup)
+    try:
+        p = prompt(90)
+        out = llm.generate(p, SamplingParams(n=3, temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False,
+                           lora_request=lora1)
+        expected = hf_greedy(refs[1], p)
+        assert [co.token_ids for co in out.outputs] == [expected] * 3
+    finally:
+        llm.shutdown()
