@@ -127,6 +127,9 @@ class LoRAMapping:
     def set(self, token_slots: list[int], device) -> None:
         self.num_tokens = len(token_slots)
         present = sorted(set(token_slots) - {-1})
+        if not present:
+            self.segments = []
+            return
         if len(present) == 1 and -1 not in token_slots:
             self.segments = [(present[0], None)]
             return
@@ -180,9 +183,9 @@ class LoRALinear(nn.Module):
 
 class LoRAManager:
     """Adapter slots of a model: a CPU cache of loaded adapters, slots filled on first use and evicted least
-    recently used. The engine never runs more distinct adapters at once than there are slots (the scheduler admits
-    a request whose adapter has no slot only when a running adapter count allows), so a slot in use by a running
-    sequence is never evicted."""
+    recently used. The scheduler never lets more distinct adapters run at once than there are slots (a request whose
+    adapter is not running waits while max_loras others are), so a slot that a running sequence needs is never
+    evicted and every step's adapters fit."""
 
     def __init__(self, model: nn.Module, cfg, max_loras: int, max_rank: int):
         self.cfg = cfg
