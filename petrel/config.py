@@ -77,6 +77,9 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None        # torch intra-op threads (None: torch's default)
     speculative_config: SpeculativeConfig | dict | None = None
+    enable_lora: bool = False             # LoRA adapter slots on the model's projections (LLM.generate(lora_request=...))
+    max_loras: int = 4                    # adapters resident at once; distinct adapters running at once at most
+    max_lora_rank: int = 16               # largest adapter rank accepted
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -96,6 +99,10 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
         self.speculative_config = SpeculativeConfig.coerce(self.speculative_config)
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads!r}")
 

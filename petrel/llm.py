@@ -12,6 +12,7 @@ import torch
 
 from petrel.config import EngineConfig
 from petrel.engine.llm_engine import LLMEngine
+from petrel.lora import LoRARequest
 from petrel.model.tokenizer import chat_prompt
 from petrel.outputs import CompletionOutput, Logprob, OutputChunk, RequestOutput, RequestPerfMetrics
 from petrel.sampling_params import SamplingParams
@@ -279,12 +280,14 @@ class LLM:
 
     def generate_async(self, prompt: PromptType | TextGenerationRequest, sampling_params: SamplingParams | None = None,
                        streaming: bool = False, timeout: float | None = None,
-                       cache_salt: str | None = None) -> RequestFuture:
+                       cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> RequestFuture:
         """Queue one request and return its future at once. `timeout` (seconds) ends it with finish_reason 'timeout'.
-        `prompt` may be a TextGenerationRequest (its request_id, sampling_params and cache_salt are then used)."""
-        return self._prepare(prompt, sampling_params, cache_salt)(streaming, timeout)
+        `prompt` may be a TextGenerationRequest (its request_id, sampling_params and cache_salt are then used).
+        `lora_request` runs it with that LoRA adapter (the engine needs enable_lora=True)."""
+        return self._prepare(prompt, sampling_params, cache_salt, lora_request)(streaming, timeout)
 
-    def _prepare(self, prompt, sampling_params: SamplingParams | None, cache_salt: str | None):
+    def _prepare(self, prompt, sampling_params: SamplingParams | None, cache_salt: str | None,
+                 lora_request: LoRARequest | None = None):
         """Tokenize and check one prompt now; return submit(streaming, timeout) -> RequestFuture that queues it."""
         request_id = None
         if isinstance(prompt, TextGenerationRequest):
@@ -300,16 +303,19 @@ class LLM:
             future = RequestFuture(next(self._ids) if request_id is None else request_id, text, ids, params,
                                    streaming, self._engine)
             future._metrics.arrival_time = _now()
-            self._engine.add_request(future.request_id, ids, params, future._on_chunk, timeout, cache_salt)
+            options = {"lora_request": lora_request} if lora_request is not None else {}
+            self._engine.add_request(future.request_id, ids, params, future._on_chunk, timeout, cache_salt, **options)
             return future
         return submit
 
     def generate(self, prompts: PromptType | TextGenerationRequest | Seq[PromptType | TextGenerationRequest],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True, timeout: float | None = None,
-                 cache_salt: str | None = None) -> RequestOutput | list[RequestOutput]:
+                 cache_salt: str | None = None,
+                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> RequestOutput | list[RequestOutput]:
         """Generate for one prompt (returns one RequestOutput) or many (a list, in input order). Every prompt is
-        tokenized and checked before any is queued; if queueing one fails, those already queued are aborted."""
+        tokenized and checked before any is queued; if queueing one fails, those already queued are aborted.
+        lora_request: one LoRA adapter for every prompt, or a list with one entry (or None) per prompt."""
         single = isinstance(prompts, (str, dict, TextGenerationRequest)) or (
             isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts))
         batch = [prompts] if single else list(prompts)
@@ -319,7 +325,13 @@ class LLM:
             params_list = list(sampling_params)
         else:
             params_list = [sampling_params] * len(batch)
-        submits = [self._prepare(p, params, cache_salt) for p, params in zip(batch, params_list)]
+        if isinstance(lora_request, (list, tuple)):
+            if len(lora_request) != len(batch):
+                raise ValueError(f"lora_request has {len(lora_request)} entries for {len(batch)} prompts")
+            loras = list(lora_request)
+        else:
+            loras = [lora_request] * len(batch)
+        submits = [self._prepare(p, params, cache_salt, lora) for p, params, lora in zip(batch, params_list, loras)]
         futures = []
         try:
             for submit in submits:

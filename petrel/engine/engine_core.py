@@ -58,9 +58,14 @@ class EngineCore:
             model_len = num_blocks * bs
         self.max_model_len = model_len
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching, config.kv_cache_hash_seed)
+        self.lora_manager = None
+        if config.enable_lora:
+            from petrel.model.lora import LoRAManager
+            self.lora_manager = LoRAManager(model, model_config, config.max_loras, config.max_lora_rank)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill)
-        self.runner = ModelRunner(model, model_config, num_blocks, bs, config.torch_dtype, config.device)
+                                   config.enable_chunked_prefill, config.max_loras if config.enable_lora else None)
+        self.runner = ModelRunner(model, model_config, num_blocks, bs, config.torch_dtype, config.device,
+                                  self.lora_manager)
         self.sampler = Sampler(model_config.vocab_size, config.seed, batched_post_processor)
         self.spec = config.speculative_config
         self.proposer = None
@@ -169,6 +174,10 @@ class EngineCore:
                 seq.request.first_scheduled_time = t0
         if self.proposer is not None:
             self._propose(batch)
+        if self.lora_manager is not None:
+            ids = {seq.request.lora_int_id for seq in batch.seqs} - {0}
+            if ids:
+                self.lora_manager.activate(ids, in_use={s.request.lora_int_id for s in self.scheduler.running})
         step_logits = self.runner.execute(batch)
         num_prompt_tokens = 0
         for seq, n in zip(batch.seqs, batch.num_new_tokens):

@@ -82,6 +82,14 @@ class LLMEngine:
         if request_options.get("use_batched_post_processor") and self.core.sampler.batched_post_processor is None:
             raise ValueError("logits_post_processor_name asks for the batched post-processor, but none is configured")
         self.core.validate(prompt_token_ids, params)
+        lora_request = request_options.get("lora_request")
+        if lora_request is not None:
+            from petrel.lora import LoRARequest
+            if not isinstance(lora_request, LoRARequest):
+                raise ValueError(f"lora_request must be a petrel.lora.LoRARequest, got {type(lora_request).__name__}")
+            if self.core.lora_manager is None:
+                raise ValueError("lora_request needs an engine started with enable_lora=True")
+            self.core.lora_manager.register(lora_request)   # reads the adapter now: ValueError for a bad one
         if params.guided_decoding is not None:
             request_options["compiled_grammar"] = self.grammar_compiler.compile(params.guided_decoding)
         if cache_salt is not None and (not isinstance(cache_salt, str) or len(cache_salt) > 512):

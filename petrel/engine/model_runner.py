@@ -61,11 +61,12 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) ->
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: str):
+                 dtype: torch.dtype, device: str, lora_manager=None):
         if torch.device(device).type == "cpu":
             keep_freed_memory_in_heap()
         self.model = model
         self.cfg = cfg
+        self.lora_manager = lora_manager   # petrel.model.lora.LoRAManager with enable_lora
         self.block_size = block_size
         self.device = torch.device(device)
         self.kv_caches = [new_kv_cache(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype, device)
@@ -124,6 +125,20 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[ends.to(self.device)])
         return logits[torch.tensor(order).argsort().to(self.device)]
 
+    def _forward_with_loras(self, batch: ScheduledBatch, input_ids, positions, meta) -> torch.Tensor:
+        """One forward where each token runs with its request's adapter (slot -1: the base model). The engine
+        core has given the batch's adapters their slots (LoRAManager.activate) before."""
+        manager = self.lora_manager
+        slots = manager.slots
+        token_slots = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            token_slots.extend([slots.get(seq.request.lora_int_id, -1)] * n)
+        manager.mapping.set(token_slots, self.device)
+        try:
+            return self.model(input_ids, positions, self.kv_caches, meta)
+        finally:
+            manager.mapping.clear()   # any other forward (a self-speculation draft) runs the base model
+
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
             return
@@ -136,7 +151,10 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> StepLogits:
         self.copy_blocks(batch.block_copies)
         input_ids, positions, meta = self.prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if self.lora_manager is None:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        else:
+            hidden = self._forward_with_loras(batch, input_ids, positions, meta)
 
         context_rows, context_spans, sample_rows, sample_seqs, first_rows = [], [], [], [], []
         row = 0

@@ -1,9 +1,11 @@
 """Continuous batching: which sequences run this step and how many tokens each. No torch here.
 
 Admission (who may hold KV memory) and batching (what runs this step, within a token budget) are
-separate decisions. A decoding sequence with a lookahead (speculative decoding) is given room for that
-many draft tokens after its next one, when the budget and the blocks allow; otherwise it decodes plainly. Running sequences go first, oldest first; then waiting ones are admitted while
-blocks and the budget last. A prompt that does not fit the budget is prefilled in chunks across steps.
+separate decisions. Running sequences go first, oldest first; then waiting ones are admitted while
+blocks and the budget last. A decoding sequence with a lookahead (speculative decoding) is given room for
+that many draft tokens after its next one when the budget and the blocks allow; else it decodes plainly. A prompt that does not fit the budget is prefilled in chunks across steps.
+With LoRA, a waiting request whose adapter is not running is admitted only while fewer distinct adapters
+than there are LoRA slots run (else it waits, and the queue behind it, until one finishes).
 When blocks run out, the newest running sequence is preempted: its blocks are freed and it goes back
 to the front of the queue, to be recomputed later (its full blocks stay in the prefix cache).
 """
@@ -42,8 +44,9 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True):
+                 enable_chunked_prefill: bool = True, max_loras: int | None = None):
         self.block_manager = block_manager
+        self.max_loras = max_loras       # with LoRA: distinct adapters running at once at most
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -120,8 +123,14 @@ class Scheduler:
                 budget -= n
                 i += 1
 
+        running_loras = {s.request.lora_int_id for s in self.running} - {0} if self.max_loras else set()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
             seq = self.waiting[0]           # a waiting sequence holds no blocks
+            lora = seq.request.lora_int_id
+            if lora and self.max_loras and lora not in running_loras and len(running_loras) >= self.max_loras:
+                break                       # every LoRA slot is taken by running adapters: wait for one to finish
+            if lora and self.max_loras:
+                running_loras.add(lora)
             bm.match_prefix(seq)
             remaining = seq.num_tokens - seq.num_computed_tokens
             n = min(remaining, budget)

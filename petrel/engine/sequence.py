@@ -9,6 +9,7 @@ from typing import Callable
 
 from petrel.engine.beam_search import BeamSearch
 
+from petrel.lora import LoRARequest
 from petrel.sampling_params import SamplingParams
 
 
@@ -26,6 +27,7 @@ class EngineRequest:
     params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None    # the adapter it runs with (None: the base model)
     arrival_time: float = field(default_factory=time.monotonic)
     deadline: float | None = None      # monotonic time after which the request ends with 'timeout'
     first_scheduled_time: float | None = None
@@ -38,6 +40,11 @@ class EngineRequest:
     beam_search: BeamSearch | None = None      # set when params.use_beam_search
     compiled_grammar: object = None            # xgrammar CompiledGrammar when params.guided_decoding is set
     finished_indices: set[int] = field(default_factory=set)   # output indices already reported finished
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id, 0 for the base model."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def finished(self) -> bool:

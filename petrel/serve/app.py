@@ -62,17 +62,33 @@ def _responses(model, stream_model=None) -> dict:
     return {200: ok, **ERROR_RESPONSES}
 
 
+def _lora_requests(llm, base_name: str, lora_modules: dict[str, str]) -> dict:
+    from petrel.lora import LoRARequest
+    if lora_modules and not getattr(llm.config, "enable_lora", False):
+        raise ValueError("lora_modules need an engine started with enable_lora=True (petrel serve --enable-lora)")
+    loras = {}
+    for i, (served, path) in enumerate(lora_modules.items(), start=1):
+        if served == base_name:
+            raise ValueError(f"LoRA module name {served!r} is the base model's served name")
+        loras[served] = LoRARequest(served, i, path)
+        llm.engine.core.lora_manager.register(loras[served])
+    return loras
+
+
 def build_app(llm, served_model_name: str | None = None, api_key: str | None = None,
               chat_template: str | None = None, max_n: int = 16, health_timeout: float = 5.0,
               max_queue_len: int | None = DEFAULT_MAX_QUEUE_LEN,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, lora_modules: dict[str, str] | None = None) -> FastAPI:
     """An app serving `llm` (a petrel.LLM). `chat_template` is Jinja source overriding the model's.
-    At most max_num_seqs + max_queue_len requests are in flight (None: no limit); more get 429."""
+    At most max_num_seqs + max_queue_len requests are in flight (None: no limit); more get 429.
+    lora_modules: served name -> PEFT LoRA adapter directory (the engine needs enable_lora); a request's `model`
+    naming one runs with that adapter. Each adapter is read now: a bad one is a ValueError here."""
     name = served_model_name or getattr(llm.config, "model", None) or DEFAULT_MODEL_NAME
     core = llm.engine.core
     limits = ServerLimits(max_model_len=llm.engine.max_model_len, vocab_size=core.model_config.vocab_size,
                           max_n=max_n)
-    state = ServeState(llm=llm, model_name=name, limits=limits,
+    loras = _lora_requests(llm, name, lora_modules or {})
+    state = ServeState(llm=llm, model_name=name, limits=limits, lora_modules=loras,
                        template=ChatTemplate(llm.tokenizer, chat_template), metrics=ServerMetrics(name),
                        token_text=TokenText(llm.tokenizer), api_key=api_key, health_timeout=health_timeout,
                        max_pending=None if max_queue_len is None else llm.config.max_num_seqs + max_queue_len)
@@ -105,7 +121,9 @@ def build_app(llm, served_model_name: str | None = None, api_key: str | None = N
     @v1.get("/models", response_model=ModelList, responses=ERROR_RESPONSES, summary="The served model")
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=name, created=state.created, root=getattr(llm.config, "model", None),
-                                         max_model_len=limits.max_model_len)])
+                                         max_model_len=limits.max_model_len)] +
+                         [ModelCard(id=n, created=state.created, root=lr.lora_path, parent=name,
+                                    max_model_len=limits.max_model_len) for n, lr in loras.items()])
 
     @extra.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES,
                 summary="Token ids of a prompt, or of messages through the chat template")

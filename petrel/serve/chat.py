@@ -83,7 +83,7 @@ def _call_objects(calls, prefix: str) -> list[ToolCall]:
 
 
 async def create_chat_completion(state: ServeState, req: ChatCompletionRequest, request: Request) -> Response:
-    state.check_model(req.model)
+    lora_request = state.check_model(req.model)
     _check_unsupported(req)
     guided = guided_from_request(req)
     plan = plan_tools(req)
@@ -111,7 +111,7 @@ async def create_chat_completion(state: ServeState, req: ChatCompletionRequest, 
     await compile_guided(state, guided)
     state.check_capacity(1)
     try:
-        future = state.llm.generate_async(ids, params, streaming=req.stream, cache_salt=req.cache_salt)
+        future = state.generate_async(ids, params, req.stream, req.cache_salt, lora_request)
     except ValueError as exc:
         raise guided_value_error(exc, guided) or from_value_error(exc, {"prompt": "messages"}) from None
     except RuntimeError as exc:   # the engine is shut down
@@ -142,7 +142,7 @@ async def create_chat_completion(state: ServeState, req: ChatCompletionRequest, 
             choice.token_ids = co.token_ids
         choices.append(choice)
     state.metrics.record_request(out, [c.finish_reason for c in choices])
-    body = ChatCompletionResponse(id=rid, created=created, model=state.model_name, choices=choices,
+    body = ChatCompletionResponse(id=rid, created=created, model=state.response_model(req.model), choices=choices,
                                   usage=_usage(out), prompt_token_ids=ids if req.return_token_ids else None)
     return JSONResponse(body.model_dump(mode="json"))
 
@@ -163,7 +163,7 @@ async def _stream(state: ServeState, req: ChatCompletionRequest, plan: ToolPlan,
     finished: set[int] = set()
 
     def chunk(choice: ChatStreamChoice) -> str:
-        body = ChatCompletionChunk(id=rid, created=created, model=state.model_name, choices=[choice])
+        body = ChatCompletionChunk(id=rid, created=created, model=state.response_model(req.model), choices=[choice])
         return sse(body.model_dump(mode="json", exclude=exclude))
 
     def deltas(i: int, content: str, calls) -> DeltaMessage:
@@ -222,6 +222,6 @@ async def _stream(state: ServeState, req: ChatCompletionRequest, plan: ToolPlan,
     state.metrics.record_request(last, ["tool_calls" if num_calls[co.index] else api_finish_reason(co.finish_reason)
                                         for co in last.outputs])
     if include_usage:
-        body = ChatCompletionChunk(id=rid, created=created, model=state.model_name, choices=[], usage=_usage(last))
+        body = ChatCompletionChunk(id=rid, created=created, model=state.response_model(req.model), choices=[], usage=_usage(last))
         yield sse(body.model_dump(mode="json"))
     yield SSE_DONE

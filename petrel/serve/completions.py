@@ -60,7 +60,7 @@ def _usage(outputs) -> Usage:
 
 
 async def create_completion(state: ServeState, req: CompletionRequest, request: Request) -> Response:
-    state.check_model(req.model)
+    lora_request = state.check_model(req.model)
     if req.suffix:
         raise APIError("suffix is not supported", 400, param="suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -82,7 +82,7 @@ async def create_completion(state: ServeState, req: CompletionRequest, request: 
     futures = []
     try:
         for (_, ids), params in zip(prompts, params_list):
-            futures.append(state.llm.generate_async(ids, params, streaming=req.stream, cache_salt=req.cache_salt))
+            futures.append(state.generate_async(ids, params, req.stream, req.cache_salt, lora_request))
     except ValueError as exc:
         abort_unfinished(futures)
         raise guided_value_error(exc, guided) or from_value_error(exc) from None
@@ -108,7 +108,7 @@ async def create_completion(state: ServeState, req: CompletionRequest, request: 
             if req.return_token_ids:
                 choice.prompt_token_ids, choice.token_ids = ids, co.token_ids
             choices.append(choice)
-    body = CompletionResponse(id=rid, created=created, model=state.model_name, choices=choices, usage=_usage(outputs))
+    body = CompletionResponse(id=rid, created=created, model=state.response_model(req.model), choices=choices, usage=_usage(outputs))
     return JSONResponse(body.model_dump(mode="json"))
 
 
@@ -123,7 +123,7 @@ async def _stream(state: ServeState, req: CompletionRequest, prompts, futures, r
     final_outputs = [None] * len(futures)
 
     def chunk(choice: CompletionChoice) -> str:
-        body = CompletionStreamResponse(id=rid, created=created, model=state.model_name, choices=[choice])
+        body = CompletionStreamResponse(id=rid, created=created, model=state.response_model(req.model), choices=[choice])
         return sse(body.model_dump(mode="json", exclude=exclude))
 
     try:
@@ -170,7 +170,7 @@ async def _stream(state: ServeState, req: CompletionRequest, prompts, futures, r
             state.metrics.aborted.inc()
         abort_unfinished(futures)
     if include_usage:
-        body = CompletionStreamResponse(id=rid, created=created, model=state.model_name, choices=[],
+        body = CompletionStreamResponse(id=rid, created=created, model=state.response_model(req.model), choices=[],
                                         usage=_usage(final_outputs))
         yield sse(body.model_dump(mode="json"))
     yield SSE_DONE

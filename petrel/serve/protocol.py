@@ -353,6 +353,7 @@ class ModelCard(_Response):
     created: int
     owned_by: str = "petrel"
     root: str | None = None
+    parent: str | None = None          # a LoRA adapter: the base model it runs on
     max_model_len: int | None = None
 
 

@@ -42,6 +42,11 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+    g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (see --lora-modules)")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="PEFT LoRA adapters served under NAME (a request's `model` picks one); needs --enable-lora")
+    g.add_argument("--max-loras", type=int, default=None, help="LoRA adapters resident (and running) at once")
+    g.add_argument("--max-lora-rank", type=int, default=None, help="largest LoRA rank accepted")
     g.add_argument("--speculative-config", type=speculative_config_json, default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                         '(methods: ngram, draft_model with "draft_model": PATH, self with "draft_num_layers": N)')
@@ -51,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def engine_options(args) -> dict:
     options = {"dtype": args.dtype, "device": args.device}
     for key in ("tokenizer", "max_model_len", "block_size", "kv_cache_memory", "max_num_seqs",
-                "max_num_batched_tokens", "seed", "num_threads", "speculative_config"):
+                "max_num_batched_tokens", "seed", "num_threads", "speculative_config", "max_loras", "max_lora_rank"):
         value = getattr(args, key)
         if value is not None:
             options[key] = value
@@ -59,7 +64,24 @@ def engine_options(args) -> dict:
         options["enable_prefix_caching"] = False
     if args.no_chunked_prefill:
         options["enable_chunked_prefill"] = False
+    if args.enable_lora:
+        options["enable_lora"] = True
     return options
+
+
+def lora_modules(args) -> dict[str, str]:
+    """--lora-modules NAME=PATH ... as {name: path}; ValueError for a malformed one or without --enable-lora."""
+    modules = {}
+    for item in args.lora_modules or []:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules: expected NAME=PATH, got {item!r}")
+        if name in modules:
+            raise ValueError(f"--lora-modules: name {name!r} given twice")
+        modules[name] = path
+    if modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    return modules
 
 
 def run(args) -> int:
@@ -68,11 +90,12 @@ def run(args) -> int:
     from petrel.serve.chat_template import load_template_source
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     template = load_template_source(args.chat_template)
+    loras = lora_modules(args)
     llm = LLM(args.model, **engine_options(args))
     try:
         app = build_app(llm, args.served_model_name, args.api_key, template, max_n=args.max_n,
                         max_queue_len=None if args.max_queue_len < 0 else args.max_queue_len,
-                        max_request_bytes=args.max_request_bytes)
+                        max_request_bytes=args.max_request_bytes, lora_modules=loras)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=5)
         print(startup_banner(llm, app.state.petrel.model_name, args.host, args.port), file=sys.stderr, flush=True)

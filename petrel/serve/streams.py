@@ -30,6 +30,7 @@ class ServeState:
     health_timeout: float = 5.0
     max_pending: int | None = None     # most requests in flight (running + queued); past it: 429
     created: int = field(default_factory=lambda: int(time.time()))
+    lora_modules: dict = field(default_factory=dict)   # served name -> petrel.LoRARequest (`petrel serve --lora-modules`)
 
     def check_capacity(self, num_new: int = 1) -> None:
         """Refuse new work with 429 rather than queue without bound."""
@@ -41,10 +42,23 @@ class ServeState:
             raise APIError(f"the server is full ({pending} requests in flight, limit {self.max_pending}); "
                            f"retry later", 429, code="server_overloaded")
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(f"The model `{model}` does not exist. This server serves `{self.model_name}`.", 404,
-                           param="model", code="model_not_found")
+    def check_model(self, model: str | None):
+        """The LoRARequest the `model` field names (None: the base model); 404 for an unknown name."""
+        if model is None or model == self.model_name:
+            return None
+        if model in self.lora_modules:
+            return self.lora_modules[model]
+        served = ", ".join(f"`{n}`" for n in [self.model_name, *self.lora_modules])
+        raise APIError(f"The model `{model}` does not exist. This server serves {served}.", 404,
+                       param="model", code="model_not_found")
+
+    def response_model(self, model: str | None) -> str:
+        """The `model` a response reports: the adapter's name when the request chose one, else the base model's."""
+        return model if model in self.lora_modules else self.model_name
+
+    def generate_async(self, ids, params, streaming: bool, cache_salt, lora_request):
+        options = {"lora_request": lora_request} if lora_request is not None else {}
+        return self.llm.generate_async(ids, params, streaming=streaming, cache_salt=cache_salt, **options)
 
 
 def new_id(prefix: str) -> str:
