@@ -69,7 +69,6 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None = None):
         super().__init__()
-        self.args = (head_dim, max_positions, theta, scaling)   # to rebuild the tables (the loader builds on meta)
         inv_freq = rope_inverse_frequencies(head_dim, theta, scaling)
         t = torch.arange(max_positions, dtype=torch.float64)
         freqs = torch.outer(t, inv_freq)

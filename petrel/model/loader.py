@@ -1,6 +1,7 @@
 """Find a model (default GGUF, GGUF file, Hugging Face directory or hub id) and load it into a petrel model."""
 from __future__ import annotations
 
+import contextlib
 import glob
 import importlib.util
 import json
@@ -10,6 +11,7 @@ from typing import Iterator
 
 import numpy as np
 import torch
+from torch import nn
 
 from petrel.model.config import ModelConfig
 from petrel.model.registry import MODEL_CLASSES, model_class
@@ -91,10 +93,94 @@ def read_gguf_metadata(reader) -> dict:
         if key.startswith("tokenizer.ggml.") and key != "tokenizer.ggml.model" and not key.endswith("_id") \
                 and not key.startswith("tokenizer.ggml.add_"):
             if key == "tokenizer.ggml.tokens":
-                meta[key] = range(len(field.data))  # only the count is needed here
+                meta[key] = len(field.data)  # only the count is needed here
             continue
         meta[key] = field.contents()
     return meta
+
+
+@dataclass
+class IndexedTensor:
+    name: str
+    tensor_type: object          # gguf.GGMLQuantizationType
+    shape: list[int]             # GGUF order (innermost first)
+    data: np.ndarray             # memory-mapped, laid out as gguf.GGUFReader lays it out
+
+
+class GGUFIndex:
+    """What petrel reads from a GGUF file: its metadata (the vocabulary reduced to its size), whether it has an
+    output head, and each tensor's name, type, shape and offset, with the tensors memory-mapped.
+
+    gguf.GGUFReader walks every vocabulary string and merge through numpy (about 3 s for SmolLM2's 49k tokens,
+    a third of start-up), so the index is built with it once and kept as JSON in petrel's cache, keyed by the
+    file's path, size and modification time; later starts read the JSON and map the tensors directly."""
+
+    VERSION = 1
+
+    def __init__(self, path: str, doc: dict):
+        import gguf
+        from gguf.quants import quant_shape_to_byte_shape
+        self.path = path
+        self.metadata = dict(doc["metadata"])
+        if "tokenizer.ggml.tokens" in self.metadata:
+            self.metadata["tokenizer.ggml.tokens"] = range(self.metadata["tokenizer.ggml.tokens"])
+        self.gemma_end_of_turn = doc["gemma_end_of_turn"]
+        raw = np.memmap(path, dtype=np.uint8, mode="r")
+        dense = {gguf.GGMLQuantizationType.F16: np.float16, gguf.GGMLQuantizationType.F32: np.float32,
+                 gguf.GGMLQuantizationType.F64: np.float64, gguf.GGMLQuantizationType.I8: np.int8,
+                 gguf.GGMLQuantizationType.I16: np.int16, gguf.GGMLQuantizationType.I32: np.int32,
+                 gguf.GGMLQuantizationType.I64: np.int64}
+        self.tensors = []
+        for t in doc["tensors"]:
+            qtype = gguf.GGMLQuantizationType(t["type"])
+            dims = tuple(reversed(t["shape"]))
+            block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+            n_bytes = int(np.prod(t["shape"])) * type_size // block_size
+            chunk = raw[t["offset"]:t["offset"] + n_bytes]
+            if len(chunk) != n_bytes:
+                raise ValueError(f"tensor {t['name']} runs past the end of the file")
+            data = chunk.view(dense[qtype]).reshape(dims) if qtype in dense else \
+                chunk.reshape(quant_shape_to_byte_shape(dims, qtype))
+            self.tensors.append(IndexedTensor(t["name"], qtype, list(t["shape"]), data))
+
+    @property
+    def has_output(self) -> bool:
+        return any(t.name == "output.weight" for t in self.tensors)
+
+    @classmethod
+    def open(cls, path: str) -> "GGUFIndex":
+        from petrel.model.cache import cache_key, petrel_cache_dir
+        cached = os.path.join(petrel_cache_dir("gguf-index"), cache_key(path) + ".json")
+        try:
+            with open(cached) as f:
+                doc = json.load(f)
+            if doc.get("version") == cls.VERSION:
+                return cls(path, doc)
+        except (OSError, ValueError, KeyError, TypeError):
+            pass   # no cache entry yet, or a damaged one: parse the file
+        import gguf
+        reader = gguf.GGUFReader(path)
+        metadata = read_gguf_metadata(reader)
+        doc = {"version": cls.VERSION, "metadata": metadata, "gemma_end_of_turn": _has_gemma_end_of_turn(reader),
+               "tensors": [{"name": t.name, "type": int(t.tensor_type), "shape": [int(d) for d in t.shape],
+                            "offset": int(t.data_offset)} for t in reader.tensors]}
+        try:
+            os.makedirs(os.path.dirname(cached), exist_ok=True)
+            tmp = f"{cached}.tmp{os.getpid()}"
+            with open(tmp, "w") as f:
+                json.dump(doc, f, default=_json_value)
+            os.replace(tmp, cached)
+        except (OSError, TypeError, ValueError):
+            pass   # a read-only home, or metadata JSON cannot hold: parse each time
+        return cls(path, json.loads(json.dumps(doc, default=_json_value)))
+
+
+def _json_value(value):
+    if isinstance(value, (np.integer, np.floating)):
+        return value.item()
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    raise TypeError(f"cannot keep {type(value).__name__} in the GGUF index")
 
 
 def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -139,19 +225,18 @@ def hf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def _gguf_reader(source: ModelSource):
-    import gguf
-    return gguf.GGUFReader(source.path)
+def _gguf_reader(source: ModelSource) -> GGUFIndex:
+    return GGUFIndex.open(source.path)
 
 
 def load_model_config(source: ModelSource, reader=None) -> ModelConfig:
-    """reader: an open GGUFReader of a GGUF source, to avoid parsing the file twice (it is slow)."""
+    """reader: the GGUFIndex of a GGUF source, when the caller has it open already."""
     if source.kind == "gguf":
         reader = reader or _gguf_reader(source)
-        cfg = ModelConfig.from_gguf_metadata(read_gguf_metadata(reader),
-                                             any(t.name == "output.weight" for t in reader.tensors))
+        cfg = ModelConfig.from_gguf_metadata(dict(reader.metadata), reader.has_output)
         if cfg.architecture == "Gemma3ForCausalLM":
-            _add_gemma_end_of_turn(reader, cfg)
+            if reader.gemma_end_of_turn and 106 not in cfg.eos_token_ids:
+                cfg.eos_token_ids.append(106)
         return cfg
     with open(os.path.join(source.path, "config.json")) as f:
         cfg = ModelConfig.from_hf_config(json.load(f))
@@ -165,15 +250,13 @@ def load_model_config(source: ModelSource, reader=None) -> ModelConfig:
     return cfg
 
 
-def _add_gemma_end_of_turn(reader, cfg: ModelConfig) -> None:
+def _has_gemma_end_of_turn(reader) -> bool:
     """Gemma ends a chat turn with <end_of_turn> (id 106), a stop token in Hugging Face's generation_config but
-    not in GGUF's eos_token_id: add it when the vocabulary has it there."""
+    not in GGUF's eos_token_id: it is added when the vocabulary has it there."""
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     end_of_turn = 106
-    if tokens is None or len(tokens.data) <= end_of_turn or end_of_turn in cfg.eos_token_ids:
-        return
-    if bytes(tokens.parts[tokens.data[end_of_turn]]) == b"<end_of_turn>":
-        cfg.eos_token_ids.append(end_of_turn)
+    return tokens is not None and len(tokens.data) > end_of_turn and \
+        bytes(tokens.parts[tokens.data[end_of_turn]]) == b"<end_of_turn>"
 
 
 class _ReadingFiles:
@@ -197,19 +280,23 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: str) -> tuple[to
         reader = _gguf_reader(source) if source.kind == "gguf" else None
         cfg = load_model_config(source, reader)
     cls = model_class(cfg.architecture, f"model {source.name!r}")
-    with torch.device("meta"):
-        model = cls(cfg)
-    model = model.to_empty(device="cpu").float()
-    if cfg.tie_word_embeddings:  # to_empty() unties shared parameters
-        model.lm_head.weight = model.model.embed_tokens.weight
+    with _without_weight_init():
+        model = cls(cfg).float()
     with _ReadingFiles(source):
         if reader is not None:
             model.load_weights(gguf_weights(reader, cfg))
         else:
             model.load_weights(hf_weights(source.path))
-    # buffers (rotary tables) were created on meta: rebuild them on the real device
-    for module in model.modules():
-        if hasattr(module, "cos") and hasattr(module, "sin"):
-            fresh = type(module)(*module.args)   # each table as its model built it (Gemma 3 has two)
-            module.cos, module.sin = fresh.cos, fresh.sin
     return model.to(device=device, dtype=dtype).eval(), cfg
+
+
+@contextlib.contextmanager
+def _without_weight_init():
+    """Build a model's layers without drawing their random initial weights: every weight is loaded right after.
+    (Building on the meta device instead costs a second and more the first time, for torch's meta kernels.)"""
+    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
+    try:
+        yield
+    finally:
+        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved

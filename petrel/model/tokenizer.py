@@ -1,9 +1,9 @@
 """Tokenizer loading: a Hugging Face directory as is, a GGUF file's vocabulary converted once and cached."""
 from __future__ import annotations
 
-import hashlib
 import os
 
+from petrel.model.cache import cache_key, petrel_cache_dir
 from petrel.model.loader import ModelSource
 
 
@@ -18,19 +18,13 @@ def chat_prompt(tokenizer, messages: list[dict], add_generation_prompt: bool = T
     return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False)["input_ids"]}
 
 
-def _cache_dir() -> str:
-    return os.path.join(os.environ.get("PETREL_CACHE", os.path.expanduser("~/.cache/petrel")), "tokenizers")
-
-
 def load_tokenizer(source: ModelSource, tokenizer: str | None = None):
     from transformers import AutoTokenizer
     if tokenizer is not None:
         return AutoTokenizer.from_pretrained(tokenizer)
     if source.kind == "hf":
         return AutoTokenizer.from_pretrained(source.path)
-    stat = os.stat(source.path)
-    key = hashlib.sha256(f"{os.path.abspath(source.path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    cached = os.path.join(_cache_dir(), key)
+    cached = os.path.join(petrel_cache_dir("tokenizers"), cache_key(source.path))
     if os.path.isfile(os.path.join(cached, "tokenizer_config.json")):
         try:
             return AutoTokenizer.from_pretrained(cached)
