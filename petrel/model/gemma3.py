@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from petrel.model.attention import AttentionMetadata, paged_attention
+from petrel.model.attention import AttentionMetadata
 from petrel.model.config import ModelConfig
 from petrel.model.layers import Linear, RotaryEmbedding
-from petrel.model.llama import LlamaForCausalLM
+from petrel.model.llama import LlamaAttention, LlamaForCausalLM
 
 
 class GemmaRMSNorm(nn.Module):
@@ -31,28 +31,9 @@ class GemmaRMSNorm(nn.Module):
         return out.to(x.dtype)
 
 
-class Gemma3Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
-        super().__init__()
-        self.sliding_window = cfg.sliding_window(layer)
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
-        self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.scale = (cfg.query_pre_attn_scalar or self.head_dim) ** -0.5
-
-    def forward(self, x, cos_sin, kv_cache, meta: AttentionMetadata):
-        qkv = self.qkv_proj(x)
-        heads = self.num_heads
-        qk = qkv[:, :self.q_size + self.kv_size].view(-1, heads + self.num_kv_heads, self.head_dim)
-        v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
-        qk = torch.cat([self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])], dim=1)
-        qk = RotaryEmbedding.rotate(qk, cos_sin)
-        out = paged_attention(qk[:, :heads], qk[:, heads:], v, kv_cache, meta, self.scale, self.sliding_window)
-        return self.o_proj(out.reshape(-1, self.q_size))
+class Gemma3Attention(LlamaAttention):
+    """Llama's attention with Gemma's q/k norms (cfg.qk_norm is set for Gemma 3) and its query_pre_attn_scalar."""
+    norm_class = GemmaRMSNorm
 
 
 class Gemma3MLP(nn.Module):

@@ -17,6 +17,8 @@ from petrel.model.layers import Linear, RMSNorm, RotaryEmbedding, silu_and_mul
 
 
 class LlamaAttention(nn.Module):
+    norm_class = RMSNorm     # of the per-head q/k norms (cfg.qk_norm); Gemma's scales by 1 + weight
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.sliding_window = cfg.sliding_window(layer)
@@ -27,9 +29,9 @@ class LlamaAttention(nn.Module):
                                   bias=cfg.attention_bias or cfg.qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.scale = self.head_dim ** -0.5
+            self.q_norm = self.norm_class(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = self.norm_class(self.head_dim, cfg.rms_norm_eps)
+        self.scale = (cfg.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def forward(self, x, cos_sin, kv_cache, meta: AttentionMetadata):
         qkv = self.qkv_proj(x)
