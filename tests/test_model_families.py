@@ -1,7 +1,7 @@
 """Model families beyond Llama, each on a tiny random-weight model checked against transformers.
 
-For every family a tiny model (vocab 256, hidden 64, 2 layers, 4 heads, 2 KV heads) is built with transformers,
-its weights re-drawn (norms not all ones, biases not all zeros), saved as safetensors and loaded through
+For every family a tiny model (vocab 256, hidden 64, 2 layers unless a variant says otherwise, 4 heads, 2 KV
+heads) is built with transformers, its weights re-drawn (norms not all ones, biases not all zeros), saved as safetensors and loaded through
 petrel's loader. Then: (a) prefill logits equal transformers', (b) step-by-step paged decode equals
 transformers, (c) chunked prefill equals one shot, (d) the whole engine's greedy tokens equal `hf.generate`.
 """
@@ -37,8 +37,26 @@ FAMILIES = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0)),
     "phi3-sw": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0, sliding_window=8, tie_word_embeddings=True)),
 }
-VARIANT_IDS = list(FAMILIES)                          # prefill and decode run on every variant
-FAMILY_IDS = ["qwen2", "qwen3", "mistral-sw", "phi3"]                      # one per family for the slower tests
+# Gemma 3 (tests/test_gemma3.py has its own checks): 4 layers, sliding / full alternating with a window of 8,
+# head_dim 32 (wider than hidden / heads), an attention scale from query_pre_attn_scalar that is not head_dim,
+# different rotary bases on local and global layers
+GEMMA3 = dict(num_hidden_layers=4, head_dim=32, pad_token_id=0, sliding_window=8, query_pre_attn_scalar=24,
+              layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                               "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}})
+FAMILIES.update({
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", GEMMA3),
+    # global layers with linear rope scaling (Gemma 3 4B and up), a final logit soft-cap, an untied head
+    "gemma3-scaled": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        **GEMMA3, "final_logit_softcapping": 5.0, "tie_word_embeddings": False,
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0}}}),
+    # what llama.cpp assumes of a gemma3 GGUF: every 6th layer global, the attention scale from head_dim
+    "gemma3-gguf": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+                    {**GEMMA3, "num_hidden_layers": 6, "layer_types": None, "query_pre_attn_scalar": 32}),
+})
+VARIANT_IDS = [name for name in FAMILIES if name != "gemma3-gguf"]   # prefill and decode run on every variant
+FAMILY_IDS = ["qwen2", "qwen3", "mistral-sw", "phi3", "gemma3", "gemma3-scaled"]   # for the slower tests
 
 
 @pytest.fixture(scope="module")
