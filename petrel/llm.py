@@ -319,18 +319,8 @@ class LLM:
         single = isinstance(prompts, (str, dict, TextGenerationRequest)) or (
             isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts))
         batch = [prompts] if single else list(prompts)
-        if isinstance(sampling_params, (list, tuple)):
-            if len(sampling_params) != len(batch):
-                raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(batch)} prompts")
-            params_list = list(sampling_params)
-        else:
-            params_list = [sampling_params] * len(batch)
-        if isinstance(lora_request, (list, tuple)):
-            if len(lora_request) != len(batch):
-                raise ValueError(f"lora_request has {len(lora_request)} entries for {len(batch)} prompts")
-            loras = list(lora_request)
-        else:
-            loras = [lora_request] * len(batch)
+        params_list = _per_prompt(sampling_params, "sampling_params", len(batch))
+        loras = _per_prompt(lora_request, "lora_request", len(batch))
         submits = [self._prepare(p, params, cache_salt, lora) for p, params, lora in zip(batch, params_list, loras)]
         futures = []
         try:
@@ -381,3 +371,12 @@ class LLM:
 
 def _now() -> float:
     return time.monotonic()
+
+
+def _per_prompt(value, name: str, num_prompts: int) -> list:
+    """One value for every prompt, or a list with one entry per prompt (ValueError naming `name` otherwise)."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != num_prompts:
+            raise ValueError(f"{name} has {len(value)} entries for {num_prompts} prompts")
+        return list(value)
+    return [value] * num_prompts
