@@ -19,9 +19,9 @@ from petrel.model.gemma3 import Gemma3ForCausalLM  # noqa: E402
 from petrel.model.loader import _GGUF_NAMES_GEMMA3, load_model, resolve_model  # noqa: E402
 
 from test_model_tiny import PagedDriver, _engine_generate, _hf_generate, assert_close  # noqa: E402
-from tiny_llama import VOCAB, Tiny, _tokens  # noqa: E402
+from tiny_llama import Tiny, _tokens  # noqa: E402
 
-from test_model_families import family  # noqa: E402,F401 - the shared fixture builds the gemma3* variants
+from test_model_families import _write_gguf, family  # noqa: E402,F401 - family: the shared fixture
 
 
 def test_config_and_weights(family):
@@ -114,44 +114,13 @@ def test_local_rotary_and_window_matter(family):
 
 def test_gguf_gemma3_matches_transformers(family, tmp_path):
     """The tiny model as llama.cpp writes a gemma3 GGUF: its tensor names, norm weights stored as 1 + w."""
-    gguf = pytest.importorskip("gguf")
     t = family("gemma3-gguf")
-    assert t.cfg.sliding_windows == [8] * 5 + [None]
+    assert t.cfg.sliding_windows == [8] * 5 + [None] and t.cfg.tie_word_embeddings
     c = t.hf.config
     path = str(tmp_path / "gemma3.gguf")
-    w = gguf.GGUFWriter(path, "gemma3")
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
-    w.add_sliding_window(c.sliding_window)
-    w.add_tokenizer_model("llama")
-    w.add_token_list([f"t{i}" for i in range(VOCAB)])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    gguf_name = {hf: short for short, hf in _GGUF_NAMES_GEMMA3.items()}
-    for name, tensor in t.hf.state_dict().items():
-        if name == "lm_head.weight":
-            continue
-        data = tensor.numpy().astype("float32")
-        if name.endswith("norm.weight"):
-            data = data + 1.0
-        parts = name.split(".")
-        if parts[:2] == ["model", "layers"]:
-            target = f"blk.{parts[2]}.{gguf_name['.'.join(parts[3:-1])]}.{parts[-1]}"
-        else:
-            target = f"{gguf_name['.'.join(parts[:-1])]}.{parts[-1]}"
-        w.add_tensor(target, data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _write_gguf(t, "gemma3", path, names=_GGUF_NAMES_GEMMA3, tokenizer_model="llama",
+                rope_theta=c.rope_parameters["full_attention"]["rope_theta"], sliding_window=c.sliding_window,
+                convert=lambda name, data: data + 1.0 if name.endswith("norm.weight") else data)
     model, cfg = load_model(resolve_model(path), torch.float32, "cpu")
     for field in ("architecture", "head_dim", "sliding_windows", "rope_theta", "rope_local_theta",
                   "query_pre_attn_scalar", "tie_word_embeddings", "qk_norm", "final_logit_softcapping", "eos_token_ids"):

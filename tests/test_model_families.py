@@ -223,8 +223,10 @@ def test_engine_greedy_matches_transformers_generate(family, name):
 
 # ---------------------------------------------------------------- GGUF files of the Qwen families
 
-def _write_gguf(t: Tiny, arch: str, path: str) -> None:
-    """The tiny model as llama.cpp lays it out (float32 tensors, llama.cpp names; no q/k permutation for qwen)."""
+def _write_gguf(t: Tiny, arch: str, path: str, names: dict = _GGUF_NAMES, tokenizer_model: str = "gpt2",
+                rope_theta: float | None = None, sliding_window: int | None = None, convert=None) -> None:
+    """The tiny model as llama.cpp lays it out (float32 tensors, llama.cpp names; no q/k permutation for qwen).
+    names: llama.cpp name -> Hugging Face name; convert(hf_name, array) -> the array as the file stores it."""
     gguf = pytest.importorskip("gguf")
     c = t.hf.config
     w = gguf.GGUFWriter(path, arch)
@@ -237,12 +239,14 @@ def _write_gguf(t: Tiny, arch: str, path: str) -> None:
     w.add_key_length(t.cfg.head_dim)
     w.add_value_length(t.cfg.head_dim)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    w.add_tokenizer_model("gpt2")
+    w.add_rope_freq_base(rope_theta if rope_theta is not None else c.rope_parameters["rope_theta"])
+    if sliding_window is not None:
+        w.add_sliding_window(sliding_window)
+    w.add_tokenizer_model(tokenizer_model)
     w.add_token_list([f"t{i}" for i in range(VOCAB)])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    gguf_name = {hf: short for short, hf in _GGUF_NAMES.items()}
+    gguf_name = {hf: short for short, hf in names.items()}
     for name, tensor in t.hf.state_dict().items():
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
@@ -251,7 +255,8 @@ def _write_gguf(t: Tiny, arch: str, path: str) -> None:
             target = f"blk.{parts[2]}.{gguf_name['.'.join(parts[3:-1])]}.{parts[-1]}"
         else:
             target = f"{gguf_name['.'.join(parts[:-1])]}.{parts[-1]}"
-        w.add_tensor(target, tensor.numpy().astype("float32"))
+        data = tensor.numpy().astype("float32")
+        w.add_tensor(target, convert(name, data) if convert else data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
