@@ -10,6 +10,7 @@ TORCH_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": tor
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "self")
+EXECUTOR_BACKENDS = ("mp", "ray")
 
 
 @dataclass
@@ -80,6 +81,8 @@ class EngineConfig:
     enable_lora: bool = False             # LoRA adapter slots on the model's projections (LLM.generate(lora_request=...))
     max_loras: int = 4                    # adapters resident at once; distinct adapters running at once at most
     max_lora_rank: int = 16               # largest adapter rank accepted
+    tensor_parallel_size: int = 1         # ranks the model is split over (kv_cache_memory is per rank)
+    distributed_executor_backend: str = "mp"   # with tensor_parallel_size > 1: 'mp' (local processes) or 'ray'
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -105,6 +108,14 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads!r}")
+        size = self.tensor_parallel_size
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {list(EXECUTOR_BACKENDS)}, "
+                             f"got {self.distributed_executor_backend!r}")
+        if size > 1 and self.enable_lora:
+            raise ValueError(f"enable_lora is not supported with tensor_parallel_size={size} (LoRA runs in one process)")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -9,7 +9,7 @@ import torch
 
 from petrel.config import EngineConfig
 from petrel.engine.block_manager import BlockManager
-from petrel.engine.model_runner import ModelRunner, kv_bytes_per_block
+from petrel.engine.model_runner import ModelRunner, num_kv_blocks
 from petrel.engine.output_processor import EngineOutput
 from petrel.engine.beam_search import BeamSearch, Hypothesis
 from petrel.engine.grammar import GrammarCompiler
@@ -42,11 +42,13 @@ class IterationStats:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, model: torch.nn.Module, model_config: ModelConfig,
-                 batched_post_processor=None, draft_model: tuple[torch.nn.Module, ModelConfig] | None = None):
+                 batched_post_processor=None, draft_model: tuple[torch.nn.Module, ModelConfig] | None = None,
+                 workers=None):
+        """workers: with tensor_parallel_size > 1, the other ranks (petrel.distributed); `model` is rank 0's shard."""
         self.config = config
         self.model_config = model_config
         bs = config.block_size
-        num_blocks = config.kv_cache_memory // kv_bytes_per_block(model_config, bs, config.torch_dtype)
+        num_blocks = num_kv_blocks(config, model_config)
         if num_blocks < 2:
             raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes holds fewer than 2 blocks of {bs} tokens")
         model_len = config.max_model_len or model_config.max_position_embeddings
@@ -64,8 +66,13 @@ class EngineCore:
             self.lora_manager = LoRAManager(model, model_config, config.max_loras, config.max_lora_rank)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.max_loras if config.enable_lora else None)
-        self.runner = ModelRunner(model, model_config, num_blocks, bs, config.torch_dtype, config.device,
-                                  self.lora_manager)
+        if workers is None:
+            self.runner = ModelRunner(model, model_config, num_blocks, bs, config.torch_dtype, config.device,
+                                      self.lora_manager)
+        else:
+            from petrel.distributed.runner import TensorParallelRunner
+            self.runner = TensorParallelRunner(workers, model, model_config, num_blocks, bs, config.torch_dtype,
+                                               config.device)
         self.sampler = Sampler(model_config.vocab_size, config.seed, batched_post_processor)
         self.spec = config.speculative_config
         self.proposer = None

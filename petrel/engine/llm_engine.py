@@ -16,7 +16,11 @@ from petrel.engine.engine_core import EngineCore
 from petrel.engine.grammar import GrammarCompiler
 from petrel.engine.output_processor import OutputProcessor
 from petrel.engine.sequence import EngineRequest
-from petrel.model.loader import load_model, resolve_model
+from petrel.distributed.group import threads_per_rank
+from petrel.distributed.runner import start_workers
+from petrel.engine.model_runner import ExecutorDied
+from petrel.model.loader import load_model, load_model_config, resolve_model
+from petrel.model.parallel import SINGLE, check_tensor_parallel
 from petrel.model.tokenizer import load_tokenizer
 from petrel.outputs import FinishDetails, OutputChunk
 
@@ -33,19 +37,13 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.source = resolve_model(config.model)
         self.tokenizer = load_tokenizer(self.source, config.tokenizer)
-        model, model_config = load_model(self.source, config.torch_dtype, config.device)
-        eos = set(model_config.eos_token_ids)
-        if getattr(self.tokenizer, "eos_token_id", None) is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = tuple(sorted(eos))
-        draft = None
-        spec = config.speculative_config
-        if spec is not None and spec.method == "draft_model":
-            draft = load_model(resolve_model(spec.draft_model), config.torch_dtype, config.device)
-            if draft[1].vocab_size != model_config.vocab_size:
-                raise ValueError(f"the draft model's vocabulary ({draft[1].vocab_size} tokens) differs from the "
-                                 f"target's ({model_config.vocab_size}): speculative decoding needs the same one")
-        self.core = EngineCore(config, model, model_config, batched_post_processor, draft)
+        workers = self._start_workers(config)
+        try:
+            self.core = self._build_core(config, batched_post_processor, workers)
+        except BaseException:
+            if workers is not None:
+                workers.shutdown()
+            raise
         self.stats_history: deque = deque(maxlen=stats_history)   # IterationStats of recent steps
         self.output_processor = OutputProcessor(self.tokenizer)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -60,6 +58,31 @@ class LLMEngine:
         self.step_started: float | None = None    # time.monotonic() when the step now running began
         self._thread = threading.Thread(target=self._run, name="petrel-engine", daemon=True)
         self._thread.start()
+
+    def _start_workers(self, config: EngineConfig):
+        """With tensor_parallel_size > 1: ranks 1..N-1 started and the group joined as rank 0 (else None)."""
+        size = config.tensor_parallel_size
+        if size == 1:
+            return None
+        check_tensor_parallel(load_model_config(self.source), size)   # before any process starts
+        torch.set_num_threads(threads_per_rank(config))
+        return start_workers(config, self.source)
+
+    def _build_core(self, config: EngineConfig, batched_post_processor, workers) -> EngineCore:
+        model, model_config = load_model(self.source, config.torch_dtype, config.device,
+                                         workers.tp if workers is not None else SINGLE)
+        eos = set(model_config.eos_token_ids)
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(sorted(eos))
+        draft = None
+        spec = config.speculative_config
+        if spec is not None and spec.method == "draft_model":   # runs whole in the engine process, even with TP
+            draft = load_model(resolve_model(spec.draft_model), config.torch_dtype, config.device)
+            if draft[1].vocab_size != model_config.vocab_size:
+                raise ValueError(f"the draft model's vocabulary ({draft[1].vocab_size} tokens) differs from the "
+                                 f"target's ({model_config.vocab_size}): speculative decoding needs the same one")
+        return EngineCore(config, model, model_config, batched_post_processor, draft, workers)
 
     @property
     def model_config(self):
@@ -175,6 +198,7 @@ class LLMEngine:
             raise RuntimeError(self._dead)
         if self._stopped.is_set() or not self._thread.is_alive():
             raise RuntimeError("the engine loop is not running")
+        self.core.runner.check_health()   # a tensor-parallel worker that died, even while the engine is idle
         started = self.step_started
         if started is not None and time.monotonic() - started < STEP_STALL_LIMIT:
             return
@@ -188,6 +212,7 @@ class LLMEngine:
             self._commands.put(("stop",))
             if threading.current_thread() is not self._thread:
                 self._thread.join(timeout=30)
+            self.core.runner.shutdown()
 
     # ------------------------------------------------------------------ engine side
     def _run(self) -> None:
@@ -227,6 +252,8 @@ class LLMEngine:
                 self.step_started = time.monotonic()
                 try:
                     outputs = self.core.step()
+                except ExecutorDied:
+                    raise   # no step can run any more: the loop stops, failing every request with the cause
                 except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the loop
                     logger.exception("engine step failed")
                     self._fail_all(f"engine error: {exc}")

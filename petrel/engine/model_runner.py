@@ -9,6 +9,7 @@ from petrel.engine.scheduler import ScheduledBatch
 from petrel.engine.sequence import Sequence
 from petrel.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk, new_kv_cache
 from petrel.model.config import ModelConfig
+from petrel.model.parallel import SINGLE, TensorParallel, local_kv_heads, max_local_kv_heads
 
 
 @dataclass
@@ -17,6 +18,16 @@ class QuerySpan:
     token_ids: list[int]
     start: int
     block_table: list[int]
+
+
+@dataclass
+class ForwardPlan:
+    """One forward pass as plain data: what every tensor-parallel rank needs to run the same pass (it is sent to
+    the worker processes each step), and all the single-process runner needs too."""
+    spans: list[QuerySpan]              # decodes (single-token spans) first
+    logits_rows: list[int]              # rows of the flat batch whose logits are wanted
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    num_layers: int | None = None       # early exit after this many layers (self-speculation)
 
 
 @dataclass
@@ -37,6 +48,11 @@ class StepLogits:
     sample_hidden: torch.Tensor | None = None   # rows as sample_logits, when a sampling sequence asks for it
 
 
+class ExecutorDied(RuntimeError):
+    """The model executor can run no more steps (a tensor-parallel worker died, or a step failed part-way and the
+    ranks are out of step): the engine stops and reports it, instead of failing each later step."""
+
+
 DECODE_GROUP_SIZE = 16   # decodes attended per call: fewer calls vs. less padding read
 
 
@@ -54,14 +70,24 @@ def keep_freed_memory_in_heap() -> None:
     libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
+    """Bytes of one cache block on the rank holding the most KV heads (all of them with one rank)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+    kv_heads = max_local_kv_heads(cfg.num_key_value_heads, tensor_parallel_size)
+    return 2 * cfg.num_hidden_layers * block_size * kv_heads * cfg.head_dim * elem
+
+
+def num_kv_blocks(config, cfg: ModelConfig) -> int:
+    """Cache blocks that kv_cache_memory (per rank) holds: every rank computes the same number."""
+    return config.kv_cache_memory // kv_bytes_per_block(cfg, config.block_size, config.torch_dtype,
+                                                        config.tensor_parallel_size)
 
 
 class ModelRunner:
+    """The single-process model executor (and each tensor-parallel rank's: see petrel/distributed/runner.py)."""
+
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: str, lora_manager=None):
+                 dtype: torch.dtype, device: str, lora_manager=None, tp: TensorParallel = SINGLE):
         if torch.device(device).type == "cpu":
             keep_freed_memory_in_heap()
         self.model = model
@@ -69,16 +95,22 @@ class ModelRunner:
         self.lora_manager = lora_manager   # petrel.model.lora.LoRAManager with enable_lora
         self.block_size = block_size
         self.device = torch.device(device)
-        self.kv_caches = [new_kv_cache(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype, device)
+        kv_heads = local_kv_heads(cfg.num_key_value_heads, tp)   # this rank's slice of the cache
+        self.kv_caches = [new_kv_cache(num_blocks, block_size, kv_heads, cfg.head_dim, dtype, device)
                           for _ in range(cfg.num_hidden_layers)]
 
     def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
 
+    @staticmethod
+    def spans(batch: ScheduledBatch) -> list[QuerySpan]:
+        """The scheduled tokens of each sequence (decodes first, as the scheduler orders them)."""
+        return [QuerySpan(seq.pending_token_ids(n), seq.num_computed_tokens, seq.block_table)
+                for seq, n in zip(batch.seqs, batch.num_new_tokens)]
+
     def prepare(self, batch: ScheduledBatch):
-        """The scheduled tokens as one flat batch (decodes first, as the scheduler orders them)."""
-        return self.build_inputs([QuerySpan(seq.pending_token_ids(n), seq.num_computed_tokens, seq.block_table)
-                                  for seq, n in zip(batch.seqs, batch.num_new_tokens)])
+        """The scheduled tokens as one flat batch: input ids, positions, attention metadata."""
+        return self.build_inputs(self.spans(batch))
 
     def build_inputs(self, spans: list["QuerySpan"]):
         """Flat input ids, positions and attention metadata; single-token spans must come first."""
@@ -115,17 +147,24 @@ class ModelRunner:
         return self._tensor(input_ids), self._tensor(positions), meta
 
     @torch.inference_mode()
+    def forward(self, plan: ForwardPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run a plan: (hidden states of every row, logits of plan.logits_rows or None when there are none)."""
+        self.copy_blocks(plan.block_copies)
+        input_ids, positions, meta = self.build_inputs(plan.spans)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, num_layers=plan.num_layers)
+        logits = self.model.compute_logits(hidden[self._tensor(plan.logits_rows)]) if plan.logits_rows else None
+        return hidden, logits
+
+    @torch.inference_mode()
     def last_token_logits(self, spans: list["QuerySpan"], num_layers: int | None = None) -> torch.Tensor:
         """Write the spans' K/V and return the logits after each span's last token ([len(spans), vocab]).
         num_layers: stop after the model's first layers (early exit)."""
         order = sorted(range(len(spans)), key=lambda i: (len(spans[i].token_ids) != 1, spans[i].start))
-        input_ids, positions, meta = self.build_inputs([spans[i] for i in order])
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, num_layers=num_layers)
         ends = torch.tensor([len(spans[i].token_ids) for i in order]).cumsum(0) - 1
-        logits = self.model.compute_logits(hidden[ends.to(self.device)])
+        _, logits = self.forward(ForwardPlan([spans[i] for i in order], ends.tolist(), num_layers=num_layers))
         return logits[torch.tensor(order).argsort().to(self.device)]
 
-    def _forward_with_loras(self, batch: ScheduledBatch, input_ids, positions, meta) -> torch.Tensor:
+    def _forward_with_loras(self, batch: ScheduledBatch, plan: ForwardPlan):
         """One forward where each token runs with its request's adapter (slot -1: the base model). The engine
         core has given the batch's adapters their slots (LoRAManager.activate) before."""
         manager = self.lora_manager
@@ -135,7 +174,7 @@ class ModelRunner:
             token_slots.extend([slots.get(seq.request.lora_int_id, -1)] * n)
         manager.mapping.set(token_slots, self.device)
         try:
-            return self.model(input_ids, positions, self.kv_caches, meta)
+            return self.forward(plan)
         finally:
             manager.mapping.clear()   # any other forward (a self-speculation draft) runs the base model
 
@@ -147,15 +186,15 @@ class ModelRunner:
         for cache in self.kv_caches:
             cache[:, dst] = cache[:, src]
 
+    def check_health(self) -> None:
+        """Raise if the executor cannot run steps (a tensor-parallel worker died); one process always can."""
+
+    def shutdown(self) -> None:
+        """Stop what the executor started (tensor-parallel workers); nothing for one process."""
+
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepLogits:
-        self.copy_blocks(batch.block_copies)
-        input_ids, positions, meta = self.prepare(batch)
-        if self.lora_manager is None:
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        else:
-            hidden = self._forward_with_loras(batch, input_ids, positions, meta)
-
+        """Run a scheduled batch: the logits to sample from, and the prompt rows' outputs that were asked for."""
         context_rows, context_spans, sample_rows, sample_seqs, first_rows = [], [], [], [], []
         row = 0
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
@@ -172,11 +211,16 @@ class ModelRunner:
             row += n
         context_logits_wanted = any(s.params.prompt_logprobs is not None or s.params.return_context_logits
                                     for s, *_ in context_spans)
+        logits_rows = context_rows + sample_rows if context_logits_wanted else sample_rows
+        plan = ForwardPlan(self.spans(batch), logits_rows, batch.block_copies)
+        if self.lora_manager is None:
+            hidden, logits = self.forward(plan)
+        else:
+            hidden, logits = self._forward_with_loras(batch, plan)
         if context_logits_wanted:
-            logits = self.model.compute_logits(hidden[self._tensor(context_rows + sample_rows)])
             context_logits, sample_logits = logits[:len(context_rows)], logits[len(context_rows):]
         else:
-            sample_logits = self.model.compute_logits(hidden[self._tensor(sample_rows)])
+            sample_logits = logits
         spans = []
         for seq, first, at, k in context_spans:
             p = seq.params

@@ -14,8 +14,10 @@ from torch import nn
 
 from petrel.model.attention import AttentionMetadata
 from petrel.model.config import ModelConfig
-from petrel.model.layers import Linear, RotaryEmbedding
+from petrel.model.layers import RotaryEmbedding
 from petrel.model.llama import LlamaAttention, LlamaForCausalLM
+from petrel.model.parallel import (SINGLE, ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TensorParallel,
+                                   VocabParallelEmbedding)
 
 
 class GemmaRMSNorm(nn.Module):
@@ -37,10 +39,10 @@ class Gemma3Attention(LlamaAttention):
 
 
 class Gemma3MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = ColumnParallelLinear.even(cfg.hidden_size, [cfg.intermediate_size] * 2, tp, bias=False)
+        self.down_proj = RowParallelLinear.even(cfg.intermediate_size, cfg.hidden_size, tp, bias=False)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -48,14 +50,14 @@ class Gemma3MLP(nn.Module):
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel = SINGLE):
         super().__init__()
         eps = cfg.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
-        self.self_attn = Gemma3Attention(cfg, layer)
+        self.self_attn = Gemma3Attention(cfg, layer, tp)
         self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
-        self.mlp = Gemma3MLP(cfg)
+        self.mlp = Gemma3MLP(cfg, tp)
         self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
         self.is_local = self.self_attn.sliding_window is not None   # sliding layers use the local rotary table
 
@@ -65,24 +67,24 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Model(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         local_theta = cfg.rope_local_theta if cfg.rope_local_theta is not None else cfg.rope_theta
         self.rotary_local = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, local_theta, None)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, i, tp) for i in range(cfg.num_hidden_layers))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
     """Same parameter names as petrel's Llama (fused qkv_proj and gate_up_proj), so Llama's load_weights serves."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
         nn.Module.__init__(self)
         self.config = cfg
-        self.model = Gemma3Model(cfg)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.model = Gemma3Model(cfg, tp)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.embed_scale = cfg.hidden_size ** 0.5

