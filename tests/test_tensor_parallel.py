@@ -1,0 +1,290 @@
+"""Tensor parallelism (tensor_parallel_size > 1).
+
+The sharded layers first, fast and without processes: every rank's shard of a tiny random model runs in its own
+thread, joined by an in-process group, and rank 0's logits must equal the unsharded model's over a prefill and
+paged decode steps (uneven splits included: 3 ranks over 2 or 4 KV heads, a vocabulary that does not divide).
+Then the real thing over torch.distributed (gloo, two processes): the default model's greedy tokens at
+tensor_parallel_size=2 equal tensor_parallel_size=1's; the same through Ray actors; and a worker killed during
+generation fails the request in bounded time, the engine reports unhealthy, and shutdown leaves no process behind.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+
+from petrel import LLM, SamplingParams
+from petrel.config import EngineConfig
+from petrel.engine.model_runner import ForwardPlan, ModelRunner, QuerySpan
+from petrel.model.loader import load_model, resolve_model
+from petrel.model.parallel import TensorParallel, check_tensor_parallel
+
+from test_model_families import COMMON, FAMILIES  # noqa: E402
+from tiny_llama import VOCAB, Tiny, _tokens, redraw_weights  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+
+WAIT = 20.0   # seconds any single wait may take before the test fails
+
+
+# ----------------------------------------------------------------------------- sharded layers, ranks as threads
+
+class ThreadGroup:
+    """Collectives between threads of one process, for TensorParallel ranks that run side by side."""
+
+    def __init__(self, size: int):
+        self.size, self.slots, self.barrier = size, [None] * size, threading.Barrier(size, timeout=WAIT)
+
+    def exchange(self, rank: int, x: torch.Tensor) -> list[torch.Tensor]:
+        self.slots[rank] = x.clone()
+        self.barrier.wait()
+        parts = list(self.slots)
+        self.barrier.wait()
+        return parts
+
+
+class ThreadRank(TensorParallel):
+    def __init__(self, group: ThreadGroup, rank: int):
+        super().__init__(rank, group.size)
+        self.group = group
+
+    def all_reduce(self, x):
+        return x.copy_(sum(self.group.exchange(self.rank, x)))
+
+    def all_gather(self, x):
+        return torch.cat(self.group.exchange(self.rank, x), dim=-1)
+
+
+def _on_ranks(size: int, fn):
+    """fn(tp) on `size` threads, one per rank; returns their results in rank order."""
+    group, results, errors = ThreadGroup(size), [None] * size, []
+
+    def run(rank):
+        try:
+            results[rank] = fn(ThreadRank(group, rank))
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+            group.barrier.abort()
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def _prefill_then_decode(model, cfg, tp, prompt: list[int], steps: list[int]) -> list[torch.Tensor]:
+    """Logits of the prompt's positions, then of each decode step, through a paged cache of blocks of 4."""
+    runner = ModelRunner(model, cfg, num_blocks=16, block_size=4, dtype=torch.float32, device="cpu", tp=tp)
+    table = list(range(16))
+    _, prefill = runner.forward(ForwardPlan([QuerySpan(prompt, 0, table)], list(range(len(prompt)))))
+    out = [prefill]
+    for i, token in enumerate(steps):
+        _, logits = runner.forward(ForwardPlan([QuerySpan([token], len(prompt) + i, table)], [0]))
+        out.append(logits)
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """checkpoint(family name or None for Llama, **config) -> path of a tiny random checkpoint (cached)."""
+    cache = {}
+
+    def build(family: str | None = None, **overrides) -> str:
+        key = (family, tuple(sorted(overrides.items())))
+        if key not in cache:
+            config_cls, model_cls, base = FAMILIES[family] if family else ("LlamaConfig", "LlamaForCausalLM", {})
+            config = getattr(transformers, config_cls)(**{**COMMON, **base, **overrides})
+            torch.manual_seed(0)
+            hf = getattr(transformers, model_cls)(config)
+            redraw_weights(hf, 0)
+            path = tmp_path_factory.mktemp(family or "llama")
+            hf.float().save_pretrained(path, safe_serialization=True)
+            cache[key] = str(path)
+        return cache[key]
+    return build
+
+
+SHARDED_CASES = {   # id -> (ranks, family, config overrides)
+    "llama-2ranks": (2, None, dict(num_key_value_heads=2, tie_word_embeddings=False)),
+    "llama-3ranks-uneven-kv-and-vocab": (3, None, dict(num_key_value_heads=4, vocab_size=250, intermediate_size=100)),
+    "llama-3ranks-gqa-tied": (3, None, dict(num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=True)),
+    "qwen3-bias": (2, "qwen3-bias", {}),          # biases on q/k/v and o_proj (row-parallel: added once), q/k norms
+    "phi3-fused": (2, "phi3", {}),                 # qkv_proj and gate_up_proj fused in the checkpoint
+    "gemma3-softcap": (2, "gemma3-scaled", {}),    # Gemma's MLP, soft-capped logits after the gather, untied head
+}
+
+
+@pytest.mark.parametrize("case", list(SHARDED_CASES))
+def test_sharded_ranks_give_the_unsharded_logits(checkpoint, case):
+    size, family, overrides = SHARDED_CASES[case]
+    source = resolve_model(checkpoint(family, **overrides))
+    full, cfg = load_model(source, torch.float32, "cpu")
+    vocab = cfg.vocab_size
+    prompt, steps = _tokens(11, seed=1), [t % vocab for t in _tokens(3, seed=2)]
+    prompt = [t % vocab for t in prompt]
+    expected = _prefill_then_decode(full, cfg, TensorParallel(), prompt, steps)
+
+    def rank(tp):
+        model, _ = load_model(source, torch.float32, "cpu", tp)
+        return _prefill_then_decode(model, cfg, tp, prompt, steps)
+    for got in _on_ranks(size, rank):          # every rank ends with the full logits
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e, atol=2e-4, rtol=1e-4)
+
+
+def test_a_shard_holds_only_its_slice(checkpoint):
+    source = resolve_model(checkpoint(None, num_key_value_heads=2))
+    full, cfg = load_model(source, torch.float32, "cpu")
+
+    def rank(tp):
+        model, _ = load_model(source, torch.float32, "cpu", tp)
+        return sum(p.numel() for p in model.parameters())
+    per_rank = _on_ranks(2, rank)
+    replicated = sum(p.numel() for n, p in full.named_parameters() if "norm" in n)
+    sharded = sum(p.numel() for p in full.parameters()) - replicated
+    assert per_rank == [sharded // 2 + replicated] * 2
+
+
+def test_too_many_ranks_and_unsupported_options_are_refused(checkpoint):
+    cfg = load_model(resolve_model(checkpoint(None, num_key_value_heads=2)), torch.float32, "cpu")[1]
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 is larger than the model's 2 key/value heads"):
+        check_tensor_parallel(cfg, 3)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+        EngineConfig(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="distributed_executor_backend must be one of"):
+        EngineConfig(tensor_parallel_size=2, distributed_executor_backend="slurm")
+    with pytest.raises(ValueError, match="enable_lora is not supported with tensor_parallel_size=2"):
+        EngineConfig(tensor_parallel_size=2, enable_lora=True)
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 is larger"):   # before any worker starts
+        LLM(checkpoint(None, num_key_value_heads=2), tokenizer=_tokenizer_dir(), tensor_parallel_size=4)
+
+
+# ----------------------------------------------------------------------------- worker processes (gloo)
+
+_TOKENIZER = {}
+
+
+def _tokenizer_dir() -> str:
+    """The default model's tokenizer saved once, for the tiny checkpoints (which have none)."""
+    if "path" not in _TOKENIZER:
+        import tempfile
+        from petrel.model.tokenizer import load_tokenizer
+        path = tempfile.mkdtemp(prefix="petrel-tp-tokenizer-")
+        load_tokenizer(resolve_model(None)).save_pretrained(path)
+        _TOKENIZER["path"] = path
+    return _TOKENIZER["path"]
+
+
+def _greedy(llm, prompts, n: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _worker_processes() -> list[psutil.Process]:
+    """This process's spawned children still running (multiprocessing's resource tracker is not one)."""
+    return [p for p in psutil.Process().children(recursive=True) if "spawn_main" in " ".join(_cmdline(p))]
+
+
+def _cmdline(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except psutil.Error:
+        return []
+
+
+@pytest.mark.e2e
+def test_two_processes_give_the_default_models_greedy_tokens(llm):
+    prompts = ["The capital of France is", "Write a haiku about seabirds.", "1, 2, 3, 4,", "def fibonacci(n):"]
+    expected = _greedy(llm, prompts, 24)
+    tp = LLM(tensor_parallel_size=2)
+    try:
+        runner = tp.engine.core.runner
+        assert [p.exitcode for p in runner.workers.procs] == [None]
+        assert _greedy(tp, prompts, 24) == expected
+    finally:
+        tp.shutdown()
+    assert all(not p.is_alive() for p in runner.workers.procs)
+
+
+def test_a_killed_worker_fails_the_request_and_the_engine_reports_it(checkpoint):
+    llm = LLM(checkpoint(None, num_key_value_heads=2), tokenizer=_tokenizer_dir(), tensor_parallel_size=2,
+              kv_cache_memory=1 << 22)
+    (proc,) = llm.engine.core.runner.workers.procs
+    worker = psutil.Process(proc.pid)
+    llm.engine.check_health()
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    futures = [llm.generate_async([5 + i, 6, 7], long, streaming=True) for i in range(4)]
+    next(iter(futures[0]))              # generation is under way
+    worker.suspend()                    # holds the step mid-flight (rank 0 waits in a collective) ...
+    worker.kill()                       # ... and dies there
+    t0 = time.monotonic()
+    cause = r"tensor-parallel worker 1 died \(exit code -9\)"
+    for future in futures:
+        with pytest.raises(RuntimeError, match=cause):
+            future.result(timeout=WAIT)
+    assert time.monotonic() - t0 < 10.0
+    with pytest.raises(RuntimeError, match=cause):
+        llm.engine.check_health()
+    with pytest.raises(RuntimeError, match=cause):      # new work is refused at once
+        llm.generate([5, 6], SamplingParams(max_tokens=2), use_tqdm=False)
+
+    from fastapi.testclient import TestClient
+    from petrel.serve.app import build_app
+    r = TestClient(build_app(llm, health_timeout=2.0)).get("/health")
+    assert r.status_code == 503 and "tensor-parallel worker 1 died" in r.json()["error"]["message"]
+    llm.shutdown()
+    assert not _worker_processes()
+
+
+def test_a_worker_that_dies_while_idle_shows_on_health_and_shutdown_is_clean(checkpoint):
+    llm = LLM(checkpoint(None, num_key_value_heads=2), tokenizer=_tokenizer_dir(), tensor_parallel_size=2,
+              kv_cache_memory=1 << 22)
+    (proc,) = llm.engine.core.runner.workers.procs
+    assert _greedy(llm, [[5, 6, 7]], 4)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(WAIT)
+    with pytest.raises(RuntimeError, match=r"tensor-parallel worker 1 died \(exit code -9\)"):
+        llm.engine.check_health()
+    llm.shutdown()
+    assert not _worker_processes()
+
+
+# ----------------------------------------------------------------------------- Ray actors
+
+def test_ray_actors_give_the_same_tokens_and_a_dead_actor_shows(checkpoint):
+    ray = pytest.importorskip("ray")
+    path = checkpoint(None, num_key_value_heads=2)
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    with LLM(path, tokenizer=_tokenizer_dir()) as single:
+        expected = _greedy(single, prompts, 12)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        llm = LLM(path, tokenizer=_tokenizer_dir(), tensor_parallel_size=2, distributed_executor_backend="ray")
+        try:
+            assert _greedy(llm, prompts, 12) == expected
+            workers = llm.engine.core.runner.workers
+            (pid,) = workers.pids.values()
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + WAIT
+            while time.monotonic() < deadline:
+                try:
+                    llm.engine.check_health()
+                except RuntimeError as exc:
+                    assert "tensor-parallel worker 1 died" in str(exc)
+                    break
+                time.sleep(0.1)
+            else:
+                pytest.fail("a dead Ray actor never showed on check_health")
+        finally:
+            llm.shutdown()
+        assert ray.util.placement_group_table(workers.pg)["state"] == "REMOVED"
+    finally:
+        ray.shutdown()
