@@ -70,6 +70,24 @@ def speculative_config_json(text: str) -> dict:
     return value
 
 
+def parallel_arguments(p) -> None:
+    """--tensor-parallel-size and --distributed-executor-backend (generate, chat, serve, bench)."""
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N",
+                   help="split the model over N ranks: this process and N-1 workers (default 1)")
+    p.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default=None,
+                   help="how the workers run: local processes (mp, the default) or Ray actors (ray; joins the "
+                        "cluster at RAY_ADDRESS when set)")
+
+
+def parallel_options(args) -> dict:
+    options = {}
+    if args.tensor_parallel_size is not None:
+        options["tensor_parallel_size"] = args.tensor_parallel_size
+    if args.distributed_executor_backend is not None:
+        options["distributed_executor_backend"] = args.distributed_executor_backend
+    return options
+
+
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file, Hugging Face directory or hub id (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -77,6 +95,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--speculative-config", type=speculative_config_json, default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram"}\' (see `petrel serve --help`)')
+    parallel_arguments(p)
     p.add_argument("-v", "--verbose", action="store_true", help="log engine INFO messages to stderr")
 
 
@@ -97,6 +116,7 @@ def _make_llm(args):
         options["max_num_seqs"] = args.max_num_seqs
     if args.speculative_config:
         options["speculative_config"] = args.speculative_config
+    options.update(parallel_options(args))
     return LLM(args.model, **options)
 
 

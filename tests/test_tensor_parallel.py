@@ -244,11 +244,17 @@ def test_a_killed_worker_fails_the_request_and_the_engine_reports_it(checkpoint)
     assert not _worker_processes()
 
 
-def test_a_worker_that_dies_while_idle_shows_on_health_and_shutdown_is_clean(checkpoint):
-    llm = LLM(checkpoint(None, num_key_value_heads=2), tokenizer=_tokenizer_dir(), tensor_parallel_size=2,
-              kv_cache_memory=1 << 22)
+def test_self_speculation_and_a_worker_that_dies_while_idle(checkpoint):
+    """Early-exit drafts run on every rank too (greedy tokens as one process gives them); then a worker dies with
+    nothing running: check_health names it, shutdown is clean."""
+    path, prompts = checkpoint(None, num_key_value_heads=2), [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11]]
+    with LLM(path, tokenizer=_tokenizer_dir()) as single:
+        expected = _greedy(single, prompts, 12)
+    llm = LLM(path, tokenizer=_tokenizer_dir(), tensor_parallel_size=2, kv_cache_memory=1 << 22,
+              speculative_config={"method": "self", "draft_num_layers": 1})
     (proc,) = llm.engine.core.runner.workers.procs
-    assert _greedy(llm, [[5, 6, 7]], 4)
+    assert _greedy(llm, prompts, 12) == expected
+    assert llm.engine.core.num_draft_tokens > 0
     os.kill(proc.pid, signal.SIGKILL)
     proc.join(WAIT)
     with pytest.raises(RuntimeError, match=r"tensor-parallel worker 1 died \(exit code -9\)"):

@@ -12,7 +12,7 @@ import time
 
 import uvicorn
 
-from petrel.cli import speculative_config_json
+from petrel.cli import parallel_arguments, parallel_options, speculative_config_json
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -50,6 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--speculative-config", type=speculative_config_json, default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                         '(methods: ngram, draft_model with "draft_model": PATH, self with "draft_num_layers": N)')
+    parallel_arguments(g)
     return p
 
 
@@ -66,6 +67,7 @@ def engine_options(args) -> dict:
         options["enable_chunked_prefill"] = False
     if args.enable_lora:
         options["enable_lora"] = True
+    options.update(parallel_options(args))
     return options
 
 
