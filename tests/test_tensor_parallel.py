@@ -25,7 +25,7 @@ from petrel.model.loader import load_model, resolve_model
 from petrel.model.parallel import TensorParallel, check_tensor_parallel
 
 from test_model_families import COMMON, FAMILIES  # noqa: E402
-from tiny_llama import VOCAB, Tiny, _tokens, redraw_weights  # noqa: E402
+from tiny_llama import _tokens, redraw_weights  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.connection
+import pickle
 
 from petrel.distributed.group import collective_timeout, free_port, join_group, leave_group, local_rank_device
 from petrel.distributed.runner import Workers
@@ -64,9 +65,10 @@ class ProcessWorkers(Workers):
             raise
 
     def send(self, plan: ForwardPlan) -> None:
+        message = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)   # once for every worker (conn.recv reads it)
         for conn in self.conns:
             try:
-                conn.send(plan)
+                conn.send_bytes(message)
             except OSError:   # a closed pipe: the worker is gone
                 raise ExecutorDied(self.dead_worker(1.0) or "a tensor-parallel worker's pipe closed") from None
 

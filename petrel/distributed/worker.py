@@ -3,7 +3,7 @@ slice of the paged KV cache, then runs every forward plan the engine sends, in o
 engine's rank 0 has the full logits (the LM head gathers them on every rank)."""
 from __future__ import annotations
 
-import logging
+import signal
 import traceback
 from dataclasses import dataclass
 
@@ -13,8 +13,6 @@ from petrel.config import EngineConfig
 from petrel.distributed.group import join_group, leave_group, threads_per_rank
 from petrel.engine.model_runner import ForwardPlan, ModelRunner, num_kv_blocks
 from petrel.model.loader import ModelSource, load_model
-
-logger = logging.getLogger("petrel")
 
 
 @dataclass
@@ -50,7 +48,10 @@ class Worker:
 
 def run_process_worker(spec: WorkerSpec, conn) -> None:
     """A worker process's life ('mp' backend): ("hello",) once imported, ("ready",) or ("error", text) once loaded,
-    then a forward per plan received until None (shutdown) or the pipe closes (the engine process is gone)."""
+    then a forward per plan received until None (shutdown) or the pipe closes (the engine process is gone).
+    Ctrl-C in the terminal reaches every process of the group: the worker leaves it to the engine, which may be
+    draining its requests, to say when to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     worker = Worker(spec)
     conn.send(("hello",))
     try:
