@@ -217,30 +217,32 @@ def test_two_processes_give_the_default_models_greedy_tokens(llm):
 def test_a_killed_worker_fails_the_request_and_the_engine_reports_it(checkpoint):
     llm = LLM(checkpoint(None, num_key_value_heads=2), tokenizer=_tokenizer_dir(), tensor_parallel_size=2,
               kv_cache_memory=1 << 22)
-    (proc,) = llm.engine.core.runner.workers.procs
-    worker = psutil.Process(proc.pid)
-    llm.engine.check_health()
-    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-    futures = [llm.generate_async([5 + i, 6, 7], long, streaming=True) for i in range(4)]
-    next(iter(futures[0]))              # generation is under way
-    worker.suspend()                    # holds the step mid-flight (rank 0 waits in a collective) ...
-    worker.kill()                       # ... and dies there
-    t0 = time.monotonic()
-    cause = r"tensor-parallel worker 1 died \(exit code -9\)"
-    for future in futures:
-        with pytest.raises(RuntimeError, match=cause):
-            future.result(timeout=WAIT)
-    assert time.monotonic() - t0 < 10.0
-    with pytest.raises(RuntimeError, match=cause):
+    try:
+        (proc,) = llm.engine.core.runner.workers.procs
+        worker = psutil.Process(proc.pid)
         llm.engine.check_health()
-    with pytest.raises(RuntimeError, match=cause):      # new work is refused at once
-        llm.generate([5, 6], SamplingParams(max_tokens=2), use_tqdm=False)
+        long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        futures = [llm.generate_async([5 + i, 6, 7], long, streaming=True) for i in range(4)]
+        next(iter(futures[0]))              # generation is under way
+        worker.suspend()                    # holds the step mid-flight (rank 0 waits in a collective) ...
+        worker.kill()                       # ... and dies there
+        t0 = time.monotonic()
+        cause = r"tensor-parallel worker 1 died \(exit code -9\)"
+        for future in futures:
+            with pytest.raises(RuntimeError, match=cause):
+                future.result(timeout=WAIT)
+        assert time.monotonic() - t0 < 10.0
+        with pytest.raises(RuntimeError, match=cause):
+            llm.engine.check_health()
+        with pytest.raises(RuntimeError, match=cause):      # new work is refused at once
+            llm.generate([5, 6], SamplingParams(max_tokens=2), use_tqdm=False)
 
-    from fastapi.testclient import TestClient
-    from petrel.serve.app import build_app
-    r = TestClient(build_app(llm, health_timeout=2.0)).get("/health")
-    assert r.status_code == 503 and "tensor-parallel worker 1 died" in r.json()["error"]["message"]
-    llm.shutdown()
+        from fastapi.testclient import TestClient
+        from petrel.serve.app import build_app
+        r = TestClient(build_app(llm, health_timeout=2.0)).get("/health")
+        assert r.status_code == 503 and "tensor-parallel worker 1 died" in r.json()["error"]["message"]
+    finally:
+        llm.shutdown()
     assert not _worker_processes()
 
 
@@ -252,14 +254,16 @@ def test_self_speculation_and_a_worker_that_dies_while_idle(checkpoint):
         expected = _greedy(single, prompts, 12)
     llm = LLM(path, tokenizer=_tokenizer_dir(), tensor_parallel_size=2, kv_cache_memory=1 << 22,
               speculative_config={"method": "self", "draft_num_layers": 1})
-    (proc,) = llm.engine.core.runner.workers.procs
-    assert _greedy(llm, prompts, 12) == expected
-    assert llm.engine.core.num_draft_tokens > 0
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.join(WAIT)
-    with pytest.raises(RuntimeError, match=r"tensor-parallel worker 1 died \(exit code -9\)"):
-        llm.engine.check_health()
-    llm.shutdown()
+    try:
+        (proc,) = llm.engine.core.runner.workers.procs
+        assert _greedy(llm, prompts, 12) == expected
+        assert llm.engine.core.num_draft_tokens > 0
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(WAIT)
+        with pytest.raises(RuntimeError, match=r"tensor-parallel worker 1 died \(exit code -9\)"):
+            llm.engine.check_health()
+    finally:
+        llm.shutdown()
     assert not _worker_processes()
 
 

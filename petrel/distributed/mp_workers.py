@@ -73,9 +73,12 @@ class ProcessWorkers(Workers):
                 raise ExecutorDied(self.dead_worker(1.0) or "a tensor-parallel worker's pipe closed") from None
 
     def dead_worker(self, wait: float = 0.0) -> str | None:
-        multiprocessing.connection.wait([p.sentinel for p in self.procs], wait)
+        if self._stopped:
+            return None
+        ended = multiprocessing.connection.wait([p.sentinel for p in self.procs], wait)
         for rank, proc in enumerate(self.procs, 1):
-            if proc.exitcode is not None and not self._stopped:
+            if proc.sentinel in ended:
+                proc.join(1.0)   # the sentinel closes a moment before the process can be reaped for its exit code
                 return f"tensor-parallel worker {rank} died (exit code {proc.exitcode})"
         return None
 
