@@ -8,7 +8,7 @@ all-reduce assembles the embedded rows, an all-gather the logits. Everything els
 
 Attention heads are split by key/value head, each rank taking its KV heads together with the query heads that
 share them. When the KV heads do not divide evenly the ranks differ by one KV head (SmolLM2-135M's 3 KV heads run
-as 2 + 1 on two ranks), which is still exact; a rank needs at least one.
+as 1 + 2 on two ranks), which is still exact; a rank needs at least one.
 
 With one rank (TensorParallel(), the default) every layer here has its plain layer's shape and the collectives
 are skipped, so the single-process model runs exactly as before. Each layer's `load` copies its own slice of a
