@@ -9,6 +9,7 @@ import socket
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import uvicorn
 
@@ -86,12 +87,18 @@ def lora_modules(args) -> dict[str, str]:
 
 def run(args) -> int:
     from petrel import LLM
-    from petrel.serve.app import build_app
-    from petrel.serve.chat_template import load_template_source
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    template = load_template_source(args.chat_template)
     loras = lora_modules(args)
-    llm = LLM(args.model, **engine_options(args))
+    with ThreadPoolExecutor(1, thread_name_prefix="petrel-load") as pool:
+        loading = pool.submit(LLM, args.model, **engine_options(args))
+        try:   # FastAPI and the app's modules import while the model loads (most of loading frees the GIL)
+            from petrel.serve.app import build_app
+            from petrel.serve.chat_template import load_template_source
+            template = load_template_source(args.chat_template)
+        except BaseException:
+            loading.add_done_callback(lambda f: f.exception() is None and f.result().shutdown())
+            raise
+        llm = loading.result()
     try:
         app = build_app(llm, args.served_model_name, args.api_key, template, max_n=args.max_n,
                         max_queue_len=None if args.max_queue_len < 0 else args.max_queue_len,
