@@ -23,7 +23,7 @@ def check(dp: DisaggregatedParams, params, prompt_ids: list[int], vocab_size: in
         ("n > 1", params.n > 1), ("beam search", params.use_beam_search),
         ("prompt logprobs or context outputs", params.needs_context_outputs),
         ("guided decoding", params.guided_decoding is not None),
-        ("logprobs (the first token's stay on the context instance)", dp.is_generation_only and params.logprobs is not None),
+        ("logprobs (the first token's would stay on the context instance)", params.logprobs is not None),
     ) if on]
     if unsupported:
         raise ValueError(f"disaggregated_params: a {dp.request_type} request cannot have {', '.join(unsupported)}")
