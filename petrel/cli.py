@@ -259,6 +259,10 @@ examples:
   petrel route --backends http://127.0.0.1:8001 http://127.0.0.1:8002 --port 8000
   curl http://127.0.0.1:8000/health            # the router's view of every backend
 A request may pick its backend with "target_endpoint": URL in the body (or an X-Target-Endpoint header).
+
+disaggregated serving (prefill on one server, decode on another):
+  petrel serve --port 8001 & petrel serve --port 8002 &
+  petrel route --prefill http://127.0.0.1:8001 --decode http://127.0.0.1:8002 --port 8000
 """
 
 

@@ -80,6 +80,9 @@ class EngineConfig:
     enable_lora: bool = False             # LoRA adapter slots on the model's projections (LLM.generate(lora_request=...))
     max_loras: int = 4                    # adapters resident at once; distinct adapters running at once at most
     max_lora_rank: int = 16               # largest adapter rank accepted
+    kv_transfer_host: str = "127.0.0.1"   # disaggregated serving: where the KV transfer server listens
+    kv_transfer_port: int = 0             # 0: a port the OS picks (the server starts with the first context-only request)
+    kv_transfer_timeout: float = 60.0     # seconds a context-only request's prompt KV stays pinned, waiting to be fetched
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -103,6 +106,10 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.kv_transfer_port, int) or not 0 <= self.kv_transfer_port < 65536:
+            raise ValueError(f"kv_transfer_port must be 0..65535, got {self.kv_transfer_port!r}")
+        if not isinstance(self.kv_transfer_timeout, (int, float)) or self.kv_transfer_timeout <= 0:
+            raise ValueError(f"kv_transfer_timeout must be > 0 seconds, got {self.kv_transfer_timeout!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads!r}")
 

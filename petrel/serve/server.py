@@ -51,13 +51,19 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--speculative-config", type=speculative_config_json, default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                         '(methods: ngram, draft_model with "draft_model": PATH, self with "draft_num_layers": N)')
+    g.add_argument("--kv-transfer-host", default=None,
+                   help="disaggregated serving: the address this server's KV transfer server listens on (127.0.0.1)")
+    g.add_argument("--kv-transfer-port", type=int, default=None, help="and its port (default: one the OS picks)")
+    g.add_argument("--kv-transfer-timeout", type=float, default=None,
+                   help="seconds a context_only request's prompt KV stays pinned waiting to be fetched (60)")
     return p
 
 
 def engine_options(args) -> dict:
     options = {"dtype": args.dtype, "device": args.device}
     for key in ("tokenizer", "max_model_len", "block_size", "kv_cache_memory", "max_num_seqs",
-                "max_num_batched_tokens", "seed", "num_threads", "speculative_config", "max_loras", "max_lora_rank"):
+                "max_num_batched_tokens", "seed", "num_threads", "speculative_config", "max_loras", "max_lora_rank",
+                "kv_transfer_host", "kv_transfer_port", "kv_transfer_timeout"):
         value = getattr(args, key)
         if value is not None:
             options[key] = value
