@@ -80,6 +80,7 @@ class EngineConfig:
     enable_lora: bool = False             # LoRA adapter slots on the model's projections (LLM.generate(lora_request=...))
     max_loras: int = 4                    # adapters resident at once; distinct adapters running at once at most
     max_lora_rank: int = 16               # largest adapter rank accepted
+    quantization: str | None = None       # None/'none': weights dequantized to dtype; 'int8': int8 per row; 'gguf': GGUF blocks kept
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -103,6 +104,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        from petrel.model.quantization import QUANTIZATION_METHODS
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)} or None, got {self.quantization!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads!r}")
 
