@@ -74,7 +74,7 @@ def test_quantized_linear_matches_dequantized_product(fmt, rows, backend):
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
     expected = x.double() @ w.double().t() + bias.double()
     got = layer(x)
-    assert got.shape == (rows, out_features) and got.dtype == torch.float32
+    assert got.shape == (rows, out_features) and got.dtype == torch.float32 and got.is_contiguous()
     scale = expected.abs().max().item()
     assert (got.double() - expected).abs().max().item() <= 1e-5 * scale + 1e-5
     assert layer(x.bfloat16()).dtype == torch.bfloat16
@@ -114,7 +114,7 @@ def _int8_reference(hf):
 def test_int8_logits_and_lora_match_transformers_on_dequantized_weights(tiny, tmp_path, tied):
     """quantization='int8' (a LoRA adapter on top too) gives the logits of transformers run on the int8-dequantized
     weights (and peft's adapter merged into them)."""
-    from test_lora import make_adapter, prompt
+    from test_lora import hf_greedy, make_adapter, prompt
     from petrel.model.loader import resolve_model
     from petrel.model.tokenizer import load_tokenizer
     t = tiny(2, tied)
@@ -138,6 +138,9 @@ def test_int8_logits_and_lora_match_transformers_on_dequantized_weights(tiny, tm
             torch.testing.assert_close(out.context_logits, expected[:len(ids)], atol=1e-3, rtol=1e-3)
             torch.testing.assert_close(out.outputs[0].generation_logits,
                                        expected[len(ids) - 1:len(ids) + len(tokens) - 1], atol=1e-3, rtol=1e-3)
+        prompts = [prompt(10 + i, 5 + i) for i in range(16)]    # decode batches past the GEMV's row limit
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(ref, p, 4) for p in prompts]
     finally:
         llm.shutdown()
 

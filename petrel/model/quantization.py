@@ -141,7 +141,7 @@ class QuantizedWeight(nn.Module):
             else:
                 weights = self.dequantize(slice(n0, n1))
             torch.mm(weights, x.t(), out=out_t[n0:n1])
-        return out_t.t()
+        return out_t.t().contiguous()
 
 
 class QuantizedLinear(nn.Module):
