@@ -134,8 +134,9 @@ class PetrelRunner:
     def __init__(self, args):
         from petrel import LLM
         self.options = {"dtype": args.dtype}
-        for key in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "num_threads", "block_size"):
-            value = getattr(args, key)
+        for key in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "num_threads", "block_size",
+                    "quantization"):
+            value = getattr(args, key, None)
             if value is not None:
                 self.options[key] = value
         if args.no_prefix_caching:
@@ -152,7 +153,7 @@ class PetrelRunner:
         return {"engine": "petrel", "version": petrel.__version__, "load_s": self.load_s,
                 "options": {k: getattr(cfg, k) for k in ("dtype", "max_num_seqs", "max_num_batched_tokens",
                                                          "kv_cache_memory", "block_size", "enable_prefix_caching",
-                                                         "enable_chunked_prefill", "num_threads")}}
+                                                         "enable_chunked_prefill", "num_threads", "quantization")}}
 
     @staticmethod
     def _params(n: int):
@@ -505,6 +506,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--block-size", type=int, default=None)
     group.add_argument("--num-threads", type=int, default=None, help="torch threads (applies to both engines)")
     group.add_argument("--no-prefix-caching", action="store_true")
+    group.add_argument("--quantization", default=None, choices=["none", "int8", "gguf"],
+                       help="petrel's weights kept quantized (see benchmarks/quantization.py for all three at once)")
     group = parser.add_argument_group("transformers options")
     group.add_argument("--hf-batch-size", type=int, default=16,
                        help="batch size for W2/W4 (left-padded, length-sorted; default: 16)")

@@ -74,6 +74,8 @@ def speculative_config_json(text: str) -> dict:
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file, Hugging Face directory or hub id (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--quantization", default=None, choices=["none", "int8", "gguf"],
+                   help="weights kept quantized: int8 per row (any model) or the GGUF's own blocks (default: none)")
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--speculative-config", type=speculative_config_json, default=None, metavar="JSON",
@@ -92,6 +94,8 @@ def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
 def _make_llm(args):
     from petrel import LLM
     options = {"dtype": args.dtype}
+    if args.quantization:
+        options["quantization"] = args.quantization
     if args.kv_cache_memory:
         options["kv_cache_memory"] = args.kv_cache_memory
     if args.max_num_seqs:

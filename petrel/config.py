@@ -83,6 +83,7 @@ class EngineConfig:
     kv_transfer_host: str = "127.0.0.1"   # disaggregated serving: where the KV transfer server listens
     kv_transfer_port: int = 0             # 0: a port the OS picks (the server starts with the first context-only request)
     kv_transfer_timeout: float = 60.0     # seconds a context-only request's prompt KV stays pinned, waiting to be fetched
+    quantization: str | None = None       # None/'none': weights dequantized to dtype; 'int8': int8 per row; 'gguf': GGUF blocks kept
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -110,6 +111,9 @@ class EngineConfig:
             raise ValueError(f"kv_transfer_port must be 0..65535, got {self.kv_transfer_port!r}")
         if not isinstance(self.kv_transfer_timeout, (int, float)) or self.kv_transfer_timeout <= 0:
             raise ValueError(f"kv_transfer_timeout must be > 0 seconds, got {self.kv_transfer_timeout!r}")
+        from petrel.model.quantization import QUANTIZATION_METHODS
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)} or None, got {self.quantization!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads!r}")
 

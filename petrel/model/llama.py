@@ -108,7 +108,10 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (Hugging Face names) into the fused parameters."""
+        """Copy checkpoint tensors (Hugging Face names) into the fused parameters; QuantizedWeights (a GGUF loaded
+        with quantization 'gguf') are gathered by parameter and shard and put in place as quantized modules."""
+        from petrel.model.quantization import QuantizedLoads, QuantizedWeight
+        quantized = QuantizedLoads()
         params = dict(self.named_parameters())
         cfg = self.config
         shard_sizes = {".qkv_proj.": [cfg.num_attention_heads * cfg.head_dim] + [cfg.num_key_value_heads * cfg.head_dim] * 2,
@@ -124,7 +127,13 @@ class LlamaForCausalLM(nn.Module):
                     target = name.replace(piece, fused)
                     sizes = shard_sizes[fused]
                     offset = sum(sizes[:shard])
-                    params[target].data[offset:offset + sizes[shard]].copy_(tensor)
+                    if isinstance(tensor, QuantizedWeight):
+                        if tensor.shape != (sizes[shard], params[target].shape[1]):
+                            raise ValueError(f"weight {name!r} has shape {tensor.shape}, expected "
+                                             f"{(sizes[shard], params[target].shape[1])}")
+                        quantized.add(target, shard, len(sizes), offset, tensor)
+                    else:
+                        params[target].data[offset:offset + sizes[shard]].copy_(tensor)
                     loaded.add(f"{target}#{shard}")
                     break
             else:
@@ -132,7 +141,10 @@ class LlamaForCausalLM(nn.Module):
                     raise ValueError(f"unexpected weight {name!r} in checkpoint for {cfg.architecture}")
                 if params[name].shape != tensor.shape:
                     raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}")
-                params[name].data.copy_(tensor)
+                if isinstance(tensor, QuantizedWeight):
+                    quantized.add(name, 0, 1, 0, tensor)
+                else:
+                    params[name].data.copy_(tensor)
                 fused = next((f for f in shard_sizes if f in name), None)   # stored fused already (Phi-3)
                 loaded.update([f"{name}#{i}" for i in range(len(shard_sizes[fused]))] if fused else [name])
         expected = set()
@@ -145,3 +157,4 @@ class LlamaForCausalLM(nn.Module):
         missing = expected - loaded
         if missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}{' ...' if len(missing) > 5 else ''}")
+        quantized.install(self)

@@ -34,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = p.add_argument_group("engine options (see petrel/config.py)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--device", default="cpu")
+    g.add_argument("--quantization", default=None, choices=["none", "int8", "gguf"],
+                   help="weights kept quantized: int8 per row (any model) or the GGUF's own blocks (default: none)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--block-size", type=int, default=None)
     g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
@@ -63,7 +65,7 @@ def engine_options(args) -> dict:
     options = {"dtype": args.dtype, "device": args.device}
     for key in ("tokenizer", "max_model_len", "block_size", "kv_cache_memory", "max_num_seqs",
                 "max_num_batched_tokens", "seed", "num_threads", "speculative_config", "max_loras", "max_lora_rank",
-                "kv_transfer_host", "kv_transfer_port", "kv_transfer_timeout"):
+                "kv_transfer_host", "kv_transfer_port", "kv_transfer_timeout", "quantization"):
         value = getattr(args, key)
         if value is not None:
             options[key] = value
