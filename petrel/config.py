@@ -81,6 +81,10 @@ class EngineConfig:
     enable_lora: bool = False             # LoRA adapter slots on the model's projections (LLM.generate(lora_request=...))
     max_loras: int = 4                    # adapters resident at once; distinct adapters running at once at most
     max_lora_rank: int = 16               # largest adapter rank accepted
+    kv_transfer_host: str = "127.0.0.1"   # disaggregated serving: where the KV transfer server listens
+    kv_transfer_port: int = 0             # 0: a port the OS picks (the server starts with the first context-only request)
+    kv_transfer_timeout: float = 60.0     # seconds a context-only request's prompt KV stays pinned, waiting to be fetched
+    quantization: str | None = None       # None/'none': weights dequantized to dtype; 'int8': int8 per row; 'gguf': GGUF blocks kept
     tensor_parallel_size: int = 1         # ranks the model is split over (kv_cache_memory is per rank)
     distributed_executor_backend: str = "mp"   # with tensor_parallel_size > 1: 'mp' (local processes) or 'ray'
 
@@ -106,6 +110,13 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.kv_transfer_port, int) or not 0 <= self.kv_transfer_port < 65536:
+            raise ValueError(f"kv_transfer_port must be 0..65535, got {self.kv_transfer_port!r}")
+        if not isinstance(self.kv_transfer_timeout, (int, float)) or self.kv_transfer_timeout <= 0:
+            raise ValueError(f"kv_transfer_timeout must be > 0 seconds, got {self.kv_transfer_timeout!r}")
+        from petrel.model.quantization import QUANTIZATION_METHODS
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)} or None, got {self.quantization!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads!r}")
         size = self.tensor_parallel_size
@@ -116,6 +127,9 @@ class EngineConfig:
                              f"got {self.distributed_executor_backend!r}")
         if size > 1 and self.enable_lora:
             raise ValueError(f"enable_lora is not supported with tensor_parallel_size={size} (LoRA runs in one process)")
+        if size > 1 and self.quantization not in (None, "none"):
+            raise ValueError(f"quantization {self.quantization!r} is not supported with tensor_parallel_size={size} "
+                             "(quantized weights are not split over ranks)")
 
     @property
     def torch_dtype(self) -> torch.dtype:

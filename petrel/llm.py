@@ -11,6 +11,8 @@ from typing import Any, Sequence as Seq
 import torch
 
 from petrel.config import EngineConfig
+from petrel.disagg import DisaggregatedParams
+from petrel.disagg import requests as disagg
 from petrel.engine.llm_engine import LLMEngine
 from petrel.lora import LoRARequest
 from petrel.model.tokenizer import chat_prompt
@@ -39,6 +41,7 @@ class RequestFuture:
         self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
         self._error: str | None = None
         self._chunks: list[OutputChunk] = []
+        self._kv_endpoint: str | None = None     # context-only: this instance's KV transfer server
 
     # ------------------------------------------------------------------ fed by the engine thread
     def _on_chunk(self, chunk: OutputChunk) -> None:
@@ -67,6 +70,11 @@ class RequestFuture:
         out.num_cached_tokens = max(out.num_cached_tokens, chunk.cached_tokens)
         if chunk.context_logits is not None:
             out.context_logits = chunk.context_logits
+        if chunk.disaggregated_params is not None:
+            chunk.disaggregated_params.ctx_info_endpoint = self._kv_endpoint
+            out.disaggregated_params = chunk.disaggregated_params
+            for co in out.outputs:
+                co.disaggregated_params = chunk.disaggregated_params
         if chunk.additional_context_outputs:
             for co in out.outputs:
                 co.additional_context_outputs = dict(chunk.additional_context_outputs)
@@ -250,6 +258,8 @@ class LLM:
         self.config = EngineConfig.from_kwargs(model=model, tokenizer=tokenizer, **engine_options)
         self._engine = LLMEngine(self.config)
         self._ids = itertools.count()
+        self._kv_server = None     # the KV transfer server, started by the first context-only request
+        self._kv_server_lock = threading.Lock()
 
     @property
     def tokenizer(self):
@@ -280,14 +290,18 @@ class LLM:
 
     def generate_async(self, prompt: PromptType | TextGenerationRequest, sampling_params: SamplingParams | None = None,
                        streaming: bool = False, timeout: float | None = None,
-                       cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> RequestFuture:
+                       cache_salt: str | None = None, lora_request: LoRARequest | None = None,
+                       disaggregated_params: DisaggregatedParams | None = None) -> RequestFuture:
         """Queue one request and return its future at once. `timeout` (seconds) ends it with finish_reason 'timeout'.
         `prompt` may be a TextGenerationRequest (its request_id, sampling_params and cache_salt are then used).
-        `lora_request` runs it with that LoRA adapter (the engine needs enable_lora=True)."""
-        return self._prepare(prompt, sampling_params, cache_salt, lora_request)(streaming, timeout)
+        `lora_request` runs it with that LoRA adapter (the engine needs enable_lora=True).
+        `disaggregated_params`: request_type "context_only" prefills, samples one token and returns the
+        DisaggregatedParams a "generation_only" request on another instance needs (that one fetches the prompt's
+        KV here, before it is queued)."""
+        return self._prepare(prompt, sampling_params, cache_salt, lora_request, disaggregated_params)(streaming, timeout)
 
     def _prepare(self, prompt, sampling_params: SamplingParams | None, cache_salt: str | None,
-                 lora_request: LoRARequest | None = None):
+                 lora_request: LoRARequest | None = None, disaggregated_params: DisaggregatedParams | None = None):
         """Tokenize and check one prompt now; return submit(streaming, timeout) -> RequestFuture that queues it."""
         request_id = None
         if isinstance(prompt, TextGenerationRequest):
@@ -298,12 +312,24 @@ class LLM:
         else:
             params = sampling_params or SamplingParams()
             text, ids = self._tokenize(prompt)
+        dp = disagg.coerce(disaggregated_params)
+        if dp is not None and self.config.tensor_parallel_size > 1:
+            raise ValueError(f"disaggregated_params is not supported with tensor_parallel_size="
+                             f"{self.config.tensor_parallel_size} (the KV cache is split over ranks)")
+        if dp is not None:
+            disagg.check(dp, params, ids, self._engine.model_config.vocab_size, self._engine.max_model_len)
 
         def submit(streaming: bool, timeout: float | None) -> RequestFuture:
+            arrival = _now()
+            options, kv_stats = disagg.request_options(dp, ids, self._engine.model_config, self.config.kv_transfer_timeout)
             future = RequestFuture(next(self._ids) if request_id is None else request_id, text, ids, params,
                                    streaming, self._engine)
-            future._metrics.arrival_time = _now()
-            options = {"lora_request": lora_request} if lora_request is not None else {}
+            future._metrics.arrival_time = arrival
+            future._output.kv_transfer = kv_stats
+            if options.get("context_only"):
+                future._kv_endpoint = self.kv_transfer_endpoint
+            if lora_request is not None:
+                options["lora_request"] = lora_request
             self._engine.add_request(future.request_id, ids, params, future._on_chunk, timeout, cache_salt, **options)
             return future
         return submit
@@ -312,16 +338,21 @@ class LLM:
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True, timeout: float | None = None,
                  cache_salt: str | None = None,
-                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> RequestOutput | list[RequestOutput]:
+                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+                 disaggregated_params: DisaggregatedParams | Seq[DisaggregatedParams | None] | None = None,
+                 ) -> RequestOutput | list[RequestOutput]:
         """Generate for one prompt (returns one RequestOutput) or many (a list, in input order). Every prompt is
         tokenized and checked before any is queued; if queueing one fails, those already queued are aborted.
-        lora_request: one LoRA adapter for every prompt, or a list with one entry (or None) per prompt."""
+        lora_request: one LoRA adapter for every prompt, or a list with one entry (or None) per prompt; the same for
+        disaggregated_params (see generate_async)."""
         single = isinstance(prompts, (str, dict, TextGenerationRequest)) or (
             isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts))
         batch = [prompts] if single else list(prompts)
         params_list = _per_prompt(sampling_params, "sampling_params", len(batch))
         loras = _per_prompt(lora_request, "lora_request", len(batch))
-        submits = [self._prepare(p, params, cache_salt, lora) for p, params, lora in zip(batch, params_list, loras)]
+        disaggs = _per_prompt(disaggregated_params, "disaggregated_params", len(batch))
+        submits = [self._prepare(p, params, cache_salt, lora, dp)
+                   for p, params, lora, dp in zip(batch, params_list, loras, disaggs)]
         futures = []
         try:
             for submit in submits:
@@ -359,7 +390,19 @@ class LLM:
     def get_latest_iteration_stats(self):
         return self._engine.core.last_stats
 
+    @property
+    def kv_transfer_endpoint(self) -> str:
+        """host:port of this instance's KV transfer server (started on first use) for disaggregated serving."""
+        with self._kv_server_lock:
+            if self._kv_server is None:
+                from petrel.disagg.kv_transfer import KVTransferServer
+                self._kv_server = KVTransferServer(self._engine, self.config.kv_transfer_host,
+                                                   self.config.kv_transfer_port)
+            return self._kv_server.endpoint
+
     def shutdown(self) -> None:
+        if self._kv_server is not None:
+            self._kv_server.close()
         self._engine.shutdown()
 
     def __enter__(self) -> "LLM":

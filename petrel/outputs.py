@@ -53,6 +53,7 @@ class OutputChunk:
     generation_logits: Any = None                # [len(output_ids), vocab], when asked for
     additional_context_outputs: dict | None = None     # name -> [prompt_len, ...], in the first chunk
     additional_generation_outputs: dict | None = None  # name -> [len(output_ids), ...]
+    disaggregated_params: Any = None             # a context-only request's DisaggregatedParams (its last chunk)
 
 
 @dataclass
@@ -139,8 +140,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     context_logits: Any = None
-    disaggregated_params: Any = None
+    disaggregated_params: Any = None       # context-only: where the decode instance fetches the prompt's KV
     request_perf_metrics: RequestPerfMetrics | None = None
+    kv_transfer: Any = None                # generation-only: petrel.disagg.KVTransferStats of the KV fetch
 
     def snapshot(self) -> "RequestOutput":
         """A copy that later steps do not change (lists copied, tensors shared)."""

@@ -28,7 +28,8 @@ BLOCKS = re.findall(r"```(\w*)\n(.*?)```", README, flags=re.S)
 PYTHON = [code for lang, code in BLOCKS if lang == "python"]
 SHELL = [code for lang, code in BLOCKS if lang == ""]
 # a command that would run for minutes gets the smoke size of the same command
-SMALLER = {"petrel bench": ["--quick", "--engines", "petrel"], "petrel bench serve": ["--quick"]}
+SMALLER = {"petrel bench": ["--quick", "--engines", "petrel"], "petrel bench serve": ["--quick"],
+           "petrel bench compare": ["--engines", "petrel", "--workloads", "startup"]}
 
 
 def _commands(block: str) -> list[str]:
@@ -98,7 +99,7 @@ def test_terminal_commands_run(tmp_path):
             assert len(lines) == 2
         if sub == "petrel generate" and "--input" not in args:
             assert r.stdout.strip()
-    assert {"petrel generate", "petrel chat", "petrel bench", "petrel bench serve"} <= set(ran)
+    assert {"petrel generate", "petrel chat", "petrel bench", "petrel bench serve", "petrel bench compare"} <= set(ran)
 
 
 def test_serve_examples_run(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -50,11 +51,20 @@ def test_target_endpoint_and_health_decide_first():
 # ------------------------------------------------------------------------------------ two real servers
 @pytest.fixture(scope="module")
 def backends():
+    """Two `petrel serve` processes on loopback (also tests/test_disagg.py's prefill and decode servers)."""
     procs = []
+    ports = [_free_port() for _ in range(2)]
     try:
-        for _ in range(2):
-            port = _free_port()
-            procs.append((start_server(port, ["--max-num-seqs", "8"]), f"http://127.0.0.1:{port}"))
+        errors = []
+        with ThreadPoolExecutor(2) as pool:   # both start at once; one that started is stopped even if the other failed
+            starting = [pool.submit(start_server, port, ["--max-num-seqs", "8"]) for port in ports]
+            for port, future in zip(ports, starting):
+                try:
+                    procs.append((future.result(), f"http://127.0.0.1:{port}"))
+                except RuntimeError as exc:
+                    errors.append(exc)
+        if errors:
+            raise errors[0]
         yield procs
     finally:
         for proc, _ in procs:

@@ -49,6 +49,7 @@ def cheap(case) -> None:
     body = case.body
     if case.path not in ("/v1/completions", "/v1/chat/completions") or not isinstance(body, dict):
         return
+    body.pop("disaggregated_params", None)   # it makes the server fetch KV from the endpoint given (tests/test_disagg.py)
     for key in ("max_tokens", "max_completion_tokens"):
         value = body.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value > MAX_GEN_TOKENS:

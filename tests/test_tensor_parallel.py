@@ -18,7 +18,7 @@ import psutil
 import pytest
 import torch
 
-from petrel import LLM, SamplingParams
+from petrel import LLM, DisaggregatedParams, SamplingParams
 from petrel.config import EngineConfig
 from petrel.engine.model_runner import ForwardPlan, ModelRunner, QuerySpan
 from petrel.model.loader import load_model, resolve_model
@@ -133,7 +133,7 @@ def test_sharded_ranks_give_the_unsharded_logits(checkpoint, case):
     expected = _prefill_then_decode(full, cfg, TensorParallel(), prompt, steps)
 
     def rank(tp):
-        model, _ = load_model(source, torch.float32, "cpu", tp)
+        model, _ = load_model(source, torch.float32, "cpu", tp=tp)
         return _prefill_then_decode(model, cfg, tp, prompt, steps)
     for got in _on_ranks(size, rank):          # every rank ends with the full logits
         for g, e in zip(got, expected):
@@ -145,7 +145,7 @@ def test_a_shard_holds_only_its_slice(checkpoint):
     full, cfg = load_model(source, torch.float32, "cpu")
 
     def rank(tp):
-        model, _ = load_model(source, torch.float32, "cpu", tp)
+        model, _ = load_model(source, torch.float32, "cpu", tp=tp)
         return sum(p.numel() for p in model.parameters())
     per_rank = _on_ranks(2, rank)
     replicated = sum(p.numel() for n, p in full.named_parameters() if "norm" in n)
@@ -163,6 +163,8 @@ def test_too_many_ranks_and_unsupported_options_are_refused(checkpoint):
         EngineConfig(tensor_parallel_size=2, distributed_executor_backend="slurm")
     with pytest.raises(ValueError, match="enable_lora is not supported with tensor_parallel_size=2"):
         EngineConfig(tensor_parallel_size=2, enable_lora=True)
+    with pytest.raises(ValueError, match="quantization 'int8' is not supported with tensor_parallel_size=2"):
+        EngineConfig(tensor_parallel_size=2, quantization="int8")
     with pytest.raises(ValueError, match="tensor_parallel_size=4 is larger"):   # before any worker starts
         LLM(checkpoint(None, num_key_value_heads=2), tokenizer=_tokenizer_dir(), tensor_parallel_size=4)
 
@@ -221,6 +223,8 @@ def test_a_killed_worker_fails_the_request_and_the_engine_reports_it(checkpoint)
         (proc,) = llm.engine.core.runner.workers.procs
         worker = psutil.Process(proc.pid)
         llm.engine.check_health()
+        with pytest.raises(ValueError, match="disaggregated_params is not supported with tensor_parallel_size=2"):
+            llm.generate_async([5, 6], disaggregated_params=DisaggregatedParams(request_type="context_only"))
         long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
         futures = [llm.generate_async([5 + i, 6, 7], long, streaming=True) for i in range(4)]
         next(iter(futures[0]))              # generation is under way

@@ -35,7 +35,7 @@ class Worker:
 
     def load(self) -> None:
         config, device = self.spec.config, self.spec.device
-        model, cfg = load_model(self.spec.source, config.torch_dtype, device, self.tp)
+        model, cfg = load_model(self.spec.source, config.torch_dtype, device, tp=self.tp)
         self.runner = ModelRunner(model, cfg, num_kv_blocks(config, cfg), config.block_size, config.torch_dtype,
                                   device, tp=self.tp)
 

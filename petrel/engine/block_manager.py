@@ -161,6 +161,17 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
 
+    def retain(self, blocks: list[int]) -> None:
+        """Hold one more reference on blocks in use (a pin that outlives its sequence)."""
+        for block in blocks:
+            assert self.ref_counts[block] > 0, "only a block in use can be retained"
+            self.ref_counts[block] += 1
+
+    def release(self, blocks: list[int]) -> None:
+        """Give back references taken with retain()."""
+        for block in reversed(blocks):
+            self._release(block)
+
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
         return copies

@@ -12,6 +12,9 @@ from petrel.engine.block_manager import BlockManager
 from petrel.engine.model_runner import ModelRunner, num_kv_blocks
 from petrel.engine.output_processor import EngineOutput
 from petrel.engine.beam_search import BeamSearch, Hypothesis
+from petrel.disagg.kv_blocks import scatter_prompt_kv
+from petrel.disagg.params import DisaggregatedParams
+from petrel.disagg.pinned import PinnedPrompts
 from petrel.engine.grammar import GrammarCompiler
 from petrel.engine.sampler import Sampler, prompt_logprobs, token_logprobs
 from petrel.engine.scheduler import Scheduler
@@ -60,6 +63,7 @@ class EngineCore:
             model_len = num_blocks * bs
         self.max_model_len = model_len
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching, config.kv_cache_hash_seed)
+        self.pinned = PinnedPrompts(self.block_manager, config.kv_transfer_timeout)   # context-only prompts' KV
         self.lora_manager = None
         if config.enable_lora:
             from petrel.model.lora import LoRAManager
@@ -105,7 +109,7 @@ class EngineCore:
     def add_request(self, request: EngineRequest) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in flight")
-        seq = Sequence(request, 0, request.prompt_token_ids, len(request.prompt_token_ids))
+        seq = Sequence(request, 0, request.prompt_token_ids + request.first_gen_tokens, len(request.prompt_token_ids))
         self._seed(seq)
         self._attach_grammar(seq)
         p = request.params
@@ -179,6 +183,9 @@ class EngineCore:
         for seq in batch.seqs:
             if seq.request.first_scheduled_time is None:
                 seq.request.first_scheduled_time = t0
+            if seq.request.imported_kv is not None:    # disaggregated decode: the prompt's KV, fetched beforehand
+                scatter_prompt_kv(self.runner.kv_caches, seq.block_table, seq.request.imported_kv)
+                seq.request.imported_kv = None
         if self.proposer is not None:
             self._propose(batch)
         if self.lora_manager is not None:
@@ -366,11 +373,19 @@ class EngineCore:
         for name, row in extras.items():
             seq.generation_outputs.setdefault(name, []).append(row)
         finish, stop_reason = self._check_stop(seq, token)
-        out = EngineOutput(req.request_id, seq.index, [token], [logprobs] if logprobs is not None else None,
+        new_tokens, disagg = [token], None
+        if req.first_gen_tokens and seq.num_output_tokens == len(req.first_gen_tokens) + 1:
+            new_tokens = req.first_gen_tokens + new_tokens   # the context instance's token(s) lead the output
+        if req.context_only and finish is None:   # prefill done: pin the prompt's KV for the decode instance
+            finish = "length"
+            disagg = DisaggregatedParams(request_type="context_only", first_gen_tokens=[token],
+                                         ctx_request_id=req.request_id,
+                                         opaque_state=self.pinned.pin(seq.block_table, seq.num_prompt_tokens))
+        out = EngineOutput(req.request_id, seq.index, new_tokens, [logprobs] if logprobs is not None else None,
                            finish_reason=finish, stop_reason=stop_reason,
                            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
                            num_cached_tokens=seq.num_cached_tokens, timestamp=now,
-                           scheduled_time=req.first_scheduled_time)
+                           scheduled_time=req.first_scheduled_time, disaggregated_params=disagg)
         if "logits" in extras:
             out.generation_logits = extras["logits"].unsqueeze(0)
         if "hidden_states" in extras:

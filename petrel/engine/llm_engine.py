@@ -69,8 +69,8 @@ class LLMEngine:
         return start_workers(config, self.source)
 
     def _build_core(self, config: EngineConfig, batched_post_processor, workers) -> EngineCore:
-        model, model_config = load_model(self.source, config.torch_dtype, config.device,
-                                         workers.tp if workers is not None else SINGLE)
+        model, model_config = load_model(self.source, config.torch_dtype, config.device, config.quantization,
+                                         tp=workers.tp if workers is not None else SINGLE)
         eos = set(model_config.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -78,7 +78,11 @@ class LLMEngine:
         draft = None
         spec = config.speculative_config
         if spec is not None and spec.method == "draft_model":   # runs whole in the engine process, even with TP
-            draft = load_model(resolve_model(spec.draft_model), config.torch_dtype, config.device)
+            draft_source = resolve_model(spec.draft_model)
+            # the draft follows the quantization where it can ('gguf' needs a GGUF draft; another loads dense)
+            draft_quantization = None if config.quantization == "gguf" and draft_source.kind != "gguf" \
+                else config.quantization
+            draft = load_model(draft_source, config.torch_dtype, config.device, draft_quantization)
             if draft[1].vocab_size != model_config.vocab_size:
                 raise ValueError(f"the draft model's vocabulary ({draft[1].vocab_size} tokens) differs from the "
                                  f"target's ({model_config.vocab_size}): speculative decoding needs the same one")

@@ -31,6 +31,7 @@ class EngineOutput:
     additional_generation_outputs: dict | None = None
     spec_verify_ct: int | None = None          # speculative decoding: verify rounds so far
     accept_draft_tokens: float | None = None   # accepted draft tokens per verify round, on the final output
+    disaggregated_params: object = None        # a context-only request's DisaggregatedParams, on its output
 
 
 @dataclass
@@ -85,7 +86,8 @@ class OutputProcessor:
             scheduled_time=out.scheduled_time, cumulative_logprob=out.cumulative_logprob,
             context_logits=out.context_logits, generation_logits=out.generation_logits,
             additional_context_outputs=out.additional_context_outputs,
-            additional_generation_outputs=out.additional_generation_outputs)
+            additional_generation_outputs=out.additional_generation_outputs,
+            disaggregated_params=out.disaggregated_params)
         if out.new_logprobs is not None:
             new_logprobs = out.new_logprobs[:len(new_ids)]
             chunk.output_token_logprobs = [lp.logprob for lp in new_logprobs]

@@ -131,14 +131,20 @@ class Scheduler:
                 break                       # every LoRA slot is taken by running adapters: wait for one to finish
             if lora and self.max_loras:
                 running_loras.add(lora)
-            bm.match_prefix(seq)
-            remaining = seq.num_tokens - seq.num_computed_tokens
-            n = min(remaining, budget)
-            chunk_refused = n < remaining and not self.enable_chunked_prefill and scheduled
-            if chunk_refused or not bm.allocate_slots(seq, n, admitting=bool(self.running)):
-                bm.free(seq)                # give the prefix hit back until it is admitted
-                seq.num_cached_tokens = 0
-                break
+            if seq.request.imported_kv is not None:
+                # disaggregated decode: blocks for the imported prompt and the first token, which runs now
+                if not bm.allocate_slots(seq, seq.num_tokens, admitting=bool(self.running)):
+                    break
+                seq.num_computed_tokens, n = seq.num_tokens - 1, 1
+            else:
+                bm.match_prefix(seq)
+                remaining = seq.num_tokens - seq.num_computed_tokens
+                n = min(remaining, budget)
+                chunk_refused = n < remaining and not self.enable_chunked_prefill and scheduled
+                if chunk_refused or not bm.allocate_slots(seq, n, admitting=bool(self.running)):
+                    bm.free(seq)                # give the prefix hit back until it is admitted
+                    seq.num_cached_tokens = 0
+                    break
             self.waiting.popleft()
             self.prefix_queried_tokens += seq.num_prompt_tokens
             self.prefix_hit_tokens += seq.num_cached_tokens

@@ -113,7 +113,11 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into the parameters: q/k/v and gate/up into their fused
-        projections, and each sharded layer's own slice (see petrel/model/parallel.py)."""
+        projections, and each sharded layer's own slice (see petrel/model/parallel.py). QuantizedWeights (a GGUF
+        loaded with quantization 'gguf', one rank only) are gathered by parameter and shard and put in place as
+        quantized modules."""
+        from petrel.model.quantization import QuantizedLoads, QuantizedWeight
+        quantized = QuantizedLoads()
         cfg = self.config
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
@@ -132,6 +136,9 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"unexpected weight {name!r} in checkpoint for {cfg.architecture}")
             owner, _, kind = target.rpartition(".")
             module = modules[owner]
+            if isinstance(tensor, QuantizedWeight):
+                loaded.update(_add_quantized(quantized, name, target, module, piece, tensor))
+                continue
             if isinstance(module, SHARDED_LAYERS):
                 pieces = module.load(kind, tensor, piece, name)   # the fused pieces filled (q/k/v, gate/up), or None
                 loaded.update([target] if pieces is None else [f"{target}#{i}" for i in pieces])
@@ -150,3 +157,23 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        quantized.install(self)
+
+
+def _add_quantized(quantized, name: str, target: str, module: nn.Module, piece: int | None, qweight) -> list[str]:
+    """Queue a quantized checkpoint tensor for `target` (whole, or one fused piece of it); returns what it loaded.
+    Quantized weights are kept only unsharded (EngineConfig refuses quantization with tensor parallelism)."""
+    pieces = getattr(module, "pieces", None)
+    if getattr(getattr(module, "tp", None), "size", 1) > 1 or (pieces and module.out_features != sum(pieces)):
+        raise ValueError(f"weight {name!r}: quantized weights cannot be split over tensor-parallel ranks")
+    if pieces is not None and piece is not None:
+        expected = (pieces[piece], module.in_features)
+        quantized.add(target, piece, len(pieces), sum(pieces[:piece]), qweight)
+        keys = [f"{target}#{piece}"]
+    else:
+        expected = tuple(module.weight.shape)
+        quantized.add(target, 0, 1, 0, qweight)
+        keys = [f"{target}#{i}" for i in range(len(pieces))] if pieces is not None else [target]
+    if tuple(qweight.shape) != expected:
+        raise ValueError(f"weight {name!r} has shape {tuple(qweight.shape)}, expected {expected}")
+    return keys

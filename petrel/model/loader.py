@@ -189,8 +189,12 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_weights(reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def gguf_weights(reader, cfg: ModelConfig, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, float32 tensor) per GGUF tensor; with keep_quantized, a QuantizedWeight instead for each
+    2-D tensor of a block type petrel multiplies natively (petrel.model.gguf_quants.READERS)."""
     from gguf.quants import dequantize
+    from petrel.model.gguf_quants import READERS
+    from petrel.model.quantization import QuantizedWeight
     permuted = cfg.architecture == "LlamaForCausalLM"   # llama.cpp permutes q/k rows for llama only
     gemma = cfg.architecture == "Gemma3ForCausalLM"
     names = _GGUF_NAMES_GEMMA3 if gemma else _GGUF_NAMES
@@ -202,6 +206,13 @@ def gguf_weights(reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]
             name = f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
         else:
             name = f"{names[parts[0]]}.{parts[1]}"
+        if keep_quantized and t.tensor_type.name in READERS and len(t.shape) == 2:
+            rows, cols = int(t.shape[1]), int(t.shape[0])
+            weight = QuantizedWeight.from_gguf(t.tensor_type.name, t.data, rows, cols)
+            heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}.get(parts[2]) \
+                if permuted and parts[0] == "blk" else None
+            yield name, weight if heads is None else weight.permute_rows(_unpermute_rope(np.arange(rows), heads))
+            continue
         data = dequantize(t.data, t.tensor_type)
         data = data.reshape([int(d) for d in reversed(t.shape)])
         if gemma and name.endswith("norm.weight"):
@@ -277,9 +288,14 @@ class _ReadingFiles:
 
 
 def load_model(source: ModelSource, dtype: torch.dtype, device: str,
-               tp: TensorParallel = SINGLE) -> tuple[torch.nn.Module, ModelConfig]:
-    """The model on `device`; with tensor parallelism, this rank's shard of it (each checkpoint tensor is read
-    whole and the rank keeps its slice)."""
+               quantization: str | None = None, tp: TensorParallel = SINGLE) -> tuple[torch.nn.Module, ModelConfig]:
+    """quantization (petrel.model.quantization): None or 'none', 'int8' (any checkpoint), 'gguf' (GGUF files).
+    tp: with tensor parallelism, this rank's shard of the model (each checkpoint tensor is read whole and the rank
+    keeps its slice; quantization stays 'none')."""
+    quantization = quantization or "none"
+    if quantization == "gguf" and source.kind != "gguf":
+        raise ValueError(f"quantization 'gguf' keeps a GGUF file's blocks, and model {source.name!r} is not a GGUF "
+                         f"file (use quantization 'int8' for other checkpoints)")
     with _ReadingFiles(source):
         reader = _gguf_reader(source) if source.kind == "gguf" else None
         cfg = load_model_config(source, reader)
@@ -289,10 +305,24 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: str,
         model = cls(cfg, tp).float()
     with _ReadingFiles(source):
         if reader is not None:
-            model.load_weights(gguf_weights(reader, cfg))
+            model.load_weights(gguf_weights(reader, cfg, keep_quantized=quantization == "gguf"))
         else:
             model.load_weights(hf_weights(source.path))
+    if quantization == "int8":
+        from petrel.model.quantization import quantize_int8
+        quantize_int8(model)
+    if quantization != "none":
+        _return_freed_memory()
     return model.to(device=device, dtype=dtype).eval(), cfg
+
+
+def _return_freed_memory() -> None:
+    """Hand the float weights that quantization replaced back to the OS (glibc keeps some freed memory)."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass   # not glibc
 
 
 @contextlib.contextmanager

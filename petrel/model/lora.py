@@ -149,9 +149,10 @@ class LoRALinear(nn.Module):
         self.slice_sizes = slice_sizes
         self.max_rank = max_rank
         self.mapping = mapping
-        out_size, in_size = base.weight.shape
+        out_size, in_size = base.out_features, base.in_features
         width = len(slice_sizes) * max_rank
-        kw = dict(dtype=base.weight.dtype, device=base.weight.device)
+        like = base.weight if isinstance(base, nn.Linear) else base.marker   # QuantizedLinear: the model's dtype
+        kw = dict(dtype=like.dtype, device=like.device)
         self.register_buffer("lora_a", torch.zeros(max_loras, width, in_size, **kw), persistent=False)
         self.register_buffer("lora_b", torch.zeros(max_loras, out_size, width, **kw), persistent=False)
 

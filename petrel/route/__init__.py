@@ -1,12 +1,16 @@
-"""`petrel route`: a prefix- and load-aware OpenAI-compatible front over several petrel servers."""
+"""`petrel route`: a prefix- and load-aware OpenAI-compatible front over several petrel servers, or (with
+--prefill and --decode) the front of a disaggregated pair."""
+from petrel.route.disagg import build_disagg_app
 from petrel.route.router import Backend, Router, build_router_app, prefix_of
 
-__all__ = ["Backend", "Router", "build_router_app", "prefix_of", "add_arguments", "run"]
+__all__ = ["Backend", "Router", "build_router_app", "build_disagg_app", "prefix_of", "add_arguments", "run"]
 
 
 def add_arguments(p):
-    p.add_argument("--backends", nargs="+", required=True, metavar="URL",
+    p.add_argument("--backends", nargs="+", metavar="URL",
                    help="the petrel servers to spread requests over, e.g. http://10.0.0.2:8000 http://10.0.0.3:8000")
+    p.add_argument("--prefill", metavar="URL", help="disaggregated serving: the server that prefills (with --decode)")
+    p.add_argument("--decode", metavar="URL", help="disaggregated serving: the server that decodes (with --prefill)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--prefix-chars", type=int, default=256,
@@ -24,9 +28,16 @@ def run(args) -> int:
 
     import uvicorn
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    router = Router(args.backends, args.prefix_chars, args.max_imbalance)
-    app = build_router_app(router, args.health_interval)
-    print(f"petrel route: http://{args.host}:{args.port}/v1 over {len(router.backends)} backend(s): "
-          f"{', '.join(b.url for b in router.backends)}", file=sys.stderr, flush=True)
+    if (args.prefill is None) != (args.decode is None) or (args.prefill is not None) == bool(args.backends):
+        raise ValueError("route needs either --backends URL ... or both --prefill URL and --decode URL")
+    if args.prefill is not None:
+        app = build_disagg_app(args.prefill, args.decode, args.health_interval)
+        print(f"petrel route: http://{args.host}:{args.port}/v1, prefill on {args.prefill}, decode on {args.decode}",
+              file=sys.stderr, flush=True)
+    else:
+        router = Router(args.backends, args.prefix_chars, args.max_imbalance)
+        app = build_router_app(router, args.health_interval)
+        print(f"petrel route: http://{args.host}:{args.port}/v1 over {len(router.backends)} backend(s): "
+              f"{', '.join(b.url for b in router.backends)}", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -137,15 +137,10 @@ def build_router_app(router: Router, health_interval: float = 2.0, timeout: floa
         return exc.response()
 
     async def forward(request: Request, path: str):
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise APIError("the request body is not valid JSON", 400) from None
-        if not isinstance(body, dict):
-            raise APIError("the request body must be a JSON object", 400)
+        body = await json_body(request)
         target = body.pop("target_endpoint", None) or request.headers.get("x-target-endpoint")
         payload = json.dumps(body).encode()
-        headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED_HEADERS}
+        headers = forwarded_headers(request)
         client: httpx.AsyncClient = state["client"]
         tried = []
         for backend in router.candidates(prefix_of(body), target):
@@ -203,6 +198,20 @@ def build_router_app(router: Router, health_interval: float = 2.0, timeout: floa
         return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
 
     return app
+
+
+async def json_body(request: Request) -> dict:
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise APIError("the request body is not valid JSON", 400) from None
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object", 400)
+    return body
+
+
+def forwarded_headers(request: Request) -> dict:
+    return {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED_HEADERS}
 
 
 def _pass_through(upstream: httpx.Response, backend: Backend) -> Response:

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from petrel.serve.chat_template import messages_for_template
 from petrel.serve.completions import api_finish_reason
+from petrel.serve import disagg
 from petrel.serve.errors import APIError, from_value_error
 from petrel.serve.guided import Guided, compile_guided, guided_from_request, guided_value_error
 from petrel.serve.logprobs import chat_logprobs
@@ -85,6 +86,7 @@ def _call_objects(calls, prefix: str) -> list[ToolCall]:
 async def create_chat_completion(state: ServeState, req: ChatCompletionRequest, request: Request) -> Response:
     lora_request = state.check_model(req.model)
     _check_unsupported(req)
+    dp = disagg.from_request(req, 1)
     guided = guided_from_request(req)
     plan = plan_tools(req)
     if plan.guided is not None:
@@ -111,7 +113,7 @@ async def create_chat_completion(state: ServeState, req: ChatCompletionRequest, 
     await compile_guided(state, guided)
     state.check_capacity(1)
     try:
-        future = state.generate_async(ids, params, req.stream, req.cache_salt, lora_request)
+        future = await disagg.submit(state, ids, params, req.stream, req.cache_salt, lora_request, dp)
     except ValueError as exc:
         raise guided_value_error(exc, guided) or from_value_error(exc, {"prompt": "messages"}) from None
     except RuntimeError as exc:   # the engine is shut down
@@ -135,7 +137,8 @@ async def create_chat_completion(state: ServeState, req: ChatCompletionRequest, 
                 finish = "tool_calls"
             else:
                 message = ResponseMessage(content=parsed.content)
-        choice = ChatChoice(index=co.index, message=message, finish_reason=finish, stop_reason=co.stop_reason)
+        choice = ChatChoice(index=co.index, message=message, finish_reason=finish, stop_reason=co.stop_reason,
+                            disaggregated_params=disagg.choice_params(out))
         if k is not None:
             choice.logprobs = ChoiceLogprobs(content=chat_logprobs(co.token_ids, co.logprobs or [], k, state.token_text))
         if req.return_token_ids:
@@ -151,7 +154,8 @@ def _usage(out) -> Usage:
     prompt = len(out.prompt_token_ids)
     completion = sum(len(co.token_ids) for co in out.outputs)
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens))
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens),
+                 kv_transfer=disagg.kv_transfer_usage([out]))
 
 
 async def _stream(state: ServeState, req: ChatCompletionRequest, plan: ToolPlan, future, ids, rid: str, created: int):

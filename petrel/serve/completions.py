@@ -6,6 +6,7 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from petrel.serve import disagg
 from petrel.serve.errors import APIError, from_value_error
 from petrel.serve.guided import compile_guided, guided_from_request, guided_value_error
 from petrel.serve.logprobs import completion_logprobs
@@ -56,7 +57,8 @@ def _usage(outputs) -> Usage:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(co.token_ids) for o in outputs for co in o.outputs)
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(o.num_cached_tokens for o in outputs)))
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(o.num_cached_tokens for o in outputs)),
+                 kv_transfer=disagg.kv_transfer_usage(outputs))
 
 
 async def create_completion(state: ServeState, req: CompletionRequest, request: Request) -> Response:
@@ -67,6 +69,7 @@ async def create_completion(state: ServeState, req: CompletionRequest, request: 
         raise APIError("best_of is supported only equal to n (petrel returns every sequence it samples)", 400,
                        param="best_of")
     prompts = _prompts(state, req.prompt)
+    dp = disagg.from_request(req, len(prompts))
     guided = guided_from_request(req)
     requested = req.max_tokens if "max_tokens" in req.model_fields_set else None
     params_list = []
@@ -82,7 +85,7 @@ async def create_completion(state: ServeState, req: CompletionRequest, request: 
     futures = []
     try:
         for (_, ids), params in zip(prompts, params_list):
-            futures.append(state.generate_async(ids, params, req.stream, req.cache_salt, lora_request))
+            futures.append(await disagg.submit(state, ids, params, req.stream, req.cache_salt, lora_request, dp))
     except ValueError as exc:
         abort_unfinished(futures)
         raise guided_value_error(exc, guided) or from_value_error(exc) from None
@@ -100,7 +103,8 @@ async def create_completion(state: ServeState, req: CompletionRequest, request: 
         state.metrics.record_request(out, [api_finish_reason(co.finish_reason) for co in out.outputs])
         for co in out.outputs:
             choice = CompletionChoice(index=p * req.n + co.index, text=(text if req.echo else "") + co.text,
-                                      finish_reason=api_finish_reason(co.finish_reason), stop_reason=co.stop_reason)
+                                      finish_reason=api_finish_reason(co.finish_reason), stop_reason=co.stop_reason,
+                                      disaggregated_params=disagg.choice_params(out))
             if req.logprobs is not None:
                 toks = (ids if req.echo else []) + co.token_ids
                 entries = (list(out.prompt_logprobs or [None] * len(ids)) if req.echo else []) + list(co.logprobs or [])

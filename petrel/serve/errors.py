@@ -14,7 +14,7 @@ logger = logging.getLogger("petrel.serve")
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
           405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
-          429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+          429: "rate_limit_error", 500: "server_error", 502: "server_error", 503: "service_unavailable"}
 
 
 class APIError(Exception):
@@ -121,5 +121,6 @@ ERROR_RESPONSES = {status: {"model": ErrorResponse, "description": text} for sta
     (413, "the request body is larger than the server accepts (--max-request-bytes)"),
     (429, "the server is full: more requests in flight than --max-num-seqs + --max-queue-len; retry later"),
     (500, "an error inside the engine"),
+    (502, "disaggregated_params: fetching the prompt's KV from the context server failed"),
     (503, "the engine is shut down"),
 )}

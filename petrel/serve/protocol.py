@@ -62,6 +62,17 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class DisaggregatedParamsField(_Request):
+    """Disaggregated serving (TensorRT-LLM's names): context_only prefills here and returns these parameters on
+    its choice; generation_only (on another server) carries them back, with the same prompt, to decode."""
+    request_type: Literal["context_only", "generation_only", "context_and_generation"]
+    first_gen_tokens: list[int] | None = None
+    ctx_request_id: int | str | None = None
+    opaque_state: str | None = Field(None, description="the KV transfer handle a context_only answer returned")
+    draft_tokens: list[int] | None = None
+    ctx_info_endpoint: str | None = Field(None, description="host:port of the context server's KV transfer server")
+
+
 class SamplingExtras(_Request):
     """petrel's sampling options beyond OpenAI's (vLLM-compatible names)."""
     top_k: int | None = Field(None, description="keep the k most likely tokens; 0 or -1 keeps all")
@@ -83,17 +94,26 @@ class SamplingExtras(_Request):
         None, description="constrain the output to this EBNF grammar (xgrammar's GBNF dialect, start rule `root`)")
     guided_choice: list[str] | None = Field(None, min_length=1,
                                             description="the output is exactly one of these strings")
+    disaggregated_params: DisaggregatedParamsField | None = None
 
 
 class PromptTokensDetails(_Response):
     cached_tokens: int = 0
 
 
+class KVTransferUsage(_Response):
+    bytes: int
+    seconds: float
+    tokens: int
+
+
 class Usage(_Response):
+    _omit_none = ("kv_transfer",)
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    kv_transfer: KVTransferUsage | None = None   # a generation_only request: its prompt's KV fetch
 
 
 class ErrorInfo(_Response):
@@ -141,7 +161,7 @@ class CompletionLogprobs(_Response):
 
 
 class CompletionChoice(_Response):
-    _omit_none = ("stop_reason", "token_ids", "prompt_token_ids")
+    _omit_none = ("stop_reason", "token_ids", "prompt_token_ids", "disaggregated_params")
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
@@ -149,6 +169,7 @@ class CompletionChoice(_Response):
     stop_reason: int | str | None = None
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
+    disaggregated_params: dict[str, Any] | None = None   # a context_only answer: what generation_only needs
 
 
 class CompletionResponse(_Response):
@@ -283,13 +304,14 @@ ChatFinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class ChatChoice(_Response):
-    _omit_none = ("stop_reason", "token_ids")
+    _omit_none = ("stop_reason", "token_ids", "disaggregated_params")
     index: int
     message: ResponseMessage
     logprobs: ChoiceLogprobs | None = None
     finish_reason: ChatFinishReason
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
+    disaggregated_params: dict[str, Any] | None = None   # a context_only answer: what generation_only needs
 
 
 class ChatCompletionResponse(_Response):

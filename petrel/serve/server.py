@@ -9,6 +9,7 @@ import socket
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import uvicorn
 
@@ -33,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = p.add_argument_group("engine options (see petrel/config.py)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--device", default="cpu")
+    g.add_argument("--quantization", default=None, choices=["none", "int8", "gguf"],
+                   help="weights kept quantized: int8 per row (any model) or the GGUF's own blocks (default: none)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--block-size", type=int, default=None)
     g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
@@ -50,6 +53,11 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--speculative-config", type=speculative_config_json, default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                         '(methods: ngram, draft_model with "draft_model": PATH, self with "draft_num_layers": N)')
+    g.add_argument("--kv-transfer-host", default=None,
+                   help="disaggregated serving: the address this server's KV transfer server listens on (127.0.0.1)")
+    g.add_argument("--kv-transfer-port", type=int, default=None, help="and its port (default: one the OS picks)")
+    g.add_argument("--kv-transfer-timeout", type=float, default=None,
+                   help="seconds a context_only request's prompt KV stays pinned waiting to be fetched (60)")
     parallel_arguments(g)
     return p
 
@@ -57,7 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def engine_options(args) -> dict:
     options = {"dtype": args.dtype, "device": args.device}
     for key in ("tokenizer", "max_model_len", "block_size", "kv_cache_memory", "max_num_seqs",
-                "max_num_batched_tokens", "seed", "num_threads", "speculative_config", "max_loras", "max_lora_rank"):
+                "max_num_batched_tokens", "seed", "num_threads", "speculative_config", "max_loras", "max_lora_rank",
+                "kv_transfer_host", "kv_transfer_port", "kv_transfer_timeout", "quantization"):
         value = getattr(args, key)
         if value is not None:
             options[key] = value
@@ -88,12 +97,18 @@ def lora_modules(args) -> dict[str, str]:
 
 def run(args) -> int:
     from petrel import LLM
-    from petrel.serve.app import build_app
-    from petrel.serve.chat_template import load_template_source
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    template = load_template_source(args.chat_template)
     loras = lora_modules(args)
-    llm = LLM(args.model, **engine_options(args))
+    with ThreadPoolExecutor(1, thread_name_prefix="petrel-load") as pool:
+        loading = pool.submit(LLM, args.model, **engine_options(args))
+        try:   # FastAPI and the app's modules import while the model loads (most of loading frees the GIL)
+            from petrel.serve.app import build_app
+            from petrel.serve.chat_template import load_template_source
+            template = load_template_source(args.chat_template)
+        except BaseException:
+            loading.add_done_callback(lambda f: f.exception() is None and f.result().shutdown())
+            raise
+        llm = loading.result()
     try:
         app = build_app(llm, args.served_model_name, args.api_key, template, max_n=args.max_n,
                         max_queue_len=None if args.max_queue_len < 0 else args.max_queue_len,

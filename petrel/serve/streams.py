@@ -56,8 +56,9 @@ class ServeState:
         """The `model` a response reports: the adapter's name when the request chose one, else the base model's."""
         return model if model in self.lora_modules else self.model_name
 
-    def generate_async(self, ids, params, streaming: bool, cache_salt, lora_request):
-        options = {"lora_request": lora_request} if lora_request is not None else {}
+    def generate_async(self, ids, params, streaming: bool, cache_salt, lora_request, **options):
+        if lora_request is not None:
+            options["lora_request"] = lora_request
         return self.llm.generate_async(ids, params, streaming=streaming, cache_salt=cache_salt, **options)
 
 

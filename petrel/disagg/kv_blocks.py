@@ -1,0 +1,36 @@
+"""Read a prompt's K/V out of the paged cache, and write one into freshly allocated blocks.
+
+The transferred form is block-free: one tensor [layers, 2 (key, value), tokens, kv_heads, head_dim], so the
+two instances may use different block sizes. Each layer's cache is [2, num_blocks, block_size, kv_heads,
+head_dim] (petrel/model/attention.py); viewed as [2, num_blocks * block_size, ...] a position's row is its slot.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _slots(block_table: list[int], num_tokens: int, block_size: int, device) -> torch.Tensor:
+    return torch.tensor([block_table[p // block_size] * block_size + p % block_size for p in range(num_tokens)],
+                        dtype=torch.long, device=device)
+
+
+def _flat(cache: torch.Tensor) -> torch.Tensor:
+    return cache.view(2, -1, *cache.shape[3:])
+
+
+def gather_prompt_kv(kv_caches: list[torch.Tensor], block_table: list[int], num_tokens: int) -> torch.Tensor:
+    """The K/V of positions 0..num_tokens-1, copied out to the CPU: [layers, 2, tokens, kv_heads, head_dim]."""
+    block_size = kv_caches[0].shape[2]
+    slots = _slots(block_table, num_tokens, block_size, kv_caches[0].device)
+    return torch.stack([_flat(cache)[:, slots] for cache in kv_caches]).cpu()
+
+
+def scatter_prompt_kv(kv_caches: list[torch.Tensor], block_table: list[int], kv: torch.Tensor) -> None:
+    """Write gather_prompt_kv's tensor into the blocks of block_table (positions 0..tokens-1)."""
+    if kv.shape[0] != len(kv_caches) or kv.shape[3:] != kv_caches[0].shape[3:]:
+        raise ValueError(f"the transferred KV has shape {list(kv.shape)}, which does not fit this model's cache "
+                         f"({len(kv_caches)} layers x {list(kv_caches[0].shape[3:])})")
+    block_size = kv_caches[0].shape[2]
+    slots = _slots(block_table, kv.shape[2], block_size, kv_caches[0].device)
+    for cache, layer in zip(kv_caches, kv):
+        _flat(cache)[:, slots] = layer.to(device=cache.device, dtype=cache.dtype)

@@ -1,0 +1,246 @@
+"""Weights kept quantized in memory: QuantizedWeight (affine low-bit codes), QuantizedLinear, QuantizedEmbedding.
+
+EngineConfig.quantization picks how a model's projections, LM head and embedding are held:
+  none  the checkpoint dequantized to the engine dtype (the reference path).
+  int8  every projection quantized after loading, int8 per output row, symmetric (any checkpoint).
+  gguf  a GGUF's own blocks kept (Q4_0, Q4_1, Q4_K as 4-bit codes with a scale and a min per 32; Q8_0, Q5_0,
+        Q5_1, Q5_K as 8-bit codes per 32; Q6_K as 8-bit codes per 16); other GGUF types load dequantized.
+Products run in quant_kernels.c (AVX2): weights are widened to float in registers and multiplied with float
+activations, so a product equals the dequantized weight's up to the order of float additions. At batch 1 a
+decode step reads every weight once, so fewer bytes per weight is what makes it faster.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from petrel.model import quant_kernels
+
+QUANTIZATION_METHODS = ("none", "int8", "gguf")
+ROW_GROUP = 62        # group shift meaning "one group per row" (per-output-channel scales)
+GEMV_MAX_ROWS = 12    # up to this many rows of x the register kernel wins; beyond, a dequantized tile + GEMM
+TILE_ELEMENTS = 1 << 18   # weights dequantized per GEMM tile (1 MB of float32: stays in cache)
+
+
+class QuantizedWeight(nn.Module):
+    """A [out, in] weight as codes with float32 scale (and min) per group: w = scale * code + min.
+
+    bits 4: codes [out, in/32, 16] uint8 (two codes a byte, see quant_kernels.c), groups of 32.
+    bits 8: codes [out, in] int8, groups of 2**group_shift (group_shift ROW_GROUP: one group per row).
+    A module so that .to(device) moves it; its buffers keep their dtypes through model.to(dtype)."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None, bits: int,
+                 group_shift: int, shape: tuple[int, int], kind: str):
+        super().__init__()
+        self.bits, self.group_shift, self.shape, self.kind = bits, group_shift, tuple(shape), kind
+        self.register_buffer("codes", codes)
+        self.register_buffer("scale", scale)
+        self.register_buffer("mins", mins)
+
+    def _apply(self, fn, recurse=True):
+        for name, buf in self._buffers.items():
+            if buf is not None:
+                self._buffers[name] = fn(buf).to(buf.dtype)
+        return self
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}, shape={self.shape}, bits={self.bits}, group={self.group_size}"
+
+    @property
+    def group_size(self) -> int:
+        return self.shape[1] if self.group_shift >= ROW_GROUP else 1 << self.group_shift
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values() if b is not None)
+
+    # ---------------------------------------------------------------- building
+
+    @classmethod
+    def from_gguf(cls, type_name: str, raw: np.ndarray, rows: int, cols: int) -> "QuantizedWeight":
+        from petrel.model.gguf_quants import read_blocks
+        codes, scale, mins, bits, shift = read_blocks(type_name, raw, rows, cols)
+        return cls(torch.from_numpy(codes), torch.from_numpy(scale),
+                   None if mins is None else torch.from_numpy(mins), bits, shift, (rows, cols), type_name)
+
+    @classmethod
+    def int8_per_channel(cls, weight: torch.Tensor) -> "QuantizedWeight":
+        """Symmetric int8 with one scale per output row (absmax / 127)."""
+        w = weight.detach().float()
+        scale = (w.abs().amax(dim=1, keepdim=True) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
+        codes = torch.round(w / scale).clamp_(-127, 127).to(torch.int8)
+        return cls(codes, scale.contiguous(), None, 8, ROW_GROUP, tuple(w.shape), "int8")
+
+    def permute_rows(self, order: np.ndarray) -> "QuantizedWeight":
+        index = torch.from_numpy(np.asarray(order, dtype=np.int64))
+        pick = lambda t: None if t is None else t[index].contiguous()   # noqa: E731
+        return QuantizedWeight(pick(self.codes), pick(self.scale), pick(self.mins), self.bits, self.group_shift,
+                               self.shape, self.kind)
+
+    def as_int8(self, group_shift: int) -> "QuantizedWeight":
+        """The same weights as 8-bit codes in groups of 2**group_shift (a divisor of this one's group): exact."""
+        rows, cols = self.shape
+        codes = self.codes
+        if self.bits == 4:
+            codes = torch.cat([codes & 0x0F, codes >> 4], dim=-1).reshape(rows, cols).to(torch.int8)
+        repeat = self.group_size >> group_shift
+        mins = self.mins if self.mins is not None else torch.zeros_like(self.scale)
+        return QuantizedWeight(codes, self.scale.repeat_interleave(repeat, dim=1),
+                               mins.repeat_interleave(repeat, dim=1), 8, group_shift, self.shape, self.kind)
+
+    @staticmethod
+    def concat(parts: list["QuantizedWeight"]) -> "QuantizedWeight":
+        """Row blocks (fused q/k/v or gate/up) as one weight; mixed formats meet as 8-bit codes in the smallest group."""
+        if len(parts) == 1:
+            return parts[0]
+        cols = parts[0].shape[1]
+        same = len({(p.bits, p.group_shift, p.mins is None) for p in parts}) == 1
+        if not same:
+            shift = min(min(p.group_shift for p in parts), 5)
+            parts = [p.as_int8(shift) for p in parts]
+        p0 = parts[0]
+        mins = None if p0.mins is None else torch.cat([p.mins for p in parts])
+        kinds = "+".join(dict.fromkeys(p.kind for p in parts))
+        return QuantizedWeight(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), mins,
+                               p0.bits, p0.group_shift, (sum(p.shape[0] for p in parts), cols), kinds)
+
+    # ---------------------------------------------------------------- using
+
+    def dequantize(self, rows: torch.Tensor | slice | None = None) -> torch.Tensor:
+        """Float32 weight rows (all by default) with torch alone: the reference and the kernels' fallback."""
+        sel = slice(None) if rows is None else rows
+        codes, scale = self.codes[sel], self.scale[sel]
+        n = codes.shape[0]
+        if self.bits == 4:
+            q = torch.cat([codes & 0x0F, codes >> 4], dim=-1).float()           # [n, groups, 32]
+        else:
+            q = codes.float().view(n, scale.shape[1], -1)                      # [n, groups, group]
+        w = q * scale.unsqueeze(-1)
+        if self.mins is not None:
+            w += self.mins[sel].unsqueeze(-1)
+        return w.view(n, self.shape[1])
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, in] -> x @ W^T, float32 [M, out]."""
+        out_features, in_features = self.shape
+        x = x.to(torch.float32).contiguous()
+        lib = quant_kernels.library() if x.device.type == "cpu" and in_features % 32 == 0 else None
+        mins = self.mins
+        if lib is not None and x.shape[0] <= GEMV_MAX_ROWS:
+            return quant_kernels.gemv(lib, self.bits, x, self.codes, self.scale, mins, self.group_shift, out_features)
+        tile = max(16, TILE_ELEMENTS // in_features)
+        out_t = torch.empty(out_features, x.shape[0], dtype=torch.float32, device=x.device)
+        buffer = torch.empty(min(tile, out_features), in_features, dtype=torch.float32, device=x.device)
+        for n0 in range(0, out_features, tile):
+            n1 = min(out_features, n0 + tile)
+            if lib is not None:
+                quant_kernels.dequantize_rows(lib, self.bits, in_features, self.codes, self.scale, mins,
+                                              self.group_shift, buffer, n0, n1)
+                weights = buffer[:n1 - n0]
+            else:
+                weights = self.dequantize(slice(n0, n1))
+            torch.mm(weights, x.t(), out=out_t[n0:n1])
+        return out_t.t().contiguous()
+
+
+class QuantizedLinear(nn.Module):
+    """A projection whose weight stays quantized; computes in float32, returns the input's dtype. `marker` is an
+    empty buffer that follows model.to(dtype, device), for whoever needs the model's dtype (LoRA slots)."""
+
+    def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.qweight = qweight
+        self.out_features, self.in_features = qweight.shape
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.register_buffer("marker", torch.empty(0, dtype=torch.float32), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.qweight.matmul(x.reshape(-1, self.in_features))
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class QuantizedEmbedding(nn.Module):
+    """Token embeddings read from a QuantizedWeight (shared with a tied LM head): only the looked-up rows are
+    dequantized. `marker` is an empty buffer that follows model.to(dtype): the dtype the embeddings come out in."""
+
+    def __init__(self, qweight: QuantizedWeight, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.qweight = qweight
+        self.num_embeddings, self.embedding_dim = qweight.shape
+        self.register_buffer("marker", torch.empty(0, dtype=dtype), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.qweight.dequantize(ids.reshape(-1))
+        return rows.to(self.marker.dtype).reshape(*ids.shape, self.embedding_dim)
+
+
+# ---------------------------------------------------------------- putting them in a model
+
+def _replace(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, attr = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attr, module)
+
+
+class QuantizedLoads:
+    """Quantized checkpoint tensors gathered while a model loads (by parameter name and fused shard), then put in
+    place: each projection whose shards all came quantized becomes a QuantizedLinear, the embedding a
+    QuantizedEmbedding (and a tied LM head a QuantizedLinear over the same weight); any other quantized tensor
+    (a fused projection with a shard stored dense, say) is dequantized into its dense parameter."""
+
+    def __init__(self):
+        self.pending: dict[str, tuple[int, dict[int, tuple[int, QuantizedWeight]]]] = {}
+
+    def add(self, name: str, shard: int, num_shards: int, row_offset: int, qweight: QuantizedWeight) -> None:
+        self.pending.setdefault(name, (num_shards, {}))[1][shard] = (row_offset, qweight)
+
+    def install(self, model: nn.Module) -> None:
+        params = dict(model.named_parameters(remove_duplicate=False))
+        embed = model.model.embed_tokens
+        tied = getattr(model.lm_head, "weight", None) is getattr(embed, "weight", False)
+        for name, (num_shards, shards) in self.pending.items():
+            path = name.removesuffix(".weight")
+            module = model.get_submodule(path)
+            whole = len(shards) == num_shards and name.endswith(".weight")
+            if whole and isinstance(module, nn.Linear):
+                qweight = QuantizedWeight.concat([shards[i][1] for i in range(num_shards)])
+                _replace(model, path, QuantizedLinear(qweight, module.bias))
+            elif whole and isinstance(module, nn.Embedding):
+                qweight = shards[0][1]
+                _replace(model, path, QuantizedEmbedding(qweight, module.weight.dtype))
+                if tied:
+                    model.lm_head = QuantizedLinear(qweight)
+            else:
+                for offset, qweight in shards.values():
+                    params[name].data[offset:offset + qweight.shape[0]].copy_(qweight.dequantize())
+
+
+def quantize_int8(model: nn.Module) -> None:
+    """Every nn.Linear of a loaded model -> a QuantizedLinear of int8 per-row codes; the embedding too (rows are
+    its output channels), one weight for both where the LM head is tied to it."""
+    embed = model.model.embed_tokens
+    tied = getattr(model.lm_head, "weight", None) is getattr(embed, "weight", False)
+    for path, module in list(model.named_modules()):
+        if isinstance(module, nn.Linear) and not (tied and path == "lm_head"):
+            _replace(model, path, QuantizedLinear(QuantizedWeight.int8_per_channel(module.weight), module.bias))
+    if isinstance(embed, nn.Embedding):
+        qweight = QuantizedWeight.int8_per_channel(embed.weight)
+        model.model.embed_tokens = QuantizedEmbedding(qweight, embed.weight.dtype)
+        if tied:
+            model.lm_head = QuantizedLinear(qweight)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of a model's parameters and quantized weights, each tensor counted once (tied ones too)."""
+    seen, total = set(), 0
+    for tensor in [*model.parameters(), *(m.codes for m in model.modules() if isinstance(m, QuantizedWeight)),
+                   *(t for m in model.modules() if isinstance(m, QuantizedWeight) for t in (m.scale, m.mins))]:
+        if tensor is not None and tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            total += tensor.numel() * tensor.element_size()
+    return total

@@ -1,0 +1,126 @@
+"""`petrel route --prefill URL --decode URL`: one OpenAI-compatible front over a prefill and a decode server.
+
+Each completion or chat request goes to the prefill server as a context_only request (non-streaming: it
+prefills, samples the first token and keeps the prompt's KV pinned), then to the decode server as a
+generation_only request carrying the returned disaggregated_params: that server fetches the KV, decodes on, and
+its answer (streamed or not) is passed through. It starts with the first token, so the client sees one normal
+answer. A request the split cannot serve (n > 1, logprobs, several prompts, guided output: the prefill server
+refuses it naming disaggregated_params), or whose first token already ended it, goes whole to the decode server.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from petrel.route.router import Router, _health_loop, _pass_through, forwarded_headers, json_body
+from petrel.serve.errors import APIError
+
+logger = logging.getLogger("petrel.route")
+
+PARAM = "disaggregated_params"
+
+
+def build_disagg_app(prefill_url: str, decode_url: str, health_interval: float = 2.0,
+                     timeout: float = 600.0) -> FastAPI:
+    router = Router([prefill_url, decode_url])
+    prefill, decode = router.backends
+    state = {}
+
+    @asynccontextmanager
+    async def lifespan(app):
+        client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0), trust_env=False,
+                                   limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        state["client"] = client
+        checker = asyncio.create_task(_health_loop(router, client, health_interval))
+        try:
+            yield
+        finally:
+            checker.cancel()
+            await client.aclose()
+
+    app = FastAPI(title="petrel route (disaggregated)", lifespan=lifespan)
+    app.state.router = router
+
+    @app.exception_handler(APIError)
+    async def api_error(request, exc: APIError):
+        return exc.response()
+
+    async def send(backend, path: str, body: dict, headers: dict, stream: bool) -> httpx.Response:
+        client: httpx.AsyncClient = state["client"]
+        backend.in_flight += 1
+        try:
+            upstream = await client.send(client.build_request("POST", backend.url + path, json=body, headers=headers),
+                                         stream=stream)
+        except httpx.HTTPError as exc:
+            backend.in_flight -= 1
+            router.mark_down(backend, f"{type(exc).__name__}: {exc}")
+            raise APIError(f"the {'prefill' if backend is prefill else 'decode'} server {backend.url} is unreachable: "
+                           f"{type(exc).__name__}", 503) from None
+        backend.served += 1
+        if not stream:
+            backend.in_flight -= 1
+        return upstream
+
+    async def whole_to_decode(path: str, body: dict, headers: dict):
+        return _pass_through(await send(decode, path, body, headers, stream=True), decode)
+
+    async def split(request: Request, path: str):
+        body = await json_body(request)
+        if PARAM in body:
+            raise APIError("disaggregated_params is set by the router; send a plain request", 400, param=PARAM)
+        headers = forwarded_headers(request)
+        context = {k: v for k, v in body.items() if k != "stream_options"}
+        context.update(stream=False, disaggregated_params={"request_type": "context_only"})
+        answer = await send(prefill, path, context, headers, stream=False)
+        if answer.status_code != 200:
+            error = _error_param(answer)
+            if answer.status_code == 400 and error == PARAM:   # not splittable: the decode server does it all
+                return await whole_to_decode(path, body, headers)
+            return JSONResponse(answer.json(), status_code=answer.status_code)
+        params = answer.json()["choices"][0].get(PARAM)
+        if not params or not params.get("opaque_state"):      # the first token ended it (EOS, stop, max_tokens=1)
+            return await whole_to_decode(path, body, headers)
+        generation = dict(body, disaggregated_params=dict(params, request_type="generation_only"))
+        upstream = await send(decode, path, generation, headers, stream=True)
+        response = _pass_through(upstream, decode)
+        response.headers["x-petrel-prefill"] = prefill.url
+        return response
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await split(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await split(request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        client: httpx.AsyncClient = state["client"]
+        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        try:
+            r = await client.get(decode.url + "/v1/models", headers=headers, timeout=10)
+        except httpx.HTTPError as exc:
+            raise APIError(f"the decode server is unreachable: {type(exc).__name__}", 503) from None
+        return JSONResponse(r.json(), status_code=r.status_code)
+
+    @app.get("/health")
+    async def health():
+        ok = prefill.healthy and decode.healthy
+        body = {"status": "ok" if ok else "unavailable", "prefill": prefill.status(), "decode": decode.status()}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    return app
+
+
+def _error_param(answer: httpx.Response) -> str | None:
+    try:
+        return answer.json()["error"].get("param")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None

@@ -1,0 +1,169 @@
+"""Weights kept quantized (EngineConfig.quantization): GGUF block readers against the gguf package's dequantizer,
+QuantizedLinear against the dequantized product (AVX2 kernels and the torch fallback, few rows and many), int8 and
+LoRA on the tiny Llama against transformers, and the real default model's greedy tokens, GGUF blocks kept vs
+dequantized."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from petrel import LLM, LoRARequest, SamplingParams
+from petrel.config import EngineConfig
+from petrel.model import quant_kernels
+from petrel.model.gguf_quants import READERS
+from petrel.model.quantization import QuantizedLinear, QuantizedWeight
+
+gguf = pytest.importorskip("gguf")
+
+F16_FIELDS = {"Q4_1": (0, 2), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random GGUF blocks of a [rows, cols] tensor, their float16 scales set to modest values."""
+    _, elems, size, _, _ = READERS[type_name]
+    rng = np.random.default_rng(seed)
+    n = rows * cols // elems
+    blocks = rng.integers(0, 256, (n, size), dtype=np.uint8)
+    for offset in F16_FIELDS.get(type_name, (0,)):
+        blocks[:, offset:offset + 2] = rng.uniform(1e-3, 2e-2, (n, 1)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def reference(type_name: str, raw: np.ndarray, rows: int, cols: int) -> torch.Tensor:
+    qtype = gguf.GGMLQuantizationType[type_name]
+    return torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(rows, cols).astype(np.float32))
+
+
+@pytest.mark.parametrize("type_name", sorted(READERS))
+def test_block_reader_equals_gguf_dequantize(type_name):
+    raw = random_blocks(type_name, 6, 512)
+    weight = QuantizedWeight.from_gguf(type_name, raw, 6, 512)
+    assert torch.equal(weight.dequantize(), reference(type_name, raw, 6, 512))
+    rows = torch.tensor([5, 0, 5])
+    assert torch.equal(weight.dequantize(rows), reference(type_name, raw, 6, 512)[rows])
+
+
+@pytest.fixture(params=["kernels", "torch"])
+def backend(request, monkeypatch):
+    if request.param == "kernels":
+        if quant_kernels.library() is None:
+            pytest.skip("the AVX2 kernels cannot run here (no AVX2/FMA or no C compiler)")
+    else:
+        monkeypatch.setattr(quant_kernels, "library", lambda: None)
+    return request.param
+
+
+@pytest.mark.parametrize("rows", [1, 3, 7, 40])
+@pytest.mark.parametrize("fmt", [*sorted(READERS), "int8"])
+def test_quantized_linear_matches_dequantized_product(fmt, rows, backend):
+    out_features, in_features = 160, 512
+    if fmt == "int8":
+        dense = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(1))
+        weight = QuantizedWeight.int8_per_channel(dense)
+        w = weight.dequantize()
+        assert (w - dense).abs().max() <= dense.abs().amax(dim=1).max() / 254 + 1e-6   # half a step at most
+    else:
+        raw = random_blocks(fmt, out_features, in_features)
+        weight = QuantizedWeight.from_gguf(fmt, raw, out_features, in_features)
+        w = reference(fmt, raw, out_features, in_features)
+    bias = torch.randn(out_features)
+    layer = QuantizedLinear(weight, bias)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+    expected = x.double() @ w.double().t() + bias.double()
+    got = layer(x)
+    assert got.shape == (rows, out_features) and got.dtype == torch.float32 and got.is_contiguous()
+    scale = expected.abs().max().item()
+    assert (got.double() - expected).abs().max().item() <= 1e-5 * scale + 1e-5
+    assert layer(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_mixed_formats_fuse_exactly():
+    """A fused projection whose shards came in different formats (Q4_K + Q6_K + Q8_0, as in Q4_K_M files) is held
+    as 8-bit codes in the smallest group; its weights equal the shards' own."""
+    parts = [QuantizedWeight.from_gguf(t, random_blocks(t, 32, 256, seed=i), 32, 256)
+             for i, t in enumerate(["Q4_K", "Q6_K", "Q8_0"])]
+    fused = QuantizedWeight.concat(parts)
+    assert fused.bits == 8 and fused.group_size == 16 and fused.shape == (96, 256)
+    assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    same = QuantizedWeight.concat([parts[0], parts[0]])
+    assert same.bits == 4 and same.shape == (64, 256)
+
+
+def test_quantization_option_is_validated(tiny):
+    with pytest.raises(ValueError, match="quantization"):
+        EngineConfig(quantization="int4")
+    from petrel.model.loader import load_model, resolve_model
+    with pytest.raises(ValueError, match="quantization 'gguf'"):
+        load_model(resolve_model(tiny(2, False).path), torch.float32, "cpu", "gguf")
+
+
+def _int8_reference(hf):
+    """transformers' model with every projection, head and embedding replaced by its int8 per-row dequantization."""
+    ref = copy.deepcopy(hf)
+    with torch.no_grad():
+        for module in ref.modules():
+            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+                module.weight.copy_(QuantizedWeight.int8_per_channel(module.weight).dequantize())
+    return ref
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_int8_logits_and_lora_match_transformers_on_dequantized_weights(tiny, tmp_path, tied):
+    """quantization='int8' (a LoRA adapter on top too) gives the logits of transformers run on the int8-dequantized
+    weights (and peft's adapter merged into them)."""
+    from test_lora import hf_greedy, make_adapter, prompt
+    from petrel.model.loader import resolve_model
+    from petrel.model.tokenizer import load_tokenizer
+    t = tiny(2, tied)
+    ref = _int8_reference(t.hf)
+    merged = make_adapter(ref, tmp_path / "adapter", seed=3)
+    load_tokenizer(resolve_model(None)).save_pretrained(tmp_path / "tok")
+    llm = LLM(t.path, tokenizer=str(tmp_path / "tok"), kv_cache_memory=1 << 20, quantization="int8",
+              enable_lora=True)
+    try:
+        model = llm.engine.core.runner.model
+        assert isinstance(model.model.layers[0].mlp.down_proj.base, QuantizedLinear)
+        assert (model.lm_head.qweight is model.model.embed_tokens.qweight) == tied
+        params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, return_context_logits=True,
+                                return_generation_logits=True)
+        ids = prompt(4)
+        for lora, oracle in ((None, ref), (LoRARequest("a", 1, str(tmp_path / "adapter")), merged)):
+            out = llm.generate(ids, params, use_tqdm=False, lora_request=lora)
+            tokens = out.outputs[0].token_ids
+            with torch.no_grad():
+                expected = oracle(torch.tensor([ids + tokens])).logits[0].float()
+            torch.testing.assert_close(out.context_logits, expected[:len(ids)], atol=1e-3, rtol=1e-3)
+            torch.testing.assert_close(out.outputs[0].generation_logits,
+                                       expected[len(ids) - 1:len(ids) + len(tokens) - 1], atol=1e-3, rtol=1e-3)
+        prompts = [prompt(10 + i, 5 + i) for i in range(16)]    # decode batches past the GEMV's row limit
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(ref, p, 4) for p in prompts]
+    finally:
+        llm.shutdown()
+
+
+PROMPTS = ["The capital of France is", "Write a short poem about the sea.", "def fibonacci(n):",
+           "Explain photosynthesis in simple terms.", "List three colors:", "Once upon a time,",
+           "The quick brown fox", "What is 12 times 7?"]
+
+
+@pytest.mark.e2e
+def test_default_model_gguf_blocks_agree_with_dequantized(llm):
+    """The default model (Q4_1 projections, Q8_0 embedding and tied head) with its blocks kept: greedy tokens of
+    8 prompts x 64 equal the dequantized engine's (the same weights; only float summation order differs)."""
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    reference_ids = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    quantized = LLM(quantization="gguf")
+    try:
+        model = quantized.engine.core.runner.model
+        kinds = {m.qweight.kind for m in model.modules() if isinstance(m, QuantizedLinear)}
+        assert kinds == {"Q4_1", "Q8_0"}
+        ids = [o.outputs[0].token_ids for o in quantized.generate(PROMPTS, params, use_tqdm=False)]
+    finally:
+        quantized.shutdown()
+    agree = sum(a == b for ref, got in zip(reference_ids, ids) for a, b in zip(ref, got))
+    print(f"gguf-native vs dequantized greedy agreement: {agree}/{64 * len(PROMPTS)}")
+    assert agree >= 0.95 * 64 * len(PROMPTS)
