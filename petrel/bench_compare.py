@@ -210,6 +210,15 @@ class Compare:
                 self._petrel_result(r)
             if "w2" in batch:
                 self.add("w2", "peak RSS (w1+w2 process)", "petrel", peak, "MiB", f"KV {KV_GIB} GiB")
+        if "w1" in workloads:   # the GGUF's own Q4_1 blocks kept quantized: the same weights as llama.cpp's Q4_1 run
+            with tempfile.TemporaryDirectory() as tmp:
+                out = os.path.join(tmp, "petrel.json")
+                run_script([sys.executable, "-m", "petrel.bench", "--engines", "petrel", "--workloads", "w1",
+                            "--quantization", "gguf", "--json", out])
+                r = json.load(open(out))["results"][0]
+            self.raw["petrel_w1_gguf"] = r
+            self.add("w1", "decode tok/s (Q4_1)", "petrel", r["decode_tok_s"] if r["valid"] else None, "tok/s",
+                     "quantization='gguf'")
         if "w4" in workloads:
             for caching in (True, False):
                 with tempfile.TemporaryDirectory() as tmp:
