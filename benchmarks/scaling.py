@@ -10,28 +10,10 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
 import sys
-import time
 
 from petrel.bench import make_w2_prompts
 from petrel.bench_serve import _free_port, run_client, start_server
-
-
-def start_router(port: int, backends: list[str]) -> subprocess.Popen:
-    import httpx
-    proc = subprocess.Popen([sys.executable, "-m", "petrel.cli", "route", "--port", str(port), "--log-level",
-                             "warning", "--backends", *backends])
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2, trust_env=False).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    proc.terminate()
-    raise RuntimeError("the router did not become healthy")
 
 
 def stop(procs) -> None:
@@ -51,7 +33,7 @@ def measure(name: str, servers: int, threads: int, prompts, max_tokens: int) -> 
         url = urls[0]
         if servers > 1:
             port = _free_port()
-            procs.append(start_router(port, urls))
+            procs.append(start_server(port, ["--backends", *urls], command="route", timeout=60))
             url = f"http://127.0.0.1:{port}"
         result = asyncio.run(run_client(url, None, prompts, max_tokens, concurrency=len(prompts)))
     finally:

@@ -386,6 +386,15 @@ def _git_commit() -> str | None:
         return None
 
 
+def parse_choices(text: str, known, what: str) -> list[str]:
+    """A comma-separated option as a list, every item one of `known` (SystemExit naming one that is not)."""
+    items = [x.strip().lower() for x in text.split(",") if x.strip()]
+    for x in items:
+        if x not in known:
+            raise SystemExit(f"unknown {what} {x!r}; known: {', '.join(known)}")
+    return items
+
+
 def run(args) -> dict:
     """Run the benchmark for parsed options; returns the whole result document."""
     import torch
@@ -393,14 +402,8 @@ def run(args) -> dict:
     from petrel.model.loader import resolve_model
     from petrel.model.tokenizer import load_tokenizer
 
-    workloads = [w.strip().lower() for w in args.workloads.split(",") if w.strip()]
-    engines = [e.strip().lower() for e in args.engines.split(",") if e.strip()]
-    for w in workloads:
-        if w not in WORKLOADS:
-            raise SystemExit(f"unknown workload {w!r}; known: {', '.join(WORKLOADS)}")
-    for e in engines:
-        if e not in ENGINES:
-            raise SystemExit(f"unknown engine {e!r}; known: {', '.join(ENGINES)}")
+    workloads = parse_choices(args.workloads, WORKLOADS, "workload")
+    engines = parse_choices(args.engines, ENGINES, "engine")
     sizes = QUICK if args.quick else FULL
     if args.w1_runs is not None:
         sizes = replace(sizes, w1_runs=args.w1_runs)

@@ -412,14 +412,9 @@ def _fmt(x) -> str:
 
 
 def run(args) -> dict:
-    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    for w in workloads:
-        if w not in WORKLOADS:
-            raise SystemExit(f"unknown workload {w!r}; known: {', '.join(WORKLOADS)}")
-    for e in engines:
-        if e not in ENGINES:
-            raise SystemExit(f"unknown engine {e!r}; known: {', '.join(ENGINES)}")
+    from petrel.bench import parse_choices
+    workloads = parse_choices(args.workloads, WORKLOADS, "workload")
+    engines = parse_choices(args.engines, ENGINES, "engine")
     cmp = Compare(args)
     missing = [e for e in engines if not cmp.installed(e)]
     for e in missing:

@@ -110,15 +110,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(port: int, extra_args: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "petrel.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+def start_server(port: int, extra_args: list[str], command: str = "serve", timeout: float = 300) -> subprocess.Popen:
+    """`petrel serve` (or another petrel command serving /health, e.g. "route") on 127.0.0.1:port, once healthy."""
+    cmd = [sys.executable, "-m", "petrel.cli", command, "--host", "127.0.0.1", "--port", str(port),
            "--log-level", "warning", *extra_args]
     print(f"[w3] starting: {' '.join(cmd)}", file=sys.stderr, flush=True)
     proc = subprocess.Popen(cmd)
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}")
+            raise RuntimeError(f"petrel {command} exited with {proc.returncode}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2, trust_env=False).status_code == 200:
                 return proc
@@ -126,7 +127,7 @@ def start_server(port: int, extra_args: list[str]) -> subprocess.Popen:
             pass
         time.sleep(0.5)
     proc.terminate()
-    raise RuntimeError("the server did not become healthy in 300 s")
+    raise RuntimeError(f"petrel {command} did not become healthy in {timeout:.0f} s")
 
 
 def plot_sweep(results: list[dict], path: str, title: str = "petrel bench serve") -> None:

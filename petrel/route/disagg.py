@@ -9,16 +9,15 @@ refuses it naming disaggregated_params), or whose first token already ended it, 
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-from contextlib import asynccontextmanager
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from petrel.route.router import Router, _health_loop, _pass_through, forwarded_headers, json_body
+from petrel.route.router import (Router, _pass_through, add_completion_routes, forwarded_headers, json_body,
+                                 router_base_app)
 from petrel.serve.errors import APIError
 
 logger = logging.getLogger("petrel.route")
@@ -30,26 +29,7 @@ def build_disagg_app(prefill_url: str, decode_url: str, health_interval: float =
                      timeout: float = 600.0) -> FastAPI:
     router = Router([prefill_url, decode_url])
     prefill, decode = router.backends
-    state = {}
-
-    @asynccontextmanager
-    async def lifespan(app):
-        client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0), trust_env=False,
-                                   limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
-        state["client"] = client
-        checker = asyncio.create_task(_health_loop(router, client, health_interval))
-        try:
-            yield
-        finally:
-            checker.cancel()
-            await client.aclose()
-
-    app = FastAPI(title="petrel route (disaggregated)", lifespan=lifespan)
-    app.state.router = router
-
-    @app.exception_handler(APIError)
-    async def api_error(request, exc: APIError):
-        return exc.response()
+    app, state = router_base_app(router, "petrel route (disaggregated)", health_interval, timeout)
 
     async def send(backend, path: str, body: dict, headers: dict, stream: bool) -> httpx.Response:
         client: httpx.AsyncClient = state["client"]
@@ -92,13 +72,7 @@ def build_disagg_app(prefill_url: str, decode_url: str, health_interval: float =
         response.headers["x-petrel-prefill"] = prefill.url
         return response
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await split(request, "/v1/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await split(request, "/v1/chat/completions")
+    add_completion_routes(app, split)
 
     @app.get("/v1/models")
     async def models(request: Request):

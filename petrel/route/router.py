@@ -114,7 +114,9 @@ async def _health_loop(router: Router, client: httpx.AsyncClient, interval: floa
         await asyncio.sleep(interval)
 
 
-def build_router_app(router: Router, health_interval: float = 2.0, timeout: float = 600.0) -> FastAPI:
+def router_base_app(router: Router, title: str, health_interval: float, timeout: float) -> tuple[FastAPI, dict]:
+    """The app both fronts build on: for its lifetime one pooled HTTP client (state["client"]) and the health loop
+    over the router's backends; API errors answered as OpenAI-style JSON."""
     state = {}
 
     @asynccontextmanager
@@ -129,12 +131,29 @@ def build_router_app(router: Router, health_interval: float = 2.0, timeout: floa
             checker.cancel()
             await client.aclose()
 
-    app = FastAPI(title="petrel route", lifespan=lifespan)
+    app = FastAPI(title=title, lifespan=lifespan)
     app.state.router = router
 
     @app.exception_handler(APIError)
     async def api_error(request, exc: APIError):
         return exc.response()
+
+    return app, state
+
+
+def add_completion_routes(app: FastAPI, handle) -> None:
+    """POST /v1/completions and /v1/chat/completions, each answered by `await handle(request, path)`."""
+    def endpoint_for(path: str):
+        async def endpoint(request: Request):
+            return await handle(request, path)
+        return endpoint
+
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        app.add_api_route(path, endpoint_for(path), methods=["POST"])
+
+
+def build_router_app(router: Router, health_interval: float = 2.0, timeout: float = 600.0) -> FastAPI:
+    app, state = router_base_app(router, "petrel route", health_interval, timeout)
 
     async def forward(request: Request, path: str):
         body = await json_body(request)
@@ -162,13 +181,7 @@ def build_router_app(router: Router, health_interval: float = 2.0, timeout: floa
             return _pass_through(upstream, backend)
         raise APIError(f"no backend could take the request (tried: {', '.join(tried) or 'none healthy'})", 503)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await forward(request, "/v1/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await forward(request, "/v1/chat/completions")
+    add_completion_routes(app, forward)
 
     @app.get("/v1/models")
     async def models(request: Request):
