@@ -67,7 +67,8 @@ class EngineConfig:
     tokenizer: str | None = None          # another tokenizer directory or hub id
     dtype: str = "float32"
     device: str = "cpu"
-    max_model_len: int | None = None      # None: the model's context length (capped by the KV cache)
+    max_model_len: int | None = None      # None: the model's context length (capped by the KV cache unless every
+                                          # layer has one sliding window: its blocks behind it are given back)
     block_size: int = 16
     kv_cache_memory: int = 2 * 1024 ** 3  # bytes for the paged KV cache
     max_num_seqs: int = 64

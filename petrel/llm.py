@@ -317,7 +317,8 @@ class LLM:
             raise ValueError(f"disaggregated_params is not supported with tensor_parallel_size="
                              f"{self.config.tensor_parallel_size} (the KV cache is split over ranks)")
         if dp is not None:
-            disagg.check(dp, params, ids, self._engine.model_config.vocab_size, self._engine.max_model_len)
+            disagg.check(dp, params, ids, self._engine.model_config.vocab_size, self._engine.max_model_len,
+                         self._engine.kv_cache_tokens)
 
         def submit(streaming: bool, timeout: float | None) -> RequestFuture:
             arrival = _now()

@@ -8,10 +8,17 @@ from __future__ import annotations
 
 import torch
 
+from petrel.engine.block_manager import num_freed_blocks
 
-def _slots(block_table: list[int], num_tokens: int, block_size: int, device) -> torch.Tensor:
-    return torch.tensor([block_table[p // block_size] * block_size + p % block_size for p in range(num_tokens)],
+
+def _slots(block_table: list[int], start: int, num_tokens: int, block_size: int, device) -> torch.Tensor:
+    return torch.tensor([block_table[p // block_size] * block_size + p % block_size for p in range(start, num_tokens)],
                         dtype=torch.long, device=device)
+
+
+def _first_held_position(block_table: list[int], num_tokens: int, block_size: int) -> int:
+    """Positions before this one lie in blocks given back behind a sliding window (FREED entries)."""
+    return min(num_freed_blocks(block_table) * block_size, num_tokens)
 
 
 def _flat(cache: torch.Tensor) -> torch.Tensor:
@@ -19,10 +26,17 @@ def _flat(cache: torch.Tensor) -> torch.Tensor:
 
 
 def gather_prompt_kv(kv_caches: list[torch.Tensor], block_table: list[int], num_tokens: int) -> torch.Tensor:
-    """The K/V of positions 0..num_tokens-1, copied out to the CPU: [layers, 2, tokens, kv_heads, head_dim]."""
+    """The K/V of positions 0..num_tokens-1, copied out to the CPU: [layers, 2, tokens, kv_heads, head_dim].
+
+    Positions in blocks given back behind a sliding window come out as zeros (the engine keeps a context-only
+    prompt whole, so an export normally has none)."""
     block_size = kv_caches[0].shape[2]
-    slots = _slots(block_table, num_tokens, block_size, kv_caches[0].device)
-    return torch.stack([_flat(cache)[:, slots] for cache in kv_caches]).cpu()
+    first = _first_held_position(block_table, num_tokens, block_size)
+    slots = _slots(block_table, first, num_tokens, block_size, kv_caches[0].device)
+    kv = torch.stack([_flat(cache)[:, slots] for cache in kv_caches]).cpu()
+    if first:
+        kv = torch.cat([kv.new_zeros(*kv.shape[:2], first, *kv.shape[3:]), kv], dim=2)
+    return kv
 
 
 def scatter_prompt_kv(kv_caches: list[torch.Tensor], block_table: list[int], kv: torch.Tensor) -> None:
@@ -31,6 +45,7 @@ def scatter_prompt_kv(kv_caches: list[torch.Tensor], block_table: list[int], kv:
         raise ValueError(f"the transferred KV has shape {list(kv.shape)}, which does not fit this model's cache "
                          f"({len(kv_caches)} layers x {list(kv_caches[0].shape[3:])})")
     block_size = kv_caches[0].shape[2]
-    slots = _slots(block_table, kv.shape[2], block_size, kv_caches[0].device)
+    first = _first_held_position(block_table, kv.shape[2], block_size)   # 0 for freshly allocated blocks
+    slots = _slots(block_table, first, kv.shape[2], block_size, kv_caches[0].device)
     for cache, layer in zip(kv_caches, kv):
-        _flat(cache)[:, slots] = layer.to(device=cache.device, dtype=cache.dtype)
+        _flat(cache)[:, slots] = layer[:, first:].to(device=cache.device, dtype=cache.dtype)

@@ -14,11 +14,18 @@ def coerce(value) -> DisaggregatedParams | None:
     raise ValueError(f"disaggregated_params must be a DisaggregatedParams or a dict, got {type(value).__name__}")
 
 
-def check(dp: DisaggregatedParams, params, prompt_ids: list[int], vocab_size: int, max_model_len: int) -> None:
-    """ValueError naming disaggregated_params for a combination the split cannot run."""
+def check(dp: DisaggregatedParams, params, prompt_ids: list[int], vocab_size: int, max_model_len: int,
+          kv_cache_tokens: int | None = None) -> None:
+    """ValueError naming disaggregated_params for a combination the split cannot run.
+
+    kv_cache_tokens: what the whole KV cache holds; a split request's prompt KV is held (pinned, or imported) whole,
+    even where sliding-window blocks are given back and max_model_len is longer than the cache."""
     dp.validate(vocab_size)
     if dp.request_type == "context_and_generation":
         return
+    if kv_cache_tokens is not None and len(prompt_ids) + 1 > kv_cache_tokens:
+        raise ValueError(f"disaggregated_params: the prompt ({len(prompt_ids)} tokens) and the first token must fit "
+                         f"the {kv_cache_tokens}-token KV cache whole")
     unsupported = [name for name, on in (
         ("n > 1", params.n > 1), ("beam search", params.use_beam_search),
         ("prompt logprobs or context outputs", params.needs_context_outputs),

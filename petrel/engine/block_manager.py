@@ -2,24 +2,45 @@
 
 A block is in exactly one state: free (no content worth keeping), used (ref count > 0), or cached
 (ref count 0 but its hash is kept, evictable least-recently-used first).
+
+Sliding window: when every layer of the model attends to the same last W positions, a running sequence gives
+back each block that no future query can see (free_behind_window). Its block-table entry becomes FREED, so the
+table keeps its positional layout (position p lives in block_table[p // block_size]); the freed entries always
+form a prefix of the table, and free / fork / retain / prefix-cache publishing skip them.
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
 from collections import OrderedDict, deque
 
 from petrel.engine.sequence import Sequence
 
+FREED = -1   # a block-table entry whose block was given back behind the sliding window (never read unmasked)
+
+
+def num_freed_blocks(block_table: list[int]) -> int:
+    """How many leading entries of a block table are FREED (they always form a prefix)."""
+    return bisect.bisect_left(block_table, True, key=lambda b: b != FREED)
+
+
+def held_blocks(block_table: list[int]) -> list[int]:
+    """The blocks a table actually holds (FREED entries left out)."""
+    return block_table[num_freed_blocks(block_table):]
+
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 hash_seed: str = "", watermark: float = 0.01):
+                 hash_seed: str = "", watermark: float = 0.01, sliding_window: int | None = None):
+        """sliding_window: the window of every layer of the model (None: some layer sees all positions); with
+        one, free_behind_window gives back the blocks behind it."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one slot, got {num_blocks} x {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_seed = hash_seed
+        self.sliding_window = sliding_window
         self.watermark_blocks = int(watermark * num_blocks)
         self.ref_counts = [0] * num_blocks
         self.free_blocks: deque[int] = deque(range(num_blocks))
@@ -106,6 +127,28 @@ class BlockManager:
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
         # after a preemption the chain can run into the sequence's own output: report prompt tokens only
         seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+        self.free_behind_window(seq)      # a long hit need not hold the blocks behind the window
+
+    def free_behind_window(self, seq: Sequence) -> int:
+        """Give back the sequence's blocks that every future query has behind its sliding window; returns how many.
+
+        The next query sits at position num_computed_tokens (a decode, a prefill chunk's first token, or the
+        first of speculative draft tokens; rejected drafts only ever lie ahead of it) and sees keys from
+        num_computed_tokens - W + 1 on, so a block ending at or before num_computed_tokens - W is never read
+        again (one position of slack). A freed block keeps its prefix-cache hash: released, it stays cached
+        (its contents are still valid for other prompts). A context-only request keeps its whole prompt: the
+        decode instance fetches all of it.
+        """
+        window = self.sliding_window
+        if window is None or seq.request.context_only:
+            return 0
+        table = seq.block_table
+        end = min((seq.num_computed_tokens - window) // self.block_size, len(table))
+        start = num_freed_blocks(table)
+        for i in range(start, end):       # oldest first, so the oldest is evicted first
+            self._release(table[i])
+            table[i] = FREED
+        return max(0, end - start)
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, admitting: bool = False) -> bool:
         """Make room for the next num_new_tokens KV entries; False (and nothing changed) if it cannot."""
@@ -136,7 +179,7 @@ class BlockManager:
         bs = self.block_size
         for i in range(num_full):
             block = seq.block_table[i]
-            if block in self.block_hash:
+            if block == FREED or block in self.block_hash:
                 continue
             h = seq.block_hashes[i]
             if h in self.hash_to_block:   # same content computed twice at once: keep the first
@@ -151,25 +194,25 @@ class BlockManager:
         child.block_hashes = list(parent.block_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_tokens = parent.num_cached_tokens
-        for block in child.block_table:
+        for block in held_blocks(child.block_table):
             self.ref_counts[block] += 1
 
     def free(self, seq: Sequence) -> None:
         # release in reverse so that a sequence's tail is evicted before its head
-        for block in reversed(seq.block_table):
+        for block in reversed(held_blocks(seq.block_table)):
             self._release(block)
         seq.block_table = []
         seq.num_computed_tokens = 0
 
     def retain(self, blocks: list[int]) -> None:
-        """Hold one more reference on blocks in use (a pin that outlives its sequence)."""
-        for block in blocks:
+        """Hold one more reference on blocks in use (a pin that outlives its sequence); FREED entries are skipped."""
+        for block in held_blocks(blocks):
             assert self.ref_counts[block] > 0, "only a block in use can be retained"
             self.ref_counts[block] += 1
 
     def release(self, blocks: list[int]) -> None:
         """Give back references taken with retain()."""
-        for block in reversed(blocks):
+        for block in reversed(held_blocks(blocks)):
             self._release(block)
 
     def take_pending_copies(self) -> list[tuple[int, int]]:

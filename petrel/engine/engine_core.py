@@ -58,11 +58,15 @@ class EngineCore:
         if model_len > model_config.max_position_embeddings:
             raise ValueError(f"max_model_len {model_len} exceeds the model's context length "
                              f"{model_config.max_position_embeddings}")
-        if model_len > num_blocks * bs:
+        window = self._freeing_window(config, model_config)
+        # with window freeing a sequence holds about window + one step's tokens at most, whatever its length
+        any_length_fits = window is not None and window + config.max_num_batched_tokens + 2 * bs <= num_blocks * bs
+        if model_len > num_blocks * bs and not any_length_fits:
             logger.warning("max_model_len %d lowered to %d: the KV cache holds no more", model_len, num_blocks * bs)
             model_len = num_blocks * bs
         self.max_model_len = model_len
-        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching, config.kv_cache_hash_seed)
+        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching, config.kv_cache_hash_seed,
+                                          sliding_window=window)
         self.pinned = PinnedPrompts(self.block_manager, config.kv_transfer_timeout)   # context-only prompts' KV
         self.lora_manager = None
         if config.enable_lora:
@@ -91,6 +95,23 @@ class EngineCore:
         self.last_stats: IterationStats | None = None
         self.num_draft_tokens = 0       # speculative decoding, since start: drafts verified, and accepted
         self.num_accepted_tokens = 0
+
+    @staticmethod
+    def _freeing_window(config: EngineConfig, model_config: ModelConfig) -> int | None:
+        """The sliding window behind which running sequences give their KV blocks back, or None."""
+        window = model_config.uniform_sliding_window
+        if window is None:
+            if any(w is not None for w in model_config.sliding_windows):
+                logger.info("sliding-window layers mixed with global ones: every KV block is kept")
+            return None
+        spec = config.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            # the draft model reads the same block tables, from its own (lagging) position, maybe without a window
+            logger.info("sliding window %d on every layer, but a draft model shares the block tables: "
+                        "every KV block is kept", window)
+            return None
+        logger.info("sliding window %d on every layer: KV blocks behind it are given back", window)
+        return window
 
     # ------------------------------------------------------------------ requests
     def validate(self, prompt_token_ids: list[int], params) -> None:
@@ -210,6 +231,8 @@ class EngineCore:
             rows = [step_logits.first_rows[r] for r in rows]
             outputs, num_generated, num_accepted = self._sample_and_append(seqs, rows, step_logits)
         num_draft = self._finish_verification(batch)
+        for seq in self.scheduler.running:     # forked children too: give back what fell behind the window
+            self.block_manager.free_behind_window(seq)
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += num_accepted
         self.iteration += 1

@@ -96,6 +96,12 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.core.max_model_len
 
+    @property
+    def kv_cache_tokens(self) -> int:
+        """Tokens the whole KV cache holds (below max_model_len when sliding-window blocks are given back)."""
+        bm = self.core.block_manager
+        return bm.num_blocks * bm.block_size
+
     # ------------------------------------------------------------------ caller side (any thread)
     def add_request(self, request_id, prompt_token_ids: list[int], params, sink: ChunkSink,
                     timeout: float | None = None, cache_salt: str | None = None, **request_options) -> None:

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from petrel.engine.block_manager import FREED
 from petrel.engine.scheduler import ScheduledBatch
 from petrel.engine.sequence import Sequence
 from petrel.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk, new_kv_cache
@@ -83,6 +84,14 @@ def num_kv_blocks(config, cfg: ModelConfig) -> int:
                                                         config.tensor_parallel_size)
 
 
+def _readable(block_table: list[int]) -> list[int]:
+    """The table with its FREED entries (blocks given back behind the sliding window, a prefix) pointing at block 0:
+    attention reads those columns masked at most (zero weight), so any valid block id will do."""
+    if block_table and block_table[0] == FREED:
+        return [max(b, 0) for b in block_table]
+    return block_table
+
+
 class ModelRunner:
     """The single-process model executor (and each tensor-parallel rank's: see petrel/distributed/runner.py)."""
 
@@ -123,7 +132,9 @@ class ModelRunner:
             row = len(input_ids)
             input_ids.extend(span.token_ids)
             positions.extend(range(start, end))
+            # new K/V never go to a FREED entry (a negative slot would fail index_copy_ loudly)
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            table = _readable(table)
             if n == 1:
                 assert not prefills, "single-token spans come first"
                 decode_tables.append(table)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from petrel.config import EngineConfig
+from petrel.engine.block_manager import held_blocks
 from petrel.engine.llm_engine import LLMEngine
 from petrel.executor.types import (AdditionalOutput, ExecutorConfig, FinishReason, LogitsPostProcessorConfig,
                                    Request, RequestStage, RequestStats, Response, Result)
@@ -354,6 +355,6 @@ def _request_stats(core) -> list[RequestStats]:
         stats.append(RequestStats(
             id=req.request_id, stage=stage, context_prefill_position=prefilled,
             num_generated_tokens=sum(s.num_output_tokens for s in req.seqs), num_sequences=len(live),
-            allocated_blocks=sum(len(s.block_table) for s in live),
+            allocated_blocks=sum(len(held_blocks(s.block_table)) for s in live),
             reused_blocks=max(s.num_cached_tokens for s in live) // bs, scheduled=running))
     return stats

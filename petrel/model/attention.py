@@ -7,8 +7,12 @@ table, so prefix-cache hits, chunked prefill and recomputation after preemption 
 
 Sliding-window attention (Mistral, Phi-3, some Qwen layers): with a window W, the query at position p sees only
 the keys at positions p-W+1 .. p. Decode groups and cached prefill chunks skip the leading blocks that no query
-of the call can see and mask the rest of the span; a one-shot prefill masks its fresh K/V. Blocks wholly behind
-the window stay allocated in the cache (the block manager knows nothing of windows); they are just never read.
+of the call can see and mask the rest of the span; a one-shot prefill masks its fresh K/V. When every layer has
+the same window, the block manager gives back a running sequence's blocks wholly behind it (free_behind_window)
+and the runner points their block-table entries at block 0: a cached prefill chunk never gathers them (they lie
+before its first visible block), and a decode group reads them only masked (zero weight) when another row of the
+group keeps those columns. With mixed layers (Gemma 3: local and global) every block is kept: the global layers
+read them all (a block pool per layer group would be needed).
 """
 from __future__ import annotations
 

@@ -86,6 +86,16 @@ class ModelConfig:
     def sliding_window(self, layer: int) -> int | None:
         return self.sliding_windows[layer] if self.sliding_windows else None
 
+    @property
+    def uniform_sliding_window(self) -> int | None:
+        """The window when every layer slides with the same one (Mistral, Phi-3, Qwen2 with every layer sliding),
+        else None. Only then can a sequence give back its KV blocks behind the window: with mixed layers (Gemma 3,
+        Qwen2 with max_window_layers) the global layers read every block."""
+        windows = self.sliding_windows
+        if windows and windows[0] is not None and all(w == windows[0] for w in windows):
+            return windows[0]
+        return None
+
     @classmethod
     def from_gguf_metadata(cls, meta: dict, has_output_tensor: bool) -> "ModelConfig":
         arch = meta["general.architecture"]
