@@ -22,7 +22,7 @@ run: install
 	$(VENV)/bin/petrel generate "$(PROMPT)" --max-tokens 128
 
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 stress: install             # minutes: 500 concurrent streams, then a 2,000-request fault soak (tests/stress)
 	$(PY) -m tests.stress.run

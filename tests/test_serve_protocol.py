@@ -39,8 +39,9 @@ class FakeEngine:
         bm = SimpleNamespace(num_used_blocks=3, num_blocks=10)
         sched = SimpleNamespace(running=[1], waiting=[], prefix_queried_tokens=10, prefix_hit_tokens=4,
                                 num_preemptions=0)
+        runner = SimpleNamespace(check_health=lambda: None)   # the model runner: its workers (if any) are alive
         self.core = SimpleNamespace(model_config=SimpleNamespace(vocab_size=49152), block_manager=bm, scheduler=sched,
-                                    num_draft_tokens=8, num_accepted_tokens=6)
+                                    runner=runner, num_draft_tokens=8, num_accepted_tokens=6)
         self.max_model_len = 64
         self._stopped = threading.Event()
         self._dead = None                        # LLMEngine's cause of a dead loop (None: alive)
