@@ -74,8 +74,7 @@ def hf_greedy(model, ids: list[int], n: int = 8) -> list[int]:
 def test_logits_match_merged_peft_model(setup):
     """Prefill (context logits) and paged decode (generation logits) equal peft's merged model within 1e-4."""
     _, _, refs, lora1, lora2, _ = setup
-    llm = _llm(setup)
-    try:
+    with _llm(setup) as llm:
         params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, return_context_logits=True,
                                 return_generation_logits=True)
         ids = prompt(0)
@@ -89,8 +88,6 @@ def test_logits_match_merged_peft_model(setup):
                                        atol=ATOL, rtol=ATOL)
         base = refs[None](torch.tensor([ids])).logits[0]
         assert (refs[1](torch.tensor([ids])).logits[0] - base).abs().max() > 1e-2    # the adapters do change outputs
-    finally:
-        llm.shutdown()
 
 
 def test_mixed_batch_matches_solo_and_hf(setup):
@@ -100,12 +97,11 @@ def test_mixed_batch_matches_solo_and_hf(setup):
     prompts = [prompt(10 + i, 9 + 5 * i) for i in range(6)]
     loras = [lora1, lora2, None, lora2, None, lora1]
     keys = [None if lr is None else lr.lora_int_id for lr in loras]
-    llm = _llm(setup)
-    manager = llm.engine.core.lora_manager
-    seen: list[set] = []
-    set_mapping = manager.mapping.set
-    manager.mapping.set = lambda slots, device: seen.append(set(slots)) or set_mapping(slots, device)
-    try:
+    with _llm(setup) as llm:
+        manager = llm.engine.core.lora_manager
+        seen: list[set] = []
+        set_mapping = manager.mapping.set
+        manager.mapping.set = lambda slots, device: seen.append(set(slots)) or set_mapping(slots, device)
         together = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
         assert {-1, 0, 1} in seen          # one forward held adapter 1, adapter 2 and base-model tokens
         mixed = llm.engine.call(lambda core: core.lora_manager.num_loads)
@@ -113,8 +109,6 @@ def test_mixed_batch_matches_solo_and_hf(setup):
         # decode steps while another prompt prefills, in one forward: staggered async requests
         futures = [llm.generate_async(p, GREEDY, lora_request=lr) for p, lr in zip(prompts, loras)]
         staggered = [f.result(timeout=60) for f in futures]
-    finally:
-        llm.shutdown()
     assert mixed == 2
     for i, (p, key) in enumerate(zip(prompts, keys)):
         expected = hf_greedy(refs[key], p)
@@ -128,8 +122,7 @@ def test_one_slot_two_adapters_alternating(setup):
     """max_loras=1: adapters alternate in the one slot (evicted and reloaded), outputs stay right; a batch of both
     runs them one adapter at a time."""
     _, _, refs, lora1, lora2, _ = setup
-    llm = _llm(setup, max_loras=1)
-    try:
+    with _llm(setup, max_loras=1) as llm:
         p = prompt(30)
         expected = {1: hf_greedy(refs[1], p), 2: hf_greedy(refs[2], p), None: hf_greedy(refs[None], p)}
         for lora in (lora1, lora2, lora1, None, lora2):
@@ -141,14 +134,11 @@ def test_one_slot_two_adapters_alternating(setup):
             assert out.outputs[0].token_ids == expected[lora.lora_int_id if lora else None]
         loads = llm.engine.call(lambda core: core.lora_manager.num_loads)
         assert loads >= 5
-    finally:
-        llm.shutdown()
 
 
 def test_prefix_cache_never_shared_across_adapters(setup):
     _, _, _, lora1, lora2, _ = setup
-    llm = _llm(setup)
-    try:
+    with _llm(setup) as llm:
         p = prompt(40, 50)
         first = llm.generate(p, GREEDY, use_tqdm=False, lora_request=lora1)
         assert first.num_cached_tokens == 0
@@ -158,14 +148,11 @@ def test_prefix_cache_never_shared_across_adapters(setup):
         assert again.num_cached_tokens > 0
         assert again.outputs[0].token_ids == first.outputs[0].token_ids
         assert llm.generate(p, GREEDY, use_tqdm=False, lora_request=lora2).num_cached_tokens > 0
-    finally:
-        llm.shutdown()
 
 
 def test_bad_adapters_are_clear_value_errors(setup, tmp_path):
     t, tok, _, lora1, _, root = setup
-    llm = _llm(setup, max_lora_rank=8)
-    try:
+    with _llm(setup, max_lora_rank=8) as llm:
         p = prompt(50)
         with pytest.raises(ValueError, match="adapter_config.json"):
             llm.generate(p, GREEDY, use_tqdm=False, lora_request=LoRARequest("x", 9, str(tmp_path / "missing")))
@@ -187,20 +174,15 @@ def test_bad_adapters_are_clear_value_errors(setup, tmp_path):
             LoRARequest("x", 0, str(root / "a1"))
         # the engine still serves after the refusals
         assert len(llm.generate(p, GREEDY, use_tqdm=False, lora_request=lora1).outputs[0].token_ids) == 8
-    finally:
-        llm.shutdown()
 
 
 def test_lora_request_without_enable_lora(setup):
     t, tok, _, lora1, _, _ = setup
-    llm = LLM(t.path, tokenizer=tok, kv_cache_memory=1 << 20)
-    try:
+    with LLM(t.path, tokenizer=tok, kv_cache_memory=1 << 20) as llm:
         with pytest.raises(ValueError, match="lora_request"):
             llm.generate(prompt(60), GREEDY, use_tqdm=False, lora_request=lora1)
         with pytest.raises(ValueError, match="lora_request"):
             llm.generate_async(prompt(60), GREEDY, lora_request=lora1)
-    finally:
-        llm.shutdown()
 
 
 def test_engine_options_validated():
@@ -216,8 +198,7 @@ def test_serve_lora_modules(setup):
     from fastapi.testclient import TestClient
     from petrel.serve.app import build_app
     t, _, _, lora1, lora2, _ = setup
-    llm = _llm(setup)
-    try:
+    with _llm(setup) as llm:
         with pytest.raises(ValueError, match="adapter_config.json"):
             build_app(llm, "base", lora_modules={"nope": "/nonexistent/adapter"})
         app = build_app(llm, "base", lora_modules={"a1": lora1.lora_path, "a2": lora2.lora_path})
@@ -254,8 +235,6 @@ def test_serve_lora_modules(setup):
                 assert chat.json()["choices"][0]["message"]["content"] == want
             r = client.post("/v1/completions", json={"model": "a3", "prompt": p, "max_tokens": 2})
             assert r.status_code == 404 and "`a1`" in r.json()["error"]["message"]
-    finally:
-        llm.shutdown()
 
 
 def test_serve_lora_arguments():
@@ -276,26 +255,20 @@ def test_speculative_decoding_with_adapters(setup, spec):
     """Drafts verified in the adapter's forward: greedy tokens unchanged (the 'self' draft runs the base model's
     first layers, which only lowers acceptance)."""
     _, _, refs, lora1, lora2, _ = setup
-    llm = _llm(setup, speculative_config=spec)
-    try:
+    with _llm(setup, speculative_config=spec) as llm:
         prompts = [prompt(80 + i, 12) * 2 for i in range(3)]     # repeats: the n-gram proposer finds drafts
         loras = [lora1, None, lora2]
         outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
         for p, lr, out in zip(prompts, loras, outs):
             assert out.outputs[0].token_ids == hf_greedy(refs[lr.lora_int_id if lr else None], p)
-    finally:
-        llm.shutdown()
 
 
 def test_parallel_sampling_keeps_the_adapter(setup):
     """n > 1 forks the prompt's sequence: every sample runs with the request's adapter."""
     _, _, refs, lora1, _, _ = setup
-    llm = _llm(setup)
-    try:
+    with _llm(setup) as llm:
         p = prompt(90)
         out = llm.generate(p, SamplingParams(n=3, temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False,
                            lora_request=lora1)
         expected = hf_greedy(refs[1], p)
         assert [co.token_ids for co in out.outputs] == [expected] * 3
-    finally:
-        llm.shutdown()
