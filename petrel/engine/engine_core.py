@@ -231,8 +231,9 @@ class EngineCore:
             rows = [step_logits.first_rows[r] for r in rows]
             outputs, num_generated, num_accepted = self._sample_and_append(seqs, rows, step_logits)
         num_draft = self._finish_verification(batch)
-        for seq in self.scheduler.running:     # forked children too: give back what fell behind the window
-            self.block_manager.free_behind_window(seq)
+        if self.block_manager.sliding_window is not None:   # forked children too: give back what fell behind it
+            for seq in self.scheduler.running:
+                self.block_manager.free_behind_window(seq)
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += num_accepted
         self.iteration += 1
