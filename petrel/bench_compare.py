@@ -197,35 +197,33 @@ class Compare:
         self.add("w3", "TPOT p50", engine, r["tpot_p50_s"] * 1000, "ms", note)
 
     # ---- petrel
+    @staticmethod
+    def petrel_bench(workloads: str, *options: str) -> tuple[dict, float]:
+        """`petrel bench --engines petrel` in its own process: its result document and the process's peak RSS."""
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "petrel.json")
+            _, peak = run_script([sys.executable, "-m", "petrel.bench", "--engines", "petrel", "--workloads",
+                                  workloads, *options, "--json", out])
+            with open(out) as f:
+                return json.load(f), peak
+
     def petrel(self, workloads: list[str]) -> None:
         batch = [w for w in ("w1", "w2") if w in workloads]
         if batch:
-            with tempfile.TemporaryDirectory() as tmp:
-                out = os.path.join(tmp, "petrel.json")
-                _, peak = run_script([sys.executable, "-m", "petrel.bench", "--engines", "petrel", "--workloads",
-                                      ",".join(batch), "--kv-cache-memory", f"{KV_GIB}G", "--json", out])
-                doc = json.load(open(out))
+            doc, peak = self.petrel_bench(",".join(batch), "--kv-cache-memory", f"{KV_GIB}G")
             self.raw["petrel_w1w2"] = doc
             for r in doc["results"]:
                 self._petrel_result(r)
             if "w2" in batch:
                 self.add("w2", "peak RSS (w1+w2 process)", "petrel", peak, "MiB", f"KV {KV_GIB} GiB")
         if "w1" in workloads:   # the GGUF's own Q4_1 blocks kept quantized: the same weights as llama.cpp's Q4_1 run
-            with tempfile.TemporaryDirectory() as tmp:
-                out = os.path.join(tmp, "petrel.json")
-                run_script([sys.executable, "-m", "petrel.bench", "--engines", "petrel", "--workloads", "w1",
-                            "--quantization", "gguf", "--json", out])
-                r = json.load(open(out))["results"][0]
+            r = self.petrel_bench("w1", "--quantization", "gguf")[0]["results"][0]
             self.raw["petrel_w1_gguf"] = r
             self.add("w1", "decode tok/s (Q4_1)", "petrel", r["decode_tok_s"] if r["valid"] else None, "tok/s",
                      "quantization='gguf'")
         if "w4" in workloads:
             for caching in (True, False):
-                with tempfile.TemporaryDirectory() as tmp:
-                    out = os.path.join(tmp, "petrel.json")
-                    run_script([sys.executable, "-m", "petrel.bench", "--engines", "petrel", "--workloads", "w4",
-                                "--json", out] + ([] if caching else ["--no-prefix-caching"]))
-                    doc = json.load(open(out))
+                doc = self.petrel_bench("w4", *([] if caching else ["--no-prefix-caching"]))[0]
                 self.raw[f"petrel_w4_{'cache' if caching else 'nocache'}"] = doc
                 r = doc["results"][0]
                 tag = "" if caching else " (prefix caching off)"
@@ -432,8 +430,8 @@ def run(args) -> dict:
         except Exception as e:  # noqa: BLE001 - one engine failing leaves the others' figures
             errors[engine] = repr(e)
             _log(f"{engine} FAILED: {e!r}")
-    if "w2" in workloads:
-        flops = w2_matmul_flops()
+    flops = w2_matmul_flops() if "w2" in workloads else None
+    if flops is not None:
         for r in [r for r in cmp.rows if r["workload"] == "w2" and r["metric"] == "wall"]:
             achieved = flops / r["value"] / 1e9
             cmp.add("w2", "matmul GFLOP/s (share of peak)", r["engine"], achieved, "GFLOP/s",
@@ -441,7 +439,7 @@ def run(args) -> dict:
     return {"meta": {"timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": platform.machine(),
                      "cpu_count": os.cpu_count(), "matmul_peak_gflops": peak, "engines": engines,
                      "missing": missing, "workloads": workloads, "errors": errors,
-                     "w2_matmul_tflop": w2_matmul_flops() / 1e12 if "w2" in workloads else None},
+                     "w2_matmul_tflop": flops / 1e12 if flops is not None else None},
             "rows": cmp.rows, "raw": cmp.raw, "table": ratio_table(cmp.rows, engines)}
 
 
