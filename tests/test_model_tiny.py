@@ -17,6 +17,7 @@ from petrel.engine.engine_core import EngineCore  # noqa: E402
 from petrel.engine.model_runner import ModelRunner, kv_bytes_per_block  # noqa: E402
 from petrel.engine.scheduler import ScheduledBatch  # noqa: E402
 from petrel.engine.sequence import EngineRequest, Sequence  # noqa: E402
+from petrel.model import dense_kernels  # noqa: E402
 from petrel.sampling_params import SamplingParams  # noqa: E402
 
 from tiny_llama import ATOL, LLAMA3_ROPE, RTOL, VARIANT_IDS, VARIANTS, VOCAB, Tiny, _tokens  # noqa: E402
@@ -67,6 +68,16 @@ class PagedDriver:
     def run_chunks(self, seq: Sequence, chunks: list[int]) -> torch.Tensor:
         assert sum(chunks) == seq.num_tokens
         return torch.cat([self.step([(seq, n)])[0] for n in chunks])
+
+
+@pytest.fixture(params=["native", "torch"])
+def kernels(request, monkeypatch):
+    """Run a test with petrel's float32 CPU kernels (decode attention, few-row products) and with its torch paths."""
+    if request.param == "torch":
+        monkeypatch.setattr(dense_kernels, "library", lambda: None)
+    elif dense_kernels.library() is None:
+        pytest.skip("petrel's float32 kernels cannot run here (no AVX2/FMA or no C compiler)")
+    return request.param
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str = ""):
@@ -128,7 +139,7 @@ def test_explicit_head_dim(tiny):
 # ---------------------------------------------------------------- 2. decode through the paged cache
 
 @pytest.mark.parametrize("kv_heads,tied", VARIANTS, ids=VARIANT_IDS)
-def test_step_by_step_decode_matches_transformers(tiny, kv_heads, tied):
+def test_step_by_step_decode_matches_transformers(tiny, kv_heads, tied, kernels):
     t = tiny(kv_heads, tied)
     drv = PagedDriver(t, block_size=4)
     tokens = _tokens(26, 10)            # 7 prompt tokens, then 19 one-token steps: 7 blocks of 4
@@ -138,7 +149,7 @@ def test_step_by_step_decode_matches_transformers(tiny, kv_heads, tied):
     assert_close(logits, t.hf_logits(tokens), "step-by-step decode")
 
 
-def test_decode_matches_transformers_kv_cache_generation(tiny):
+def test_decode_matches_transformers_kv_cache_generation(tiny, kernels):
     """Greedy decode: feed petrel's own argmax back, step by step, and compare with transformers' cached generate."""
     t = tiny(2, False)
     drv = PagedDriver(t, block_size=4)
@@ -167,7 +178,7 @@ def test_decode_matches_transformers_kv_cache_generation(tiny):
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
-def test_mixed_batch_matches_each_sequence_alone(tiny, kv_heads):
+def test_mixed_batch_matches_each_sequence_alone(tiny, kv_heads, kernels):
     """Decodes of sequences of different lengths share a step with a prefill; each matches its reference."""
     t = tiny(kv_heads, False)
     drv = PagedDriver(t, block_size=4)

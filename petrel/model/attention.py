@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from petrel.model import dense_kernels
+
 
 @dataclass
 class PrefillChunk:
@@ -70,6 +72,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
 
     out = torch.empty_like(q)
     for g in meta.decode_groups:
+        fast = dense_kernels.decode_attention(q[g.start:g.end], key_cache, value_cache, g.block_tables,
+                                              g.context_lens_t, scale, sliding_window)
+        if fast is not None:
+            out[g.start:g.end] = fast
+            continue
         tables, mask = g.block_tables, g.mask
         if sliding_window is not None and max(g.context_lens) > sliding_window:
             tables, mask = _windowed_decode_span(g, sliding_window, block_size)

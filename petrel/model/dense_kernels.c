@@ -1,0 +1,239 @@
+/* Dense float32 kernels for petrel on x86-64 CPUs (AVX2 + FMA), loaded with ctypes (petrel/model/native.py).
+ *
+ * f32_gemv: y = x W^T for a few rows of x (decode at small batches). torch's BLAS reaches about half of this
+ *   machine's memory bandwidth on these skinny products; here each thread streams its half of W's rows once per
+ *   four rows of x, several weight rows at a time so that enough FMAs are in flight.
+ * paged_decode_attention: one query token per sequence against its paged KV cache, read in place (no gather of the
+ *   blocks into a contiguous copy), with an online softmax a block at a time.
+ * rms_norm, rotary, silu_and_mul: the small per-layer operations, each one pass over its rows instead of the
+ *   five to eight torch operations (and their dispatch overhead, ~10 us each at one row) they replace.
+ * Work is split over nthreads OpenMP threads (torch's own runtime inside a torch process); the small operations
+ * stay on the calling thread unless there are many rows. */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* y[m][n] for MR rows of x and NR weight rows at a time, KS floats of k per iteration (8 or 16) */
+#define KER(MR, NR, KS) \
+static void f32_rows_##MR(const float *x, int64_t K, const float *W, float *y, int64_t N, int64_t n0, int64_t n1) { \
+    for (int64_t n = n0; n < n1; n += NR) { \
+        const int nr = n1 - n < NR ? (int)(n1 - n) : NR; \
+        __m256 acc[MR][NR][KS / 8]; \
+        for (int m = 0; m < MR; m++) for (int j = 0; j < NR; j++) for (int h = 0; h < KS / 8; h++) acc[m][j][h] = _mm256_setzero_ps(); \
+        if (nr == NR) { \
+            for (int64_t k = 0; k < K; k += KS) { \
+                for (int h = 0; h < KS / 8; h++) { \
+                    __m256 w[NR]; \
+                    for (int j = 0; j < NR; j++) w[j] = _mm256_loadu_ps(W + (n + j) * K + k + 8 * h); \
+                    for (int m = 0; m < MR; m++) { \
+                        __m256 xv = _mm256_loadu_ps(x + m * K + k + 8 * h); \
+                        for (int j = 0; j < NR; j++) acc[m][j][h] = _mm256_fmadd_ps(w[j], xv, acc[m][j][h]); \
+                    } \
+                } \
+            } \
+        } else { \
+            for (int j = 0; j < nr; j++) for (int64_t k = 0; k < K; k += 8) { \
+                __m256 w = _mm256_loadu_ps(W + (n + j) * K + k); \
+                for (int m = 0; m < MR; m++) acc[m][j][0] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * K + k), acc[m][j][0]); \
+            } \
+        } \
+        for (int m = 0; m < MR; m++) for (int j = 0; j < nr; j++) { \
+            __m256 t = acc[m][j][0]; \
+            for (int h = 1; h < KS / 8; h++) t = _mm256_add_ps(t, acc[m][j][h]); \
+            y[m * N + n + j] = hsum(t); \
+        } \
+    } \
+}
+KER(1, 4, 16) KER(2, 2, 16) KER(3, 2, 8) KER(4, 2, 8)
+/* y[M][N] = x[M][K] @ W[N][K]^T; K a multiple of 16 */
+void f32_gemv(const float *x, int64_t M, int64_t K, const float *W, float *y, int64_t N, int nthreads) {
+    #pragma omp parallel num_threads(nthreads)
+    {
+        int t = omp_get_thread_num(), T = omp_get_num_threads();
+        int64_t per = ((N + T - 1) / T + 7) / 8 * 8, n0 = t * per, n1 = n0 + per < N ? n0 + per : N;
+        for (int64_t m = 0; m < M && n0 < n1; m += 4) {
+            int64_t r = M - m < 4 ? M - m : 4;
+            if (r == 4) f32_rows_4(x + m * K, K, W, y + m * N, N, n0, n1);
+            else if (r == 3) f32_rows_3(x + m * K, K, W, y + m * N, N, n0, n1);
+            else if (r == 2) f32_rows_2(x + m * K, K, W, y + m * N, N, n0, n1);
+            else f32_rows_1(x + m * K, K, W, y + m * N, N, n0, n1);
+        }
+    }
+}
+
+/* e^x, relative error ~1e-7 (clamped to [-87, 88]): 2^n * e^r with |r| <= ln2/2, degree-6 polynomial */
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#define MAX_GD 8192   /* query heads per KV head x head_dim */
+#define MAX_BS 256
+/* One query token per sequence against its paged context, read in place.
+ * q, out [S][H][D]; key_cache, value_cache [num_blocks][bs][KVH][D]; tables [S][max_blocks]; context_lens [S].
+ * Query head h uses KV head h / (H / KVH). With window > 0 a row sees its last `window` positions only.
+ * D a multiple of 8. Online softmax a block at a time: the block's scores, one rescale of the running sums,
+ * then its values (accumulated in registers, 64 dims at a time). */
+void paged_decode_attention(const float *q, const float *key_cache, const float *value_cache,
+                            const int64_t *tables, int64_t max_blocks, const int64_t *context_lens,
+                            int64_t S, int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t window,
+                            float scale, float *out, int nthreads) {
+    const int64_t G = H / KVH, row = KVH * D;
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+    for (int64_t pair = 0; pair < S * KVH; pair++) {
+        const int64_t s = pair / KVH, kh = pair % KVH, len = context_lens[s];
+        const int64_t lo = window > 0 && len > window ? len - window : 0;
+        const float *qs = q + (s * H + kh * G) * D;
+        float acc[MAX_GD], m[64], l[64];
+        float p[MAX_BS + 8] __attribute__((aligned(32)));
+        for (int64_t i = 0; i < G * D; i++) acc[i] = 0.f;
+        for (int64_t g = 0; g < G; g++) { m[g] = -INFINITY; l[g] = 0.f; }
+        for (int64_t b = lo / bs; b * bs < len; b++) {
+            const int64_t block = tables[s * max_blocks + b];
+            const int64_t t0 = b * bs < lo ? lo - b * bs : 0, t1 = (b + 1) * bs <= len ? bs : len - b * bs;
+            const float *kb = key_cache + block * bs * row + kh * D, *vb = value_cache + block * bs * row + kh * D;
+            for (int64_t g = 0; g < G; g++) {
+                const float *qg = qs + g * D;
+                float mx = m[g];
+                __m256 vmax = _mm256_set1_ps(-INFINITY);
+                int64_t t = t0;
+                for (; t + 8 <= t1; t += 8) {     /* eight keys at once: eight sums reduced together */
+                    __m256 a[8];
+                    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+                    for (int64_t d = 0; d < D; d += 8) {
+                        const __m256 qv = _mm256_loadu_ps(qg + d);
+                        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kb + (t + j) * row + d), a[j]);
+                    }
+                    const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+                    const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+                    const __m256 sc = _mm256_mul_ps(_mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                                                                  _mm256_permute2f128_ps(s0123, s4567, 0x31)),
+                                                    _mm256_set1_ps(scale));
+                    _mm256_storeu_ps(p + t, sc);
+                    vmax = _mm256_max_ps(vmax, sc);
+                }
+                for (; t < t1; t++) {
+                    const float *k = kb + t * row;
+                    __m256 a0 = _mm256_setzero_ps();
+                    for (int64_t d = 0; d < D; d += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), _mm256_loadu_ps(k + d), a0);
+                    const float sc = hsum(a0) * scale;
+                    p[t] = sc;
+                    if (sc > mx) mx = sc;
+                }
+                {
+                    __m128 h = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+                    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+                    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+                    if (_mm_cvtss_f32(h) > mx) mx = _mm_cvtss_f32(h);
+                }
+                const float corr = expf(m[g] - mx);   /* 0 on the first block (m = -inf) */
+                const __m256 vmx = _mm256_set1_ps(mx);
+                __m256 vsum = _mm256_setzero_ps();
+                t = t0;
+                for (; t + 8 <= t1; t += 8) {
+                    __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(p + t), vmx));
+                    _mm256_storeu_ps(p + t, e);
+                    vsum = _mm256_add_ps(vsum, e);
+                }
+                float sum = hsum(vsum);
+                for (; t < t1; t++) { p[t] = expf(p[t] - mx); sum += p[t]; }
+                l[g] = l[g] * corr + sum;
+                m[g] = mx;
+                const __m256 c = _mm256_set1_ps(corr);
+                float *ag = acc + g * D;
+                for (int64_t d0 = 0; d0 < D; d0 += 64) {
+                    const int nv = D - d0 >= 64 ? 8 : (int)((D - d0) / 8);
+                    __m256 a[8];
+                    for (int j = 0; j < nv; j++) a[j] = _mm256_mul_ps(c, _mm256_loadu_ps(ag + d0 + 8 * j));
+                    for (int64_t u = t0; u < t1; u++) {
+                        const __m256 pv = _mm256_set1_ps(p[u]);
+                        const float *v = vb + u * row + d0;
+                        for (int j = 0; j < nv; j++) a[j] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 8 * j), a[j]);
+                    }
+                    for (int j = 0; j < nv; j++) _mm256_storeu_ps(ag + d0 + 8 * j, a[j]);
+                }
+            }
+        }
+        float *os = out + (s * H + kh * G) * D;
+        for (int64_t g = 0; g < G; g++) {
+            const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+            for (int64_t d = 0; d < D; d++) os[g * D + d] = acc[g * D + d] * inv;
+        }
+    }
+}
+
+#define PARALLEL_ELEMENTS 262144   /* below this many elements one thread is faster than waking the others */
+
+/* out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w for T rows of H floats (x rows `stride` floats apart) */
+void rms_norm(const float *x, int64_t T, int64_t H, int64_t stride, const float *w, float eps, float *out,
+              int nthreads) {
+    #pragma omp parallel for num_threads(nthreads) if (T * H >= PARALLEL_ELEMENTS)
+    for (int64_t t = 0; t < T; t++) {
+        const float *xt = x + t * stride;
+        float *ot = out + t * H;
+        __m256 a = _mm256_setzero_ps();
+        int64_t h = 0;
+        for (; h + 8 <= H; h += 8) { __m256 v = _mm256_loadu_ps(xt + h); a = _mm256_fmadd_ps(v, v, a); }
+        float ss = hsum(a);
+        for (; h < H; h++) ss += xt[h] * xt[h];
+        const float r = 1.f / sqrtf(ss / (float)H + eps);
+        const __m256 rv = _mm256_set1_ps(r);
+        for (h = 0; h + 8 <= H; h += 8)
+            _mm256_storeu_ps(ot + h, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xt + h), rv), _mm256_loadu_ps(w + h)));
+        for (; h < H; h++) ot[h] = xt[h] * r * w[h];
+    }
+}
+
+/* Rotate-half rotary embedding: out[t][h] = x[t][h] * cos[t] + rotate_half(x[t][h]) * sin[t], for T rows of
+ * `heads` heads of D floats (x rows `stride` floats apart, heads contiguous); cos, sin [T][D]; D a multiple of 16 */
+void rotary(const float *x, int64_t T, int64_t heads, int64_t D, int64_t stride, const float *cos_t,
+            const float *sin_t, float *out, int nthreads) {
+    const int64_t half = D / 2;
+    #pragma omp parallel for num_threads(nthreads) if (T * heads * D >= PARALLEL_ELEMENTS)
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos_t + t * D, *sn = sin_t + t * D;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *xh = x + t * stride + h * D;
+            float *oh = out + (t * heads + h) * D;
+            for (int64_t d = 0; d < half; d += 8) {
+                const __m256 lo = _mm256_loadu_ps(xh + d), hi = _mm256_loadu_ps(xh + half + d);
+                _mm256_storeu_ps(oh + d, _mm256_fnmadd_ps(hi, _mm256_loadu_ps(sn + d), _mm256_mul_ps(lo, _mm256_loadu_ps(c + d))));
+                _mm256_storeu_ps(oh + half + d, _mm256_fmadd_ps(lo, _mm256_loadu_ps(sn + half + d),
+                                                                _mm256_mul_ps(hi, _mm256_loadu_ps(c + half + d))));
+            }
+        }
+    }
+}
+
+/* out[t][i] = silu(x[t][i]) * x[t][I + i] for T rows of 2I floats; I a multiple of 8 */
+void silu_and_mul(const float *x, int64_t T, int64_t I, float *out, int nthreads) {
+    #pragma omp parallel for num_threads(nthreads) if (T * I >= PARALLEL_ELEMENTS)
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = x + t * 2 * I, *u = g + I;
+        float *o = out + t * I;
+        for (int64_t i = 0; i < I; i += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + i);
+            const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.f), e)),
+                                                  _mm256_loadu_ps(u + i)));
+        }
+    }
+}

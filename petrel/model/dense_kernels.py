@@ -1,0 +1,108 @@
+"""petrel's float32 CPU kernels (dense_kernels.c): a skinny matrix product for decode at small batches, paged
+decode attention that reads the KV blocks in place, and one-pass RMS norm, rotary embedding and SiLU-and-multiply.
+
+Each function here returns None when its kernel does not apply (not a CPU float32 tensor of a supported shape, or
+no kernels on this machine: see native.load; switch PETREL_DENSE_KERNELS=0); the caller then runs its torch path,
+which computes the same thing."""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from petrel.model import native
+
+_P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+SIGNATURES = {"f32_gemv": [_P, _I64, _I64, _P, _P, _I64, _I32],
+              "paged_decode_attention": [_P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _P, _I32],
+              "rms_norm": [_P, _I64, _I64, _I64, _P, _F32, _P, _I32],
+              "rotary": [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _I32],
+              "silu_and_mul": [_P, _I64, _I64, _P, _I32]}
+
+GEMV_MAX_ROWS = 8       # above this torch's GEMM reuses each weight across rows better than four rows at a time
+_MAX_GROUP, _MAX_GROUP_DIMS = 64, 8192   # query heads per KV head, and times head_dim (see dense_kernels.c)
+_MAX_BLOCK_SIZE = 256
+
+
+def library() -> ctypes.CDLL | None:
+    return native.load("dense_kernels.c", "PETREL_DENSE_KERNELS", "float32 decode kernels", SIGNATURES)
+
+
+def _is_cpu_f32(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """x [M, K] @ weight[N, K]^T for M <= GEMV_MAX_ROWS, or None."""
+    m, k = x.shape
+    if m > GEMV_MAX_ROWS or k % 16 or not _is_cpu_f32(x, weight) or not weight.is_contiguous():
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    x = x.contiguous()
+    y = torch.empty(m, weight.shape[0], dtype=torch.float32)
+    lib.f32_gemv(x.data_ptr(), m, k, weight.data_ptr(), y.data_ptr(), weight.shape[0], torch.get_num_threads())
+    return y
+
+
+def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, scale: float, sliding_window: int | None) -> torch.Tensor | None:
+    """One query per sequence against its paged context. q [S, heads, d]; key/value_cache [blocks, block_size,
+    kv_heads, d]; block_tables [S, width] int64; context_lens [S] int64 (this step's token included). Returns
+    [S, heads, d], or None."""
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    if (head_dim % 8 or num_heads % num_kv_heads or num_heads // num_kv_heads > _MAX_GROUP
+            or num_heads // num_kv_heads * head_dim > _MAX_GROUP_DIMS
+            or block_size > _MAX_BLOCK_SIZE or not _is_cpu_f32(q, key_cache, value_cache)
+            or not (key_cache.is_contiguous() and value_cache.is_contiguous())
+            or block_tables.dtype != torch.int64 or context_lens.dtype != torch.int64):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    q, block_tables, context_lens = q.contiguous(), block_tables.contiguous(), context_lens.contiguous()
+    out = torch.empty_like(q)
+    lib.paged_decode_attention(q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
+                               block_tables.shape[1], context_lens.data_ptr(), num_seqs, num_heads, num_kv_heads,
+                               head_dim, block_size, sliding_window or 0, scale, out.data_ptr(),
+                               torch.get_num_threads())
+    return out
+
+
+def _rows(x: torch.Tensor) -> bool:
+    """A CPU float32 matrix whose rows are contiguous (any row stride)."""
+    return x.dim() == 2 and x.stride(1) == 1 and _is_cpu_f32(x)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """x [T, H] -> x / sqrt(mean(x^2) + eps) * weight, or None."""
+    if not (_rows(x) and _is_cpu_f32(weight) and weight.is_contiguous()) or (lib := library()) is None:
+        return None
+    out = torch.empty(x.shape, dtype=torch.float32)
+    lib.rms_norm(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), weight.data_ptr(), eps, out.data_ptr(),
+                 torch.get_num_threads())
+    return out
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """x [T, heads, D] (heads contiguous, any row stride), cos/sin [T, 1, D] -> rotate-half rotary, or None."""
+    num_tokens, heads, dim = x.shape
+    if (dim % 16 or x.stride(2) != 1 or x.stride(1) != dim or not _is_cpu_f32(x, cos, sin)
+            or not (cos.is_contiguous() and sin.is_contiguous()) or cos.numel() != num_tokens * dim
+            or (lib := library()) is None):
+        return None
+    out = torch.empty(x.shape, dtype=torch.float32)
+    lib.rotary(x.data_ptr(), num_tokens, heads, dim, x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
+               torch.get_num_threads())
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
+    """x [T, 2I] (gate, up) -> silu(gate) * up [T, I], or None."""
+    if not (_rows(x) and x.is_contiguous()) or x.shape[1] % 16 or (lib := library()) is None:
+        return None
+    out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=torch.float32)
+    lib.silu_and_mul(x.data_ptr(), x.shape[0], x.shape[1] // 2, out.data_ptr(), torch.get_num_threads())
+    return out

@@ -1,0 +1,139 @@
+"""petrel's float32 CPU kernels (petrel/model/dense_kernels.c) against the torch computations they replace.
+
+The few-row product must equal x @ W^T, and paged decode attention must equal the torch path (gathered blocks +
+masked SDPA, itself checked against transformers in test_model_tiny) for GQA/MHA, head sizes up to 256, partial
+last blocks, padded block tables, scrambled blocks and sliding windows. The engine-level tests of test_model_tiny
+run with the kernels on and off."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from petrel.model import dense_kernels
+from petrel.model.attention import _decode_attention
+from petrel.model.layers import Linear, RMSNorm, RotaryEmbedding, silu_and_mul
+
+pytestmark = pytest.mark.skipif(dense_kernels.library() is None,
+                                reason="petrel's float32 kernels cannot run here (no AVX2/FMA or no C compiler)")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (37, 16), (1001, 576)])
+def test_few_row_product_equals_matmul(rows, out_features, in_features):
+    g = torch.Generator().manual_seed(rows * 1000 + out_features)
+    x = torch.randn(rows, in_features, generator=g)
+    w = torch.randn(out_features, in_features, generator=g)
+    got = dense_kernels.linear(x, w)
+    assert got is not None and got.shape == (rows, out_features)
+    torch.testing.assert_close(got, x @ w.t(), atol=1e-4, rtol=1e-5)
+
+
+def test_linear_layer_uses_the_kernel_with_bias_and_falls_back():
+    layer = Linear(64, 40, bias=True)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), atol=1e-4, rtol=1e-5)
+    assert dense_kernels.linear(torch.randn(dense_kernels.GEMV_MAX_ROWS + 1, 64), layer.weight) is None  # many rows
+    assert dense_kernels.linear(torch.randn(2, 24), torch.randn(5, 24)) is None          # K not a multiple of 16
+    assert dense_kernels.linear(torch.randn(2, 64).double(), layer.weight.double()) is None
+
+
+def _paged_case(num_seqs, heads, kv_heads, head_dim, block_size, lens, seed):
+    g = torch.Generator().manual_seed(seed)
+    blocks_needed = [math.ceil(n / block_size) for n in lens]
+    num_blocks = sum(blocks_needed) + 5
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g)
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    width = max(blocks_needed) + 1                     # one padding column past the longest sequence
+    tables = torch.zeros(num_seqs, width, dtype=torch.int64)
+    for s, n in enumerate(blocks_needed):
+        tables[s, :n] = torch.tensor([order.pop() for _ in range(n)])
+    q = torch.randn(num_seqs, heads, head_dim, generator=g)
+    return q, cache, tables, torch.tensor(lens, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,window", [
+    (9, 3, 64, 16, None),      # SmolLM2's shape
+    (4, 1, 256, 16, None),     # Gemma 3 270M's
+    (4, 1, 256, 16, 20),       # ... with a local layer's window
+    (8, 8, 40, 4, None),       # MHA, head_dim not a multiple of 16
+    (6, 2, 32, 1, 7),          # one token a block
+    (12, 4, 64, 32, None),
+])
+def test_paged_decode_attention_equals_torch_path(heads, kv_heads, head_dim, block_size, window):
+    lens = [1, 5, block_size, block_size + 1, 3 * block_size - 1, 70, 133]
+    q, cache, tables, lens_t = _paged_case(len(lens), heads, kv_heads, head_dim, block_size, lens, seed=heads + head_dim)
+    scale = head_dim ** -0.5
+    got = dense_kernels.decode_attention(q, cache[0], cache[1], tables, lens_t, scale, window)
+    assert got is not None
+    span = torch.arange(tables.shape[1] * block_size).unsqueeze(0)
+    mask = span < lens_t.unsqueeze(1)
+    if window is not None:
+        mask &= span >= (lens_t - window).unsqueeze(1)
+    expected = _decode_attention(q, cache[0], cache[1], tables, mask, scale)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+
+
+def test_decode_attention_never_reads_behind_the_window_or_past_the_context():
+    """Blocks wholly behind the window (given back, their FREED entries read as block 0) and the table's padding
+    must not matter: filling them with NaN leaves the result unchanged."""
+    block_size, window, lens = 4, 8, [30, 9, 17]
+    q, cache, tables, lens_t = _paged_case(3, 4, 2, 32, block_size, lens, seed=3)
+    used = {b for s, n in enumerate(lens) for b in tables[s, :math.ceil(n / block_size)].tolist()}
+    spare = next(b for b in range(cache.shape[1]) if b not in used)
+    unseen = [spare]
+    for s, n in enumerate(lens):
+        held = math.ceil(n / block_size)
+        tables[s, held:] = spare
+        unseen += tables[s, :(n - window) // block_size].tolist()
+    clean = dense_kernels.decode_attention(q, cache[0], cache[1], tables, lens_t, 0.2, window)
+    cache[:, unseen] = float("nan")
+    got = dense_kernels.decode_attention(q, cache[0], cache[1], tables, lens_t, 0.2, window)
+    assert len(unseen) > 4 and not got.isnan().any()
+    torch.testing.assert_close(got, clean)
+
+
+def test_decode_attention_declines_what_it_does_not_cover():
+    q, cache, tables, lens_t = _paged_case(2, 4, 2, 32, 4, [5, 9], seed=4)
+    assert dense_kernels.decode_attention(q.bfloat16(), cache[0].bfloat16(), cache[1].bfloat16(), tables, lens_t,
+                                          1.0, None) is None
+    assert dense_kernels.decode_attention(q, cache[0], cache[1], tables.int(), lens_t, 1.0, None) is None
+    q12, cache12, tables12, lens12 = _paged_case(2, 4, 2, 12, 4, [5, 9], seed=5)      # head_dim not a multiple of 8
+    assert dense_kernels.decode_attention(q12, cache12[0], cache12[1], tables12, lens12, 1.0, None) is None
+
+
+@pytest.mark.parametrize("rows", [1, 3, 700])          # 700 x 576 rows run on several threads
+def test_rms_norm_equals_torch(rows):
+    g = torch.Generator().manual_seed(rows)
+    wide = torch.randn(rows, 600, generator=g) * 3
+    x = wide[:, :576]                                   # rows 600 floats apart
+    w = torch.randn(576, generator=g)
+    got = dense_kernels.rms_norm(x, w, 1e-5)
+    expected = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    layer = RMSNorm(576, 1e-5)
+    layer.weight.data.copy_(w)
+    torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows,head_dim", [(1, 64), (5, 256), (600, 32)])
+def test_rotary_equals_torch(rows, head_dim):
+    rope = RotaryEmbedding(head_dim, 4096, 10_000.0)
+    g = torch.Generator().manual_seed(head_dim)
+    qkv = torch.randn(rows, 15 * head_dim, generator=g)
+    qk = qkv[:, :12 * head_dim].view(rows, 12, head_dim)   # queries and keys of a fused qkv row, as the model has them
+    cos, sin = rope.for_positions(torch.randint(0, 4096, (rows,), generator=g), torch.float32)
+    got = dense_kernels.rotary(qk, cos, sin)
+    half = head_dim // 2
+    expected = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 300])
+def test_silu_and_mul_equals_torch(rows):
+    x = torch.randn(rows, 2 * 1536, generator=torch.Generator().manual_seed(rows)) * 8   # large |x|: exp's range
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -88.5])
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(dense_kernels.silu_and_mul(x), torch.nn.functional.silu(gate) * up, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(silu_and_mul(x), torch.nn.functional.silu(gate) * up, atol=1e-5, rtol=1e-5)
