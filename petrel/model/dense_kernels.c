@@ -1,8 +1,8 @@
 /* Dense float32 kernels for petrel on x86-64 CPUs (AVX2 + FMA), loaded with ctypes (petrel/model/native.py).
  *
  * f32_gemv: y = x W^T for a few rows of x (decode at small batches). torch's BLAS reaches about half of this
- *   machine's memory bandwidth on these skinny products; here each thread streams its half of W's rows once per
- *   four rows of x, several weight rows at a time so that enough FMAs are in flight.
+ *   machine's memory bandwidth on these skinny products; here each thread streams its share of W's rows once,
+ *   several weight rows at a time so that enough FMAs are in flight.
  * paged_decode_attention: one query token per sequence against its paged KV cache, read in place (no gather of the
  *   blocks into a contiguous copy), with an online softmax a block at a time.
  * rms_norm, rotary, silu_and_mul: the small per-layer operations, each one pass over its rows instead of the
@@ -52,19 +52,23 @@ static void f32_rows_##MR(const float *x, int64_t K, const float *W, float *y, i
         } \
     } \
 }
-KER(1, 4, 16) KER(2, 2, 16) KER(3, 2, 8) KER(4, 2, 8)
-/* y[M][N] = x[M][K] @ W[N][K]^T; K a multiple of 16 */
+KER(1, 4, 16) KER(2, 2, 16) KER(3, 3, 8) KER(4, 3, 8)
+/* y[M][N] = x[M][K] @ W[N][K]^T; K a multiple of 16. Each thread walks its weight rows in tiles of 12; a tile
+ * stays in L1 or L2 while every group of four x rows passes over it, so W is read from memory once for any M. */
 void f32_gemv(const float *x, int64_t M, int64_t K, const float *W, float *y, int64_t N, int nthreads) {
     #pragma omp parallel num_threads(nthreads)
     {
         int t = omp_get_thread_num(), T = omp_get_num_threads();
         int64_t per = ((N + T - 1) / T + 7) / 8 * 8, n0 = t * per, n1 = n0 + per < N ? n0 + per : N;
-        for (int64_t m = 0; m < M && n0 < n1; m += 4) {
-            int64_t r = M - m < 4 ? M - m : 4;
-            if (r == 4) f32_rows_4(x + m * K, K, W, y + m * N, N, n0, n1);
-            else if (r == 3) f32_rows_3(x + m * K, K, W, y + m * N, N, n0, n1);
-            else if (r == 2) f32_rows_2(x + m * K, K, W, y + m * N, N, n0, n1);
-            else f32_rows_1(x + m * K, K, W, y + m * N, N, n0, n1);
+        for (int64_t n = n0; n < n1; n += 12) {
+            const int64_t ne = n + 12 < n1 ? n + 12 : n1;
+            for (int64_t m = 0; m < M; m += 4) {
+                int64_t r = M - m < 4 ? M - m : 4;
+                if (r == 4) f32_rows_4(x + m * K, K, W, y + m * N, N, n, ne);
+                else if (r == 3) f32_rows_3(x + m * K, K, W, y + m * N, N, n, ne);
+                else if (r == 2) f32_rows_2(x + m * K, K, W, y + m * N, N, n, ne);
+                else f32_rows_1(x + m * K, K, W, y + m * N, N, n, ne);
+            }
         }
     }
 }
