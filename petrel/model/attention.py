@@ -1,4 +1,5 @@
-"""Paged attention over a block-structured KV cache, in portable PyTorch (CPU or any device).
+"""Paged attention over a block-structured KV cache, in portable PyTorch (CPU or any device); on x86-64 CPUs in
+float32, decode rows go to petrel's C kernel instead (dense_kernels.decode_attention: blocks read in place).
 
 A step's tokens arrive as one flat batch. Decode tokens (one query per sequence) come first, sorted by
 context length and attended in a few batched calls (groups of similar lengths, so little padding is read);
