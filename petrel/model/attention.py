@@ -17,6 +17,8 @@ read them all (a block pool per layer group would be needed).
 """
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass, field
 
 import torch
@@ -54,8 +56,15 @@ class AttentionMetadata:
 
 def new_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """One layer's cache: [2 (key, value), num_blocks, block_size, kv_heads, head_dim]."""
-    return torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    """One layer's cache: [2 (key, value), num_blocks, block_size, kv_heads, head_dim], all zeros.
+
+    On CPU the memory is an anonymous mapping: the OS hands out zero pages on first write, so the process holds
+    only the blocks it has used (torch.zeros would touch the whole budget up front)."""
+    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)   # the tensor keeps the mapping
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
