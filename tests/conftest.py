@@ -15,15 +15,29 @@ def llm():
     engine.shutdown()
 
 
+def load_hf_gguf(path: str, tokenizer: bool = False):
+    """(model, tokenizer or None): transformers' own loading of a GGUF file, float32, with the metadata parsed once.
+
+    transformers builds a fresh gguf.GGUFReader for the config, the tokenizer and the weights, and each one walks
+    the whole vocabulary in Python (~10 s for Gemma 3's 262k tokens). The reader is read-only, so one instance
+    serves all three; the loading itself (field conversion, dequantization, renames) is still transformers'."""
+    import functools
+
+    import gguf
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    folder, name = os.path.dirname(path), os.path.basename(path)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", functools.lru_cache(maxsize=1)(gguf.GGUFReader))
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name) if tokenizer else None
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    return model.eval(), tok
+
+
 @pytest.fixture(scope="session")
 def hf_model():
     """The transformers oracle: the same GGUF, dequantized by transformers' own loader."""
-    from transformers import AutoModelForCausalLM
     from petrel.model.loader import default_model_path
-    path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                 dtype=torch.float32)
-    return model.eval()
+    return load_hf_gguf(default_model_path())[0]
 
 
 def free_blocks(llm) -> int:

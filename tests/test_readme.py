@@ -27,8 +27,12 @@ README = (ROOT / "README.md").read_text()
 BLOCKS = re.findall(r"```(\w*)\n(.*?)```", README, flags=re.S)
 PYTHON = [code for lang, code in BLOCKS if lang == "python"]
 SHELL = [code for lang, code in BLOCKS if lang == ""]
-# a command that would run for minutes gets the smoke size of the same command
-SMALLER = {"petrel bench": ["--quick", "--engines", "petrel"], "petrel bench serve": ["--quick"],
+# a command that would run for minutes gets the smoke size of the same command (a repeated option: the last wins).
+# Only that each command runs is checked here; what they compute is tested in-process elsewhere: `petrel bench`
+# on w1,w2,w4 in tests/test_bench_smoke.py, the serve sweep's JSON and plot in tests/test_serve_e2e.py
+SMALLER = {"petrel generate": ["--max-tokens", "16"],
+           "petrel bench": ["--quick", "--engines", "petrel", "--workloads", "w4"],
+           "petrel bench serve": ["--quick", "--num-prompts", "4", "--max-tokens", "4"],
            "petrel bench compare": ["--engines", "petrel", "--workloads", "startup"]}
 
 
