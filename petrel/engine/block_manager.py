@@ -7,6 +7,12 @@ Sliding window: when every layer of the model attends to the same last W positio
 back each block that no future query can see (free_behind_window). Its block-table entry becomes FREED, so the
 table keeps its positional layout (position p lives in block_table[p // block_size]); the freed entries always
 form a prefix of the table, and free / fork / retain / prefix-cache publishing skip them.
+
+KV groups (petrel/engine/kv_groups.py): a model mixing sliding-window and global layers has one block table per
+group of layers (seq.block_tables; seq.block_table is group 0's), all drawing from this one pool. The tables keep
+the same positional layout; only a sliding group's table frees behind its window. Each allocation covers every
+group, and the prefix cache keys a block by (group, hash): a hit counts only as far as every group holds what its
+layers will read (a global group all blocks of the hit, a sliding group those its window still sees).
 """
 from __future__ import annotations
 
@@ -29,18 +35,26 @@ def held_blocks(block_table: list[int]) -> list[int]:
     return block_table[num_freed_blocks(block_table):]
 
 
+def _cache_key(group: int, block_hash: bytes):
+    """A block's prefix-cache key: group 0's is the hash itself, another group's the pair (the same tokens have a
+    block in every group, each holding its own layers' KV)."""
+    return block_hash if group == 0 else (group, block_hash)
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 hash_seed: str = "", watermark: float = 0.01, sliding_window: int | None = None):
+                 hash_seed: str = "", watermark: float = 0.01, sliding_window: int | None = None,
+                 group_windows: list[int | None] | None = None):
         """sliding_window: the window of every layer of the model (None: some layer sees all positions); with
-        one, free_behind_window gives back the blocks behind it."""
+        one, free_behind_window gives back the blocks behind it. group_windows: instead, one window per KV group
+        (a block table per group; see petrel/engine/kv_groups.py)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one slot, got {num_blocks} x {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_seed = hash_seed
-        self.sliding_window = sliding_window
+        self.windows: list[int | None] = list(group_windows) if group_windows is not None else [sliding_window]
         self.watermark_blocks = int(watermark * num_blocks)
         self.ref_counts = [0] * num_blocks
         self.free_blocks: deque[int] = deque(range(num_blocks))
@@ -49,6 +63,33 @@ class BlockManager:
         self.block_hash: dict[int, bytes] = {}
         self.block_tokens: dict[int, tuple[int, ...]] = {}
         self.pending_copies: list[tuple[int, int]] = []          # (src, dst) copy-on-write, for the runner
+
+    # ------------------------------------------------------------------ groups
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The window of a one-group manager (None with several groups, or none)."""
+        return self.windows[0] if self.num_groups == 1 else None
+
+    @sliding_window.setter
+    def sliding_window(self, window: int | None) -> None:
+        """Set every group's window (None: nothing is given back; the tables stay per group)."""
+        self.windows = [window] * self.num_groups
+
+    @property
+    def frees_blocks(self) -> bool:
+        """Whether some group gives back blocks behind a window."""
+        return any(w is not None for w in self.windows)
+
+    def _tables(self, seq: Sequence) -> list[list[int]]:
+        """The sequence's tables, one per group (a sequence that holds nothing gets empty ones)."""
+        if len(seq.block_tables) != self.num_groups:
+            assert not any(seq.block_tables), "a sequence's tables belong to another block manager"
+            seq.block_tables = [[] for _ in range(self.num_groups)]
+        return seq.block_tables
 
     # ------------------------------------------------------------------ counts
     @property
@@ -109,25 +150,51 @@ class BlockManager:
 
     def match_prefix(self, seq: Sequence) -> None:
         """On admission: take the longest chain of cached full blocks of the prompt (never all of it:
-        at least one token is left to compute, so the step yields logits)."""
-        assert not seq.block_table and seq.num_computed_tokens == 0
+        at least one token is left to compute, so the step yields logits). With a window, a group needs only
+        the blocks its window sees from the end of the hit; the ones behind it are entered FREED."""
+        tables = self._tables(seq)
+        assert not any(tables) and seq.num_computed_tokens == 0
         if not self.enable_prefix_caching or seq.params.needs_context_outputs:
             return
-        max_blocks = (seq.num_tokens - 1) // self.block_size
+        bs = self.block_size
+        max_blocks = (seq.num_tokens - 1) // bs
         self._extend_hashes(seq, max_blocks)
-        for i in range(max_blocks):
-            block = self.hash_to_block.get(seq.block_hashes[i])
-            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-            if block is None or self.block_tokens.get(block) != tokens:
-                break
-            if self.ref_counts[block] == 0:
-                self.evictable.pop(block)
-            self.ref_counts[block] += 1
-            seq.block_table.append(block)
-        seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        found: dict[tuple[int, int], int | None] = {}
+
+        def cached(g: int, i: int) -> int | None:    # group g's cached block for prompt block i, looked up once
+            if (g, i) not in found:
+                block = self.hash_to_block.get(_cache_key(g, seq.block_hashes[i]))
+                tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+                found[g, i] = block if block is not None and self.block_tokens.get(block) == tokens else None
+            return found[g, i]
+
+        hit, settled = max_blocks, False
+        while not settled:        # shorten the hit until every group holds the blocks it reads of it
+            settled = True
+            for g in range(len(tables)):
+                first = self._first_needed(g, hit)
+                missing = next((i for i in range(first, hit) if cached(g, i) is None), None) if self.windows[g] is None \
+                    else next((i for i in reversed(range(first, hit)) if cached(g, i) is None), None)
+                if missing is not None:
+                    hit, settled = missing, False
+        for g, table in enumerate(tables):
+            first = self._first_needed(g, hit)
+            table.extend([FREED] * first)
+            for block in (cached(g, i) for i in range(first, hit)):
+                if self.ref_counts[block] == 0:
+                    self.evictable.pop(block)
+                self.ref_counts[block] += 1
+                table.append(block)
+        seq.num_computed_tokens = hit * bs
         # after a preemption the chain can run into the sequence's own output: report prompt tokens only
         seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
-        self.free_behind_window(seq)      # a long hit need not hold the blocks behind the window
+
+    def _first_needed(self, group: int, num_blocks: int) -> int:
+        """The first block a group still reads once num_blocks full blocks are computed (0 without a window)."""
+        window = self.windows[group]
+        if window is None:
+            return 0
+        return max(0, min((num_blocks * self.block_size - window) // self.block_size, num_blocks))
 
     def free_behind_window(self, seq: Sequence) -> int:
         """Give back the sequence's blocks that every future query has behind its sliding window; returns how many.
@@ -139,69 +206,77 @@ class BlockManager:
         (its contents are still valid for other prompts). A context-only request keeps its whole prompt: the
         decode instance fetches all of it.
         """
-        window = self.sliding_window
-        if window is None or seq.request.context_only:
+        if seq.request.context_only:
             return 0
-        table = seq.block_table
-        end = min((seq.num_computed_tokens - window) // self.block_size, len(table))
-        start = num_freed_blocks(table)
-        for i in range(start, end):       # oldest first, so the oldest is evicted first
-            self._release(table[i])
-            table[i] = FREED
-        return max(0, end - start)
+        given_back = 0
+        for window, table in zip(self.windows, self._tables(seq)):
+            if window is None:
+                continue
+            end = min((seq.num_computed_tokens - window) // self.block_size, len(table))
+            start = num_freed_blocks(table)
+            for i in range(start, end):       # oldest first, so the oldest is evicted first
+                self._release(table[i])
+                table[i] = FREED
+            given_back += max(0, end - start)
+        return given_back
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, admitting: bool = False) -> bool:
-        """Make room for the next num_new_tokens KV entries; False (and nothing changed) if it cannot."""
+        """Make room for the next num_new_tokens KV entries in every group; False (and nothing changed) if it cannot."""
         bs = self.block_size
-        needed = -(-(seq.num_computed_tokens + num_new_tokens) // bs) - len(seq.block_table)
+        tables = self._tables(seq)
+        needed = max(-(-(seq.num_computed_tokens + num_new_tokens) // bs) - len(tables[0]), 0)
         first = seq.num_computed_tokens // bs
-        copy_on_write = (seq.num_computed_tokens % bs != 0 and first < len(seq.block_table)
-                         and self.ref_counts[seq.block_table[first]] > 1)
+        copy_on_write = [g for g, table in enumerate(tables)     # a shared partial block is written next
+                         if seq.num_computed_tokens % bs != 0 and first < len(table) and self.ref_counts[table[first]] > 1]
         reserve = self.watermark_blocks if admitting else 0
-        if max(needed, 0) + copy_on_write > self.num_free_blocks - reserve:
+        if needed * len(tables) + len(copy_on_write) > self.num_free_blocks - reserve:
             return False
-        if copy_on_write:
-            shared = seq.block_table[first]
+        for g in copy_on_write:
+            shared = tables[g][first]
             fresh = self._take_block()
             self.pending_copies.append((shared, fresh))
-            seq.block_table[first] = fresh
+            tables[g][first] = fresh
             self._release(shared)
-        for _ in range(needed):
-            seq.block_table.append(self._take_block())
+        for table in tables:
+            for _ in range(needed):
+                table.append(self._take_block())
         return True
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
-        """Publish the sequence's full, computed blocks in the prefix cache."""
+        """Publish the sequence's full, computed blocks in the prefix cache (every group's)."""
         if not self.enable_prefix_caching:
             return
         num_full = seq.num_computed_tokens // self.block_size
         self._extend_hashes(seq, num_full)
         bs = self.block_size
-        for i in range(num_full):
-            block = seq.block_table[i]
-            if block == FREED or block in self.block_hash:
-                continue
-            h = seq.block_hashes[i]
-            if h in self.hash_to_block:   # same content computed twice at once: keep the first
-                continue
-            self.block_hash[block] = h
-            self.hash_to_block[h] = block
-            self.block_tokens[block] = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+        for g, table in enumerate(self._tables(seq)):
+            for i in range(num_freed_blocks(table), num_full):
+                block = table[i]
+                if block in self.block_hash:
+                    continue
+                key = _cache_key(g, seq.block_hashes[i])
+                if key in self.hash_to_block:   # same content computed twice at once: keep the first
+                    continue
+                self.block_hash[block] = key
+                self.hash_to_block[key] = block
+                self.block_tokens[block] = tuple(seq.token_ids[i * bs:(i + 1) * bs])
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares all of the parent's blocks; a shared partial block is copied on first write."""
-        child.block_table = list(parent.block_table)
+        child.block_tables = [list(table) for table in self._tables(parent)]
         child.block_hashes = list(parent.block_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_tokens = parent.num_cached_tokens
-        for block in held_blocks(child.block_table):
-            self.ref_counts[block] += 1
+        for table in child.block_tables:
+            for block in held_blocks(table):
+                self.ref_counts[block] += 1
 
     def free(self, seq: Sequence) -> None:
         # release in reverse so that a sequence's tail is evicted before its head
-        for block in reversed(held_blocks(seq.block_table)):
-            self._release(block)
-        seq.block_table = []
+        for table in seq.block_tables:
+            for block in reversed(held_blocks(table)):
+                self._release(block)
+        seq.block_tables = [[] for _ in range(self.num_groups)]
         seq.num_computed_tokens = 0
 
     def retain(self, blocks: list[int]) -> None:

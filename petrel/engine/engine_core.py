@@ -9,6 +9,7 @@ import torch
 
 from petrel.config import EngineConfig
 from petrel.engine.block_manager import BlockManager
+from petrel.engine.kv_groups import KVGroups, single_group, split_by_window
 from petrel.engine.model_runner import ModelRunner, num_kv_blocks
 from petrel.engine.output_processor import EngineOutput
 from petrel.engine.beam_search import BeamSearch, Hypothesis
@@ -51,22 +52,21 @@ class EngineCore:
         self.config = config
         self.model_config = model_config
         bs = config.block_size
-        num_blocks = num_kv_blocks(config, model_config)
+        self.kv_groups = self._kv_groups(config, model_config)
+        num_blocks = num_kv_blocks(config, model_config, self.kv_groups.layers_per_block)
         if num_blocks < 2:
             raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes holds fewer than 2 blocks of {bs} tokens")
         model_len = config.max_model_len or model_config.max_position_embeddings
         if model_len > model_config.max_position_embeddings:
             raise ValueError(f"max_model_len {model_len} exceeds the model's context length "
                              f"{model_config.max_position_embeddings}")
-        window = self._freeing_window(config, model_config)
-        # with window freeing a sequence holds about window + one step's tokens at most, whatever its length
-        any_length_fits = window is not None and window + config.max_num_batched_tokens + 2 * bs <= num_blocks * bs
-        if model_len > num_blocks * bs and not any_length_fits:
-            logger.warning("max_model_len %d lowered to %d: the KV cache holds no more", model_len, num_blocks * bs)
-            model_len = num_blocks * bs
+        held = max_tokens_held(self.kv_groups.windows, num_blocks, bs, config.max_num_batched_tokens)
+        if held is not None and model_len > held:
+            logger.warning("max_model_len %d lowered to %d: the KV cache holds no more", model_len, held)
+            model_len = held
         self.max_model_len = model_len
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching, config.kv_cache_hash_seed,
-                                          sliding_window=window)
+                                          group_windows=list(self.kv_groups.windows))
         self.pinned = PinnedPrompts(self.block_manager, config.kv_transfer_timeout)   # context-only prompts' KV
         self.lora_manager = None
         if config.enable_lora:
@@ -76,7 +76,7 @@ class EngineCore:
                                    config.enable_chunked_prefill, config.max_loras if config.enable_lora else None)
         if workers is None:
             self.runner = ModelRunner(model, model_config, num_blocks, bs, config.torch_dtype, config.device,
-                                      self.lora_manager)
+                                      self.lora_manager, kv_groups=self.kv_groups)
         else:
             from petrel.distributed.runner import TensorParallelRunner
             self.runner = TensorParallelRunner(workers, model, model_config, num_blocks, bs, config.torch_dtype,
@@ -97,21 +97,30 @@ class EngineCore:
         self.num_accepted_tokens = 0
 
     @staticmethod
-    def _freeing_window(config: EngineConfig, model_config: ModelConfig) -> int | None:
-        """The sliding window behind which running sequences give their KV blocks back, or None."""
-        window = model_config.uniform_sliding_window
-        if window is None:
-            if any(w is not None for w in model_config.sliding_windows):
-                logger.info("sliding-window layers mixed with global ones: every KV block is kept")
-            return None
+    def _kv_groups(config: EngineConfig, model_config: ModelConfig) -> KVGroups:
+        """How the layers share block tables (petrel/engine/kv_groups.py): one table, freeing behind a uniform
+        window; or, with sliding-window layers mixed with global ones, one table per group of same-window layers."""
+        layers, windows = model_config.num_hidden_layers, model_config.sliding_windows
         spec = config.speculative_config
-        if spec is not None and spec.method == "draft_model":
+        if spec is not None and spec.method == "draft_model" and any(w is not None for w in windows):
             # the draft model reads the same block tables, from its own (lagging) position, maybe without a window
-            logger.info("sliding window %d on every layer, but a draft model shares the block tables: "
-                        "every KV block is kept", window)
-            return None
-        logger.info("sliding window %d on every layer: KV blocks behind it are given back", window)
-        return window
+            logger.info("sliding-window layers, but a draft model shares the block tables: every KV block is kept")
+            return single_group(layers, None)
+        window = model_config.uniform_sliding_window
+        if window is not None:
+            logger.info("sliding window %d on every layer: KV blocks behind it are given back", window)
+            return single_group(layers, window)
+        if not any(w is not None for w in windows):
+            return single_group(layers, None)
+        if config.tensor_parallel_size > 1:
+            # the worker ranks build their caches and metadata with one table: keep them in step
+            logger.info("sliding-window layers mixed with global ones under tensor parallelism: every KV block is kept")
+            return single_group(layers, None)
+        groups = split_by_window(windows, layers)
+        logger.info("sliding-window layers mixed with global ones: %d KV groups of %d layers (windows %s); "
+                    "the sliding groups give back blocks behind their window", groups.num_groups,
+                    groups.layers_per_block, list(groups.windows))
+        return groups
 
     # ------------------------------------------------------------------ requests
     def validate(self, prompt_token_ids: list[int], params) -> None:
@@ -231,7 +240,7 @@ class EngineCore:
             rows = [step_logits.first_rows[r] for r in rows]
             outputs, num_generated, num_accepted = self._sample_and_append(seqs, rows, step_logits)
         num_draft = self._finish_verification(batch)
-        if self.block_manager.sliding_window is not None:   # forked children too: give back what fell behind it
+        if self.block_manager.frees_blocks:   # forked children too: give back what fell behind a window
             for seq in self.scheduler.running:
                 self.block_manager.free_behind_window(seq)
         self.num_draft_tokens += num_draft
@@ -576,6 +585,22 @@ class EngineCore:
             kv_blocks_used=bm.num_used_blocks, kv_blocks_free=bm.num_free_blocks, kv_blocks_cached=bm.num_cached_blocks,
             prefix_cache_hit_rate=sched.prefix_hit_tokens / queried if queried else 0.0,
             num_draft_tokens=num_draft, num_accepted_tokens=num_accepted)
+
+
+def max_tokens_held(windows, num_blocks: int, block_size: int, max_batched_tokens: int) -> int | None:
+    """The longest sequence a cache of num_blocks holds alone (None: any length), given each KV group's window.
+    A sliding group holds about its window plus one step's tokens at most, whatever the sequence's length."""
+    per_window = [None if w is None else -(-(w + max_batched_tokens) // block_size) + 2 for w in windows]
+    if None not in per_window:
+        return None if sum(per_window) <= num_blocks else num_blocks // len(windows) * block_size
+
+    def blocks(n: int) -> int:     # what a sequence of n blocks holds over all groups
+        return sum(n if cap is None else min(n, cap) for cap in per_window)
+    lo, hi = 0, num_blocks        # the most blocks n with blocks(n) <= num_blocks (blocks(n) >= n)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if blocks(mid) <= num_blocks else (lo, mid - 1)
+    return lo * block_size
 
 
 def _merge_outputs(first: EngineOutput, later: EngineOutput) -> EngineOutput:

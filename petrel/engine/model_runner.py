@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 from petrel.engine.block_manager import FREED
+from petrel.engine.kv_groups import KVGroups, single_group
 from petrel.engine.scheduler import ScheduledBatch
 from petrel.engine.sequence import Sequence
 from petrel.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk, new_kv_cache
@@ -15,10 +16,17 @@ from petrel.model.parallel import SINGLE, TensorParallel, local_kv_heads, max_lo
 
 @dataclass
 class QuerySpan:
-    """Consecutive tokens of one sequence to run through the model: their ids, first position, block table."""
+    """Consecutive tokens of one sequence to run through the model: their ids, first position, block table
+    (group 0's; group_tables: every KV group's, when the runner has more than one group)."""
     token_ids: list[int]
     start: int
     block_table: list[int]
+    group_tables: list[list[int]] | None = None
+
+    @staticmethod
+    def of(seq: Sequence, token_ids: list[int], start: int) -> "QuerySpan":
+        tables = seq.block_tables
+        return QuerySpan(token_ids, start, tables[0], tables if len(tables) > 1 else None)
 
 
 @dataclass
@@ -71,17 +79,20 @@ def keep_freed_memory_in_heap() -> None:
     libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
-    """Bytes of one cache block on the rank holding the most KV heads (all of them with one rank)."""
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, tensor_parallel_size: int = 1,
+                       layers_per_block: int | None = None) -> int:
+    """Bytes of one cache block on the rank holding the most KV heads (all of them with one rank). A block id
+    holds layers_per_block layers' KV (KVGroups.layers_per_block; default: every layer)."""
     elem = torch.empty((), dtype=dtype).element_size()
     kv_heads = max_local_kv_heads(cfg.num_key_value_heads, tensor_parallel_size)
-    return 2 * cfg.num_hidden_layers * block_size * kv_heads * cfg.head_dim * elem
+    layers = cfg.num_hidden_layers if layers_per_block is None else layers_per_block
+    return 2 * layers * block_size * kv_heads * cfg.head_dim * elem
 
 
-def num_kv_blocks(config, cfg: ModelConfig) -> int:
+def num_kv_blocks(config, cfg: ModelConfig, layers_per_block: int | None = None) -> int:
     """Cache blocks that kv_cache_memory (per rank) holds: every rank computes the same number."""
     return config.kv_cache_memory // kv_bytes_per_block(cfg, config.block_size, config.torch_dtype,
-                                                        config.tensor_parallel_size)
+                                                        config.tensor_parallel_size, layers_per_block)
 
 
 def _readable(block_table: list[int]) -> list[int]:
@@ -96,7 +107,9 @@ class ModelRunner:
     """The single-process model executor (and each tensor-parallel rank's: see petrel/distributed/runner.py)."""
 
     def __init__(self, model: torch.nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: str, lora_manager=None, tp: TensorParallel = SINGLE):
+                 dtype: torch.dtype, device: str, lora_manager=None, tp: TensorParallel = SINGLE,
+                 kv_groups: KVGroups | None = None):
+        """kv_groups: the layers' block tables (petrel/engine/kv_groups.py); default one table for all."""
         if torch.device(device).type == "cpu":
             keep_freed_memory_in_heap()
         self.model = model
@@ -104,9 +117,13 @@ class ModelRunner:
         self.lora_manager = lora_manager   # petrel.model.lora.LoRAManager with enable_lora
         self.block_size = block_size
         self.device = torch.device(device)
+        self.kv_groups = kv_groups or single_group(cfg.num_hidden_layers, None)
         kv_heads = local_kv_heads(cfg.num_key_value_heads, tp)   # this rank's slice of the cache
-        self.kv_caches = [new_kv_cache(num_blocks, block_size, kv_heads, cfg.head_dim, dtype, device)
-                          for _ in range(cfg.num_hidden_layers)]
+        # layers_per_block tensors; the i-th layer of every group uses the i-th (at that group's block ids)
+        self.cache_tensors = [new_kv_cache(num_blocks, block_size, kv_heads, cfg.head_dim, dtype, device)
+                              for _ in range(self.kv_groups.layers_per_block)]
+        self.kv_caches = [self.cache_tensors[self.kv_groups.slot_of(layer)] for layer in range(cfg.num_hidden_layers)]
+        self._layer_group = [self.kv_groups.group_of(layer) for layer in range(cfg.num_hidden_layers)]
 
     def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
@@ -114,7 +131,7 @@ class ModelRunner:
     @staticmethod
     def spans(batch: ScheduledBatch) -> list[QuerySpan]:
         """The scheduled tokens of each sequence (decodes first, as the scheduler orders them)."""
-        return [QuerySpan(seq.pending_token_ids(n), seq.num_computed_tokens, seq.block_table)
+        return [QuerySpan.of(seq, seq.pending_token_ids(n), seq.num_computed_tokens)
                 for seq, n in zip(batch.seqs, batch.num_new_tokens)]
 
     def prepare(self, batch: ScheduledBatch):
@@ -122,12 +139,22 @@ class ModelRunner:
         return self.build_inputs(self.spans(batch))
 
     def build_inputs(self, spans: list["QuerySpan"]):
-        """Flat input ids, positions and attention metadata; single-token spans must come first."""
+        """Flat input ids, positions and attention metadata; single-token spans must come first. With several
+        KV groups the metadata is a list, one per layer (the layers of a group share their group's)."""
+        groups = self.kv_groups.num_groups
+        if groups == 1:
+            return self._build_inputs(spans, lambda span: span.block_table)
+        input_ids, positions, meta = self._build_inputs(spans, lambda span: span.group_tables[0])
+        metas = [meta] + [self._build_inputs(spans, lambda span: span.group_tables[g])[2] for g in range(1, groups)]
+        return input_ids, positions, [metas[g] for g in self._layer_group]
+
+    def _build_inputs(self, spans: list["QuerySpan"], table_of):
+        """build_inputs with each span's block table taken by table_of (one group's)."""
         bs = self.block_size
         input_ids, positions, slots = [], [], []
         prefills, decode_tables, decode_lens = [], [], []
         for span in spans:
-            start, n, table = span.start, len(span.token_ids), span.block_table
+            start, n, table = span.start, len(span.token_ids), table_of(span)
             end = start + n
             row = len(input_ids)
             input_ids.extend(span.token_ids)
@@ -194,7 +221,7 @@ class ModelRunner:
             return
         src = self._tensor([s for s, _ in copies])
         dst = self._tensor([d for _, d in copies])
-        for cache in self.kv_caches:
+        for cache in self.cache_tensors:
             cache[:, dst] = cache[:, src]
 
     def check_health(self) -> None:

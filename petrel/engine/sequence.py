@@ -75,7 +75,7 @@ class Sequence:
         self.num_prompt_tokens = num_prompt_tokens
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0     # prompt tokens served from the prefix cache at admission
-        self.block_table: list[int] = []
+        self.block_tables: list[list[int]] = [[]]   # one per KV group (petrel/engine/kv_groups.py)
         self.block_hashes: list[bytes] = []   # hashes of the full blocks of token_ids, computed lazily
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None  # 'stop' | 'length' | 'abort'
@@ -106,6 +106,11 @@ class Sequence:
         start = self.num_computed_tokens
         tokens = self.token_ids[start:start + n]
         return tokens + self.spec_token_ids[:n - len(tokens)]
+
+    @property
+    def block_table(self) -> list[int]:
+        """Group 0's block table: the only one of a model whose layers all see the same positions."""
+        return self.block_tables[0]
 
     @property
     def num_tokens(self) -> int:

@@ -53,15 +53,14 @@ class ModelDrafter:
         spans = []
         for seq in seqs:
             start = seq.num_draft_computed if self.own_cache else seq.num_computed_tokens
-            spans.append(QuerySpan(seq.token_ids[start:], start, seq.block_table))
+            spans.append(QuerySpan.of(seq, seq.token_ids[start:], start))
         active = list(range(len(seqs)))
         while active:
             tokens = self.runner.last_token_logits(spans, self.num_layers).argmax(dim=-1).tolist()
             for i, token in zip(active, tokens):
                 drafts[i].append(token)
             active = [i for i in active if len(drafts[i]) < num_tokens[i]]
-            spans = [QuerySpan([drafts[i][-1]], seqs[i].num_tokens + len(drafts[i]) - 1, seqs[i].block_table)
-                     for i in active]
+            spans = [QuerySpan.of(seqs[i], [drafts[i][-1]], seqs[i].num_tokens + len(drafts[i]) - 1) for i in active]
         if self.own_cache:
             for seq, draft in zip(seqs, drafts):
                 seq.num_draft_computed = seq.num_tokens + len(draft) - 1   # the last draft token is not fed back

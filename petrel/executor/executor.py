@@ -355,6 +355,6 @@ def _request_stats(core) -> list[RequestStats]:
         stats.append(RequestStats(
             id=req.request_id, stage=stage, context_prefill_position=prefilled,
             num_generated_tokens=sum(s.num_output_tokens for s in req.seqs), num_sequences=len(live),
-            allocated_blocks=sum(len(held_blocks(s.block_table)) for s in live),
+            allocated_blocks=sum(len(held_blocks(t)) for s in live for t in s.block_tables),
             reused_blocks=max(s.num_cached_tokens for s in live) // bs, scheduled=running))
     return stats

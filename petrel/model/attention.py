@@ -12,11 +12,13 @@ of the call can see and mask the rest of the span; a one-shot prefill masks its 
 the same window, the block manager gives back a running sequence's blocks wholly behind it (free_behind_window)
 and the runner points their block-table entries at block 0: a cached prefill chunk never gathers them (they lie
 before its first visible block), and a decode group reads them only masked (zero weight) when another row of the
-group keeps those columns. With mixed layers (Gemma 3: local and global) every block is kept: the global layers
-read them all (a block pool per layer group would be needed).
+group keeps those columns. With mixed layers (Gemma 3: local and global) each group of layers with one window has
+its own block tables (petrel/engine/kv_groups.py) and its own metadata (the model gets one per layer): a sliding
+group's tables give back blocks as a uniform window's do, the global group's keep them all.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import mmap
 from dataclasses import dataclass, field
@@ -52,6 +54,12 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor      # [num_tokens] int64: flat cache slot that receives each new K/V
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+def per_layer(meta: "AttentionMetadata | list[AttentionMetadata]"):
+    """Each layer's metadata: a model with several KV groups gets a list, one per layer (each layer's group's);
+    otherwise every layer shares the one."""
+    return meta if isinstance(meta, list) else itertools.repeat(meta)
 
 
 def new_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from petrel.model.attention import AttentionMetadata
+from petrel.model.attention import AttentionMetadata, per_layer
 from petrel.model.config import ModelConfig
 from petrel.model.layers import RotaryEmbedding
 from petrel.model.llama import LlamaAttention, LlamaForCausalLM
@@ -95,8 +95,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)   # scaled in the embedding dtype, as transformers does
         global_cs = self.model.rotary.for_positions(positions, x.dtype)
         local_cs = self.model.rotary_local.for_positions(positions, x.dtype)
-        for layer, kv_cache in zip(self.model.layers[:num_layers], kv_caches):
-            x = layer(x, local_cs if layer.is_local else global_cs, kv_cache, meta)
+        for layer, kv_cache, layer_meta in zip(self.model.layers[:num_layers], kv_caches, per_layer(meta)):
+            x = layer(x, local_cs if layer.is_local else global_cs, kv_cache, layer_meta)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from petrel.model.attention import AttentionMetadata, paged_attention
+from petrel.model.attention import AttentionMetadata, paged_attention, per_layer
 from petrel.model.config import ModelConfig
 from petrel.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from petrel.model.parallel import (SHARDED_LAYERS, SINGLE, AttentionHeads, ColumnParallelLinear, ParallelLMHead,
@@ -104,8 +104,8 @@ class LlamaForCausalLM(nn.Module):
         num_layers: run only the first layers, then the final norm (early exit, for self-speculation)."""
         x = self.model.embed_tokens(input_ids)
         cos_sin = self.model.rotary.for_positions(positions, x.dtype)
-        for layer, kv_cache in zip(self.model.layers[:num_layers], kv_caches):
-            x = layer(x, cos_sin, kv_cache, meta)
+        for layer, kv_cache, layer_meta in zip(self.model.layers[:num_layers], kv_caches, per_layer(meta)):
+            x = layer(x, cos_sin, kv_cache, layer_meta)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
