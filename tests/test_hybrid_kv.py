@@ -152,6 +152,7 @@ transformers = pytest.importorskip("transformers")
 
 from petrel.config import EngineConfig  # noqa: E402
 from petrel.engine.engine_core import EngineCore  # noqa: E402
+from petrel.disagg.kv_transfer import _export  # noqa: E402
 from petrel.engine.model_runner import kv_bytes_per_block  # noqa: E402
 from petrel.model.loader import load_model, resolve_model  # noqa: E402
 
@@ -183,14 +184,18 @@ def gemma(tmp_path_factory) -> Tiny:
     return Tiny(hf, model, cfg, str(path))
 
 
+def make_core(t: Tiny, num_blocks: int = 160, **engine_kwargs) -> EngineCore:
+    per_block = kv_bytes_per_block(t.cfg, GBS, torch.float32, layers_per_block=2)
+    config = EngineConfig(dtype="float32", device="cpu", block_size=GBS, kv_cache_memory=num_blocks * per_block,
+                          **engine_kwargs)
+    return EngineCore(config, t.model, t.cfg)
+
+
 def run_engine(t: Tiny, requests: dict, free: bool = True, num_blocks: int = 160, **engine_kwargs):
     """Run requests {id: (prompt, params)} (a list of such dicts: each one after the previous has finished) to the
     end. Returns ({(id, index): tokens}, core, most blocks one sequence held after a step: [global, sliding]).
     free=False: the same engine, same groups, with nothing given back."""
-    per_block = kv_bytes_per_block(t.cfg, GBS, torch.float32, layers_per_block=2)
-    config = EngineConfig(dtype="float32", device="cpu", block_size=GBS, kv_cache_memory=num_blocks * per_block,
-                          **engine_kwargs)
-    core = EngineCore(config, t.model, t.cfg)
+    core = make_core(t, num_blocks, **engine_kwargs)
     bm = core.block_manager
     assert bm.num_blocks == num_blocks and bm.windows == [None, GW, GW]
     assert core.runner.kv_groups.layers == ((2, 5), (0, 1), (3, 4)) and len(core.runner.cache_tensors) == 2
@@ -277,3 +282,21 @@ def test_speculative_decoding(gemma):
     assert core.num_draft_tokens > 0 and core.num_accepted_tokens < core.num_draft_tokens
     assert max_held[1] <= GEMMA_MAX_HELD
     assert got[("r", 0)] == hf_greedy(gemma, prompt, 40)[:30]
+
+
+def test_disaggregated_split_moves_every_groups_kv(gemma):
+    prompt = _tokens(26, 1)
+    ctx = make_core(gemma)               # the context instance: prefills, samples one token, pins the prompt's KV
+    ctx.add_request(EngineRequest("c", list(prompt), greedy(20), context_only=True))
+    outs = [out for _ in range(10) if ctx.has_work for out in ctx.step()]
+    first, handle = outs[-1].new_token_ids, outs[-1].disaggregated_params.opaque_state
+    assert len(ctx.pinned.pins[handle].blocks) == 3     # every group's blocks of the prompt, none given back
+    kv = _export(ctx, handle)
+    assert ctx.block_manager.num_free_blocks == ctx.block_manager.num_blocks and kv.shape[:3] == (6, 2, 26)
+    gen = make_core(gemma)               # the generation instance: imports the KV, decodes on (giving blocks back)
+    gen.add_request(EngineRequest("g", list(prompt), greedy(20), eos_token_ids=tuple(gemma.cfg.eos_token_ids),
+                                  imported_kv=kv, first_gen_tokens=first))
+    tokens = [t for _ in range(40) if gen.has_work for out in gen.step() for t in out.new_token_ids]
+    assert tokens == hf_greedy(gemma, prompt, 20)
+    bm = gen.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not any(bm.ref_counts)

@@ -3,6 +3,7 @@
 The transferred form is block-free: one tensor [layers, 2 (key, value), tokens, kv_heads, head_dim], so the
 two instances may use different block sizes. Each layer's cache is [2, num_blocks, block_size, kv_heads,
 head_dim] (petrel/model/attention.py); viewed as [2, num_blocks * block_size, ...] a position's row is its slot.
+A model with several KV groups (petrel/engine/kv_groups.py) passes one block table per layer (its group's).
 """
 from __future__ import annotations
 
@@ -25,27 +26,42 @@ def _flat(cache: torch.Tensor) -> torch.Tensor:
     return cache.view(2, -1, *cache.shape[3:])
 
 
-def gather_prompt_kv(kv_caches: list[torch.Tensor], block_table: list[int], num_tokens: int) -> torch.Tensor:
+def _layer_tables(kv_caches: list[torch.Tensor], block_table) -> list[list[int]]:
+    """One table for every layer, or already one per layer (a list of tables)."""
+    if block_table and isinstance(block_table[0], list):
+        return block_table
+    return [block_table] * len(kv_caches)
+
+
+def gather_prompt_kv(kv_caches: list[torch.Tensor], block_table, num_tokens: int) -> torch.Tensor:
     """The K/V of positions 0..num_tokens-1, copied out to the CPU: [layers, 2, tokens, kv_heads, head_dim].
+    block_table: the table of every layer, or one table per layer.
 
     Positions in blocks given back behind a sliding window come out as zeros (the engine keeps a context-only
     prompt whole, so an export normally has none)."""
     block_size = kv_caches[0].shape[2]
-    first = _first_held_position(block_table, num_tokens, block_size)
-    slots = _slots(block_table, first, num_tokens, block_size, kv_caches[0].device)
-    kv = torch.stack([_flat(cache)[:, slots] for cache in kv_caches]).cpu()
-    if first:
-        kv = torch.cat([kv.new_zeros(*kv.shape[:2], first, *kv.shape[3:]), kv], dim=2)
+    tables = _layer_tables(kv_caches, block_table)
+    firsts = [_first_held_position(table, num_tokens, block_size) for table in tables]
+    slots = {}     # the slots of each distinct table, computed once
+    for table, first in zip(tables, firsts):
+        if id(table) not in slots:
+            slots[id(table)] = _slots(table, first, num_tokens, block_size, kv_caches[0].device)
+    if not any(firsts):
+        return torch.stack([_flat(cache)[:, slots[id(t)]] for cache, t in zip(kv_caches, tables)]).cpu()
+    kv = torch.zeros(len(kv_caches), 2, num_tokens, *kv_caches[0].shape[3:], dtype=kv_caches[0].dtype)
+    for layer, (cache, table, first) in enumerate(zip(kv_caches, tables, firsts)):
+        kv[layer, :, first:] = _flat(cache)[:, slots[id(table)]].cpu()
     return kv
 
 
-def scatter_prompt_kv(kv_caches: list[torch.Tensor], block_table: list[int], kv: torch.Tensor) -> None:
-    """Write gather_prompt_kv's tensor into the blocks of block_table (positions 0..tokens-1)."""
+def scatter_prompt_kv(kv_caches: list[torch.Tensor], block_table, kv: torch.Tensor) -> None:
+    """Write gather_prompt_kv's tensor into the blocks of block_table (positions 0..tokens-1): the table of every
+    layer, or one table per layer."""
     if kv.shape[0] != len(kv_caches) or kv.shape[3:] != kv_caches[0].shape[3:]:
         raise ValueError(f"the transferred KV has shape {list(kv.shape)}, which does not fit this model's cache "
                          f"({len(kv_caches)} layers x {list(kv_caches[0].shape[3:])})")
     block_size = kv_caches[0].shape[2]
-    first = _first_held_position(block_table, kv.shape[2], block_size)   # 0 for freshly allocated blocks
-    slots = _slots(block_table, first, kv.shape[2], block_size, kv_caches[0].device)
-    for cache, layer in zip(kv_caches, kv):
+    for cache, table, layer in zip(kv_caches, _layer_tables(kv_caches, block_table), kv):
+        first = _first_held_position(table, kv.shape[2], block_size)   # 0 for freshly allocated blocks
+        slots = _slots(table, first, kv.shape[2], block_size, cache.device)
         _flat(cache)[:, slots] = layer[:, first:].to(device=cache.device, dtype=cache.dtype)

@@ -36,7 +36,7 @@ def _export(core, handle: str) -> torch.Tensor | None:
     if pin is None:
         return None
     try:
-        return gather_prompt_kv(core.runner.kv_caches, pin.blocks, pin.num_tokens)
+        return gather_prompt_kv(core.runner.kv_caches, core.runner.layer_tables(pin.blocks), pin.num_tokens)
     finally:
         core.pinned.release(pin)
 

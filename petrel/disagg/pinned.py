@@ -15,7 +15,7 @@ from petrel.engine.block_manager import BlockManager
 
 @dataclass
 class PinnedPrompt:
-    blocks: list[int]
+    blocks: list[list[int]]      # per KV group (petrel/engine/kv_groups.py): its table's blocks of the prompt
     num_tokens: int
     expires_at: float
 
@@ -29,12 +29,14 @@ class PinnedPrompts:
     def __len__(self) -> int:
         return len(self.pins)
 
-    def pin(self, block_table: list[int], num_tokens: int, now: float | None = None) -> str:
-        """Keep the blocks holding the first num_tokens positions; return the handle that fetches them."""
+    def pin(self, block_tables: list[list[int]], num_tokens: int, now: float | None = None) -> str:
+        """Keep the blocks holding the first num_tokens positions (in every group's table); return the handle
+        that fetches them."""
         self.expire(now)
         bs = self.block_manager.block_size
-        blocks = list(block_table[:-(-num_tokens // bs)])
-        self.block_manager.retain(blocks)
+        blocks = [list(table[:-(-num_tokens // bs)]) for table in block_tables]
+        for table in blocks:
+            self.block_manager.retain(table)
         handle = secrets.token_hex(16)
         self.pins[handle] = PinnedPrompt(blocks, num_tokens, (now or time.monotonic()) + self.ttl)
         return handle
@@ -45,7 +47,8 @@ class PinnedPrompts:
         return self.pins.pop(handle, None)
 
     def release(self, pin: PinnedPrompt) -> None:
-        self.block_manager.release(pin.blocks)
+        for table in pin.blocks:
+            self.block_manager.release(table)
 
     def expire(self, now: float | None = None) -> int:
         """Release the pins nobody fetched in time; returns how many."""

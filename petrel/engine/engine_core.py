@@ -214,7 +214,8 @@ class EngineCore:
             if seq.request.first_scheduled_time is None:
                 seq.request.first_scheduled_time = t0
             if seq.request.imported_kv is not None:    # disaggregated decode: the prompt's KV, fetched beforehand
-                scatter_prompt_kv(self.runner.kv_caches, seq.block_table, seq.request.imported_kv)
+                scatter_prompt_kv(self.runner.kv_caches, self.runner.layer_tables(seq.block_tables),
+                                  seq.request.imported_kv)
                 seq.request.imported_kv = None
         if self.proposer is not None:
             self._propose(batch)
@@ -413,7 +414,7 @@ class EngineCore:
             finish = "length"
             disagg = DisaggregatedParams(request_type="context_only", first_gen_tokens=[token],
                                          ctx_request_id=req.request_id,
-                                         opaque_state=self.pinned.pin(seq.block_table, seq.num_prompt_tokens))
+                                         opaque_state=self.pinned.pin(seq.block_tables, seq.num_prompt_tokens))
         out = EngineOutput(req.request_id, seq.index, new_tokens, [logprobs] if logprobs is not None else None,
                            finish_reason=finish, stop_reason=stop_reason,
                            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,

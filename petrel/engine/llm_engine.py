@@ -98,9 +98,10 @@ class LLMEngine:
 
     @property
     def kv_cache_tokens(self) -> int:
-        """Tokens the whole KV cache holds (below max_model_len when sliding-window blocks are given back)."""
+        """Tokens the whole KV cache holds (below max_model_len when sliding-window blocks are given back), held
+        whole in every KV group (a disaggregated prompt is)."""
         bm = self.core.block_manager
-        return bm.num_blocks * bm.block_size
+        return bm.num_blocks // bm.num_groups * bm.block_size
 
     # ------------------------------------------------------------------ caller side (any thread)
     def add_request(self, request_id, prompt_token_ids: list[int], params, sink: ChunkSink,
@@ -115,10 +116,6 @@ class LLMEngine:
         if request_options.get("use_batched_post_processor") and self.core.sampler.batched_post_processor is None:
             raise ValueError("logits_post_processor_name asks for the batched post-processor, but none is configured")
         self.core.validate(prompt_token_ids, params)
-        disaggregated = request_options.get("context_only") or request_options.get("imported_kv") is not None
-        if disaggregated and self.core.kv_groups.num_groups > 1:
-            raise ValueError("disaggregated_params: KV transfer of a model mixing sliding-window and global layers "
-                             "(one block table per layer group) is not supported yet")
         lora_request = request_options.get("lora_request")
         if lora_request is not None:
             from petrel.lora import LoRARequest

@@ -125,6 +125,13 @@ class ModelRunner:
         self.kv_caches = [self.cache_tensors[self.kv_groups.slot_of(layer)] for layer in range(cfg.num_hidden_layers)]
         self._layer_group = [self.kv_groups.group_of(layer) for layer in range(cfg.num_hidden_layers)]
 
+    def layer_tables(self, block_tables: list[list[int]]):
+        """A sequence's table for each layer (its group's), as petrel/disagg/kv_blocks.py takes them; with one
+        group, the one table."""
+        if self.kv_groups.num_groups == 1:
+            return block_tables[0]
+        return [block_tables[g] for g in self._layer_group]
+
     def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
 
