@@ -20,6 +20,7 @@ import torch
 
 from petrel import LLM, DisaggregatedParams, SamplingParams
 from petrel.config import EngineConfig
+from petrel.engine.kv_groups import split_by_window
 from petrel.engine.model_runner import ForwardPlan, ModelRunner, QuerySpan
 from petrel.model.loader import load_model, resolve_model
 from petrel.model.parallel import TensorParallel, check_tensor_parallel
@@ -80,14 +81,20 @@ def _on_ranks(size: int, fn):
     return results
 
 
-def _prefill_then_decode(model, cfg, tp, prompt: list[int], steps: list[int]) -> list[torch.Tensor]:
-    """Logits of the prompt's positions, then of each decode step, through a paged cache of blocks of 4."""
-    runner = ModelRunner(model, cfg, num_blocks=16, block_size=4, dtype=torch.float32, device="cpu", tp=tp)
-    table = list(range(16))
-    _, prefill = runner.forward(ForwardPlan([QuerySpan(prompt, 0, table)], list(range(len(prompt)))))
+def _prefill_then_decode(model, cfg, tp, prompt: list[int], steps: list[int], kv_groups=None) -> list[torch.Tensor]:
+    """Logits of the prompt's positions, then of each decode step, through a paged cache of blocks of 4 (with
+    kv_groups: a block table per group, the 16 blocks split between them)."""
+    runner = ModelRunner(model, cfg, num_blocks=16, block_size=4, dtype=torch.float32, device="cpu", tp=tp,
+                         kv_groups=kv_groups)
+    n = kv_groups.num_groups if kv_groups else 1
+    tables = [list(range(g * 16 // n, (g + 1) * 16 // n))[::-1] for g in range(n)]
+
+    def span(tokens, start):
+        return QuerySpan(tokens, start, tables[0], tables if n > 1 else None)
+    _, prefill = runner.forward(ForwardPlan([span(prompt, 0)], list(range(len(prompt)))))
     out = [prefill]
     for i, token in enumerate(steps):
-        _, logits = runner.forward(ForwardPlan([QuerySpan([token], len(prompt) + i, table)], [0]))
+        _, logits = runner.forward(ForwardPlan([span([token], len(prompt) + i)], [0]))
         out.append(logits)
     return out
 
@@ -136,6 +143,24 @@ def test_sharded_ranks_give_the_unsharded_logits(checkpoint, case):
         model, _ = load_model(source, torch.float32, "cpu", tp=tp)
         return _prefill_then_decode(model, cfg, tp, prompt, steps)
     for got in _on_ranks(size, rank):          # every rank ends with the full logits
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e, atol=2e-4, rtol=1e-4)
+
+
+def test_sharded_ranks_with_kv_groups_give_the_unsharded_logits(checkpoint):
+    """Gemma 3 (sliding, full, sliding, full; window 8): each rank's cache and metadata per KV group, as
+    petrel/distributed/worker.py lays them out, give the logits of the unsharded model with one table."""
+    source = resolve_model(checkpoint("gemma3"))
+    full, cfg = load_model(source, torch.float32, "cpu")
+    groups = split_by_window(cfg.sliding_windows, cfg.num_hidden_layers)
+    assert groups.windows == (None, 8) and groups.layers_per_block == 2
+    prompt, steps = _tokens(11, seed=1), _tokens(6, seed=2)      # 17 positions, past the window
+    expected = _prefill_then_decode(full, cfg, TensorParallel(), prompt, steps)
+
+    def rank(tp):
+        model, _ = load_model(source, torch.float32, "cpu", tp=tp)
+        return _prefill_then_decode(model, cfg, tp, prompt, steps, groups)
+    for got in _on_ranks(2, rank):
         for g, e in zip(got, expected):
             torch.testing.assert_close(g, e, atol=2e-4, rtol=1e-4)
 

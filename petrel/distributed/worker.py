@@ -11,6 +11,7 @@ import torch
 
 from petrel.config import EngineConfig
 from petrel.distributed.group import join_group, leave_group, threads_per_rank
+from petrel.engine.kv_groups import kv_groups_for
 from petrel.engine.model_runner import ForwardPlan, ModelRunner, num_kv_blocks
 from petrel.model.loader import ModelSource, load_model
 
@@ -36,8 +37,9 @@ class Worker:
     def load(self) -> None:
         config, device = self.spec.config, self.spec.device
         model, cfg = load_model(self.spec.source, config.torch_dtype, device, tp=self.tp)
-        self.runner = ModelRunner(model, cfg, num_kv_blocks(config, cfg), config.block_size, config.torch_dtype,
-                                  device, tp=self.tp)
+        groups, _ = kv_groups_for(config, cfg)     # as rank 0's engine lays out its cache
+        self.runner = ModelRunner(model, cfg, num_kv_blocks(config, cfg, groups.layers_per_block), config.block_size,
+                                  config.torch_dtype, device, tp=self.tp, kv_groups=groups)
 
     def forward(self, plan: ForwardPlan) -> None:
         self.runner.forward(plan)

@@ -9,7 +9,7 @@ import torch
 
 from petrel.config import EngineConfig
 from petrel.engine.block_manager import BlockManager
-from petrel.engine.kv_groups import KVGroups, single_group, split_by_window
+from petrel.engine.kv_groups import KVGroups, kv_groups_for
 from petrel.engine.model_runner import ModelRunner, num_kv_blocks
 from petrel.engine.output_processor import EngineOutput
 from petrel.engine.beam_search import BeamSearch, Hypothesis
@@ -80,7 +80,7 @@ class EngineCore:
         else:
             from petrel.distributed.runner import TensorParallelRunner
             self.runner = TensorParallelRunner(workers, model, model_config, num_blocks, bs, config.torch_dtype,
-                                               config.device)
+                                               config.device, kv_groups=self.kv_groups)
         self.sampler = Sampler(model_config.vocab_size, config.seed, batched_post_processor)
         self.spec = config.speculative_config
         self.proposer = None
@@ -100,26 +100,9 @@ class EngineCore:
     def _kv_groups(config: EngineConfig, model_config: ModelConfig) -> KVGroups:
         """How the layers share block tables (petrel/engine/kv_groups.py): one table, freeing behind a uniform
         window; or, with sliding-window layers mixed with global ones, one table per group of same-window layers."""
-        layers, windows = model_config.num_hidden_layers, model_config.sliding_windows
-        spec = config.speculative_config
-        if spec is not None and spec.method == "draft_model" and any(w is not None for w in windows):
-            # the draft model reads the same block tables, from its own (lagging) position, maybe without a window
-            logger.info("sliding-window layers, but a draft model shares the block tables: every KV block is kept")
-            return single_group(layers, None)
-        window = model_config.uniform_sliding_window
-        if window is not None:
-            logger.info("sliding window %d on every layer: KV blocks behind it are given back", window)
-            return single_group(layers, window)
-        if not any(w is not None for w in windows):
-            return single_group(layers, None)
-        if config.tensor_parallel_size > 1:
-            # the worker ranks build their caches and metadata with one table: keep them in step
-            logger.info("sliding-window layers mixed with global ones under tensor parallelism: every KV block is kept")
-            return single_group(layers, None)
-        groups = split_by_window(windows, layers)
-        logger.info("sliding-window layers mixed with global ones: %d KV groups of %d layers (windows %s); "
-                    "the sliding groups give back blocks behind their window", groups.num_groups,
-                    groups.layers_per_block, list(groups.windows))
+        groups, why = kv_groups_for(config, model_config)
+        if why:
+            logger.info(why)
         return groups
 
     # ------------------------------------------------------------------ requests

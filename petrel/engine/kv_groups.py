@@ -62,3 +62,23 @@ def split_by_window(windows: list[int | None], num_layers: int) -> KVGroups:
             group_windows.append(kind)
             group_layers.append(tuple(layers[i:i + size]))
     return KVGroups(tuple(group_windows), tuple(group_layers), size)
+
+
+def kv_groups_for(config, model_config) -> tuple[KVGroups, str | None]:
+    """How an engine (EngineConfig) lays out a model's KV (ModelConfig), and a line saying so for the log. Every
+    tensor-parallel rank calls this with the same arguments, so all ranks index their caches alike."""
+    layers, windows = model_config.num_hidden_layers, model_config.sliding_windows
+    if not any(w is not None for w in windows):
+        return single_group(layers, None), None
+    spec = config.speculative_config
+    if spec is not None and spec.method == "draft_model":
+        # the draft model reads the same block tables, from its own (lagging) position, maybe without a window
+        return single_group(layers, None), ("sliding-window layers, but a draft model shares the block tables: "
+                                            "every KV block is kept")
+    window = model_config.uniform_sliding_window
+    if window is not None:
+        return single_group(layers, window), f"sliding window {window} on every layer: KV blocks behind it are given back"
+    groups = split_by_window(windows, layers)
+    return groups, (f"sliding-window layers mixed with global ones: {groups.num_groups} KV groups of "
+                    f"{groups.layers_per_block} layers (windows {list(groups.windows)}); the sliding groups give "
+                    f"back blocks behind their window")
