@@ -55,6 +55,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_seed = hash_seed
         self.windows: list[int | None] = list(group_windows) if group_windows is not None else [sliding_window]
+        self.num_groups = len(self.windows)
         self.watermark_blocks = int(watermark * num_blocks)
         self.ref_counts = [0] * num_blocks
         self.free_blocks: deque[int] = deque(range(num_blocks))
@@ -65,10 +66,6 @@ class BlockManager:
         self.pending_copies: list[tuple[int, int]] = []          # (src, dst) copy-on-write, for the runner
 
     # ------------------------------------------------------------------ groups
-    @property
-    def num_groups(self) -> int:
-        return len(self.windows)
-
     @property
     def sliding_window(self) -> int | None:
         """The window of a one-group manager (None with several groups, or none)."""
@@ -223,19 +220,22 @@ class BlockManager:
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, admitting: bool = False) -> bool:
         """Make room for the next num_new_tokens KV entries in every group; False (and nothing changed) if it cannot."""
         bs = self.block_size
-        tables = self._tables(seq)
-        needed = max(-(-(seq.num_computed_tokens + num_new_tokens) // bs) - len(tables[0]), 0)
+        tables = seq.block_tables if len(seq.block_tables) == self.num_groups else self._tables(seq)
+        needed = -(-(seq.num_computed_tokens + num_new_tokens) // bs) - len(tables[0])
         first = seq.num_computed_tokens // bs
-        copy_on_write = [g for g, table in enumerate(tables)     # a shared partial block is written next
-                         if seq.num_computed_tokens % bs != 0 and first < len(table) and self.ref_counts[table[first]] > 1]
+        copy_on_write = []                # tables whose shared partial block is written next
+        if seq.num_computed_tokens % bs != 0 and first < len(tables[0]):
+            for table in tables:
+                if self.ref_counts[table[first]] > 1:
+                    copy_on_write.append(table)
         reserve = self.watermark_blocks if admitting else 0
-        if needed * len(tables) + len(copy_on_write) > self.num_free_blocks - reserve:
+        if max(needed, 0) * len(tables) + len(copy_on_write) > self.num_free_blocks - reserve:
             return False
-        for g in copy_on_write:
-            shared = tables[g][first]
+        for table in copy_on_write:
+            shared = table[first]
             fresh = self._take_block()
             self.pending_copies.append((shared, fresh))
-            tables[g][first] = fresh
+            table[first] = fresh
             self._release(shared)
         for table in tables:
             for _ in range(needed):
@@ -249,12 +249,13 @@ class BlockManager:
         num_full = seq.num_computed_tokens // self.block_size
         self._extend_hashes(seq, num_full)
         bs = self.block_size
-        for g, table in enumerate(self._tables(seq)):
-            for i in range(num_freed_blocks(table), num_full):
+        tables = seq.block_tables if len(seq.block_tables) == self.num_groups else self._tables(seq)
+        for g, table in enumerate(tables):
+            for i in range(num_full):
                 block = table[i]
-                if block in self.block_hash:
+                if block == FREED or block in self.block_hash:
                     continue
-                key = _cache_key(g, seq.block_hashes[i])
+                key = seq.block_hashes[i] if g == 0 else _cache_key(g, seq.block_hashes[i])
                 if key in self.hash_to_block:   # same content computed twice at once: keep the first
                     continue
                 self.block_hash[block] = key

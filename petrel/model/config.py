@@ -89,8 +89,8 @@ class ModelConfig:
     @property
     def uniform_sliding_window(self) -> int | None:
         """The window when every layer slides with the same one (Mistral, Phi-3, Qwen2 with every layer sliding),
-        else None. Only then can a sequence give back its KV blocks behind the window: with mixed layers (Gemma 3,
-        Qwen2 with max_window_layers) the global layers read every block."""
+        else None. Only then can one block table serve every layer and give back the blocks behind the window: mixed
+        layers (Gemma 3, Qwen2 with max_window_layers) get a table per group of layers (petrel/engine/kv_groups.py)."""
         windows = self.sliding_windows
         if windows and windows[0] is not None and all(w == windows[0] for w in windows):
             return windows[0]

@@ -133,7 +133,8 @@ def startup_banner(llm, model_name: str, host: str, port: int) -> str:
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else shown}:{port}"
     return (f"petrel serve: model {model_name} ({getattr(llm.config, 'model', None) or 'default'}), "
             f"dtype {llm.config.dtype}, device {llm.config.device}, "
-            f"KV cache {bm.num_blocks * bm.block_size} tokens ({bm.num_blocks} blocks of {bm.block_size}), "
+            f"KV cache {llm.engine.kv_cache_tokens} tokens ({bm.num_blocks} blocks of {bm.block_size}"
+            f"{f' shared by {bm.num_groups} layer groups' if bm.num_groups > 1 else ''}), "
             f"max model len {llm.engine.max_model_len}\n"
             f"petrel serve: API at {url}/v1, chat page at {url}/")
 
