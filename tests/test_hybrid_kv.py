@@ -41,8 +41,8 @@ def test_layers_are_grouped_by_window():
     assert qwen.windows == (None, 6) and qwen.layers == ((0,), (1,))
 
 
-def make_seq(tokens) -> Sequence:
-    req = EngineRequest(f"g-{next(_ids)}", list(tokens), SamplingParams(max_tokens=64))
+def make_seq(tokens, context_only: bool = False) -> Sequence:
+    req = EngineRequest(f"g-{next(_ids)}", list(tokens), SamplingParams(max_tokens=64), context_only=context_only)
     seq = Sequence(req, 0, req.prompt_token_ids, len(req.prompt_token_ids))
     req.seqs.append(seq)
     return seq
@@ -135,6 +135,12 @@ def test_prefix_hit_counts_only_as_far_as_every_group_holds_it():
     bm.match_prefix(third)
     assert third.num_computed_tokens == 24 and all(num_freed_blocks(t) == 4 for t in third.block_tables[1:])
     check(bm, third)
+    # a context-only prompt is exported whole: its hit holds every block in every group
+    ctx = make_seq(range(30), context_only=True)
+    bm.match_prefix(ctx)
+    assert ctx.num_computed_tokens == 24 and not any(FREED in t for t in ctx.block_tables)
+    check(bm, third, ctx)
+    bm.free(ctx)
     # the global group lacks block 2: no sliding copy can make up for it
     bm.free(third)
     bm.hash_to_block.pop(hashes[2])

@@ -165,17 +165,18 @@ class BlockManager:
                 found[g, i] = block if block is not None and self.block_tokens.get(block) == tokens else None
             return found[g, i]
 
+        whole = seq.request.context_only      # its prompt is exported whole: every group needs every block
         hit, settled = max_blocks, False
         while not settled:        # shorten the hit until every group holds the blocks it reads of it
             settled = True
             for g in range(len(tables)):
-                first = self._first_needed(g, hit)
+                first = 0 if whole else self._first_needed(g, hit)
                 missing = next((i for i in range(first, hit) if cached(g, i) is None), None) if self.windows[g] is None \
                     else next((i for i in reversed(range(first, hit)) if cached(g, i) is None), None)
                 if missing is not None:
                     hit, settled = missing, False
         for g, table in enumerate(tables):
-            first = self._first_needed(g, hit)
+            first = 0 if whole else self._first_needed(g, hit)
             table.extend([FREED] * first)
             for block in (cached(g, i) for i in range(first, hit)):
                 if self.ref_counts[block] == 0:
