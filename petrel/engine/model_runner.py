@@ -148,24 +148,25 @@ class ModelRunner:
     def build_inputs(self, spans: list["QuerySpan"]):
         """Flat input ids, positions and attention metadata; single-token spans must come first. With several
         KV groups the metadata is a list, one per layer (the layers of a group share their group's)."""
-        groups = self.kv_groups.num_groups
-        if groups == 1:
-            return self._build_inputs(spans, lambda span: span.block_table)
-        input_ids, positions, meta = self._build_inputs(spans, lambda span: span.group_tables[0])
-        metas = [meta] + [self._build_inputs(spans, lambda span: span.group_tables[g])[2] for g in range(1, groups)]
-        return input_ids, positions, [metas[g] for g in self._layer_group]
+        input_ids, positions = [], []
+        for span in spans:
+            input_ids.extend(span.token_ids)
+            positions.extend(range(span.start, span.start + len(span.token_ids)))
+        if self.kv_groups.num_groups == 1:
+            meta = self._metadata(spans, lambda span: span.block_table)
+        else:
+            metas = [self._metadata(spans, lambda span: span.group_tables[g]) for g in range(self.kv_groups.num_groups)]
+            meta = [metas[g] for g in self._layer_group]
+        return self._tensor(input_ids), self._tensor(positions), meta
 
-    def _build_inputs(self, spans: list["QuerySpan"], table_of):
-        """build_inputs with each span's block table taken by table_of (one group's)."""
+    def _metadata(self, spans: list["QuerySpan"], table_of) -> AttentionMetadata:
+        """The attention metadata of the spans, with each span's block table taken by table_of (one group's)."""
         bs = self.block_size
-        input_ids, positions, slots = [], [], []
-        prefills, decode_tables, decode_lens = [], [], []
+        slots, prefills, decode_tables, decode_lens = [], [], [], []
+        row = 0
         for span in spans:
             start, n, table = span.start, len(span.token_ids), table_of(span)
             end = start + n
-            row = len(input_ids)
-            input_ids.extend(span.token_ids)
-            positions.extend(range(start, end))
             # new K/V never go to a FREED entry (a negative slot would fail index_copy_ loudly)
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             table = _readable(table)
@@ -179,6 +180,7 @@ class ModelRunner:
                     q = torch.arange(start, end, device=self.device).unsqueeze(1)
                     mask = torch.arange(end, device=self.device).unsqueeze(0) <= q
                 prefills.append(PrefillChunk(row, n, end, self._tensor(table[:-(-end // bs)]), mask))
+            row += n
         meta = AttentionMetadata(slot_mapping=self._tensor(slots), prefills=prefills)
         for start in range(0, len(decode_tables), DECODE_GROUP_SIZE):
             tables = decode_tables[start:start + DECODE_GROUP_SIZE]
@@ -189,7 +191,7 @@ class ModelRunner:
             meta.decode_groups.append(DecodeGroup(
                 start, start + len(tables), self._tensor([t + [0] * (width - len(t)) for t in tables]),
                 span.unsqueeze(0) < lens_t.unsqueeze(1), lens, lens_t))
-        return self._tensor(input_ids), self._tensor(positions), meta
+        return meta
 
     @torch.inference_mode()
     def forward(self, plan: ForwardPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
