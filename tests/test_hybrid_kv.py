@@ -306,3 +306,17 @@ def test_disaggregated_split_moves_every_groups_kv(gemma):
     assert tokens == hf_greedy(gemma, prompt, 20)
     bm = gen.block_manager
     assert bm.num_free_blocks == bm.num_blocks and not any(bm.ref_counts)
+
+
+def test_abort_gives_every_groups_blocks_back(gemma):
+    core = make_core(gemma)
+    bm = core.block_manager
+    for i in range(3):
+        core.add_request(EngineRequest(f"a{i}", _tokens(20, 20 + i), greedy(30, n=2 if i == 0 else 1)))
+    for _ in range(12):                  # 31 tokens each: the sliding tables have given blocks back
+        core.step()
+    running = core.scheduler.running
+    assert len(running) == 4 and all(FREED in t for s in running for t in s.block_tables[1:])
+    for i in range(3):
+        core.abort_request(f"a{i}")
+    assert not core.has_work and bm.num_free_blocks == bm.num_blocks and not any(bm.ref_counts)
