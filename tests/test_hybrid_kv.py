@@ -5,8 +5,9 @@ First without a model: how layers are grouped, and the block manager with groups
 copy-on-write in every group, a prefix hit only as far as every group holds what it reads, no leak). Then a tiny
 random-weight Gemma 3 of 6 layers (sliding, sliding, global, sliding, sliding, global: one global group and two
 sliding groups of 2 layers; window 12, blocks of 4) through the whole engine: chunked prefill, n=2, beam search,
-preemption, self-speculation and prefix-cache hits give transformers' tokens and the same engine's with freeing
-off, while each sliding table holds at most ceil(W / block) + 2 blocks.
+preemption, self-speculation, prefix-cache hits and a disaggregated split (KV exported and imported per group) give
+transformers' tokens and the same engine's with freeing off, while each sliding table holds at most
+ceil(W / block) + 2 blocks; every block comes back when requests end or are aborted.
 """
 from __future__ import annotations
 
