@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(dense_kernels.library() is None,
                                 reason="petrel's float32 kernels cannot run here (no AVX2/FMA or no C compiler)")
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16, 70])
 @pytest.mark.parametrize("out_features,in_features", [(96, 64), (37, 16), (1001, 576)])
 def test_few_row_product_equals_matmul(rows, out_features, in_features):
     g = torch.Generator().manual_seed(rows * 1000 + out_features)
