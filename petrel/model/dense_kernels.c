@@ -89,97 +89,115 @@ static inline __m256 exp256(__m256 x) {
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
-#define MAX_GD 8192   /* query heads per KV head x head_dim */
+#define MAX_HD 16384  /* query heads x head_dim of one sequence (the running sums of a work item) */
+#define MAX_G 64      /* query heads per KV head */
 #define MAX_BS 256
+
+/* One block's contribution to the running softmax of the G query heads of KV head kh: their scores against the
+ * block's keys t0..t1, one rescale of the running sums (max m, denominator l, accumulator acc), then the values
+ * (accumulated in registers, 64 dims at a time). */
+static void attend_block(const float *qs, const float *kb, const float *vb, int64_t t0, int64_t t1, int64_t G,
+                         int64_t D, int64_t row, float scale, float *acc, float *m, float *l) {
+    float p[MAX_BS + 8] __attribute__((aligned(32)));
+    for (int64_t g = 0; g < G; g++) {
+        const float *qg = qs + g * D;
+        float mx = m[g];
+        __m256 vmax = _mm256_set1_ps(-INFINITY);
+        int64_t t = t0;
+        for (; t + 8 <= t1; t += 8) {     /* eight keys at once: eight sums reduced together */
+            __m256 a[8];
+            for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+            for (int64_t d = 0; d < D; d += 8) {
+                const __m256 qv = _mm256_loadu_ps(qg + d);
+                for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kb + (t + j) * row + d), a[j]);
+            }
+            const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+            const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+            const __m256 sc = _mm256_mul_ps(_mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                                                          _mm256_permute2f128_ps(s0123, s4567, 0x31)),
+                                            _mm256_set1_ps(scale));
+            _mm256_storeu_ps(p + t, sc);
+            vmax = _mm256_max_ps(vmax, sc);
+        }
+        for (; t < t1; t++) {
+            const float *k = kb + t * row;
+            __m256 a0 = _mm256_setzero_ps();
+            for (int64_t d = 0; d < D; d += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), _mm256_loadu_ps(k + d), a0);
+            const float sc = hsum(a0) * scale;
+            p[t] = sc;
+            if (sc > mx) mx = sc;
+        }
+        {
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_max_ss(h, _mm_movehdup_ps(h));
+            if (_mm_cvtss_f32(h) > mx) mx = _mm_cvtss_f32(h);
+        }
+        const float corr = expf(m[g] - mx);   /* 0 on the first block (m = -inf) */
+        const __m256 vmx = _mm256_set1_ps(mx);
+        __m256 vsum = _mm256_setzero_ps();
+        for (t = t0; t + 8 <= t1; t += 8) {
+            __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(p + t), vmx));
+            _mm256_storeu_ps(p + t, e);
+            vsum = _mm256_add_ps(vsum, e);
+        }
+        float sum = hsum(vsum);
+        for (; t < t1; t++) { p[t] = expf(p[t] - mx); sum += p[t]; }
+        l[g] = l[g] * corr + sum;
+        m[g] = mx;
+        const __m256 c = _mm256_set1_ps(corr);
+        float *ag = acc + g * D;
+        for (int64_t d0 = 0; d0 < D; d0 += 64) {
+            const int nv = D - d0 >= 64 ? 8 : (int)((D - d0) / 8);
+            __m256 a[8];
+            for (int j = 0; j < nv; j++) a[j] = _mm256_mul_ps(c, _mm256_loadu_ps(ag + d0 + 8 * j));
+            for (int64_t u = t0; u < t1; u++) {
+                const __m256 pv = _mm256_set1_ps(p[u]);
+                const float *v = vb + u * row + d0;
+                for (int j = 0; j < nv; j++) a[j] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 8 * j), a[j]);
+            }
+            for (int j = 0; j < nv; j++) _mm256_storeu_ps(ag + d0 + 8 * j, a[j]);
+        }
+    }
+}
+
 /* One query token per sequence against its paged context, read in place.
- * q, out [S][H][D]; key_cache, value_cache [num_blocks][bs][KVH][D]; tables [S][max_blocks]; context_lens [S].
+ * q [S][H][D] (rows q_stride floats apart), out [S][H][D]; key_cache, value_cache [num_blocks][bs][KVH][D];
+ * tables [S][max_blocks]; context_lens [S].
  * Query head h uses KV head h / (H / KVH). With window > 0 a row sees its last `window` positions only.
- * D a multiple of 8. Online softmax a block at a time: the block's scores, one rescale of the running sums,
- * then its values (accumulated in registers, 64 dims at a time). */
-void paged_decode_attention(const float *q, const float *key_cache, const float *value_cache,
+ * D a multiple of 8. A work item is a sequence's KV heads kh0..kh1: all of them when there are enough sequences
+ * to share out (each block's keys and values, all heads together, are then read once, contiguously), else one. */
+void paged_decode_attention(const float *q, int64_t q_stride, const float *key_cache, const float *value_cache,
                             const int64_t *tables, int64_t max_blocks, const int64_t *context_lens,
                             int64_t S, int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t window,
                             float scale, float *out, int nthreads) {
     const int64_t G = H / KVH, row = KVH * D;
+    const int64_t heads_per_item = S >= 4 * nthreads ? KVH : 1, items = S * (KVH / heads_per_item);
     #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
-    for (int64_t pair = 0; pair < S * KVH; pair++) {
-        const int64_t s = pair / KVH, kh = pair % KVH, len = context_lens[s];
+    for (int64_t item = 0; item < items; item++) {
+        const int64_t s = item / (KVH / heads_per_item), kh0 = item % (KVH / heads_per_item) * heads_per_item;
+        const int64_t kh1 = kh0 + heads_per_item, len = context_lens[s];
         const int64_t lo = window > 0 && len > window ? len - window : 0;
-        const float *qs = q + (s * H + kh * G) * D;
-        float acc[MAX_GD], m[64], l[64];
-        float p[MAX_BS + 8] __attribute__((aligned(32)));
-        for (int64_t i = 0; i < G * D; i++) acc[i] = 0.f;
-        for (int64_t g = 0; g < G; g++) { m[g] = -INFINITY; l[g] = 0.f; }
+        float acc[MAX_HD], m[MAX_HD / 8], l[MAX_HD / 8];
+        for (int64_t i = 0; i < heads_per_item * G * D; i++) acc[i] = 0.f;
+        for (int64_t i = 0; i < heads_per_item * G; i++) { m[i] = -INFINITY; l[i] = 0.f; }
         for (int64_t b = lo / bs; b * bs < len; b++) {
             const int64_t block = tables[s * max_blocks + b];
             const int64_t t0 = b * bs < lo ? lo - b * bs : 0, t1 = (b + 1) * bs <= len ? bs : len - b * bs;
-            const float *kb = key_cache + block * bs * row + kh * D, *vb = value_cache + block * bs * row + kh * D;
-            for (int64_t g = 0; g < G; g++) {
-                const float *qg = qs + g * D;
-                float mx = m[g];
-                __m256 vmax = _mm256_set1_ps(-INFINITY);
-                int64_t t = t0;
-                for (; t + 8 <= t1; t += 8) {     /* eight keys at once: eight sums reduced together */
-                    __m256 a[8];
-                    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
-                    for (int64_t d = 0; d < D; d += 8) {
-                        const __m256 qv = _mm256_loadu_ps(qg + d);
-                        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kb + (t + j) * row + d), a[j]);
-                    }
-                    const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-                    const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-                    const __m256 sc = _mm256_mul_ps(_mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
-                                                                  _mm256_permute2f128_ps(s0123, s4567, 0x31)),
-                                                    _mm256_set1_ps(scale));
-                    _mm256_storeu_ps(p + t, sc);
-                    vmax = _mm256_max_ps(vmax, sc);
-                }
-                for (; t < t1; t++) {
-                    const float *k = kb + t * row;
-                    __m256 a0 = _mm256_setzero_ps();
-                    for (int64_t d = 0; d < D; d += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), _mm256_loadu_ps(k + d), a0);
-                    const float sc = hsum(a0) * scale;
-                    p[t] = sc;
-                    if (sc > mx) mx = sc;
-                }
-                {
-                    __m128 h = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
-                    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-                    h = _mm_max_ss(h, _mm_movehdup_ps(h));
-                    if (_mm_cvtss_f32(h) > mx) mx = _mm_cvtss_f32(h);
-                }
-                const float corr = expf(m[g] - mx);   /* 0 on the first block (m = -inf) */
-                const __m256 vmx = _mm256_set1_ps(mx);
-                __m256 vsum = _mm256_setzero_ps();
-                t = t0;
-                for (; t + 8 <= t1; t += 8) {
-                    __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(p + t), vmx));
-                    _mm256_storeu_ps(p + t, e);
-                    vsum = _mm256_add_ps(vsum, e);
-                }
-                float sum = hsum(vsum);
-                for (; t < t1; t++) { p[t] = expf(p[t] - mx); sum += p[t]; }
-                l[g] = l[g] * corr + sum;
-                m[g] = mx;
-                const __m256 c = _mm256_set1_ps(corr);
-                float *ag = acc + g * D;
-                for (int64_t d0 = 0; d0 < D; d0 += 64) {
-                    const int nv = D - d0 >= 64 ? 8 : (int)((D - d0) / 8);
-                    __m256 a[8];
-                    for (int j = 0; j < nv; j++) a[j] = _mm256_mul_ps(c, _mm256_loadu_ps(ag + d0 + 8 * j));
-                    for (int64_t u = t0; u < t1; u++) {
-                        const __m256 pv = _mm256_set1_ps(p[u]);
-                        const float *v = vb + u * row + d0;
-                        for (int j = 0; j < nv; j++) a[j] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 8 * j), a[j]);
-                    }
-                    for (int j = 0; j < nv; j++) _mm256_storeu_ps(ag + d0 + 8 * j, a[j]);
-                }
+            for (int64_t kh = kh0; kh < kh1; kh++) {
+                const int64_t i = kh - kh0;
+                attend_block(q + s * q_stride + kh * G * D, key_cache + block * bs * row + kh * D,
+                             value_cache + block * bs * row + kh * D, t0, t1, G, D, row, scale,
+                             acc + i * G * D, m + i * G, l + i * G);
             }
         }
-        float *os = out + (s * H + kh * G) * D;
-        for (int64_t g = 0; g < G; g++) {
-            const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-            for (int64_t d = 0; d < D; d++) os[g * D + d] = acc[g * D + d] * inv;
+        for (int64_t kh = kh0; kh < kh1; kh++) {
+            const int64_t i = kh - kh0;
+            float *os = out + (s * H + kh * G) * D;
+            for (int64_t g = 0; g < G; g++) {
+                const float inv = l[i * G + g] > 0.f ? 1.f / l[i * G + g] : 0.f;
+                for (int64_t d = 0; d < D; d++) os[g * D + d] = acc[(i * G + g) * D + d] * inv;
+            }
         }
     }
 }

@@ -14,13 +14,13 @@ from petrel.model import native
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {"f32_gemv": [_P, _I64, _I64, _P, _P, _I64, _I32],
-              "paged_decode_attention": [_P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _P, _I32],
+              "paged_decode_attention": [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _P, _I32],
               "rms_norm": [_P, _I64, _I64, _I64, _P, _F32, _P, _I32],
               "rotary": [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _I32],
               "silu_and_mul": [_P, _I64, _I64, _P, _I32]}
 
 GEMV_MAX_ROWS = 256     # measured (2 threads): 1.2-2x torch up to 128 rows, even at 256, behind torch's GEMM from 512
-_MAX_GROUP, _MAX_GROUP_DIMS = 64, 8192   # query heads per KV head, and times head_dim (see dense_kernels.c)
+_MAX_GROUP, _MAX_HEAD_DIMS = 64, 16384   # query heads per KV head; query heads x head_dim (dense_kernels.c)
 _MAX_BLOCK_SIZE = 256
 
 
@@ -57,7 +57,7 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     if (head_dim % 8 or num_heads % num_kv_heads or num_heads // num_kv_heads > _MAX_GROUP
-            or num_heads // num_kv_heads * head_dim > _MAX_GROUP_DIMS
+            or num_heads * head_dim > _MAX_HEAD_DIMS
             or block_size > _MAX_BLOCK_SIZE or not _is_cpu_f32(q, key_cache, value_cache)
             or not (key_cache.is_contiguous() and value_cache.is_contiguous())
             or block_tables.dtype != torch.int64 or context_lens.dtype != torch.int64):
@@ -65,10 +65,13 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     lib = library()
     if lib is None:
         return None
-    q, block_tables, context_lens = q.contiguous(), block_tables.contiguous(), context_lens.contiguous()
-    out = torch.empty_like(q)
-    lib.paged_decode_attention(q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
-                               block_tables.shape[1], context_lens.data_ptr(), num_seqs, num_heads, num_kv_heads,
+    if q.stride(2) != 1 or q.stride(1) != head_dim:     # heads must be contiguous within a row; rows may be apart
+        q = q.contiguous()
+    block_tables, context_lens = block_tables.contiguous(), context_lens.contiguous()
+    out = torch.empty(q.shape, dtype=torch.float32)
+    lib.paged_decode_attention(q.data_ptr(), q.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
+                               block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), num_seqs,
+                               num_heads, num_kv_heads,
                                head_dim, block_size, sliding_window or 0, scale, out.data_ptr(),
                                torch.get_num_threads())
     return out
