@@ -64,7 +64,8 @@ def _paged_case(num_seqs, heads, kv_heads, head_dim, block_size, lens, seed):
 @pytest.mark.parametrize("many", [False, True], ids=["few-seqs", "many-seqs"])   # work split by head / by sequence
 def test_paged_decode_attention_equals_torch_path(heads, kv_heads, head_dim, block_size, window, many):
     lens = [1, 5, block_size, block_size + 1, 3 * block_size - 1, 70, 133] * (3 if many else 1)
-    q, cache, tables, lens_t = _paged_case(len(lens), heads, kv_heads, head_dim, block_size, lens, seed=heads + head_dim)
+    q, cache, tables, lens_t = _paged_case(len(lens), heads, kv_heads, head_dim, block_size, lens,
+                                           seed=heads + head_dim)
     if many:            # queries as the model hands them over: a slice of each row of a wider (q, k) tensor
         q = torch.cat([q, torch.randn(len(lens), kv_heads, head_dim)], dim=1)[:, :heads]
     scale = head_dim ** -0.5

@@ -14,7 +14,8 @@ from petrel.model import native
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {"f32_gemv": [_P, _I64, _I64, _P, _P, _I64, _I32],
-              "paged_decode_attention": [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _P, _I32],
+              "paged_decode_attention": [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32,
+                                         _P, _I32],
               "rms_norm": [_P, _I64, _I64, _I64, _P, _F32, _P, _I32],
               "rotary": [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _I32],
               "silu_and_mul": [_P, _I64, _I64, _P, _I32]}
