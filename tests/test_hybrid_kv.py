@@ -164,7 +164,7 @@ from petrel.engine.model_runner import kv_bytes_per_block  # noqa: E402
 from petrel.model.loader import load_model, resolve_model  # noqa: E402
 
 from test_model_families import COMMON, GEMMA3  # noqa: E402
-from test_model_tiny import _hf_generate  # noqa: E402
+from test_model_tiny import greedy, hf_greedy  # noqa: E402
 from tiny_llama import Tiny, _tokens, redraw_weights  # noqa: E402
 
 GW, GBS = 12, 4                     # the model's window, the engine's block size
@@ -224,20 +224,6 @@ def run_engine(t: Tiny, requests: dict, free: bool = True, num_blocks: int = 160
         assert not core.has_work
         assert bm.num_free_blocks == bm.num_blocks and not any(bm.ref_counts)     # no leak
     return results, core, max_held
-
-
-_hf_cache: dict = {}
-
-
-def hf_greedy(t: Tiny, prompt: list[int], max_tokens: int) -> list[int]:
-    key = (tuple(prompt), max_tokens)
-    if key not in _hf_cache:
-        _hf_cache[key] = _hf_generate(t, prompt, max_tokens)
-    return _hf_cache[key]
-
-
-def greedy(max_tokens: int, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
 
 
 def test_engine_matches_no_freeing_and_transformers(gemma):

@@ -293,6 +293,22 @@ def _hf_generate(t: Tiny, prompt: list[int], max_tokens: int) -> list[int]:
     return out.sequences[0, len(prompt):].tolist()
 
 
+_hf_greedy_cache: dict = {}
+
+
+def hf_greedy(t: Tiny, prompt: list[int], max_tokens: int) -> list[int]:
+    """_hf_generate computed once per model, prompt and length (the model is kept with its entry, so its id is
+    never reused while the entry lives)."""
+    key = (id(t.hf), tuple(prompt), max_tokens)
+    if key not in _hf_greedy_cache:
+        _hf_greedy_cache[key] = (t.hf, _hf_generate(t, prompt, max_tokens))
+    return _hf_greedy_cache[key][1]
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+
+
 @pytest.mark.parametrize("engine_kwargs,expect_preemption", [
     (dict(block_size=4, max_num_batched_tokens=16), False),   # chunked prefill mixed with decodes
     (dict(block_size=4, max_num_batched_tokens=2048), False), # all prompts in one step

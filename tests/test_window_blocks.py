@@ -165,7 +165,7 @@ from petrel.engine.model_runner import kv_bytes_per_block  # noqa: E402
 from petrel.model.loader import load_model, resolve_model  # noqa: E402
 
 from test_model_families import COMMON  # noqa: E402
-from test_model_tiny import _hf_generate  # noqa: E402
+from test_model_tiny import greedy, hf_greedy  # noqa: E402
 from tiny_llama import Tiny, _tokens, redraw_weights  # noqa: E402
 
 MW, MBS = 24, 4                               # the model's window, the engine's block size
@@ -210,21 +210,6 @@ def run_engine(t: Tiny, requests: dict, free: bool = True, num_blocks: int = 128
     bm = core.block_manager
     assert bm.num_free_blocks == bm.num_blocks and not any(bm.ref_counts)     # no leak
     return results, core, max_held
-
-
-_hf_cache: dict = {}
-
-
-def hf_greedy(t: Tiny, prompt: list[int], max_tokens: int) -> list[int]:
-    """transformers' greedy tokens (computed once per prompt and length)."""
-    key = (tuple(prompt), max_tokens)
-    if key not in _hf_cache:
-        _hf_cache[key] = _hf_generate(t, prompt, max_tokens)
-    return _hf_cache[key]
-
-
-def greedy(max_tokens: int, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
 
 
 def test_engine_matches_no_freeing_and_transformers(mistral):
