@@ -11,8 +11,6 @@ ceil(W / block) + 2 blocks; every block comes back when requests end or are abor
 """
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
@@ -21,10 +19,11 @@ from petrel.engine.kv_groups import split_by_window
 from petrel.engine.sequence import EngineRequest, Sequence
 from petrel.sampling_params import SamplingParams
 
+from test_window_blocks import compute, decode, make_seq   # block-manager step helpers, shared
+
 BS, W = 4, 8
 WINDOWS = [None, W, W]            # a global group and two sliding ones
 MAX_HELD = -(-W // BS) + 2
-_ids = itertools.count()
 
 
 def test_layers_are_grouped_by_window():
@@ -42,13 +41,6 @@ def test_layers_are_grouped_by_window():
     assert qwen.windows == (None, 6) and qwen.layers == ((0,), (1,))
 
 
-def make_seq(tokens, context_only: bool = False) -> Sequence:
-    req = EngineRequest(f"g-{next(_ids)}", list(tokens), SamplingParams(max_tokens=64), context_only=context_only)
-    seq = Sequence(req, 0, req.prompt_token_ids, len(req.prompt_token_ids))
-    req.seqs.append(seq)
-    return seq
-
-
 def check(bm: BlockManager, *seqs: Sequence) -> None:
     """Integrity; ref counts = held entries over every table of every sequence; the tables share one layout; a
     global table holds everything, a sliding one at least the next query's window."""
@@ -63,19 +55,6 @@ def check(bm: BlockManager, *seqs: Sequence) -> None:
             first = 0 if window is None else max(0, c - window + 1)
             assert all(table[p // BS] != FREED for p in range(first, c))
     assert counts == bm.ref_counts
-
-
-def compute(bm: BlockManager, seq: Sequence, n: int) -> None:
-    assert bm.allocate_slots(seq, n)
-    seq.num_computed_tokens += n
-    bm.cache_computed_blocks(seq)
-    bm.free_behind_window(seq)
-
-
-def decode(bm: BlockManager, seq: Sequence, steps: int, first_token: int = 1000) -> None:
-    for i in range(steps):
-        seq.token_ids.append(first_token + i)
-        compute(bm, seq, 1)
 
 
 def test_sliding_tables_stay_bounded_and_all_blocks_come_back():
