@@ -149,6 +149,43 @@ def test_step_by_step_decode_matches_transformers(tiny, kv_heads, tied, kernels)
     assert_close(logits, t.hf_logits(tokens), "step-by-step decode")
 
 
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_decode_layer_in_one_call_equals_separate_calls(tiny, kv_heads, monkeypatch):
+    """A decode-only step runs each Llama layer as one kernel call (dense_kernels.decode_layer); its logits must be
+    those of the layer's separate modules, and it must really be taken for this model."""
+    if dense_kernels.library() is None:
+        pytest.skip("petrel's float32 kernels cannot run here (no AVX2/FMA or no C compiler)")
+    from petrel.model.llama import LlamaDecoderLayer
+    t = tiny(kv_heads, False)
+    prompts = [_tokens(9, 70), _tokens(14, 71), _tokens(5, 72)]
+
+    def decode_logits() -> torch.Tensor:
+        drv = PagedDriver(t, block_size=4)
+        seqs = [drv.new_seq(p) for p in prompts]
+        drv.step([(s, len(s.token_ids)) for s in seqs])
+        rows = []
+        for i in range(6):                      # decode-only steps, three sequences each
+            for s in seqs:
+                s.token_ids.append(100 + i)
+            rows += drv.step([(s, 1) for s in seqs])
+        return torch.cat(rows)
+
+    taken = []
+    fused = LlamaDecoderLayer._decode_in_one_call
+
+    def counting(self, *args):
+        out = fused(self, *args)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(LlamaDecoderLayer, "_decode_in_one_call", counting)
+    one_call = decode_logits()
+    assert sum(taken) == 6 * len(t.model.model.layers)          # every decode-only step, every layer; no prefill
+    monkeypatch.setattr(LlamaDecoderLayer, "_decode_in_one_call", lambda self, *a: None)
+    separate = decode_logits()
+    torch.testing.assert_close(one_call, separate, atol=1e-5, rtol=1e-5)
+
+
 def test_decode_matches_transformers_kv_cache_generation(tiny, kernels):
     """Greedy decode: feed petrel's own argmax back, step by step, and compare with transformers' cached generate."""
     t = tiny(2, False)

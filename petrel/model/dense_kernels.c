@@ -13,6 +13,8 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -258,4 +260,40 @@ void silu_and_mul(const float *x, int64_t T, int64_t I, float *out, int nthreads
                                                   _mm256_loadu_ps(u + i)));
         }
     }
+}
+
+/* One Llama decoder layer for T decode rows (one new token per sequence), all in this call:
+ *   h = norm1(x); q, k, v = qkv(h); q, k = rotary(q, k); cache[slots] = k, v; a = attention(q, paged cache)
+ *   x' = x + o(a); x_out = x' + down(silu(gate) * up)(norm2(x'))
+ * the same kernels as the separate calls (so the same results), without the ~15 torch and ctypes dispatches a
+ * layer that otherwise cost more than the arithmetic at one row. Weights [out][in] row-major, no biases; qkv rows
+ * are q (NH heads), k, v (KVH heads each); cos, sin [T][D]; slots [T] the cache slot of each row's new K/V. */
+void decode_layer(const float *x, float *x_out, int64_t T, int64_t H, const float *norm1, const float *norm2,
+                  float eps, const float *w_qkv, const float *w_o, const float *w_gate_up, const float *w_down,
+                  int64_t I, int64_t NH, int64_t KVH, int64_t D, const float *cos_t, const float *sin_t,
+                  float *key_cache, float *value_cache, const int64_t *slots, const int64_t *tables,
+                  int64_t max_blocks, const int64_t *context_lens, int64_t bs, int64_t window, float scale,
+                  int nthreads) {
+    const int64_t QKV = (NH + 2 * KVH) * D, QK = (NH + KVH) * D, ROW = KVH * D;
+    float *h = malloc(sizeof(float) * T * (H + QKV + QK + NH * D + 3 * I + H));
+    if (!h) return;
+    float *qkv = h + T * H, *qk = qkv + T * QKV, *attn = qk + T * QK, *gate_up = attn + T * NH * D;
+    float *act = gate_up + T * 2 * I, *y = act + T * I;
+    rms_norm(x, T, H, H, norm1, eps, h, nthreads);
+    f32_gemv(h, T, H, w_qkv, qkv, QKV, nthreads);
+    rotary(qkv, T, NH + KVH, D, QKV, cos_t, sin_t, qk, nthreads);
+    for (int64_t t = 0; t < T; t++) {
+        memcpy(key_cache + slots[t] * ROW, qk + t * QK + NH * D, sizeof(float) * ROW);
+        memcpy(value_cache + slots[t] * ROW, qkv + t * QKV + QK, sizeof(float) * ROW);
+    }
+    paged_decode_attention(qk, QK, key_cache, value_cache, tables, max_blocks, context_lens, T, NH, KVH, D, bs,
+                           window, scale, attn, nthreads);
+    f32_gemv(attn, T, NH * D, w_o, y, H, nthreads);
+    for (int64_t i = 0; i < T * H; i++) x_out[i] = x[i] + y[i];
+    rms_norm(x_out, T, H, H, norm2, eps, h, nthreads);
+    f32_gemv(h, T, H, w_gate_up, gate_up, 2 * I, nthreads);
+    silu_and_mul(gate_up, T, I, act, nthreads);
+    f32_gemv(act, T, I, w_down, y, H, nthreads);
+    for (int64_t i = 0; i < T * H; i++) x_out[i] += y[i];
+    free(h);
 }

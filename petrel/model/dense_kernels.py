@@ -1,5 +1,6 @@
 """petrel's float32 CPU kernels (dense_kernels.c): a skinny matrix product for decode at small batches, paged
-decode attention that reads the KV blocks in place, and one-pass RMS norm, rotary embedding and SiLU-and-multiply.
+decode attention that reads the KV blocks in place, one-pass RMS norm, rotary embedding and SiLU-and-multiply, and
+all of them as one call for a whole Llama decoder layer when a step has only decodes.
 
 Each function here returns None when its kernel does not apply (not a CPU float32 tensor of a supported shape, or
 no kernels on this machine: see native.load; switch PETREL_DENSE_KERNELS=0); the caller then runs its torch path,
@@ -18,7 +19,9 @@ SIGNATURES = {"f32_gemv": [_P, _I64, _I64, _P, _P, _I64, _I32],
                                          _P, _I32],
               "rms_norm": [_P, _I64, _I64, _I64, _P, _F32, _P, _I32],
               "rotary": [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _I32],
-              "silu_and_mul": [_P, _I64, _I64, _P, _I32]}
+              "silu_and_mul": [_P, _I64, _I64, _P, _I32],
+              "decode_layer": [_P, _P, _I64, _I64, _P, _P, _F32, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _P,
+                               _P, _P, _P, _I64, _P, _I64, _I64, _F32, _I32]}
 
 GEMV_MAX_ROWS = 256     # measured (2 threads): 1.2-2x torch up to 128 rows, even at 256, behind torch's GEMM from 512
 _MAX_GROUP, _MAX_HEAD_DIMS = 64, 16384   # query heads per KV head; query heads x head_dim (dense_kernels.c)
@@ -112,4 +115,36 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
         return None
     out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=torch.float32)
     lib.silu_and_mul(x.data_ptr(), x.shape[0], x.shape[1] // 2, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def decode_layer(x: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor], eps: float,
+                 weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], heads: tuple[int, int, int],
+                 cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
+                 block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                 sliding_window: int | None) -> torch.Tensor | None:
+    """A whole Llama decoder layer for T decode rows (see decode_layer in dense_kernels.c), or None.
+
+    x [T, hidden]; norms: (input, post-attention) RMS norm weights; weights: qkv [(NH + 2 KVH) D, hidden],
+    o [hidden, NH D], gate_up [2 I, hidden], down [hidden, I]; heads: (NH, KVH, D); cos/sin [T, 1, D];
+    kv_cache [2, blocks, block_size, KVH, D]; slots [T]; block_tables [T, width]; context_lens [T]."""
+    num_tokens, hidden = x.shape
+    num_heads, num_kv_heads, head_dim = heads
+    w_qkv, w_o, w_gate_up, w_down = weights
+    inter = w_down.shape[1]
+    if (num_tokens > GEMV_MAX_ROWS or hidden % 16 or inter % 16 or head_dim % 16 or num_heads % num_kv_heads
+            or num_heads // num_kv_heads > _MAX_GROUP or num_heads * head_dim > _MAX_HEAD_DIMS
+            or kv_cache.shape[2] > _MAX_BLOCK_SIZE or cos.numel() != num_tokens * head_dim
+            or not _is_cpu_f32(x, kv_cache, cos, sin, *norms, *weights)
+            or not all(t.is_contiguous() for t in (x, kv_cache, cos, sin, *norms, *weights))
+            or slots.dtype != torch.int64 or block_tables.dtype != torch.int64 or context_lens.dtype != torch.int64
+            or (lib := library()) is None):
+        return None
+    block_tables, context_lens = block_tables.contiguous(), context_lens.contiguous()
+    out = torch.empty_like(x)
+    lib.decode_layer(x.data_ptr(), out.data_ptr(), num_tokens, hidden, norms[0].data_ptr(), norms[1].data_ptr(), eps,
+                     w_qkv.data_ptr(), w_o.data_ptr(), w_gate_up.data_ptr(), w_down.data_ptr(), inter, num_heads,
+                     num_kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(), kv_cache[0].data_ptr(),
+                     kv_cache[1].data_ptr(), slots.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
+                     context_lens.data_ptr(), kv_cache.shape[2], sliding_window or 0, scale, torch.get_num_threads())
     return out

@@ -11,6 +11,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from petrel.model import dense_kernels
 from petrel.model.attention import AttentionMetadata, paged_attention, per_layer
 from petrel.model.config import ModelConfig
 from petrel.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
@@ -69,8 +70,33 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg, tp)
 
     def forward(self, x, cos_sin, kv_cache, meta):
+        if (out := self._decode_in_one_call(x, cos_sin, kv_cache, meta)) is not None:
+            return out
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def _decode_in_one_call(self, x, cos_sin, kv_cache, meta: AttentionMetadata):
+        """A step of decodes only: the whole layer as one kernel call (dense_kernels.decode_layer: the same kernels
+        the separate modules use on CPU in float32, without a dispatch per operation), when the layer is plain —
+        no biases, no q/k norms, one rank, no LoRA or quantized projections. None otherwise."""
+        attn, mlp = self.self_attn, self.mlp
+        if meta.prefills or len(meta.decode_groups) != 1 or not self._is_plain():
+            return None
+        group = meta.decode_groups[0]
+        return dense_kernels.decode_layer(
+            x, (self.input_layernorm.weight, self.post_attention_layernorm.weight), self.input_layernorm.eps,
+            (attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight),
+            (attn.num_heads, attn.num_kv_heads, attn.head_dim), cos_sin[0], cos_sin[1], kv_cache, meta.slot_mapping,
+            group.block_tables, group.context_lens_t, attn.scale, attn.sliding_window)
+
+    def _is_plain(self) -> bool:
+        attn, mlp = self.self_attn, self.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        return (type(attn.qkv_proj) is ColumnParallelLinear and type(mlp.gate_up_proj) is ColumnParallelLinear
+                and type(attn.o_proj) is RowParallelLinear and type(mlp.down_proj) is RowParallelLinear
+                and attn.o_proj.tp.size == 1 and all(m.bias is None for m in linears) and not hasattr(attn, "q_norm")
+                and type(self.input_layernorm) is RMSNorm and type(self.post_attention_layernorm) is RMSNorm
+                and self.input_layernorm.eps == self.post_attention_layernorm.eps)
 
 
 class LlamaModel(nn.Module):
