@@ -79,24 +79,34 @@ class LlamaDecoderLayer(nn.Module):
         """A step of decodes only: the whole layer as one kernel call (dense_kernels.decode_layer: the same kernels
         the separate modules use on CPU in float32, without a dispatch per operation), when the layer is plain —
         no biases, no q/k norms, one rank, no LoRA or quantized projections. None otherwise."""
-        attn, mlp = self.self_attn, self.mlp
-        if meta.prefills or len(meta.decode_groups) != 1 or not self._is_plain():
+        if meta.prefills or len(meta.decode_groups) != 1:
             return None
-        group = meta.decode_groups[0]
-        return dense_kernels.decode_layer(
-            x, (self.input_layernorm.weight, self.post_attention_layernorm.weight), self.input_layernorm.eps,
-            (attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight),
-            (attn.num_heads, attn.num_kv_heads, attn.head_dim), cos_sin[0], cos_sin[1], kv_cache, meta.slot_mapping,
-            group.block_tables, group.context_lens_t, attn.scale, attn.sliding_window)
-
-    def _is_plain(self) -> bool:
         attn, mlp = self.self_attn, self.mlp
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        return (type(attn.qkv_proj) is ColumnParallelLinear and type(mlp.gate_up_proj) is ColumnParallelLinear
-                and type(attn.o_proj) is RowParallelLinear and type(mlp.down_proj) is RowParallelLinear
-                and attn.o_proj.tp.size == 1 and all(m.bias is None for m in linears) and not hasattr(attn, "q_norm")
-                and type(self.input_layernorm) is RMSNorm and type(self.post_attention_layernorm) is RMSNorm
-                and self.input_layernorm.eps == self.post_attention_layernorm.eps)
+        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        cached = self.__dict__.get("_one_call")    # (projections, arguments or None), kept while they stay the same
+        if cached is None or any(a is not b for a, b in zip(cached[0], projections)):
+            cached = self.__dict__["_one_call"] = (projections, self._one_call_arguments(projections))
+        if cached[1] is None:
+            return None
+        norms, eps, weights, heads, scale, window = cached[1]
+        group = meta.decode_groups[0]
+        return dense_kernels.decode_layer(x, norms, eps, weights, heads, cos_sin[0], cos_sin[1], kv_cache,
+                                          meta.slot_mapping, group.block_tables, group.context_lens_t, scale, window)
+
+    def _one_call_arguments(self, projections):
+        """decode_layer's fixed arguments for this layer, or None when the layer is not plain."""
+        attn = self.self_attn
+        qkv, o, gate_up, down = projections
+        plain = (type(qkv) is ColumnParallelLinear and type(gate_up) is ColumnParallelLinear
+                 and type(o) is RowParallelLinear and type(down) is RowParallelLinear and o.tp.size == 1
+                 and all(m.bias is None for m in projections) and not hasattr(attn, "q_norm")
+                 and type(self.input_layernorm) is RMSNorm and type(self.post_attention_layernorm) is RMSNorm
+                 and self.input_layernorm.eps == self.post_attention_layernorm.eps)
+        if not plain:
+            return None
+        return ((self.input_layernorm.weight, self.post_attention_layernorm.weight), self.input_layernorm.eps,
+                tuple(m.weight for m in projections), (attn.num_heads, attn.num_kv_heads, attn.head_dim),
+                attn.scale, attn.sliding_window)
 
 
 class LlamaModel(nn.Module):
