@@ -9,6 +9,7 @@ from petrel.engine.block_manager import FREED
 from petrel.engine.kv_groups import KVGroups, single_group
 from petrel.engine.scheduler import ScheduledBatch
 from petrel.engine.sequence import Sequence
+from petrel.model import dense_kernels
 from petrel.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk, new_kv_cache
 from petrel.model.config import ModelConfig
 from petrel.model.parallel import SINGLE, TensorParallel, local_kv_heads, max_local_kv_heads
@@ -62,7 +63,7 @@ class ExecutorDied(RuntimeError):
     ranks are out of step): the engine stops and reports it, instead of failing each later step."""
 
 
-DECODE_GROUP_SIZE = 16   # decodes attended per call: fewer calls vs. less padding read
+DECODE_GROUP_SIZE = 16   # decodes attended per call by the torch path: fewer calls vs. less padding read
 
 
 def keep_freed_memory_in_heap() -> None:
@@ -117,6 +118,10 @@ class ModelRunner:
         self.lora_manager = lora_manager   # petrel.model.lora.LoRAManager with enable_lora
         self.block_size = block_size
         self.device = torch.device(device)
+        # petrel's CPU kernel attends each decode row over its own length, so one group of all the step's decodes
+        # costs no padding (and lets a decode-only step run each layer as one call); torch pads to the longest
+        self.decode_group_size = (1 << 30) if (self.device.type == "cpu" and dtype == torch.float32
+                                               and dense_kernels.library() is not None) else DECODE_GROUP_SIZE
         self.kv_groups = kv_groups or single_group(cfg.num_hidden_layers, None)
         kv_heads = local_kv_heads(cfg.num_key_value_heads, tp)   # this rank's slice of the cache
         # layers_per_block tensors; the i-th layer of every group uses the i-th (at that group's block ids)
@@ -182,9 +187,10 @@ class ModelRunner:
                 prefills.append(PrefillChunk(row, n, end, self._tensor(table[:-(-end // bs)]), mask))
             row += n
         meta = AttentionMetadata(slot_mapping=self._tensor(slots), prefills=prefills)
-        for start in range(0, len(decode_tables), DECODE_GROUP_SIZE):
-            tables = decode_tables[start:start + DECODE_GROUP_SIZE]
-            lens = decode_lens[start:start + DECODE_GROUP_SIZE]
+        size = self.decode_group_size
+        for start in range(0, len(decode_tables), size):
+            tables = decode_tables[start:start + size]
+            lens = decode_lens[start:start + size]
             width = max(len(t) for t in tables)
             span = torch.arange(width * bs, device=self.device)
             lens_t = self._tensor(lens)
