@@ -83,30 +83,24 @@ class LlamaDecoderLayer(nn.Module):
             return None
         attn, mlp = self.self_attn, self.mlp
         projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        cached = self.__dict__.get("_one_call")    # (projections, arguments or None), kept while they stay the same
+        cached = self.__dict__.get("_plain")      # (projections, whether plain), kept while they stay the same
         if cached is None or any(a is not b for a, b in zip(cached[0], projections)):
-            cached = self.__dict__["_one_call"] = (projections, self._one_call_arguments(projections))
-        if cached[1] is None:
+            cached = self.__dict__["_plain"] = (projections, self._is_plain(projections))
+        if not cached[1]:
             return None
-        norms, eps, weights, heads, scale, window = cached[1]
-        group = meta.decode_groups[0]
-        return dense_kernels.decode_layer(x, norms, eps, weights, heads, cos_sin[0], cos_sin[1], kv_cache,
-                                          meta.slot_mapping, group.block_tables, group.context_lens_t, scale, window)
+        norm1, norm2, group = self.input_layernorm, self.post_attention_layernorm, meta.decode_groups[0]
+        return dense_kernels.decode_layer(
+            x, (norm1.weight, norm2.weight), norm1.eps, tuple(m.weight for m in projections),
+            (attn.num_heads, attn.num_kv_heads, attn.head_dim), cos_sin[0], cos_sin[1], kv_cache, meta.slot_mapping,
+            group.block_tables, group.context_lens_t, attn.scale, attn.sliding_window)
 
-    def _one_call_arguments(self, projections):
-        """decode_layer's fixed arguments for this layer, or None when the layer is not plain."""
-        attn = self.self_attn
+    def _is_plain(self, projections) -> bool:
         qkv, o, gate_up, down = projections
-        plain = (type(qkv) is ColumnParallelLinear and type(gate_up) is ColumnParallelLinear
-                 and type(o) is RowParallelLinear and type(down) is RowParallelLinear and o.tp.size == 1
-                 and all(m.bias is None for m in projections) and not hasattr(attn, "q_norm")
-                 and type(self.input_layernorm) is RMSNorm and type(self.post_attention_layernorm) is RMSNorm
-                 and self.input_layernorm.eps == self.post_attention_layernorm.eps)
-        if not plain:
-            return None
-        return ((self.input_layernorm.weight, self.post_attention_layernorm.weight), self.input_layernorm.eps,
-                tuple(m.weight for m in projections), (attn.num_heads, attn.num_kv_heads, attn.head_dim),
-                attn.scale, attn.sliding_window)
+        return (type(qkv) is ColumnParallelLinear and type(gate_up) is ColumnParallelLinear
+                and type(o) is RowParallelLinear and type(down) is RowParallelLinear and o.tp.size == 1
+                and all(m.bias is None for m in projections) and not hasattr(self.self_attn, "q_norm")
+                and type(self.input_layernorm) is RMSNorm and type(self.post_attention_layernorm) is RMSNorm
+                and self.input_layernorm.eps == self.post_attention_layernorm.eps)
 
 
 class LlamaModel(nn.Module):
