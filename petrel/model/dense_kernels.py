@@ -39,13 +39,19 @@ def _is_cpu_f32(*tensors: torch.Tensor) -> bool:
     return True
 
 
+def _attention_fits(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, block_tables: torch.Tensor,
+                    context_lens: torch.Tensor) -> bool:
+    """Whether paged_decode_attention (alone or inside decode_layer) takes these heads, blocks and index tensors."""
+    return (head_dim % 8 == 0 and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= _MAX_GROUP
+            and num_heads * head_dim <= _MAX_HEAD_DIMS and block_size <= _MAX_BLOCK_SIZE
+            and block_tables.dtype == torch.int64 and context_lens.dtype == torch.int64)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """x [M, K] @ weight[N, K]^T for M <= GEMV_MAX_ROWS, or None."""
     m, k = x.shape
-    if m > GEMV_MAX_ROWS or k % 16 or not _is_cpu_f32(x, weight) or not weight.is_contiguous():
-        return None
-    lib = library()
-    if lib is None:
+    if (m > GEMV_MAX_ROWS or k % 16 or not _is_cpu_f32(x, weight) or not weight.is_contiguous()
+            or (lib := library()) is None):
         return None
     x = x.contiguous()
     y = torch.empty(m, weight.shape[0], dtype=torch.float32)
@@ -60,14 +66,9 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     [S, heads, d], or None."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
-    if (head_dim % 8 or num_heads % num_kv_heads or num_heads // num_kv_heads > _MAX_GROUP
-            or num_heads * head_dim > _MAX_HEAD_DIMS
-            or block_size > _MAX_BLOCK_SIZE or not _is_cpu_f32(q, key_cache, value_cache)
-            or not (key_cache.is_contiguous() and value_cache.is_contiguous())
-            or block_tables.dtype != torch.int64 or context_lens.dtype != torch.int64):
-        return None
-    lib = library()
-    if lib is None:
+    if (not _attention_fits(num_heads, num_kv_heads, head_dim, block_size, block_tables, context_lens)
+            or not _is_cpu_f32(q, key_cache, value_cache)
+            or not (key_cache.is_contiguous() and value_cache.is_contiguous()) or (lib := library()) is None):
         return None
     if q.stride(2) != 1 or q.stride(1) != head_dim:     # heads must be contiguous within a row; rows may be apart
         q = q.contiguous()
@@ -75,9 +76,8 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     out = torch.empty(q.shape, dtype=torch.float32)
     lib.paged_decode_attention(q.data_ptr(), q.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
                                block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), num_seqs,
-                               num_heads, num_kv_heads,
-                               head_dim, block_size, sliding_window or 0, scale, out.data_ptr(),
-                               torch.get_num_threads())
+                               num_heads, num_kv_heads, head_dim, block_size, sliding_window or 0, scale,
+                               out.data_ptr(), torch.get_num_threads())
     return out
 
 
@@ -132,12 +132,11 @@ def decode_layer(x: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor], eps:
     num_heads, num_kv_heads, head_dim = heads
     w_qkv, w_o, w_gate_up, w_down = weights
     inter = w_down.shape[1]
-    if (num_tokens > GEMV_MAX_ROWS or hidden % 16 or inter % 16 or head_dim % 16 or num_heads % num_kv_heads
-            or num_heads // num_kv_heads > _MAX_GROUP or num_heads * head_dim > _MAX_HEAD_DIMS
-            or kv_cache.shape[2] > _MAX_BLOCK_SIZE or cos.numel() != num_tokens * head_dim
+    if (num_tokens > GEMV_MAX_ROWS or hidden % 16 or inter % 16 or head_dim % 16     # the products', rotary's
+            or not _attention_fits(num_heads, num_kv_heads, head_dim, kv_cache.shape[2], block_tables, context_lens)
+            or cos.numel() != num_tokens * head_dim or slots.dtype != torch.int64
             or not _is_cpu_f32(x, kv_cache, cos, sin, *norms, *weights)
             or not all(t.is_contiguous() for t in (x, kv_cache, cos, sin, *norms, *weights))
-            or slots.dtype != torch.int64 or block_tables.dtype != torch.int64 or context_lens.dtype != torch.int64
             or (lib := library()) is None):
         return None
     block_tables, context_lens = block_tables.contiguous(), context_lens.contiguous()
