@@ -1,0 +1,68 @@
+"""Time one decode step of the default model, alone: `batch` sequences of `context` tokens each, one new token each
+(the model runner's inputs + the forward + the logits; no scheduler or sampler). The figures behind "where the time
+goes" in BENCHMARKS.md.
+
+    python benchmarks/decode_step.py [--batch 1,16,64] [--context 350] [--steps 20]
+
+Prints min and median ms per step for each batch size.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from petrel import LLM
+from petrel.engine.scheduler import ScheduledBatch
+from petrel.engine.sequence import EngineRequest, Sequence
+from petrel.sampling_params import SamplingParams
+
+
+def decode_batch(runner, batch: int, context: int) -> ScheduledBatch:
+    """`batch` sequences whose first context - 1 tokens are computed, on distinct blocks."""
+    bs = runner.block_size
+    free = iter(range(1, 1 << 30))
+    seqs = []
+    for i in range(batch):
+        tokens = list(range(100, 100 + context))
+        seq = Sequence(EngineRequest(f"r{i}", tokens, SamplingParams(temperature=0.0)), 0, tokens, len(tokens))
+        seq.block_tables = [[next(free) for _ in range(-(-context // bs))]]
+        seq.num_computed_tokens = context - 1
+        seqs.append(seq)
+    return ScheduledBatch(seqs=seqs, num_new_tokens=[1] * batch)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", default="1,16,64")
+    ap.add_argument("--context", type=int, default=350)
+    ap.add_argument("--steps", type=int, default=20)
+    args = ap.parse_args()
+    llm = LLM()
+    runner = llm._engine.core.runner
+    try:
+        for batch in (int(b) for b in args.batch.split(",")):
+            step_batch = decode_batch(runner, batch, args.context)
+
+            def step():
+                with torch.inference_mode():
+                    ids, positions, meta = runner.prepare(step_batch)
+                    return runner.model.compute_logits(runner.model(ids, positions, runner.kv_caches, meta))
+
+            for _ in range(3):
+                step()
+            times = []
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                step()
+                times.append((time.perf_counter() - t0) * 1e3)
+            print(f"batch {batch}, context {args.context}: min {min(times):.1f} ms, "
+                  f"median {statistics.median(times):.1f} ms per decode step")
+    finally:
+        llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()
