@@ -7,6 +7,9 @@ transformers' full-sequence forward pass, which is the ground truth for every po
 """
 from __future__ import annotations
 
+import copy
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -149,14 +152,35 @@ def test_step_by_step_decode_matches_transformers(tiny, kv_heads, tied, kernels)
     assert_close(logits, t.hf_logits(tokens), "step-by-step decode")
 
 
+def quantized_copy(t: Tiny, fmt: str) -> SimpleNamespace:
+    """The tiny model with every layer's projections quantized: int8 per row, or GGUF Q4_1 blocks (gguf's own
+    quantizer) kept as 4-bit codes."""
+    import gguf
+    from petrel.model.quantization import QuantizedLinear, QuantizedWeight
+    model = copy.deepcopy(t.model)
+    for layer in model.model.layers:
+        for owner, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"), (layer.mlp, "gate_up_proj"),
+                            (layer.mlp, "down_proj")):
+            weight = getattr(owner, name).weight.detach()
+            if fmt == "int8":
+                qweight = QuantizedWeight.int8_per_channel(weight)
+            else:
+                raw = gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType[fmt])
+                qweight = QuantizedWeight.from_gguf(fmt, raw, *weight.shape)
+            setattr(owner, name, QuantizedLinear(qweight))
+    return SimpleNamespace(model=model, cfg=t.cfg)
+
+
+@pytest.mark.parametrize("weights", ["float32", "int8", "Q4_1"])
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
-def test_decode_layer_in_one_call_equals_separate_calls(tiny, kv_heads, monkeypatch):
-    """A decode-only step runs each Llama layer as one kernel call (dense_kernels.decode_layer); its logits must be
-    those of the layer's separate modules, and it must really be taken for this model."""
+def test_decode_layer_in_one_call_equals_separate_calls(tiny, kv_heads, weights, monkeypatch):
+    """A decode-only step runs each Llama layer as one kernel call (dense_kernels.decode_layer), with float32 or
+    quantized projections; its logits must be those of the layer's separate modules, and it must really be taken
+    for this model."""
     if dense_kernels.library() is None:
         pytest.skip("petrel's float32 kernels cannot run here (no AVX2/FMA or no C compiler)")
     from petrel.model.llama import LlamaDecoderLayer
-    t = tiny(kv_heads, False)
+    t = tiny(kv_heads, False) if weights == "float32" else quantized_copy(tiny(kv_heads, False), weights)
     prompts = [_tokens(9, 70), _tokens(14, 71), _tokens(5, 72)]
 
     def decode_logits() -> torch.Tensor:

@@ -7,14 +7,17 @@
  *   blocks into a contiguous copy), with an online softmax a block at a time.
  * rms_norm, rotary, silu_and_mul: the small per-layer operations, each one pass over its rows instead of the
  *   five to eight torch operations (and their dispatch overhead, ~10 us each at one row) they replace.
- * Work is split over nthreads OpenMP threads (torch's own runtime inside a torch process); the small operations
- * stay on the calling thread unless there are many rows. */
+ * decode_layer: all of the above for a whole Llama decoder layer; its products take float32 weights or the
+ *   quantized ones of quant_kernels.c (compiled into the same library), each described by a `weight`.
+ * Work is shared out over nthreads threads of thread_pool.c; the small operations stay on the calling thread unless
+ * there are many rows. */
 #include <immintrin.h>
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "thread_pool.h"
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -57,22 +60,30 @@ static void f32_rows_##MR(const float *x, int64_t K, const float *W, float *y, i
 KER(1, 4, 16) KER(2, 2, 16) KER(3, 3, 8) KER(4, 3, 8)
 /* y[M][N] = x[M][K] @ W[N][K]^T; K a multiple of 16. Each thread walks its weight rows in tiles of 12; a tile
  * stays in L1 or L2 while every group of four x rows passes over it, so W is read from memory once for any M. */
-void f32_gemv(const float *x, int64_t M, int64_t K, const float *W, float *y, int64_t N, int nthreads) {
-    #pragma omp parallel num_threads(nthreads)
-    {
-        int t = omp_get_thread_num(), T = omp_get_num_threads();
-        int64_t per = ((N + T - 1) / T + 7) / 8 * 8, n0 = t * per, n1 = n0 + per < N ? n0 + per : N;
-        for (int64_t n = n0; n < n1; n += 12) {
-            const int64_t ne = n + 12 < n1 ? n + 12 : n1;
-            for (int64_t m = 0; m < M; m += 4) {
-                int64_t r = M - m < 4 ? M - m : 4;
-                if (r == 4) f32_rows_4(x + m * K, K, W, y + m * N, N, n, ne);
-                else if (r == 3) f32_rows_3(x + m * K, K, W, y + m * N, N, n, ne);
-                else if (r == 2) f32_rows_2(x + m * K, K, W, y + m * N, N, n, ne);
-                else f32_rows_1(x + m * K, K, W, y + m * N, N, n, ne);
-            }
+typedef struct { const float *x; int64_t M, K; const float *W; float *y; int64_t N; } gemv_args;
+
+static void f32_gemv_part(void *args, int t, int T) {
+    const gemv_args *a = args;
+    const float *x = a->x, *W = a->W;
+    const int64_t M = a->M, K = a->K, N = a->N;
+    float *y = a->y;
+    int64_t n0, n1;
+    split_range(N, t, T, 8, &n0, &n1);
+    for (int64_t n = n0; n < n1; n += 12) {
+        const int64_t ne = n + 12 < n1 ? n + 12 : n1;
+        for (int64_t m = 0; m < M; m += 4) {
+            int64_t r = M - m < 4 ? M - m : 4;
+            if (r == 4) f32_rows_4(x + m * K, K, W, y + m * N, N, n, ne);
+            else if (r == 3) f32_rows_3(x + m * K, K, W, y + m * N, N, n, ne);
+            else if (r == 2) f32_rows_2(x + m * K, K, W, y + m * N, N, n, ne);
+            else f32_rows_1(x + m * K, K, W, y + m * N, N, n, ne);
         }
     }
+}
+
+void f32_gemv(const float *x, int64_t M, int64_t K, const float *W, float *y, int64_t N, int nthreads) {
+    gemv_args a = {x, M, K, W, y, N};
+    parallel_run(f32_gemv_part, &a, nthreads);
 }
 
 /* e^x, relative error ~1e-7 (clamped to [-87, 88]): 2^n * e^r with |r| <= ln2/2, degree-6 polynomial */
@@ -163,20 +174,24 @@ static void attend_block(const float *qs, const float *kb, const float *vb, int6
     }
 }
 
-/* One query token per sequence against its paged context, read in place.
- * q [S][H][D] (rows q_stride floats apart), out [S][H][D]; key_cache, value_cache [num_blocks][bs][KVH][D];
- * tables [S][max_blocks]; context_lens [S].
- * Query head h uses KV head h / (H / KVH). With window > 0 a row sees its last `window` positions only.
- * D a multiple of 8. A work item is a sequence's KV heads kh0..kh1: all of them when there are enough sequences
- * to share out (each block's keys and values, all heads together, are then read once, contiguously), else one. */
-void paged_decode_attention(const float *q, int64_t q_stride, const float *key_cache, const float *value_cache,
-                            const int64_t *tables, int64_t max_blocks, const int64_t *context_lens,
-                            int64_t S, int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t window,
-                            float scale, float *out, int nthreads) {
-    const int64_t G = H / KVH, row = KVH * D;
-    const int64_t heads_per_item = S >= 4 * nthreads ? KVH : 1, items = S * (KVH / heads_per_item);
-    #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
-    for (int64_t item = 0; item < items; item++) {
+typedef struct {
+    const float *q; int64_t q_stride; const float *key_cache, *value_cache; const int64_t *tables; int64_t max_blocks;
+    const int64_t *context_lens; int64_t H, KVH, D, bs, window; float scale; float *out;
+    int64_t heads_per_item, items, next;     /* next: the first work item no thread has taken */
+} attention_args;
+
+static void attention_part(void *args, int part, int parts) {
+    attention_args *a = args;
+    const float *q = a->q, *key_cache = a->key_cache, *value_cache = a->value_cache;
+    const int64_t *tables = a->tables, *context_lens = a->context_lens;
+    const int64_t q_stride = a->q_stride, max_blocks = a->max_blocks, H = a->H, KVH = a->KVH, D = a->D, bs = a->bs;
+    const int64_t window = a->window, heads_per_item = a->heads_per_item, G = H / KVH, row = KVH * D;
+    const float scale = a->scale;
+    float *out = a->out;
+    (void)part; (void)parts;
+    for (;;) {                   /* items handed out one at a time: sequences differ in length */
+        const int64_t item = __atomic_fetch_add(&a->next, 1, __ATOMIC_RELAXED);
+        if (item >= a->items) break;
         const int64_t s = item / (KVH / heads_per_item), kh0 = item % (KVH / heads_per_item) * heads_per_item;
         const int64_t kh1 = kh0 + heads_per_item, len = context_lens[s];
         const int64_t lo = window > 0 && len > window ? len - window : 0;
@@ -204,21 +219,58 @@ void paged_decode_attention(const float *q, int64_t q_stride, const float *key_c
     }
 }
 
+/* One query token per sequence against its paged context, read in place.
+ * q [S][H][D] (rows q_stride floats apart), out [S][H][D]; key_cache, value_cache [num_blocks][bs][KVH][D];
+ * tables [S][max_blocks]; context_lens [S].
+ * Query head h uses KV head h / (H / KVH). With window > 0 a row sees its last `window` positions only.
+ * D a multiple of 8. A work item is a sequence's KV heads kh0..kh1: all of them when there are enough sequences
+ * to share out (each block's keys and values, all heads together, are then read once, contiguously), else one. */
+void paged_decode_attention(const float *q, int64_t q_stride, const float *key_cache, const float *value_cache,
+                            const int64_t *tables, int64_t max_blocks, const int64_t *context_lens,
+                            int64_t S, int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t window,
+                            float scale, float *out, int nthreads) {
+    const int64_t heads_per_item = S >= 4 * nthreads ? KVH : 1;
+    attention_args a = {q, q_stride, key_cache, value_cache, tables, max_blocks, context_lens, H, KVH, D, bs, window,
+                        scale, out, heads_per_item, S * (KVH / heads_per_item), 0};
+    parallel_run(attention_part, &a, nthreads);
+}
+
 #define PARALLEL_ELEMENTS 262144   /* below this many elements one thread is faster than waking the others */
 
-/* out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w for T rows of H floats (x rows `stride` floats apart) */
-void rms_norm(const float *x, int64_t T, int64_t H, int64_t stride, const float *w, float eps, float *out,
-              int nthreads) {
-    #pragma omp parallel for num_threads(nthreads) if (T * H >= PARALLEL_ELEMENTS)
-    for (int64_t t = 0; t < T; t++) {
-        const float *xt = x + t * stride;
-        float *ot = out + t * H;
-        __m256 a = _mm256_setzero_ps();
+typedef void (*rows_fn)(const void *args, int64_t r0, int64_t r1);
+typedef struct { rows_fn fn; const void *args; int64_t rows; } rows_task;
+
+static void rows_part(void *task, int t, int T) {
+    const rows_task *r = task;
+    int64_t lo, hi;
+    split_range(r->rows, t, T, 1, &lo, &hi);
+    if (lo < hi) r->fn(r->args, lo, hi);
+}
+
+/* fn over rows 0..n-1: shared out when they hold enough elements, else all on this thread */
+static void for_rows(rows_fn fn, const void *args, int64_t n, int64_t elements, int nthreads) {
+    if (elements < PARALLEL_ELEMENTS || nthreads <= 1) {
+        fn(args, 0, n);
+        return;
+    }
+    rows_task r = {fn, args, n};
+    parallel_run(rows_part, &r, nthreads);
+}
+
+typedef struct { const float *x; int64_t H, stride; const float *w; float eps; float *out; } norm_args;
+
+static void rms_norm_rows(const void *args, int64_t t0, int64_t t1) {
+    const norm_args *a = args;
+    const int64_t H = a->H;
+    for (int64_t t = t0; t < t1; t++) {
+        const float *xt = a->x + t * a->stride, *w = a->w;
+        float *ot = a->out + t * H;
+        __m256 acc = _mm256_setzero_ps();
         int64_t h = 0;
-        for (; h + 8 <= H; h += 8) { __m256 v = _mm256_loadu_ps(xt + h); a = _mm256_fmadd_ps(v, v, a); }
-        float ss = hsum(a);
+        for (; h + 8 <= H; h += 8) { __m256 v = _mm256_loadu_ps(xt + h); acc = _mm256_fmadd_ps(v, v, acc); }
+        float ss = hsum(acc);
         for (; h < H; h++) ss += xt[h] * xt[h];
-        const float r = 1.f / sqrtf(ss / (float)H + eps);
+        const float r = 1.f / sqrtf(ss / (float)H + a->eps);
         const __m256 rv = _mm256_set1_ps(r);
         for (h = 0; h + 8 <= H; h += 8)
             _mm256_storeu_ps(ot + h, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xt + h), rv), _mm256_loadu_ps(w + h)));
@@ -226,17 +278,23 @@ void rms_norm(const float *x, int64_t T, int64_t H, int64_t stride, const float 
     }
 }
 
-/* Rotate-half rotary embedding: out[t][h] = x[t][h] * cos[t] + rotate_half(x[t][h]) * sin[t], for T rows of
- * `heads` heads of D floats (x rows `stride` floats apart, heads contiguous); cos, sin [T][D]; D a multiple of 16 */
-void rotary(const float *x, int64_t T, int64_t heads, int64_t D, int64_t stride, const float *cos_t,
-            const float *sin_t, float *out, int nthreads) {
-    const int64_t half = D / 2;
-    #pragma omp parallel for num_threads(nthreads) if (T * heads * D >= PARALLEL_ELEMENTS)
-    for (int64_t t = 0; t < T; t++) {
-        const float *c = cos_t + t * D, *sn = sin_t + t * D;
+/* out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w for T rows of H floats (x rows `stride` floats apart) */
+void rms_norm(const float *x, int64_t T, int64_t H, int64_t stride, const float *w, float eps, float *out,
+              int nthreads) {
+    norm_args a = {x, H, stride, w, eps, out};
+    for_rows(rms_norm_rows, &a, T, T * H, nthreads);
+}
+
+typedef struct { const float *x; int64_t heads, D, stride; const float *cos_t, *sin_t; float *out; } rotary_args;
+
+static void rotary_rows(const void *args, int64_t t0, int64_t t1) {
+    const rotary_args *a = args;
+    const int64_t D = a->D, half = D / 2, heads = a->heads;
+    for (int64_t t = t0; t < t1; t++) {
+        const float *c = a->cos_t + t * D, *sn = a->sin_t + t * D;
         for (int64_t h = 0; h < heads; h++) {
-            const float *xh = x + t * stride + h * D;
-            float *oh = out + (t * heads + h) * D;
+            const float *xh = a->x + t * a->stride + h * D;
+            float *oh = a->out + (t * heads + h) * D;
             for (int64_t d = 0; d < half; d += 8) {
                 const __m256 lo = _mm256_loadu_ps(xh + d), hi = _mm256_loadu_ps(xh + half + d);
                 _mm256_storeu_ps(oh + d, _mm256_fnmadd_ps(hi, _mm256_loadu_ps(sn + d), _mm256_mul_ps(lo, _mm256_loadu_ps(c + d))));
@@ -247,12 +305,22 @@ void rotary(const float *x, int64_t T, int64_t heads, int64_t D, int64_t stride,
     }
 }
 
-/* out[t][i] = silu(x[t][i]) * x[t][I + i] for T rows of 2I floats; I a multiple of 8 */
-void silu_and_mul(const float *x, int64_t T, int64_t I, float *out, int nthreads) {
-    #pragma omp parallel for num_threads(nthreads) if (T * I >= PARALLEL_ELEMENTS)
-    for (int64_t t = 0; t < T; t++) {
-        const float *g = x + t * 2 * I, *u = g + I;
-        float *o = out + t * I;
+/* Rotate-half rotary embedding: out[t][h] = x[t][h] * cos[t] + rotate_half(x[t][h]) * sin[t], for T rows of
+ * `heads` heads of D floats (x rows `stride` floats apart, heads contiguous); cos, sin [T][D]; D a multiple of 16 */
+void rotary(const float *x, int64_t T, int64_t heads, int64_t D, int64_t stride, const float *cos_t,
+            const float *sin_t, float *out, int nthreads) {
+    rotary_args a = {x, heads, D, stride, cos_t, sin_t, out};
+    for_rows(rotary_rows, &a, T, T * heads * D, nthreads);
+}
+
+typedef struct { const float *x; int64_t I; float *out; } silu_args;
+
+static void silu_and_mul_rows(const void *args, int64_t t0, int64_t t1) {
+    const silu_args *a = args;
+    const int64_t I = a->I;
+    for (int64_t t = t0; t < t1; t++) {
+        const float *g = a->x + t * 2 * I, *u = g + I;
+        float *o = a->out + t * I;
         for (int64_t i = 0; i < I; i += 8) {
             const __m256 gv = _mm256_loadu_ps(g + i);
             const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv));
@@ -262,14 +330,33 @@ void silu_and_mul(const float *x, int64_t T, int64_t I, float *out, int nthreads
     }
 }
 
+/* out[t][i] = silu(x[t][i]) * x[t][I + i] for T rows of 2I floats; I a multiple of 8 */
+void silu_and_mul(const float *x, int64_t T, int64_t I, float *out, int nthreads) {
+    silu_args a = {x, I, out};
+    for_rows(silu_and_mul_rows, &a, T, T * I, nthreads);
+}
+
+/* A projection's weight [N][K]: float32 rows (bits 32, data only), or quant_kernels.c's codes (bits 4 or 8) with
+ * their float32 scale and min per group of 2^gshift (mins may be NULL). */
+typedef struct { const void *data; const float *scale, *mins; int32_t bits, gshift; } weight;
+
+void quant_gemv(int bits, const float *x, int64_t M, int64_t K, const void *codes, const float *scale,
+                const float *mins, int gshift, float *y, int64_t N, int nthreads);   /* quant_kernels.c */
+
+/* y[M][N] = x[M][K] @ W^T for either kind of weight */
+static void product(const float *x, int64_t M, int64_t K, const weight *w, float *y, int64_t N, int nthreads) {
+    if (w->bits == 32) f32_gemv(x, M, K, (const float *)w->data, y, N, nthreads);
+    else quant_gemv(w->bits, x, M, K, w->data, w->scale, w->mins, w->gshift, y, N, nthreads);
+}
+
 /* One Llama decoder layer for T decode rows (one new token per sequence), all in this call:
  *   h = norm1(x); q, k, v = qkv(h); q, k = rotary(q, k); cache[slots] = k, v; a = attention(q, paged cache)
  *   x' = x + o(a); x_out = x' + down(silu(gate) * up)(norm2(x'))
  * the same kernels as the separate calls (so the same results), without the ~15 torch and ctypes dispatches a
- * layer that otherwise cost more than the arithmetic at one row. Weights [out][in] row-major, no biases; qkv rows
- * are q (NH heads), k, v (KVH heads each); cos, sin [T][D]; slots [T] the cache slot of each row's new K/V. */
+ * layer that otherwise cost more than the arithmetic at one row. Weights [out][in], no biases; qkv rows are q (NH
+ * heads), k, v (KVH heads each); cos, sin [T][D]; slots [T] the cache slot of each row's new K/V. */
 void decode_layer(const float *x, float *x_out, int64_t T, int64_t H, const float *norm1, const float *norm2,
-                  float eps, const float *w_qkv, const float *w_o, const float *w_gate_up, const float *w_down,
+                  float eps, const weight *w_qkv, const weight *w_o, const weight *w_gate_up, const weight *w_down,
                   int64_t I, int64_t NH, int64_t KVH, int64_t D, const float *cos_t, const float *sin_t,
                   float *key_cache, float *value_cache, const int64_t *slots, const int64_t *tables,
                   int64_t max_blocks, const int64_t *context_lens, int64_t bs, int64_t window, float scale,
@@ -280,7 +367,7 @@ void decode_layer(const float *x, float *x_out, int64_t T, int64_t H, const floa
     float *qkv = h + T * H, *qk = qkv + T * QKV, *attn = qk + T * QK, *gate_up = attn + T * NH * D;
     float *act = gate_up + T * 2 * I, *y = act + T * I;
     rms_norm(x, T, H, H, norm1, eps, h, nthreads);
-    f32_gemv(h, T, H, w_qkv, qkv, QKV, nthreads);
+    product(h, T, H, w_qkv, qkv, QKV, nthreads);
     rotary(qkv, T, NH + KVH, D, QKV, cos_t, sin_t, qk, nthreads);
     for (int64_t t = 0; t < T; t++) {
         memcpy(key_cache + slots[t] * ROW, qk + t * QK + NH * D, sizeof(float) * ROW);
@@ -288,12 +375,12 @@ void decode_layer(const float *x, float *x_out, int64_t T, int64_t H, const floa
     }
     paged_decode_attention(qk, QK, key_cache, value_cache, tables, max_blocks, context_lens, T, NH, KVH, D, bs,
                            window, scale, attn, nthreads);
-    f32_gemv(attn, T, NH * D, w_o, y, H, nthreads);
+    product(attn, T, NH * D, w_o, y, H, nthreads);
     for (int64_t i = 0; i < T * H; i++) x_out[i] = x[i] + y[i];
     rms_norm(x_out, T, H, H, norm2, eps, h, nthreads);
-    f32_gemv(h, T, H, w_gate_up, gate_up, 2 * I, nthreads);
+    product(h, T, H, w_gate_up, gate_up, 2 * I, nthreads);
     silu_and_mul(gate_up, T, I, act, nthreads);
-    f32_gemv(act, T, I, w_down, y, H, nthreads);
+    product(act, T, I, w_down, y, H, nthreads);
     for (int64_t i = 0; i < T * H; i++) x_out[i] += y[i];
     free(h);
 }

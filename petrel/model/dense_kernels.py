@@ -1,6 +1,7 @@
 """petrel's float32 CPU kernels (dense_kernels.c): a skinny matrix product for decode at small batches, paged
 decode attention that reads the KV blocks in place, one-pass RMS norm, rotary embedding and SiLU-and-multiply, and
-all of them as one call for a whole Llama decoder layer when a step has only decodes.
+all of them as one call for a whole Llama decoder layer when a step has only decodes (its projections float32 or
+quantized: see Weight).
 
 Each function here returns None when its kernel does not apply (not a CPU float32 tensor of a supported shape, or
 no kernels on this machine: see native.load; switch PETREL_DENSE_KERNELS=0); the caller then runs its torch path,
@@ -11,7 +12,8 @@ import ctypes
 
 import torch
 
-from petrel.model import native
+from petrel.model import native, quant_kernels
+from petrel.model.quantization import GEMV_MAX_ROWS as QUANT_GEMV_MAX_ROWS, QuantizedWeight
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {"f32_gemv": [_P, _I64, _I64, _P, _P, _I64, _I32],
@@ -23,13 +25,33 @@ SIGNATURES = {"f32_gemv": [_P, _I64, _I64, _P, _P, _I64, _I32],
               "decode_layer": [_P, _P, _I64, _I64, _P, _P, _F32, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _P,
                                _P, _P, _P, _I64, _P, _I64, _I64, _F32, _I32]}
 
+
+class Weight(ctypes.Structure):
+    """A projection's weight as decode_layer reads it (dense_kernels.c's `weight`): float32 rows (bits 32), or a
+    QuantizedWeight's codes, scales and mins (bits 4 or 8, groups of 2**gshift), products by quant_kernels.c."""
+    _fields_ = [("data", _P), ("scale", _P), ("mins", _P), ("bits", ctypes.c_int32), ("gshift", ctypes.c_int32)]
+
+
+def describe(weight: torch.Tensor | QuantizedWeight) -> Weight | None:
+    """A [out, in] float32 tensor or a QuantizedWeight as a Weight, or None where the kernels cannot take it."""
+    if isinstance(weight, QuantizedWeight):
+        codes = weight.codes
+        if not codes.is_cpu or weight.shape[1] % 32 or quant_kernels.library() is None:
+            return None
+        mins = weight.mins
+        return Weight(codes.data_ptr(), weight.scale.data_ptr(), None if mins is None else mins.data_ptr(),
+                      weight.bits, weight.group_shift)
+    if not (_is_cpu_f32(weight) and weight.is_contiguous()):
+        return None
+    return Weight(weight.data_ptr(), None, None, 32, 0)
+
 GEMV_MAX_ROWS = 256     # measured (2 threads): 1.2-2x torch up to 128 rows, even at 256, behind torch's GEMM from 512
 _MAX_GROUP, _MAX_HEAD_DIMS = 64, 16384   # query heads per KV head; query heads x head_dim (dense_kernels.c)
 _MAX_BLOCK_SIZE = 256
 
 
 def library() -> ctypes.CDLL | None:
-    return native.load("dense_kernels.c", "PETREL_DENSE_KERNELS", "float32 decode kernels", SIGNATURES)
+    return native.load("PETREL_DENSE_KERNELS", "float32 decode kernels", SIGNATURES)
 
 
 def _is_cpu_f32(*tensors: torch.Tensor) -> bool:
@@ -119,30 +141,34 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
 
 
 def decode_layer(x: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor], eps: float,
-                 weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], heads: tuple[int, int, int],
+                 weights: tuple[torch.Tensor | QuantizedWeight, ...], heads: tuple[int, int, int],
                  cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                  sliding_window: int | None) -> torch.Tensor | None:
     """A whole Llama decoder layer for T decode rows (see decode_layer in dense_kernels.c), or None.
 
-    x [T, hidden]; norms: (input, post-attention) RMS norm weights; weights: qkv [(NH + 2 KVH) D, hidden],
-    o [hidden, NH D], gate_up [2 I, hidden], down [hidden, I]; heads: (NH, KVH, D); cos/sin [T, 1, D];
-    kv_cache [2, blocks, block_size, KVH, D]; slots [T]; block_tables [T, width]; context_lens [T]."""
+    x [T, hidden]; norms: (input, post-attention) RMS norm weights; weights (float32 tensors or QuantizedWeights):
+    qkv [(NH + 2 KVH) D, hidden], o [hidden, NH D], gate_up [2 I, hidden], down [hidden, I]; heads: (NH, KVH, D);
+    cos/sin [T, 1, D]; kv_cache [2, blocks, block_size, KVH, D]; slots [T]; block_tables [T, width];
+    context_lens [T]. With quantized weights, up to quantization.GEMV_MAX_ROWS rows (beyond, QuantizedLinear's
+    dequantized tiles and torch's GEMM are faster than products that read the codes once per four rows)."""
     num_tokens, hidden = x.shape
     num_heads, num_kv_heads, head_dim = heads
-    w_qkv, w_o, w_gate_up, w_down = weights
-    inter = w_down.shape[1]
-    if (num_tokens > GEMV_MAX_ROWS or hidden % 16 or inter % 16 or head_dim % 16     # the products', rotary's
+    inter = weights[3].shape[1]
+    quantized = any(isinstance(w, QuantizedWeight) for w in weights)
+    if (num_tokens > (QUANT_GEMV_MAX_ROWS if quantized else GEMV_MAX_ROWS) or hidden % 16 or inter % 16
+            or head_dim % 16                                                        # the products', rotary's
             or not _attention_fits(num_heads, num_kv_heads, head_dim, kv_cache.shape[2], block_tables, context_lens)
             or cos.numel() != num_tokens * head_dim or slots.dtype != torch.int64
-            or not _is_cpu_f32(x, kv_cache, cos, sin, *norms, *weights)
-            or not all(t.is_contiguous() for t in (x, kv_cache, cos, sin, *norms, *weights))
-            or (lib := library()) is None):
+            or not _is_cpu_f32(x, kv_cache, cos, sin, *norms)
+            or not all(t.is_contiguous() for t in (x, kv_cache, cos, sin, *norms))
+            or None in (described := [describe(w) for w in weights]) or (lib := library()) is None):
         return None
+    w_qkv, w_o, w_gate_up, w_down = (ctypes.byref(w) for w in described)
     block_tables, context_lens = block_tables.contiguous(), context_lens.contiguous()
     out = torch.empty_like(x)
     lib.decode_layer(x.data_ptr(), out.data_ptr(), num_tokens, hidden, norms[0].data_ptr(), norms[1].data_ptr(), eps,
-                     w_qkv.data_ptr(), w_o.data_ptr(), w_gate_up.data_ptr(), w_down.data_ptr(), inter, num_heads,
+                     w_qkv, w_o, w_gate_up, w_down, inter, num_heads,
                      num_kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(), kv_cache[0].data_ptr(),
                      kv_cache[1].data_ptr(), slots.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
                      context_lens.data_ptr(), kv_cache.shape[2], sliding_window or 0, scale, torch.get_num_threads())

@@ -17,6 +17,7 @@ from petrel.model.config import ModelConfig
 from petrel.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from petrel.model.parallel import (SHARDED_LAYERS, SINGLE, AttentionHeads, ColumnParallelLinear, ParallelLMHead,
                                    RowParallelLinear, TensorParallel, VocabParallelEmbedding)
+from petrel.model.quantization import QuantizedLinear
 
 
 class LlamaAttention(nn.Module):
@@ -77,8 +78,8 @@ class LlamaDecoderLayer(nn.Module):
 
     def _decode_in_one_call(self, x, cos_sin, kv_cache, meta: AttentionMetadata):
         """A step of decodes only: the whole layer as one kernel call (dense_kernels.decode_layer: the same kernels
-        the separate modules use on CPU in float32, without a dispatch per operation), when the layer is plain —
-        no biases, no q/k norms, one rank, no LoRA or quantized projections. None otherwise."""
+        the separate modules use on CPU, float32 or quantized weights, without a dispatch per operation), when the
+        layer is plain — no biases, no q/k norms, one rank, no LoRA. None otherwise."""
         if meta.prefills or len(meta.decode_groups) != 1:
             return None
         attn, mlp = self.self_attn, self.mlp
@@ -90,15 +91,16 @@ class LlamaDecoderLayer(nn.Module):
             return None
         norm1, norm2, group = self.input_layernorm, self.post_attention_layernorm, meta.decode_groups[0]
         return dense_kernels.decode_layer(
-            x, (norm1.weight, norm2.weight), norm1.eps, tuple(m.weight for m in projections),
+            x, (norm1.weight, norm2.weight), norm1.eps,
+            tuple(m.qweight if type(m) is QuantizedLinear else m.weight for m in projections),
             (attn.num_heads, attn.num_kv_heads, attn.head_dim), cos_sin[0], cos_sin[1], kv_cache, meta.slot_mapping,
             group.block_tables, group.context_lens_t, attn.scale, attn.sliding_window)
 
     def _is_plain(self, projections) -> bool:
-        qkv, o, gate_up, down = projections
-        return (type(qkv) is ColumnParallelLinear and type(gate_up) is ColumnParallelLinear
-                and type(o) is RowParallelLinear and type(down) is RowParallelLinear and o.tp.size == 1
-                and all(m.bias is None for m in projections) and not hasattr(self.self_attn, "q_norm")
+        dense_kinds = (ColumnParallelLinear, RowParallelLinear, ColumnParallelLinear, RowParallelLinear)
+        return (all(type(m) in (kind, QuantizedLinear) for m, kind in zip(projections, dense_kinds))
+                and all(getattr(m, "tp", SINGLE).size == 1 and m.bias is None for m in projections)
+                and not hasattr(self.self_attn, "q_norm")
                 and type(self.input_layernorm) is RMSNorm and type(self.post_attention_layernorm) is RMSNorm
                 and self.input_layernorm.eps == self.post_attention_layernorm.eps)
 

@@ -1,12 +1,12 @@
 """Build and load petrel's small C kernels for x86-64 CPUs (AVX2 + FMA).
 
-Each kernel file is plain C with no torch headers: it builds with the system C compiler in about a second (a torch
-C++ extension takes a minute on two cores), once per source and compiler, into petrel's cache; ctypes loads it and
-drops the GIL during each call. The kernels parallelise with OpenMP, which inside a torch process is torch's own
-runtime (same libgomp), so they share its thread pool instead of adding threads.
+The kernel files (SOURCES: the float32 kernels, the quantized products and the threads they share out their work
+over) are plain C with no torch headers: they build with the system C compiler in about a second (a torch C++
+extension takes a minute on two cores) into one library, once per source text and compiler, in petrel's cache;
+ctypes loads it and drops the GIL during each call.
 
 load() returns None where the kernels cannot run: not x86-64 with AVX2 and FMA, no C compiler, a failed build, or
-the kernel's environment switch set to 0. Every caller then has a plain-torch path with the same results.
+the caller's environment switch set to 0. Every caller then has a plain-torch path that computes the same thing.
 """
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ from petrel.model.cache import petrel_cache_dir
 
 logger = logging.getLogger("petrel")
 
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-mavx2", "-mfma", "-pthread", "-shared", "-fPIC"]
+SOURCES = ("dense_kernels.c", "quant_kernels.c", "thread_pool.c", "thread_pool.h")
 
 
 @functools.cache
@@ -48,47 +49,51 @@ def _compiler() -> str | None:
     return None
 
 
-_lock = threading.Lock()
-_loaded: dict[str, ctypes.CDLL | None] = {}
+_lock = threading.RLock()
+_loaded: dict[str, ctypes.CDLL | None] = {}    # by switch
 
 
-def load(source_name: str, switch: str, what: str, signatures: dict[str, list]) -> ctypes.CDLL | None:
-    """The compiled library of petrel/model/<source_name> (built on first use, then cached in this process), or
-    None where it cannot run here.
+def load(switch: str, what: str, signatures: dict[str, list]) -> ctypes.CDLL | None:
+    """The kernels' library (built on first use, then kept in this process), or None where it cannot run here.
 
-    switch: the environment variable that turns these kernels off when "0"; what: what falls back, for the log;
-    signatures: each exported function's ctypes argument types (all return void)."""
-    if source_name not in _loaded:
+    switch: the caller's environment variable that turns its kernels off when "0"; what: what falls back, for the
+    log; signatures: the caller's exported functions' ctypes argument types (all return void)."""
+    if switch not in _loaded:
         with _lock:
-            if source_name not in _loaded:
-                lib = _build_and_open(source_name, switch, what)
+            if switch not in _loaded:
+                lib = None if os.environ.get(switch, "1") == "0" else _library()
+                if lib is None:
+                    logger.info("%s run with torch (slower)", what)
                 for name, argtypes in signatures.items() if lib is not None else ():
                     getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, None
-                _loaded[source_name] = lib
-    return _loaded[source_name]
+                _loaded[switch] = lib
+    return _loaded[switch]
 
 
-def _build_and_open(source_name: str, switch: str, what: str) -> ctypes.CDLL | None:
-    if os.environ.get(switch, "1") == "0" or not cpu_has_avx2_fma():
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """SOURCES built into one shared library (or found built in the cache) and loaded, or None."""
+    if not cpu_has_avx2_fma():
         return None
     compiler = _compiler()
     if compiler is None:
-        logger.info("no C compiler: %s run with torch (slower)", what)
+        logger.info("no C compiler for petrel's kernels")
         return None
-    source = os.path.join(os.path.dirname(__file__), source_name)
-    with open(source, "rb") as f:
-        text = f.read()
-    key = hashlib.sha256(text + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
-    path = os.path.join(petrel_cache_dir("kernels"), f"{os.path.splitext(source_name)[0]}_{key}.so")
+    paths = [os.path.join(os.path.dirname(__file__), name) for name in SOURCES]
+    digest = hashlib.sha256(" ".join([compiler, *FLAGS]).encode())
+    for source in paths:
+        with open(source, "rb") as f:
+            digest.update(f.read())
+    path = os.path.join(petrel_cache_dir("kernels"), f"petrel_kernels_{digest.hexdigest()[:16]}.so")
     try:
         if not os.path.isfile(path):
             os.makedirs(os.path.dirname(path), exist_ok=True)
             tmp = f"{path}.tmp{os.getpid()}"
-            subprocess.run([compiler, *FLAGS, source, "-o", tmp, "-lm"], check=True, capture_output=True, timeout=120)
+            c_files = [p for p in paths if p.endswith(".c")]
+            subprocess.run([compiler, *FLAGS, *c_files, "-o", tmp, "-lm"], check=True, capture_output=True, timeout=120)
             os.replace(tmp, path)
         return ctypes.CDLL(path)
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", b"") or b""
-        logger.warning("could not build %s (%s %s): %s run with torch", source_name, exc,
-                       detail.decode(errors="replace")[-500:], what)
+        logger.warning("could not build petrel's kernels (%s %s)", exc, detail.decode(errors="replace")[-500:])
         return None

@@ -5,14 +5,18 @@
  *          high nibble (GGUF's Q4_0/Q4_1 order); groups of 32.
  *   8-bit: codes[n][k] signed bytes; group of k = k >> gshift (4: groups of 16, 5: of 32, >= 62: a whole row).
  *   mins may be NULL (8-bit only): w = scale * code.
- * The weights are turned into floats in registers and multiplied with float activations, so the result is the
- * dequantized weight's product up to the order of the float additions (no activation quantization).
- * few rows of x: *_gemv reads each weight once per four rows of x; many rows: *_dequant fills a float tile that
- * torch's GEMM then uses. Output rows are split over nthreads OpenMP threads (torch's own OpenMP runtime when
- * loaded into a torch process, so the two share one thread pool). K must be a multiple of 32. */
+ * Few rows of x (quant_gemv): the activations are first rounded to int16 per block of 32 (x ~ d q, d = max|x| /
+ * 32767: a relative error near 2^-16 of the block's largest value, far below the weights' own rounding), then each
+ * product is integer multiply-adds of codes by codes and one float multiply-add per block by the two scales; the
+ * weights' mins multiply exact float sums of x. Each weight is read once per four rows of x. Many rows
+ * (quant_dequant): a tile of weights is dequantized to floats for torch's GEMM, which then computes exactly.
+ * Output rows are shared out over nthreads threads (thread_pool.c). K must be a multiple of 32. */
 #include <immintrin.h>
-#include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "thread_pool.h"
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -43,51 +47,210 @@ static inline void q8_chunk(const int8_t *row, const float *scale, const float *
     }
 }
 
-/* y[m][n] for MR rows of x and output rows n0..n1; NACC accumulators per row of x hide the FMA latency */
-#define ROWS_KERNEL(MR, NACC) \
-static void rows_##MR(int bits, const float *x, int64_t K, const void *codes, const float *scale, const float *mins, \
-                      int gshift, float *y, int64_t N, int64_t n0, int64_t n1) { \
-    const int64_t G = bits == 4 ? K / 32 : (gshift >= 62 ? 1 : K >> gshift); \
+/* The activations of a few-row product: per 32 values an int16 code each and one scale (x ~ d q, d = max|x| /
+ * 32767, q = round-to-even(x * (1 / d))), plus the exact float sum of every 16 values (the weights' mins multiply
+ * those). */
+static void quantize_activations(const float *x, int64_t n, int16_t *q, float *d, float *sum16) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t b = 0; b < n / 32; b++) {
+        __m256 v[4], mx = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            v[j] = _mm256_loadu_ps(x + 32 * b + 8 * j);
+            mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[j]));
+        }
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        const float db = _mm_cvtss_f32(h) / 32767.f;
+        const __m256 inv = _mm256_set1_ps(db > 0.f ? 1.f / db : 0.f);
+        for (int j = 0; j < 4; j += 2) {   /* packs interleaves 128-bit lanes: the permute puts them back in order */
+            const __m256i p = _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv)),
+                                                 _mm256_cvtps_epi32(_mm256_mul_ps(v[j + 1], inv)));
+            _mm256_storeu_si256((__m256i *)(q + 32 * b + 8 * j), _mm256_permute4x64_epi64(p, 0xD8));
+        }
+        d[b] = db;
+        sum16[2 * b] = hsum(_mm256_add_ps(v[0], v[1]));
+        sum16[2 * b + 1] = hsum(_mm256_add_ps(v[2], v[3]));
+    }
+}
+
+/* Rounded activation rows, as the kernels below read them */
+typedef struct {
+    const int16_t *q;   /* [M][K] codes */
+    const float *d;     /* [M][K/32] scales */
+    const float *dd;    /* [M][K/64][8]: the scales of 32-blocks 2i, 2i, 2i+1, 2i+1, 2i, 2i, 2i+1, 2i+1 (4-bit) */
+    const float *sums;  /* [M][G] the float sum of x over each of the weight's groups (weights with mins) */
+} activations;
+
+static inline float dot_f32(const float *a, const float *b, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float s = hsum(acc);
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* 32 weight codes (16-bit, two vectors of 16) times 32 activation codes: eight int32 partial sums */
+static inline __m256i dot32(__m256i w0, __m256i w1, const int16_t *x) {
+    return _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)x)),
+                            _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(x + 16))));
+}
+
+/* 4-bit weights: y[m][n] for MR activation rows and output rows n0..n1, two code groups (64 weights) a step */
+#define Q4_ROWS(MR) \
+static void q4_rows_##MR(const activations *a, int64_t K, const uint8_t *codes, const float *scale, const float *mins, \
+                         float *y, int64_t N, int64_t n0, int64_t n1) { \
+    const int64_t B = K / 32; \
+    const __m256i nibble = _mm256_set1_epi8(0x0F); \
+    const __m256i pairs = _mm256_setr_epi32(0, 0, 1, 1, 0, 0, 1, 1); \
     for (int64_t n = n0; n < n1; n++) { \
-        __m256 acc[MR][NACC], w[4]; \
-        for (int m = 0; m < MR; m++) for (int a = 0; a < NACC; a++) acc[m][a] = _mm256_setzero_ps(); \
-        const float *s = scale + n * G, *mn = mins ? mins + n * G : 0; \
-        for (int64_t k = 0; k < K; k += 32) { \
-            if (bits == 4) q4_group((const uint8_t *)codes + (n * G + k / 32) * 16, s[k / 32], mn[k / 32], w); \
-            else q8_chunk((const int8_t *)codes + n * K, s, mn, k, gshift, w); \
+        __m256 acc[MR]; \
+        for (int m = 0; m < MR; m++) acc[m] = _mm256_setzero_ps(); \
+        const uint8_t *c = codes + n * B * 16; \
+        const float *s = scale + n * B; \
+        int64_t b = 0; \
+        for (; b + 2 <= B; b += 2) {    /* bytes: group b's 16 then group b+1's; low nibbles first halves */ \
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(c + 16 * b)); \
+            const __m256i lo = _mm256_and_si256(raw, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble); \
+            const __m256i b0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(lo)), \
+                          b1 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(hi)), \
+                          c0 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(lo, 1)), \
+                          c1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(hi, 1)); \
+            const __m256 sv = _mm256_permutevar8x32_ps(_mm256_castpd_ps(_mm256_castpd128_pd256( \
+                _mm_load_sd((const double *)(s + b)))), pairs); \
             for (int m = 0; m < MR; m++) { \
-                const float *xm = x + m * K + k; \
-                for (int j = 0; j < 4; j++) \
-                    acc[m][j % NACC] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xm + 8 * j), acc[m][j % NACC]); \
+                const int16_t *xb = a->q + m * K + 32 * b; \
+                const __m256i sums = _mm256_hadd_epi32(dot32(b0, b1, xb), dot32(c0, c1, xb + 32)); \
+                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), \
+                                         _mm256_mul_ps(sv, _mm256_loadu_ps(a->dd + (m * (B / 2) + b / 2) * 8)), acc[m]); \
             } \
         } \
-        for (int m = 0; m < MR; m++) { \
-            __m256 t = acc[m][0]; \
-            for (int a = 1; a < NACC; a++) t = _mm256_add_ps(t, acc[m][a]); \
-            y[m * N + n] = hsum(t); \
+        if (b < B) {                       /* an odd last group */ \
+            const __m128i raw = _mm_loadu_si128((const __m128i *)(c + 16 * b)), m4 = _mm_set1_epi8(0x0F); \
+            const __m256i w0 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, m4)), \
+                          w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), m4)); \
+            for (int m = 0; m < MR; m++) \
+                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(w0, w1, a->q + m * K + 32 * b)), \
+                                         _mm256_set1_ps(s[b] * a->d[m * B + b]), acc[m]); \
         } \
+        for (int m = 0; m < MR; m++) \
+            y[m * N + n] = hsum(acc[m]) + (mins ? dot_f32(mins + n * B, a->sums + m * B, B) : 0.f); \
     } \
 }
-ROWS_KERNEL(1, 4)
-ROWS_KERNEL(2, 2)
-ROWS_KERNEL(3, 2)
-ROWS_KERNEL(4, 2)
 
-/* y[M][N] = x[M][K] @ W^T */
+/* 8-bit weights (signed codes; groups of 16, 32 or a whole row): one 32-block a step, two accumulators */
+#define Q8_ROWS(MR) \
+static void q8_rows_##MR(const activations *a, int64_t K, const int8_t *codes, const float *scale, const float *mins, \
+                         int gshift, float *y, int64_t N, int64_t n0, int64_t n1) { \
+    const int64_t B = K / 32, G = gshift >= 62 ? 1 : K >> gshift; \
+    for (int64_t n = n0; n < n1; n++) { \
+        __m256 acc[MR][2]; \
+        for (int m = 0; m < MR; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps(); \
+        const int8_t *c = codes + n * K; \
+        const float *s = scale + n * G; \
+        for (int64_t b = 0; b < B; b += 2) { \
+            for (int h = 0; h < 2 && b + h < B; h++) { \
+                const int64_t bh = b + h; \
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(c + 32 * bh)); \
+                const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(w)), \
+                              w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w, 1)); \
+                /* groups of 16: the sums of each half kept apart, as lanes 0, 1, 4, 5 and 2, 3, 6, 7 */ \
+                const __m256 sv = gshift >= 62 ? _mm256_set1_ps(s[0]) \
+                    : gshift == 4 ? _mm256_permutevar8x32_ps(_mm256_castpd_ps(_mm256_castpd128_pd256( \
+                          _mm_load_sd((const double *)(s + 2 * bh)))), _mm256_setr_epi32(0, 0, 1, 1, 0, 0, 1, 1)) \
+                    : _mm256_set1_ps(s[(32 * bh) >> gshift]); \
+                for (int m = 0; m < MR; m++) { \
+                    const int16_t *xb = a->q + m * K + 32 * bh; \
+                    const __m256i sums = gshift != 4 ? dot32(w0, w1, xb) : _mm256_hadd_epi32( \
+                        _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)xb)), \
+                        _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xb + 16)))); \
+                    acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), \
+                                                _mm256_mul_ps(sv, _mm256_set1_ps(a->d[m * B + bh])), acc[m][h]); \
+                } \
+            } \
+        } \
+        for (int m = 0; m < MR; m++) \
+            y[m * N + n] = hsum(_mm256_add_ps(acc[m][0], acc[m][1])) \
+                         + (mins ? dot_f32(mins + n * G, a->sums + m * G, G) : 0.f); \
+    } \
+}
+Q4_ROWS(1) Q4_ROWS(2) Q4_ROWS(3) Q4_ROWS(4)
+Q8_ROWS(1) Q8_ROWS(2) Q8_ROWS(3) Q8_ROWS(4)
+
+static void rows(int bits, int64_t r, const activations *a, int64_t K, const void *codes, const float *scale,
+                 const float *mins, int gshift, float *y, int64_t N, int64_t n0, int64_t n1) {
+    if (bits == 4) {
+        if (r == 4) q4_rows_4(a, K, codes, scale, mins, y, N, n0, n1);
+        else if (r == 3) q4_rows_3(a, K, codes, scale, mins, y, N, n0, n1);
+        else if (r == 2) q4_rows_2(a, K, codes, scale, mins, y, N, n0, n1);
+        else q4_rows_1(a, K, codes, scale, mins, y, N, n0, n1);
+    } else {
+        if (r == 4) q8_rows_4(a, K, codes, scale, mins, gshift, y, N, n0, n1);
+        else if (r == 3) q8_rows_3(a, K, codes, scale, mins, gshift, y, N, n0, n1);
+        else if (r == 2) q8_rows_2(a, K, codes, scale, mins, gshift, y, N, n0, n1);
+        else q8_rows_1(a, K, codes, scale, mins, gshift, y, N, n0, n1);
+    }
+}
+
+typedef struct {
+    const activations *a; int bits; int64_t M, K; const void *codes; const float *scale, *mins; int gshift;
+    float *y; int64_t N;
+} gemv_args;
+
+static void gemv_part(void *args, int t, int T) {
+    const gemv_args *g = args;
+    const int64_t K = g->K, B = K / 32, G = g->bits == 4 ? B : (g->gshift >= 62 ? 1 : K >> g->gshift);
+    int64_t n0, n1;
+    split_range(g->N, t, T, 1, &n0, &n1);
+    for (int64_t m = 0; m < g->M && n0 < n1; m += 4) {
+        const activations *a = g->a;
+        const activations am = {a->q + m * K, a->d + m * B, a->dd + m * (B / 2) * 8, a->sums + m * G};
+        rows(g->bits, g->M - m < 4 ? g->M - m : 4, &am, K, g->codes, g->scale, g->mins, g->gshift, g->y + m * g->N,
+             g->N, n0, n1);
+    }
+}
+
+/* y[M][N] = x[M][K] @ W^T, the activations rounded to int16 per 32 first (see quantize_activations) */
 void quant_gemv(int bits, const float *x, int64_t M, int64_t K, const void *codes, const float *scale,
                 const float *mins, int gshift, float *y, int64_t N, int nthreads) {
-    #pragma omp parallel num_threads(nthreads)
-    {
-        int t = omp_get_thread_num(), T = omp_get_num_threads();
-        int64_t per = (N + T - 1) / T, n0 = t * per, n1 = n0 + per < N ? n0 + per : N;
-        for (int64_t m = 0; m < M && n0 < n1; m += 4) {
-            int64_t r = M - m < 4 ? M - m : 4;
-            const float *xm = x + m * K;
-            float *ym = y + m * N;
-            if (r == 4) rows_4(bits, xm, K, codes, scale, mins, gshift, ym, N, n0, n1);
-            else if (r == 3) rows_3(bits, xm, K, codes, scale, mins, gshift, ym, N, n0, n1);
-            else if (r == 2) rows_2(bits, xm, K, codes, scale, mins, gshift, ym, N, n0, n1);
-            else rows_1(bits, xm, K, codes, scale, mins, gshift, ym, N, n0, n1);
+    const int64_t B = K / 32, G = bits == 4 ? B : (gshift >= 62 ? 1 : K >> gshift);
+    int16_t *q = malloc(sizeof(int16_t) * M * K + sizeof(float) * M * (2 * B + B + 4 * B + G));
+    if (!q) return;
+    float *sum16 = (float *)(q + M * K), *d = sum16 + M * 2 * B, *dd = d + M * B, *sums = dd + M * 4 * B;
+    quantize_activations(x, M * K, q, d, sum16);
+    for (int64_t m = 0; m < M && mins; m++)              /* x's sum over each weight group, from the 16-sums */
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t per = 2 * B / G;
+            float t = 0.f;
+            for (int64_t i = 0; i < per; i++) t += sum16[m * 2 * B + g * per + i];
+            sums[m * G + g] = t;
+        }
+    for (int64_t m = 0; m < M && bits == 4; m++)
+        for (int64_t b = 0; b + 2 <= B; b += 2)
+            for (int j = 0; j < 8; j++) dd[(m * (B / 2) + b / 2) * 8 + j] = d[m * B + b + (j / 2) % 2];
+    activations a = {q, d, dd, sums};
+    gemv_args args = {&a, bits, M, K, codes, scale, mins, gshift, y, N};
+    parallel_run(gemv_part, &args, nthreads);
+    free(q);
+}
+
+typedef struct {
+    int bits; int64_t K; const void *codes; const float *scale, *mins; int gshift; float *out; int64_t n0, n1;
+} dequant_args;
+
+static void dequant_part(void *args, int t, int T) {
+    const dequant_args *a = args;
+    const int64_t K = a->K, G = a->bits == 4 ? K / 32 : (a->gshift >= 62 ? 1 : K >> a->gshift);
+    int64_t lo, hi;
+    split_range(a->n1 - a->n0, t, T, 1, &lo, &hi);
+    for (int64_t n = a->n0 + lo; n < a->n0 + hi; n++) {
+        __m256 w[4];
+        const float *s = a->scale + n * G, *mn = a->mins ? a->mins + n * G : 0;
+        for (int64_t k = 0; k < K; k += 32) {
+            if (a->bits == 4) q4_group((const uint8_t *)a->codes + (n * G + k / 32) * 16, s[k / 32], mn[k / 32], w);
+            else q8_chunk((const int8_t *)a->codes + n * K, s, mn, k, a->gshift, w);
+            for (int j = 0; j < 4; j++) _mm256_storeu_ps(a->out + (n - a->n0) * K + k + 8 * j, w[j]);
         }
     }
 }
@@ -95,15 +258,6 @@ void quant_gemv(int bits, const float *x, int64_t M, int64_t K, const void *code
 /* out[n - n0][K] = W[n] for n0 <= n < n1 */
 void quant_dequant(int bits, int64_t K, const void *codes, const float *scale, const float *mins, int gshift,
                    float *out, int64_t n0, int64_t n1, int nthreads) {
-    const int64_t G = bits == 4 ? K / 32 : (gshift >= 62 ? 1 : K >> gshift);
-    #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t n = n0; n < n1; n++) {
-        __m256 w[4];
-        const float *s = scale + n * G, *mn = mins ? mins + n * G : 0;
-        for (int64_t k = 0; k < K; k += 32) {
-            if (bits == 4) q4_group((const uint8_t *)codes + (n * G + k / 32) * 16, s[k / 32], mn[k / 32], w);
-            else q8_chunk((const int8_t *)codes + n * K, s, mn, k, gshift, w);
-            for (int j = 0; j < 4; j++) _mm256_storeu_ps(out + (n - n0) * K + k + 8 * j, w[j]);
-        }
-    }
+    dequant_args a = {bits, K, codes, scale, mins, gshift, out, n0, n1};
+    parallel_run(dequant_part, &a, nthreads);
 }

@@ -17,7 +17,7 @@ SIGNATURES = {"quant_gemv": [_I32, _P, _I64, _I64, _P, _P, _P, _I32, _P, _I64, _
 
 def library() -> ctypes.CDLL | None:
     """The loaded kernels, built on first use; None where they cannot run here."""
-    return native.load("quant_kernels.c", "PETREL_QUANT_KERNELS", "quantized layers", SIGNATURES)
+    return native.load("PETREL_QUANT_KERNELS", "quantized layers", SIGNATURES)
 
 
 def gemv(lib, bits: int, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None,

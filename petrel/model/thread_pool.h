@@ -1,0 +1,10 @@
+/* petrel's kernel threads (thread_pool.c) */
+#include <stdint.h>
+
+typedef void (*task_fn)(void *ctx, int t, int T);
+
+/* fn(ctx, t, T) for t = 0..T-1 (T = nthreads, at most), spread over the calling thread and the workers */
+void parallel_run(task_fn fn, void *ctx, int nthreads);
+
+/* [lo, hi): part t of T of n items, parts a multiple of `align` long */
+void split_range(int64_t n, int t, int T, int64_t align, int64_t *lo, int64_t *hi);
