@@ -17,6 +17,18 @@ def test_run_script_collects_result_lines_and_rss():
     assert peak >= 50            # the 50 MiB buffer was seen by the outside sampler
 
 
+def test_peak_rss_catches_a_peak_between_samples():
+    """A child that holds 300 MB for 0.3 s between two samples a second apart: its high-water mark still counts."""
+    import subprocess
+    import time
+    code = "import time; time.sleep(2.4); b = bytearray(300 << 20); time.sleep(0.3); del b; time.sleep(1.5)"
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    rss = bench_compare.TreeRSS(proc.pid, interval=1.0)
+    proc.wait()
+    time.sleep(0.1)
+    assert rss.stop() >= 300
+
+
 def test_run_script_failure_is_an_error():
     with pytest.raises(RuntimeError, match="exited with 3"):
         bench_compare.run_script([sys.executable, "-c", "import sys; sys.exit(3)"])
