@@ -174,12 +174,12 @@ def quantized_copy(t: Tiny, fmt: str) -> SimpleNamespace:
 @pytest.mark.parametrize("weights", ["float32", "int8", "Q4_1"])
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
 def test_decode_layer_in_one_call_equals_separate_calls(tiny, kv_heads, weights, monkeypatch):
-    """A decode-only step runs each Llama layer as one kernel call (dense_kernels.decode_layer), with float32 or
-    quantized projections; its logits must be those of the layer's separate modules, and it must really be taken
-    for this model."""
+    """A decode-only step runs the whole decoder stack as one kernel call (dense_kernels.decode_layers), or, without
+    it, each Llama layer as one call (decode_layer), with float32 or quantized projections; the logits must be
+    those of the layers' separate modules, and each path must really be taken for this model."""
     if dense_kernels.library() is None:
         pytest.skip("petrel's float32 kernels cannot run here (no AVX2/FMA or no C compiler)")
-    from petrel.model.llama import LlamaDecoderLayer
+    from petrel.model.llama import LlamaDecoderLayer, LlamaForCausalLM
     t = tiny(kv_heads, False) if weights == "float32" else quantized_copy(tiny(kv_heads, False), weights)
     prompts = [_tokens(9, 70), _tokens(14, 71), _tokens(5, 72)]
 
@@ -194,20 +194,28 @@ def test_decode_layer_in_one_call_equals_separate_calls(tiny, kv_heads, weights,
             rows += drv.step([(s, 1) for s in seqs])
         return torch.cat(rows)
 
-    taken = []
-    fused = LlamaDecoderLayer._decode_in_one_call
+    def counted(cls, taken: list):
+        original = cls._decode_in_one_call
 
-    def counting(self, *args):
-        out = fused(self, *args)
-        taken.append(out is not None)
-        return out
+        def counting(self, *args):
+            out = original(self, *args)
+            taken.append(out is not None)
+            return out
+        return counting
 
-    monkeypatch.setattr(LlamaDecoderLayer, "_decode_in_one_call", counting)
-    one_call = decode_logits()
-    assert sum(taken) == 6 * len(t.model.model.layers)          # every decode-only step, every layer; no prefill
+    stack_taken, layer_taken = [], []
+    monkeypatch.setattr(LlamaForCausalLM, "_decode_in_one_call", counted(LlamaForCausalLM, stack_taken))
+    monkeypatch.setattr(LlamaDecoderLayer, "_decode_in_one_call", counted(LlamaDecoderLayer, layer_taken))
+    stacked = decode_logits()
+    assert sum(stack_taken) == 6 and not any(layer_taken)  # every decode-only step (not the prefill), all layers
+    layer_taken.clear()
+    monkeypatch.setattr(LlamaForCausalLM, "_decode_in_one_call", lambda self, *a: None)
+    per_layer = decode_logits()
+    assert sum(layer_taken) == 6 * len(t.model.model.layers)
     monkeypatch.setattr(LlamaDecoderLayer, "_decode_in_one_call", lambda self, *a: None)
     separate = decode_logits()
-    torch.testing.assert_close(one_call, separate, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(stacked, separate, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(per_layer, separate, atol=1e-5, rtol=1e-5)
 
 
 def test_decode_matches_transformers_kv_cache_generation(tiny, kernels):

@@ -364,6 +364,7 @@ void decode_layer(const float *x, float *x_out, int64_t T, int64_t H, const floa
     const int64_t QKV = (NH + 2 * KVH) * D, QK = (NH + KVH) * D, ROW = KVH * D;
     float *h = malloc(sizeof(float) * T * (H + QKV + QK + NH * D + 3 * I + H));
     if (!h) return;
+    pool_enter();
     float *qkv = h + T * H, *qk = qkv + T * QKV, *attn = qk + T * QK, *gate_up = attn + T * NH * D;
     float *act = gate_up + T * 2 * I, *y = act + T * I;
     rms_norm(x, T, H, H, norm1, eps, h, nthreads);
@@ -382,5 +383,28 @@ void decode_layer(const float *x, float *x_out, int64_t T, int64_t H, const floa
     silu_and_mul(gate_up, T, I, act, nthreads);
     product(act, T, I, w_down, y, H, nthreads);
     for (int64_t i = 0; i < T * H; i++) x_out[i] += y[i];
+    pool_exit();
     free(h);
+}
+
+/* The decoder stack of a decode-only step: decode_layer for each of L layers in turn (x -> x_out), one call for
+ * the whole model instead of one per layer from Python. Per layer l: norms norm1[l], norm2[l]; weights
+ * weights[4 l .. 4 l + 3] (qkv, o, gate_up, down); its cache key_caches[l], value_caches[l]; windows[l]. All layers
+ * share the slots, block tables and context lengths (one KV block table per sequence). */
+void decode_layers(int64_t L, const float *x, float *x_out, int64_t T, int64_t H, const float *const *norm1,
+                   const float *const *norm2, float eps, const weight *weights, int64_t I, int64_t NH, int64_t KVH,
+                   int64_t D, const float *cos_t, const float *sin_t, float *const *key_caches,
+                   float *const *value_caches, const int64_t *slots, const int64_t *tables, int64_t max_blocks,
+                   const int64_t *context_lens, int64_t bs, const int64_t *windows, float scale, int nthreads) {
+    float *spare = malloc(sizeof(float) * T * H);
+    if (!spare) return;
+    const float *in = x;
+    for (int64_t l = 0; l < L; l++) {
+        float *out = (L - 1 - l) % 2 == 0 ? x_out : spare;     /* alternate, ending in x_out */
+        decode_layer(in, out, T, H, norm1[l], norm2[l], eps, &weights[4 * l], &weights[4 * l + 1],
+                     &weights[4 * l + 2], &weights[4 * l + 3], I, NH, KVH, D, cos_t, sin_t, key_caches[l],
+                     value_caches[l], slots, tables, max_blocks, context_lens, bs, windows[l], scale, nthreads);
+        in = out;
+    }
+    free(spare);
 }

@@ -9,6 +9,7 @@ which computes the same thing."""
 from __future__ import annotations
 
 import ctypes
+from typing import NamedTuple
 
 import torch
 
@@ -23,7 +24,9 @@ SIGNATURES = {"f32_gemv": [_P, _I64, _I64, _P, _P, _I64, _I32],
               "rotary": [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _I32],
               "silu_and_mul": [_P, _I64, _I64, _P, _I32],
               "decode_layer": [_P, _P, _I64, _I64, _P, _P, _F32, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _P,
-                               _P, _P, _P, _I64, _P, _I64, _I64, _F32, _I32]}
+                               _P, _P, _P, _I64, _P, _I64, _I64, _F32, _I32],
+              "decode_layers": [_I64, _P, _P, _I64, _I64, _P, _P, _F32, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P,
+                                _P, _P, _I64, _P, _I64, _P, _F32, _I32]}
 
 
 class Weight(ctypes.Structure):
@@ -140,36 +143,106 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
-def decode_layer(x: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor], eps: float,
-                 weights: tuple[torch.Tensor | QuantizedWeight, ...], heads: tuple[int, int, int],
-                 cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
-                 block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                 sliding_window: int | None) -> torch.Tensor | None:
+class LayerParts(NamedTuple):
+    """A plain Llama decoder layer as decode_layer takes it: norms (input, post-attention RMS norm weights) and
+    their eps; weights (float32 tensors or QuantizedWeights): qkv [(NH + 2 KVH) D, hidden], o [hidden, NH D],
+    gate_up [2 I, hidden], down [hidden, I]; heads (NH, KVH, D); the attention's scale and sliding window."""
+    norms: tuple[torch.Tensor, torch.Tensor]
+    eps: float
+    weights: tuple[torch.Tensor | QuantizedWeight, ...]
+    heads: tuple[int, int, int]
+    scale: float
+    sliding_window: int | None
+
+    def fits(self, rows: int) -> bool:
+        """Whether the kernels take this layer for `rows` decode rows (its weights apart: see describe)."""
+        head_dim = self.heads[2]
+        hidden, inter = self.weights[0].shape[1], self.weights[3].shape[1]
+        quantized = any(isinstance(w, QuantizedWeight) for w in self.weights)
+        return (rows <= (QUANT_GEMV_MAX_ROWS if quantized else GEMV_MAX_ROWS) and hidden % 16 == 0
+                and inter % 16 == 0 and head_dim % 16 == 0       # the products', rotary's
+                and _is_cpu_f32(*self.norms) and all(t.is_contiguous() for t in self.norms))
+
+
+def _step_fits(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
+               block_tables: torch.Tensor, context_lens: torch.Tensor, heads: tuple[int, int, int]) -> bool:
+    """Whether a decode step's rows, rotary tables, cache and index tensors are what decode_layer(s) take."""
+    return (cos.numel() == x.shape[0] * heads[2] and slots.dtype == torch.int64
+            and _attention_fits(*heads, kv_cache.shape[2], block_tables, context_lens)
+            and _is_cpu_f32(x, kv_cache, cos, sin)
+            and x.is_contiguous() and kv_cache.is_contiguous() and cos.is_contiguous() and sin.is_contiguous())
+
+
+def decode_layer(x: torch.Tensor, layer: LayerParts, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                 slots: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor | None:
     """A whole Llama decoder layer for T decode rows (see decode_layer in dense_kernels.c), or None.
 
-    x [T, hidden]; norms: (input, post-attention) RMS norm weights; weights (float32 tensors or QuantizedWeights):
-    qkv [(NH + 2 KVH) D, hidden], o [hidden, NH D], gate_up [2 I, hidden], down [hidden, I]; heads: (NH, KVH, D);
-    cos/sin [T, 1, D]; kv_cache [2, blocks, block_size, KVH, D]; slots [T]; block_tables [T, width];
+    x [T, hidden]; cos/sin [T, 1, D]; kv_cache [2, blocks, block_size, KVH, D]; slots [T]; block_tables [T, width];
     context_lens [T]. With quantized weights, up to quantization.GEMV_MAX_ROWS rows (beyond, QuantizedLinear's
     dequantized tiles and torch's GEMM are faster than products that read the codes once per four rows)."""
-    num_tokens, hidden = x.shape
-    num_heads, num_kv_heads, head_dim = heads
-    inter = weights[3].shape[1]
-    quantized = any(isinstance(w, QuantizedWeight) for w in weights)
-    if (num_tokens > (QUANT_GEMV_MAX_ROWS if quantized else GEMV_MAX_ROWS) or hidden % 16 or inter % 16
-            or head_dim % 16                                                        # the products', rotary's
-            or not _attention_fits(num_heads, num_kv_heads, head_dim, kv_cache.shape[2], block_tables, context_lens)
-            or cos.numel() != num_tokens * head_dim or slots.dtype != torch.int64
-            or not _is_cpu_f32(x, kv_cache, cos, sin, *norms)
-            or not all(t.is_contiguous() for t in (x, kv_cache, cos, sin, *norms))
-            or None in (described := [describe(w) for w in weights]) or (lib := library()) is None):
+    num_heads, num_kv_heads, head_dim = layer.heads
+    if (not layer.fits(x.shape[0])
+            or not _step_fits(x, cos, sin, kv_cache, slots, block_tables, context_lens, layer.heads)
+            or None in (described := [describe(w) for w in layer.weights]) or (lib := library()) is None):
         return None
     w_qkv, w_o, w_gate_up, w_down = (ctypes.byref(w) for w in described)
     block_tables, context_lens = block_tables.contiguous(), context_lens.contiguous()
     out = torch.empty_like(x)
-    lib.decode_layer(x.data_ptr(), out.data_ptr(), num_tokens, hidden, norms[0].data_ptr(), norms[1].data_ptr(), eps,
-                     w_qkv, w_o, w_gate_up, w_down, inter, num_heads,
-                     num_kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(), kv_cache[0].data_ptr(),
+    lib.decode_layer(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], layer.norms[0].data_ptr(),
+                     layer.norms[1].data_ptr(), layer.eps, w_qkv, w_o, w_gate_up, w_down, layer.weights[3].shape[1],
+                     num_heads, num_kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(), kv_cache[0].data_ptr(),
                      kv_cache[1].data_ptr(), slots.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
-                     context_lens.data_ptr(), kv_cache.shape[2], sliding_window or 0, scale, torch.get_num_threads())
+                     context_lens.data_ptr(), kv_cache.shape[2], layer.sliding_window or 0, layer.scale,
+                     torch.get_num_threads())
     return out
+
+
+class DecoderStack:
+    """A model's plain decoder layers as one decode_layers call (dense_kernels.c): the pointers to every layer's
+    norms, weights and cache, gathered once (build), then a decode-only step's rows through all of them."""
+
+    def __init__(self, lib, layers: list[LayerParts], kv_caches: list[torch.Tensor], weights):
+        n = len(layers)
+        self.lib, self.first = lib, layers[0]
+        self.kv_caches = kv_caches     # kept alive with the pointers below
+        pointers = ctypes.c_void_p * n
+        self.norm1 = pointers(*(p.norms[0].data_ptr() for p in layers))
+        self.norm2 = pointers(*(p.norms[1].data_ptr() for p in layers))
+        self.weights = (Weight * (4 * n))(*weights)
+        self.key_caches = pointers(*(c[0].data_ptr() for c in kv_caches))
+        self.value_caches = pointers(*(c[1].data_ptr() for c in kv_caches))
+        self.windows = (ctypes.c_int64 * n)(*(p.sliding_window or 0 for p in layers))
+        self.max_rows = min(QUANT_GEMV_MAX_ROWS if any(isinstance(w, QuantizedWeight) for w in p.weights)
+                            else GEMV_MAX_ROWS for p in layers)
+
+    @classmethod
+    def build(cls, layers: list[LayerParts], kv_caches: list[torch.Tensor]) -> "DecoderStack | None":
+        """The stack, or None where one call cannot run it: a layer the kernels do not take, layers that differ
+        in shape, eps or scale, caches of another shape, or no kernels here."""
+        first = layers[0]
+        same = all(p.heads == first.heads and p.eps == first.eps and p.scale == first.scale
+                   and p.weights[0].shape == first.weights[0].shape and p.weights[3].shape == first.weights[3].shape
+                   for p in layers)
+        if (not same or not all(p.fits(1) for p in layers) or (lib := library()) is None
+                or len({tuple(c.shape) for c in kv_caches}) != 1
+                or None in (weights := [describe(w) for p in layers for w in p.weights])):
+            return None
+        return cls(lib, layers, kv_caches, weights)
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                 block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor | None:
+        """x [T, hidden] through every layer (see decode_layer for the other arguments), or None."""
+        first, num_tokens = self.first, x.shape[0]
+        num_heads, num_kv_heads, head_dim = first.heads
+        if (num_tokens > self.max_rows
+                or not _step_fits(x, cos, sin, self.kv_caches[0], slots, block_tables, context_lens, first.heads)):
+            return None
+        block_tables, context_lens = block_tables.contiguous(), context_lens.contiguous()
+        out = torch.empty_like(x)
+        self.lib.decode_layers(len(self.windows), x.data_ptr(), out.data_ptr(), num_tokens, x.shape[1], self.norm1,
+                               self.norm2, first.eps, self.weights, first.weights[3].shape[1], num_heads,
+                               num_kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(), self.key_caches,
+                               self.value_caches, slots.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
+                               context_lens.data_ptr(), self.kv_caches[0].shape[2], self.windows, first.scale,
+                               torch.get_num_threads())
+        return out

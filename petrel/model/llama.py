@@ -80,8 +80,14 @@ class LlamaDecoderLayer(nn.Module):
         """A step of decodes only: the whole layer as one kernel call (dense_kernels.decode_layer: the same kernels
         the separate modules use on CPU, float32 or quantized weights, without a dispatch per operation), when the
         layer is plain — no biases, no q/k norms, one rank, no LoRA. None otherwise."""
-        if meta.prefills or len(meta.decode_groups) != 1:
+        if meta.prefills or len(meta.decode_groups) != 1 or (parts := self.one_call_parts()) is None:
             return None
+        group = meta.decode_groups[0]
+        return dense_kernels.decode_layer(x, parts, cos_sin[0], cos_sin[1], kv_cache, meta.slot_mapping,
+                                          group.block_tables, group.context_lens_t)
+
+    def one_call_parts(self) -> dense_kernels.LayerParts | None:
+        """What dense_kernels needs of this layer to run it as one call, or None when it is not plain."""
         attn, mlp = self.self_attn, self.mlp
         projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         cached = self.__dict__.get("_plain")      # (projections, whether plain), kept while they stay the same
@@ -89,12 +95,11 @@ class LlamaDecoderLayer(nn.Module):
             cached = self.__dict__["_plain"] = (projections, self._is_plain(projections))
         if not cached[1]:
             return None
-        norm1, norm2, group = self.input_layernorm, self.post_attention_layernorm, meta.decode_groups[0]
-        return dense_kernels.decode_layer(
-            x, (norm1.weight, norm2.weight), norm1.eps,
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        return dense_kernels.LayerParts(
+            (norm1.weight, norm2.weight), norm1.eps,
             tuple(m.qweight if type(m) is QuantizedLinear else m.weight for m in projections),
-            (attn.num_heads, attn.num_kv_heads, attn.head_dim), cos_sin[0], cos_sin[1], kv_cache, meta.slot_mapping,
-            group.block_tables, group.context_lens_t, attn.scale, attn.sliding_window)
+            (attn.num_heads, attn.num_kv_heads, attn.head_dim), attn.scale, attn.sliding_window)
 
     def _is_plain(self, projections) -> bool:
         dense_kinds = (ColumnParallelLinear, RowParallelLinear, ColumnParallelLinear, RowParallelLinear)
@@ -136,9 +141,36 @@ class LlamaForCausalLM(nn.Module):
         num_layers: run only the first layers, then the final norm (early exit, for self-speculation)."""
         x = self.model.embed_tokens(input_ids)
         cos_sin = self.model.rotary.for_positions(positions, x.dtype)
-        for layer, kv_cache, layer_meta in zip(self.model.layers[:num_layers], kv_caches, per_layer(meta)):
+        layers = self.model.layers if num_layers is None else self.model.layers[:num_layers]
+        if (out := self._decode_in_one_call(x, cos_sin, kv_caches, meta, layers)) is not None:
+            return self.model.norm(out)
+        for layer, kv_cache, layer_meta in zip(layers, kv_caches, per_layer(meta)):
             x = layer(x, cos_sin, kv_cache, layer_meta)
         return self.model.norm(x)
+
+    def __getstate__(self):
+        """Copies and pickles leave out the decoder-stack cache (raw pointers into this model's tensors)."""
+        state = dict(super().__getstate__())
+        state.pop("_decode_stack", None)
+        return state
+
+    def _decode_in_one_call(self, x, cos_sin, kv_caches, meta, layers) -> torch.Tensor | None:
+        """A step of decodes only, every layer plain and one KV block table per sequence: the whole decoder stack
+        as one kernel call (dense_kernels.decode_layers); None otherwise (then each layer decides for itself)."""
+        if not isinstance(meta, AttentionMetadata) or meta.prefills or len(meta.decode_groups) != 1:
+            return None
+        stack = self.__dict__.get("_decode_stack")    # (key, dense_kernels.DecoderStack or None)
+        key = (len(layers), kv_caches[0].data_ptr(), layers[0].input_layernorm.weight.data_ptr(),
+               tuple((*layer.self_attn._modules.values(), *layer.mlp._modules.values(), layer.self_attn.sliding_window)
+                     for layer in layers))
+        if stack is None or stack[0] != key:
+            parts = [layer.one_call_parts() for layer in layers]
+            built = None if None in parts else dense_kernels.DecoderStack.build(parts, kv_caches[:len(layers)])
+            stack = self.__dict__["_decode_stack"] = (key, built)
+        if stack[1] is None:
+            return None
+        group = meta.decode_groups[0]
+        return stack[1](x, cos_sin[0], cos_sin[1], meta.slot_mapping, group.block_tables, group.context_lens_t)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

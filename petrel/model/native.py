@@ -26,7 +26,7 @@ from petrel.model.cache import petrel_cache_dir
 
 logger = logging.getLogger("petrel")
 
-FLAGS = ["-O3", "-mavx2", "-mfma", "-pthread", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-pthread", "-shared", "-fPIC"]
 SOURCES = ("dense_kernels.c", "quant_kernels.c", "thread_pool.c", "thread_pool.h")
 
 

@@ -1,16 +1,20 @@
 /* The threads petrel's kernels share out their work over (compiled into the kernels' library).
  *
- * Why not OpenMP: a decode step calls the kernels a few hundred times, microseconds apart. libgomp keeps a thread
- * team per thread that starts parallel regions, and once it manages more threads than there are cores (torch's
- * team in the main thread plus a second one in petrel's engine thread), its workers stop spinning between regions
- * and sleep: every call then pays for waking them, which doubled the time of a one-token decode step here.
- * These workers spin for a short while after each call (SPIN_NS, long enough to bridge the Python between two
- * kernel calls) and then sleep until the next call.
- *
- * parallel_run(fn, ctx, T) runs fn(ctx, t, T) for t = 0..T-1: t = 0 on the calling thread, the others on the
- * workers, and returns when all are done. One caller at a time uses the workers; a second concurrent caller (two
- * Python threads in kernels at once) runs its parts itself, one after another. */
+ * parallel_run(fn, ctx, T) runs fn(ctx, t, T) for t = 0..T-1 and returns when all are done, in one of two ways:
+ *   - inside a one-call decoder layer or stack (between pool_enter() and pool_exit()): on this pool, t = 0 on the
+ *     calling thread and the others on its workers. Such a call makes a few hundred kernel calls back to back;
+ *     libgomp, once it manages more threads than there are cores (torch's team in the main thread plus a second
+ *     one in petrel's engine thread), lets its workers sleep between parallel regions, and waking them for each
+ *     doubled the time of a one-token decode step here. These workers spin for SPIN_NS after each call (yielding
+ *     the core now and then to any other runnable thread), then sleep until the next.
+ *   - anywhere else (a single kernel call between torch operations): an OpenMP parallel region, inside a torch
+ *     process torch's own team, whose threads torch's operations around it use anyway. Using the pool there
+ *     instead made a serving workload (W3) ~9% slower: two sets of worker threads contended for two cores.
+ * One caller at a time uses the pool's workers; a second concurrent caller (two Python threads in kernels at once)
+ * runs its parts itself, one after another. */
+#include <omp.h>
 #include <pthread.h>
+#include <sched.h>
 #include <immintrin.h>
 #include <stdint.h>
 #include <time.h>
@@ -18,7 +22,7 @@
 #include "thread_pool.h"
 
 #define MAX_WORKERS 255
-#define SPIN_NS 200000          /* 0.2 ms */
+#define SPIN_NS 20000           /* 20 us */
 
 static pthread_mutex_t run_lock = PTHREAD_MUTEX_INITIALIZER;     /* held by the caller using the workers */
 static pthread_mutex_t sleep_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -47,6 +51,7 @@ static void *worker(void *arg) {
             const int64_t until = now_ns() + SPIN_NS;
             for (int i = 0; (g = __atomic_load_n(&generation, __ATOMIC_ACQUIRE)) == seen; i++) {
                 _mm_pause();
+                if ((i & 63) == 63) sched_yield();
                 if ((i & 255) == 255 && now_ns() > until) {
                     pthread_mutex_lock(&sleep_lock);
                     __atomic_add_fetch(&sleepers, 1, __ATOMIC_SEQ_CST);
@@ -65,7 +70,17 @@ static void *worker(void *arg) {
     return 0;
 }
 
+static __thread int pool_depth;   /* > 0 between pool_enter() and pool_exit(): parallel_run uses these workers */
+
+void pool_enter(void) { pool_depth++; }
+void pool_exit(void) { pool_depth--; }
+
 void parallel_run(task_fn fn, void *ctx, int nthreads) {
+    if (pool_depth == 0 && nthreads > 1) {      /* a single kernel call between torch operations: torch's team */
+        #pragma omp parallel num_threads(nthreads)
+        fn(ctx, omp_get_thread_num(), omp_get_num_threads());
+        return;
+    }
     if (nthreads > MAX_WORKERS + 1) nthreads = MAX_WORKERS + 1;
     if (nthreads <= 1 || pthread_mutex_trylock(&run_lock) != 0) {
         for (int t = 0; t < nthreads || t == 0; t++) fn(ctx, t, nthreads > 1 ? nthreads : 1);
@@ -95,7 +110,10 @@ void parallel_run(task_fn fn, void *ctx, int nthreads) {
         pthread_mutex_unlock(&sleep_lock);
     }
     fn(ctx, 0, nthreads);
-    while (__atomic_load_n(&remaining, __ATOMIC_ACQUIRE) > 0) _mm_pause();
+    for (int i = 0; __atomic_load_n(&remaining, __ATOMIC_ACQUIRE) > 0; i++) {
+        _mm_pause();
+        if ((i & 63) == 63) sched_yield();
+    }
     pthread_mutex_unlock(&run_lock);
 }
 

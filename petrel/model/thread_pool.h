@@ -8,3 +8,9 @@ void parallel_run(task_fn fn, void *ctx, int nthreads);
 
 /* [lo, hi): part t of T of n items, parts a multiple of `align` long */
 void split_range(int64_t n, int t, int T, int64_t align, int64_t *lo, int64_t *hi);
+
+/* Between pool_enter() and pool_exit() (on this thread) parallel_run uses these workers: for long runs of kernel
+ * calls back to back (a decoder layer, a whole stack). Elsewhere it uses OpenMP, which inside a torch process is
+ * torch's own team: for single kernel calls between torch operations, the threads torch's operations wake anyway. */
+void pool_enter(void);
+void pool_exit(void);
