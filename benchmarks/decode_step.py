@@ -2,14 +2,18 @@
 (the model runner's inputs + the forward + the logits; no scheduler or sampler). The figures behind "where the time
 goes" in BENCHMARKS.md.
 
-    python benchmarks/decode_step.py [--batch 1,16,64] [--context 350] [--steps 20]
+    python benchmarks/decode_step.py [--batch 1,16,64] [--context 350] [--steps 20] [--quantization gguf]
+                                     [--thread main,other]
 
-Prints min and median ms per step for each batch size.
+Prints min and median ms per step for each batch size, timed on the main thread and/or on another thread (where
+the engine runs its steps: a thread's first parallel work gives it a thread team of its own, see
+petrel/model/thread_pool.c).
 """
 from __future__ import annotations
 
 import argparse
 import statistics
+import threading
 import time
 
 import torch
@@ -39,8 +43,10 @@ def main() -> None:
     ap.add_argument("--batch", default="1,16,64")
     ap.add_argument("--context", type=int, default=350)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--quantization", default=None, help="none (default), int8 or gguf")
+    ap.add_argument("--thread", default="main", help="comma-separated: main, other")
     args = ap.parse_args()
-    llm = LLM()
+    llm = LLM(quantization=args.quantization)
     runner = llm._engine.core.runner
     try:
         for batch in (int(b) for b in args.batch.split(",")):
@@ -51,15 +57,24 @@ def main() -> None:
                     ids, positions, meta = runner.prepare(step_batch)
                     return runner.model.compute_logits(runner.model(ids, positions, runner.kv_caches, meta))
 
-            for _ in range(3):
-                step()
-            times = []
-            for _ in range(args.steps):
-                t0 = time.perf_counter()
-                step()
-                times.append((time.perf_counter() - t0) * 1e3)
-            print(f"batch {batch}, context {args.context}: min {min(times):.1f} ms, "
-                  f"median {statistics.median(times):.1f} ms per decode step")
+            def timed(where: str) -> None:
+                for _ in range(3):
+                    step()
+                times = []
+                for _ in range(args.steps):
+                    t0 = time.perf_counter()
+                    step()
+                    times.append((time.perf_counter() - t0) * 1e3)
+                print(f"batch {batch}, context {args.context}, {where} thread: min {min(times):.1f} ms, "
+                      f"median {statistics.median(times):.1f} ms per decode step", flush=True)
+
+            for where in args.thread.split(","):
+                if where == "main":
+                    timed(where)
+                else:
+                    other = threading.Thread(target=timed, args=(where,))
+                    other.start()
+                    other.join()
     finally:
         llm.shutdown()
 
