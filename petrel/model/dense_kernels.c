@@ -201,8 +201,17 @@ static void attention_part(void *args, int part, int parts) {
         for (int64_t b = lo / bs; b * bs < len; b++) {
             const int64_t block = tables[s * max_blocks + b];
             const int64_t t0 = b * bs < lo ? lo - b * bs : 0, t1 = (b + 1) * bs <= len ? bs : len - b * bs;
+            const int64_t next = (b + 1) * bs < len ? tables[s * max_blocks + b + 1] : -1;
             for (int64_t kh = kh0; kh < kh1; kh++) {
                 const int64_t i = kh - kh0;
+                if (next >= 0) {      /* the next block's keys and values (this item's heads), a share per head */
+                    const int64_t n = kh1 - kh0, off = next * bs * row + kh0 * D;
+                    for (int64_t t = i * bs / n; t < (i + 1) * bs / n; t++)
+                        for (int64_t d = 0; d < n * D; d += 16) {
+                            _mm_prefetch((const char *)(key_cache + off + t * row + d), _MM_HINT_T1);
+                            _mm_prefetch((const char *)(value_cache + off + t * row + d), _MM_HINT_T1);
+                        }
+                }
                 attend_block(q + s * q_stride + kh * G * D, key_cache + block * bs * row + kh * D,
                              value_cache + block * bs * row + kh * D, t0, t1, G, D, row, scale,
                              acc + i * G * D, m + i * G, l + i * G);
