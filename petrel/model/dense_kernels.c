@@ -17,14 +17,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "simd.h"
 #include "thread_pool.h"
-
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 /* y[m][n] for MR rows of x and NR weight rows at a time, KS floats of k per iteration (8 or 16) */
 #define KER(MR, NR, KS) \

@@ -154,12 +154,17 @@ class LayerParts(NamedTuple):
     scale: float
     sliding_window: int | None
 
+    @property
+    def max_rows(self) -> int:
+        """The most decode rows its products take in one call: fewer with quantized weights."""
+        quantized = any(isinstance(w, QuantizedWeight) for w in self.weights)
+        return QUANT_GEMV_MAX_ROWS if quantized else GEMV_MAX_ROWS
+
     def fits(self, rows: int) -> bool:
         """Whether the kernels take this layer for `rows` decode rows (its weights apart: see describe)."""
         head_dim = self.heads[2]
         hidden, inter = self.weights[0].shape[1], self.weights[3].shape[1]
-        quantized = any(isinstance(w, QuantizedWeight) for w in self.weights)
-        return (rows <= (QUANT_GEMV_MAX_ROWS if quantized else GEMV_MAX_ROWS) and hidden % 16 == 0
+        return (rows <= self.max_rows and hidden % 16 == 0
                 and inter % 16 == 0 and head_dim % 16 == 0       # the products', rotary's
                 and _is_cpu_f32(*self.norms) and all(t.is_contiguous() for t in self.norms))
 
@@ -212,8 +217,7 @@ class DecoderStack:
         self.key_caches = pointers(*(c[0].data_ptr() for c in kv_caches))
         self.value_caches = pointers(*(c[1].data_ptr() for c in kv_caches))
         self.windows = (ctypes.c_int64 * n)(*(p.sliding_window or 0 for p in layers))
-        self.max_rows = min(QUANT_GEMV_MAX_ROWS if any(isinstance(w, QuantizedWeight) for w in p.weights)
-                            else GEMV_MAX_ROWS for p in layers)
+        self.max_rows = min(p.max_rows for p in layers)
 
     @classmethod
     def build(cls, layers: list[LayerParts], kv_caches: list[torch.Tensor]) -> "DecoderStack | None":

@@ -27,7 +27,7 @@ from petrel.model.cache import petrel_cache_dir
 logger = logging.getLogger("petrel")
 
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-pthread", "-shared", "-fPIC"]
-SOURCES = ("dense_kernels.c", "quant_kernels.c", "thread_pool.c", "thread_pool.h")
+SOURCES = ("dense_kernels.c", "quant_kernels.c", "thread_pool.c", "thread_pool.h", "simd.h")
 
 
 @functools.cache
@@ -49,7 +49,7 @@ def _compiler() -> str | None:
     return None
 
 
-_lock = threading.RLock()
+_lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}    # by switch
 
 

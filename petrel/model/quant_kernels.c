@@ -16,13 +16,19 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "simd.h"
 #include "thread_pool.h"
 
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+/* groups per weight row: 4-bit codes have one per 32; 8-bit codes one per 2^gshift, or one a row (gshift >= 62) */
+static inline int64_t num_groups(int bits, int64_t K, int gshift) {
+    return bits == 4 ? K / 32 : (gshift >= 62 ? 1 : K >> gshift);
+}
+
+/* the scales s[0], s[0], s[1], s[1], s[0], s[0], s[1], s[1]: two groups' scales as _mm256_hadd_epi32 lays out
+ * their two sums */
+static inline __m256 pair_scales(const float *s) {
+    return _mm256_permutevar8x32_ps(_mm256_castpd_ps(_mm256_castpd128_pd256(_mm_load_sd((const double *)s))),
+                                    _mm256_setr_epi32(0, 0, 1, 1, 0, 0, 1, 1));
 }
 
 /* the 32 weights of 4-bit group g of a row, as four vectors of eight floats */
@@ -103,7 +109,6 @@ static void q4_rows_##MR(const activations *a, int64_t K, const uint8_t *codes, 
                          float *y, int64_t N, int64_t n0, int64_t n1) { \
     const int64_t B = K / 32; \
     const __m256i nibble = _mm256_set1_epi8(0x0F); \
-    const __m256i pairs = _mm256_setr_epi32(0, 0, 1, 1, 0, 0, 1, 1); \
     for (int64_t n = n0; n < n1; n++) { \
         __m256 acc[MR]; \
         for (int m = 0; m < MR; m++) acc[m] = _mm256_setzero_ps(); \
@@ -117,8 +122,7 @@ static void q4_rows_##MR(const activations *a, int64_t K, const uint8_t *codes, 
                           b1 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(hi)), \
                           c0 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(lo, 1)), \
                           c1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(hi, 1)); \
-            const __m256 sv = _mm256_permutevar8x32_ps(_mm256_castpd_ps(_mm256_castpd128_pd256( \
-                _mm_load_sd((const double *)(s + b)))), pairs); \
+            const __m256 sv = pair_scales(s + b); \
             for (int m = 0; m < MR; m++) { \
                 const int16_t *xb = a->q + m * K + 32 * b; \
                 const __m256i sums = _mm256_hadd_epi32(dot32(b0, b1, xb), dot32(c0, c1, xb + 32)); \
@@ -143,7 +147,7 @@ static void q4_rows_##MR(const activations *a, int64_t K, const uint8_t *codes, 
 #define Q8_ROWS(MR) \
 static void q8_rows_##MR(const activations *a, int64_t K, const int8_t *codes, const float *scale, const float *mins, \
                          int gshift, float *y, int64_t N, int64_t n0, int64_t n1) { \
-    const int64_t B = K / 32, G = gshift >= 62 ? 1 : K >> gshift; \
+    const int64_t B = K / 32, G = num_groups(8, K, gshift); \
     for (int64_t n = n0; n < n1; n++) { \
         __m256 acc[MR][2]; \
         for (int m = 0; m < MR; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps(); \
@@ -157,8 +161,7 @@ static void q8_rows_##MR(const activations *a, int64_t K, const int8_t *codes, c
                               w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w, 1)); \
                 /* groups of 16: the sums of each half kept apart, as lanes 0, 1, 4, 5 and 2, 3, 6, 7 */ \
                 const __m256 sv = gshift >= 62 ? _mm256_set1_ps(s[0]) \
-                    : gshift == 4 ? _mm256_permutevar8x32_ps(_mm256_castpd_ps(_mm256_castpd128_pd256( \
-                          _mm_load_sd((const double *)(s + 2 * bh)))), _mm256_setr_epi32(0, 0, 1, 1, 0, 0, 1, 1)) \
+                    : gshift == 4 ? pair_scales(s + 2 * bh) \
                     : _mm256_set1_ps(s[(32 * bh) >> gshift]); \
                 for (int m = 0; m < MR; m++) { \
                     const int16_t *xb = a->q + m * K + 32 * bh; \
@@ -200,7 +203,7 @@ typedef struct {
 
 static void gemv_part(void *args, int t, int T) {
     const gemv_args *g = args;
-    const int64_t K = g->K, B = K / 32, G = g->bits == 4 ? B : (g->gshift >= 62 ? 1 : K >> g->gshift);
+    const int64_t K = g->K, B = K / 32, G = num_groups(g->bits, K, g->gshift);
     int64_t n0, n1;
     split_range(g->N, t, T, 1, &n0, &n1);
     for (int64_t m = 0; m < g->M && n0 < n1; m += 4) {
@@ -214,7 +217,7 @@ static void gemv_part(void *args, int t, int T) {
 /* y[M][N] = x[M][K] @ W^T, the activations rounded to int16 per 32 first (see quantize_activations) */
 void quant_gemv(int bits, const float *x, int64_t M, int64_t K, const void *codes, const float *scale,
                 const float *mins, int gshift, float *y, int64_t N, int nthreads) {
-    const int64_t B = K / 32, G = bits == 4 ? B : (gshift >= 62 ? 1 : K >> gshift);
+    const int64_t B = K / 32, G = num_groups(bits, K, gshift);
     int16_t *q = malloc(sizeof(int16_t) * M * K + sizeof(float) * M * (2 * B + B + 4 * B + G));
     if (!q) return;
     float *sum16 = (float *)(q + M * K), *d = sum16 + M * 2 * B, *dd = d + M * B, *sums = dd + M * 4 * B;
@@ -241,7 +244,7 @@ typedef struct {
 
 static void dequant_part(void *args, int t, int T) {
     const dequant_args *a = args;
-    const int64_t K = a->K, G = a->bits == 4 ? K / 32 : (a->gshift >= 62 ? 1 : K >> a->gshift);
+    const int64_t K = a->K, G = num_groups(a->bits, K, a->gshift);
     int64_t lo, hi;
     split_range(a->n1 - a->n0, t, T, 1, &lo, &hi);
     for (int64_t n = a->n0 + lo; n < a->n0 + hi; n++) {

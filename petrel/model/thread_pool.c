@@ -81,9 +81,9 @@ void parallel_run(task_fn fn, void *ctx, int nthreads) {
         fn(ctx, omp_get_thread_num(), omp_get_num_threads());
         return;
     }
-    if (nthreads > MAX_WORKERS + 1) nthreads = MAX_WORKERS + 1;
-    if (nthreads <= 1 || pthread_mutex_trylock(&run_lock) != 0) {
-        for (int t = 0; t < nthreads || t == 0; t++) fn(ctx, t, nthreads > 1 ? nthreads : 1);
+    nthreads = nthreads < 1 ? 1 : nthreads > MAX_WORKERS + 1 ? MAX_WORKERS + 1 : nthreads;
+    if (nthreads == 1 || pthread_mutex_trylock(&run_lock) != 0) {
+        for (int t = 0; t < nthreads; t++) fn(ctx, t, nthreads);
         return;
     }
     while (num_workers < nthreads - 1) {

@@ -1,4 +1,5 @@
 /* petrel's kernel threads (thread_pool.c) */
+#pragma once
 #include <stdint.h>
 
 typedef void (*task_fn)(void *ctx, int t, int T);
