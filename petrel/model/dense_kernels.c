@@ -20,15 +20,19 @@
 #include "simd.h"
 #include "thread_pool.h"
 
-/* y[m][n] for MR rows of x and NR weight rows at a time, KS floats of k per iteration (8 or 16) */
+/* y[m][n] for MR rows of x and NR weight rows at a time, KS floats of k per iteration (8 or 16); each iteration
+ * also prefetches one cache line of *pf (up to pf_end) into L2 */
 #define KER(MR, NR, KS) \
-static void f32_rows_##MR(const float *x, int64_t K, const float *W, float *y, int64_t N, int64_t n0, int64_t n1) { \
+static void f32_rows_##MR(const float *x, int64_t K, const float *W, float *y, int64_t N, int64_t n0, int64_t n1, \
+                          const char **pf, const char *pf_end) { \
+    const char *p = *pf; \
     for (int64_t n = n0; n < n1; n += NR) { \
         const int nr = n1 - n < NR ? (int)(n1 - n) : NR; \
         __m256 acc[MR][NR][KS / 8]; \
         for (int m = 0; m < MR; m++) for (int j = 0; j < NR; j++) for (int h = 0; h < KS / 8; h++) acc[m][j][h] = _mm256_setzero_ps(); \
         if (nr == NR) { \
             for (int64_t k = 0; k < K; k += KS) { \
+                if (p < pf_end) { _mm_prefetch(p, _MM_HINT_T1); p += 64; } \
                 for (int h = 0; h < KS / 8; h++) { \
                     __m256 w[NR]; \
                     for (int j = 0; j < NR; j++) w[j] = _mm256_loadu_ps(W + (n + j) * K + k + 8 * h); \
@@ -50,6 +54,7 @@ static void f32_rows_##MR(const float *x, int64_t K, const float *W, float *y, i
             y[m * N + n + j] = hsum(t); \
         } \
     } \
+    *pf = p; \
 }
 KER(1, 4, 16) KER(2, 2, 16) KER(3, 3, 8) KER(4, 3, 8)
 /* y[M][N] = x[M][K] @ W[N][K]^T; K a multiple of 16. Each thread walks its weight rows in tiles of 12; a tile
@@ -65,12 +70,15 @@ static void f32_gemv_part(void *args, int t, int T) {
     split_range(N, t, T, 8, &n0, &n1);
     for (int64_t n = n0; n < n1; n += 12) {
         const int64_t ne = n + 12 < n1 ? n + 12 : n1;
+        /* the next tile comes into L2 a line at a time while this one is worked on: the hardware prefetcher
+         * alone leaves the first pass over each tile waiting on memory */
+        const char *pf = (const char *)(W + ne * K), *pf_end = (const char *)(W + (ne + 12 < n1 ? ne + 12 : n1) * K);
         for (int64_t m = 0; m < M; m += 4) {
             int64_t r = M - m < 4 ? M - m : 4;
-            if (r == 4) f32_rows_4(x + m * K, K, W, y + m * N, N, n, ne);
-            else if (r == 3) f32_rows_3(x + m * K, K, W, y + m * N, N, n, ne);
-            else if (r == 2) f32_rows_2(x + m * K, K, W, y + m * N, N, n, ne);
-            else f32_rows_1(x + m * K, K, W, y + m * N, N, n, ne);
+            if (r == 4) f32_rows_4(x + m * K, K, W, y + m * N, N, n, ne, &pf, pf_end);
+            else if (r == 3) f32_rows_3(x + m * K, K, W, y + m * N, N, n, ne, &pf, pf_end);
+            else if (r == 2) f32_rows_2(x + m * K, K, W, y + m * N, N, n, ne, &pf, pf_end);
+            else f32_rows_1(x + m * K, K, W, y + m * N, N, n, ne, &pf, pf_end);
         }
     }
 }
