@@ -108,11 +108,24 @@ static inline __m256 exp256(__m256 x) {
 #define MAX_G 64      /* query heads per KV head */
 #define MAX_BS 256
 
+/* The next block's keys and values that a work item will read (`tokens` rows of `lines` cache lines, `stride`
+ * bytes apart), brought into L2 a line of each at a time while the current block is worked on: issued all at
+ * once they stall the core, and the hardware prefetcher cannot guess where the next (scattered) block lies. */
+typedef struct { const char *k, *v; int64_t stride, lines, tokens, t, c; } block_prefetch;
+
+static inline void prefetch_line(block_prefetch *p) {
+    if (p->t >= p->tokens) return;
+    const int64_t off = p->t * p->stride + 64 * p->c;
+    _mm_prefetch(p->k + off, _MM_HINT_T1);
+    _mm_prefetch(p->v + off, _MM_HINT_T1);
+    if (++p->c == p->lines) { p->c = 0; p->t++; }
+}
+
 /* One block's contribution to the running softmax of the G query heads of KV head kh: their scores against the
  * block's keys t0..t1, one rescale of the running sums (max m, denominator l, accumulator acc), then the values
- * (accumulated in registers, 64 dims at a time). */
+ * (accumulated in registers, 64 dims at a time), prefetching two lines of the next block for each value row. */
 static void attend_block(const float *qs, const float *kb, const float *vb, int64_t t0, int64_t t1, int64_t G,
-                         int64_t D, int64_t row, float scale, float *acc, float *m, float *l) {
+                         int64_t D, int64_t row, float scale, float *acc, float *m, float *l, block_prefetch *pf) {
     float p[MAX_BS + 8] __attribute__((aligned(32)));
     for (int64_t g = 0; g < G; g++) {
         const float *qg = qs + g * D;
@@ -167,6 +180,8 @@ static void attend_block(const float *qs, const float *kb, const float *vb, int6
             __m256 a[8];
             for (int j = 0; j < nv; j++) a[j] = _mm256_mul_ps(c, _mm256_loadu_ps(ag + d0 + 8 * j));
             for (int64_t u = t0; u < t1; u++) {
+                prefetch_line(pf);
+                prefetch_line(pf);
                 const __m256 pv = _mm256_set1_ps(p[u]);
                 const float *v = vb + u * row + d0;
                 for (int j = 0; j < nv; j++) a[j] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 8 * j), a[j]);
@@ -204,20 +219,13 @@ static void attention_part(void *args, int part, int parts) {
             const int64_t block = tables[s * max_blocks + b];
             const int64_t t0 = b * bs < lo ? lo - b * bs : 0, t1 = (b + 1) * bs <= len ? bs : len - b * bs;
             const int64_t next = (b + 1) * bs < len ? tables[s * max_blocks + b + 1] : -1;
-            for (int64_t kh = kh0; kh < kh1; kh++) {
-                const int64_t i = kh - kh0;
-                if (next >= 0) {      /* the next block's keys and values (this item's heads), a share per head */
-                    const int64_t n = kh1 - kh0, off = next * bs * row + kh0 * D;
-                    for (int64_t t = i * bs / n; t < (i + 1) * bs / n; t++)
-                        for (int64_t d = 0; d < n * D; d += 16) {
-                            _mm_prefetch((const char *)(key_cache + off + t * row + d), _MM_HINT_T1);
-                            _mm_prefetch((const char *)(value_cache + off + t * row + d), _MM_HINT_T1);
-                        }
-                }
+            const int64_t ahead = (next >= 0 ? next : block) * bs * row + kh0 * D;
+            block_prefetch pf = {(const char *)(key_cache + ahead), (const char *)(value_cache + ahead),
+                                 (int64_t)sizeof(float) * row, ((kh1 - kh0) * D + 15) / 16, next >= 0 ? bs : 0, 0, 0};
+            for (int64_t kh = kh0; kh < kh1; kh++)
                 attend_block(q + s * q_stride + kh * G * D, key_cache + block * bs * row + kh * D,
                              value_cache + block * bs * row + kh * D, t0, t1, G, D, row, scale,
-                             acc + i * G * D, m + i * G, l + i * G);
-            }
+                             acc + (kh - kh0) * G * D, m + (kh - kh0) * G, l + (kh - kh0) * G, &pf);
         }
         for (int64_t kh = kh0; kh < kh1; kh++) {
             const int64_t i = kh - kh0;
