@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from petrel.model import dense_kernels
+from petrel.model import dense_kernels, native
 from petrel.model.attention import _decode_attention
 from petrel.model.layers import Linear, RMSNorm, RotaryEmbedding, silu_and_mul
 
@@ -37,6 +37,37 @@ def test_linear_layer_uses_the_kernel_with_bias_and_falls_back():
     assert dense_kernels.linear(torch.randn(dense_kernels.GEMV_MAX_ROWS + 1, 64), layer.weight) is None  # many rows
     assert dense_kernels.linear(torch.randn(2, 24), torch.randn(5, 24)) is None          # K not a multiple of 16
     assert dense_kernels.linear(torch.randn(2, 64).double(), layer.weight.double()) is None
+
+
+needs_avx512 = pytest.mark.skipif(not native.cpu_has_avx512(), reason="no AVX-512 here: prefill products use torch")
+
+
+@needs_avx512
+@pytest.mark.parametrize("rows", [257, 14 * 30, 1000])      # whole blocks of 14 rows, and a tail of 6 or 6 + 8
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (33, 1000), (7, 64), (48, 1)])
+def test_many_row_product_equals_matmul(rows, out_features, in_features):
+    g = torch.Generator().manual_seed(rows + out_features)
+    x = torch.randn(rows, in_features, generator=g)
+    w = torch.randn(out_features, in_features, generator=g)
+    got = dense_kernels.gemm(x, w)
+    assert got is not None and got.shape == (rows, out_features)
+    torch.testing.assert_close(got, x @ w.t(), atol=1e-4, rtol=1e-4)
+    x_strided = torch.randn(rows, 2 * in_features, generator=g)[:, ::2]     # taken as a contiguous copy
+    torch.testing.assert_close(dense_kernels.gemm(x_strided, w), x_strided @ w.t(), atol=1e-4, rtol=1e-4)
+
+
+@needs_avx512
+def test_linear_layer_uses_the_gemm_for_prefill_with_bias(monkeypatch):
+    layer = Linear(64, 40, bias=True)
+    x = torch.randn(Linear.SMALL_BATCH + 5, 64)
+    calls = []
+    gemm = dense_kernels.gemm
+    monkeypatch.setattr(dense_kernels, "gemm", lambda *a: calls.append(1) or gemm(*a))
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), atol=1e-4, rtol=1e-4)
+    assert calls == [1]
+    assert dense_kernels.gemm(x.double(), layer.weight.double()) is None
+    monkeypatch.setenv("PETREL_AVX512", "0")
+    assert dense_kernels.gemm(x, layer.weight) is None
 
 
 def _paged_case(num_seqs, heads, kv_heads, head_dim, block_size, lens, seed):

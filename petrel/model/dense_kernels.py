@@ -25,6 +25,8 @@ SIGNATURES = {"f32_gemv": [_P, _I64, _I64, _P, _P, _I64, _I32],
               "silu_and_mul": [_P, _I64, _I64, _P, _I32],
               "decode_layer": [_P, _P, _I64, _I64, _P, _P, _F32, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _P,
                                _P, _P, _P, _I64, _P, _I64, _I64, _F32, _I32],
+              "f32_gemm": [_P, _I64, _I64, _P, _P, _I64, _P, _I32],
+              "f32_gemm_workspace": ([_I64, _I64, _I32], _I64),
               "decode_layers": [_I64, _P, _P, _I64, _I64, _P, _P, _F32, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P,
                                 _P, _P, _I64, _P, _I64, _P, _F32, _I32]}
 
@@ -81,6 +83,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     x = x.contiguous()
     y = torch.empty(m, weight.shape[0], dtype=torch.float32)
     lib.f32_gemv(x.data_ptr(), m, k, weight.data_ptr(), y.data_ptr(), weight.shape[0], torch.get_num_threads())
+    return y
+
+
+def gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """x [M, K] @ weight[N, K]^T for many rows (prefill) with the AVX-512 kernel (gemm_avx512.c), or None where it
+    does not run (no AVX-512: see native.cpu_has_avx512; not CPU float32)."""
+    if not (_is_cpu_f32(x, weight) and weight.is_contiguous() and native.cpu_has_avx512()) or (lib := library()) is None:
+        return None
+    x = x.contiguous()
+    (m, k), n, threads = x.shape, weight.shape[0], torch.get_num_threads()
+    y = torch.empty(m, n, dtype=torch.float32)
+    workspace = torch.empty(lib.f32_gemm_workspace(m, k, threads), dtype=torch.float32)
+    lib.f32_gemm(x.data_ptr(), m, k, weight.data_ptr(), y.data_ptr(), n, workspace.data_ptr(), threads)
     return y
 
 

@@ -10,16 +10,22 @@ from petrel.model import dense_kernels
 
 
 class Linear(nn.Linear):
-    """nn.Linear with faster paths for decode-sized batches on CPU. In float32, up to dense_kernels.GEMV_MAX_ROWS
-    rows: petrel's kernel, which streams the weight once at memory bandwidth for a few rows (torch's BLAS reaches
-    about half of it) and keeps 140-150 GFLOP/s up to a few hundred. Other dtypes, up to SMALL_BATCH rows:
+    """nn.Linear with faster paths on CPU. In float32, up to dense_kernels.GEMV_MAX_ROWS rows (decode): petrel's
+    kernel, which streams the weight once at memory bandwidth for a few rows (torch's BLAS reaches about half of it)
+    and runs near the FMA peak at tens of rows; above (prefill), on CPUs with AVX-512, petrel's GEMM
+    (dense_kernels.gemm, up to ~10% faster than torch's on these shapes). Other dtypes, up to SMALL_BATCH rows:
     (W @ x^T)^T, with the weight as the left operand the CPU BLAS runs these skinny products 15-30% faster."""
 
     SMALL_BATCH = 256
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2 or x.shape[0] > self.SMALL_BATCH or x.device.type != "cpu":
+        if x.dim() != 2 or x.device.type != "cpu":
             return super().forward(x)
+        if x.shape[0] > self.SMALL_BATCH:
+            out = dense_kernels.gemm(x, self.weight)
+            if out is None:
+                return super().forward(x)
+            return out if self.bias is None else out.add_(self.bias)
         out = dense_kernels.linear(x, self.weight)
         if out is None:
             if x.shape[0] < 2:

@@ -1,4 +1,4 @@
-"""Build and load petrel's small C kernels for x86-64 CPUs (AVX2 + FMA).
+"""Build and load petrel's small C kernels for x86-64 CPUs (AVX2 + FMA; AVX-512 where the CPU has it).
 
 The kernel files (SOURCES: the float32 kernels, the quantized products and the threads they share out their work
 over) are plain C with no torch headers: they build with the system C compiler in about a second (a torch C++
@@ -27,19 +27,27 @@ from petrel.model.cache import petrel_cache_dir
 logger = logging.getLogger("petrel")
 
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-pthread", "-shared", "-fPIC"]
-SOURCES = ("dense_kernels.c", "quant_kernels.c", "thread_pool.c", "thread_pool.h", "simd.h")
+SOURCES = ("dense_kernels.c", "quant_kernels.c", "gemm_avx512.c", "thread_pool.c", "thread_pool.h", "simd.h")
 
 
 @functools.cache
-def cpu_has_avx2_fma() -> bool:
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        return False
+def _cpu_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line.split() for line in f if line.startswith("flags")), [])
+            return frozenset(next((line.split() for line in f if line.startswith("flags")), []))
     except OSError:
-        return False
-    return "avx2" in flags and "fma" in flags
+        return frozenset()
+
+
+def cpu_has_avx2_fma() -> bool:
+    return (torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+            and {"avx2", "fma"} <= _cpu_flags())
+
+
+def cpu_has_avx512() -> bool:
+    """Whether the AVX-512 kernels (gemm_avx512.c) may run: the CPU has AVX-512F and PETREL_AVX512 is not 0."""
+    return (os.environ.get("PETREL_AVX512", "1") != "0" and cpu_has_avx2_fma()
+            and torch.backends.cpu.get_cpu_capability() == "AVX512" and "avx512f" in _cpu_flags())
 
 
 def _compiler() -> str | None:
@@ -57,15 +65,17 @@ def load(switch: str, what: str, signatures: dict[str, list]) -> ctypes.CDLL | N
     """The kernels' library (built on first use, then kept in this process), or None where it cannot run here.
 
     switch: the caller's environment variable that turns its kernels off when "0"; what: what falls back, for the
-    log; signatures: the caller's exported functions' ctypes argument types (all return void)."""
+    log; signatures: the caller's exported functions' ctypes argument types (they return void), or (argument
+    types, result type)."""
     if switch not in _loaded:
         with _lock:
             if switch not in _loaded:
                 lib = None if os.environ.get(switch, "1") == "0" else _library()
                 if lib is None:
                     logger.info("%s run with torch (slower)", what)
-                for name, argtypes in signatures.items() if lib is not None else ():
-                    getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, None
+                for name, types in signatures.items() if lib is not None else ():
+                    argtypes, restype = types if isinstance(types, tuple) else (types, None)
+                    getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, restype
                 _loaded[switch] = lib
     return _loaded[switch]
 
