@@ -114,3 +114,15 @@ def test_generate_input_file_writes_jsonl(tmp_path):
     assert r.returncode == 0, r.stderr
     (row,) = [json.loads(line) for line in r.stdout.splitlines()]
     assert row["prompt"] == "Hi" and row["num_tokens"] <= 2
+
+
+def test_serve_takes_a_smaller_step_budget_unless_told():
+    import argparse
+    from petrel.config import EngineConfig
+    from petrel.serve.server import SERVE_MAX_NUM_BATCHED_TOKENS, add_arguments, engine_options
+    parse = add_arguments(argparse.ArgumentParser()).parse_args
+    assert SERVE_MAX_NUM_BATCHED_TOKENS < EngineConfig.max_num_batched_tokens
+    assert engine_options(parse([]))["max_num_batched_tokens"] == SERVE_MAX_NUM_BATCHED_TOKENS
+    assert engine_options(parse(["--max-num-batched-tokens", "4096"]))["max_num_batched_tokens"] == 4096
+    # without chunked prefill a prompt longer than the budget would wait to run alone: the engine's default stays
+    assert "max_num_batched_tokens" not in engine_options(parse(["--no-chunked-prefill"]))
