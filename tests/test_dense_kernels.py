@@ -138,6 +138,71 @@ def test_decode_attention_declines_what_it_does_not_cover():
     assert dense_kernels.decode_attention(q12, cache12[0], cache12[1], tables12, lens12, 1.0, None) is None
 
 
+def _prefill_case(n, first_pos, heads, kv_heads, head_dim, block_size, seed):
+    """A chunk of n queries at positions first_pos.. and a cache whose scattered blocks hold their context."""
+    g = torch.Generator().manual_seed(seed)
+    held = math.ceil((first_pos + n) / block_size)
+    cache = torch.randn(2, held + 6, block_size, kv_heads, head_dim, generator=g)
+    table = torch.randperm(held + 6, generator=g)[:held]
+    return torch.randn(n, heads, head_dim, generator=g), cache, table
+
+
+def _prefill_reference(q, cache, table, first_pos, scale, window):
+    n, heads, head_dim = q.shape
+    kv_heads, ctx = cache.shape[3], first_pos + n
+    k, v = (cache[i][table].reshape(-1, kv_heads, head_dim)[:ctx].double() for i in (0, 1))
+    k, v = (t.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1) for t in (k, v))
+    scores = (q.double().transpose(0, 1) @ k.transpose(1, 2)) * scale           # [heads, n, ctx]
+    q_pos, k_pos = torch.arange(first_pos, ctx).unsqueeze(1), torch.arange(ctx).unsqueeze(0)
+    visible = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)
+    return (scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v).transpose(0, 1).float()
+
+
+@pytest.mark.parametrize("n,first_pos,heads,kv_heads,head_dim,block_size,window", [
+    (290, 0, 9, 3, 64, 16, None),       # SmolLM2's shape, a whole prompt
+    (37, 100, 9, 3, 64, 16, None),      # a chunk after a cached prefix
+    (1, 50, 9, 3, 64, 16, None),        # one token
+    (40, 5, 4, 1, 256, 16, None),       # Gemma 3 270M's heads
+    (50, 30, 4, 1, 256, 16, 20),        # ... a local layer's window, reaching behind the chunk
+    (130, 0, 8, 2, 64, 16, 64),         # a window inside one fresh prompt
+    (13, 0, 8, 8, 32, 4, None),         # MHA
+    (9, 11, 6, 2, 16, 1, 7),            # one token a block
+])
+def test_paged_prefill_attention_equals_masked_softmax(n, first_pos, heads, kv_heads, head_dim, block_size, window):
+    q, cache, table = _prefill_case(n, first_pos, heads, kv_heads, head_dim, block_size, seed=n + head_dim)
+    if n > 1:       # queries as the model hands them over: a slice of each row of a wider (q, k) tensor
+        q = torch.cat([q, torch.randn(n, kv_heads, head_dim)], dim=1)[:, :heads]
+    scale = head_dim ** -0.5
+    got = dense_kernels.prefill_attention(q, cache[0], cache[1], table, first_pos, scale, window)
+    assert got is not None
+    torch.testing.assert_close(got, _prefill_reference(q, cache, table, first_pos, scale, window),
+                               atol=2e-5, rtol=1e-4)
+
+
+def test_prefill_attention_never_reads_behind_the_window_or_past_the_context():
+    n, first_pos, block_size, window = 10, 27, 4, 8
+    q, cache, table = _prefill_case(n, first_pos, 4, 2, 32, block_size, seed=7)
+    clean = dense_kernels.prefill_attention(q, cache[0], cache[1], table, first_pos, 0.2, window)
+    unused = [b for b in range(cache.shape[1]) if b not in table.tolist()]
+    behind = table[:(first_pos - window + 1) // block_size].tolist()      # wholly behind the first query's window
+    cache[:, unused + behind] = float("nan")
+    end = first_pos + n                                                    # slots of the last block past the context
+    if end % block_size:
+        cache[:, table[-1], end % block_size:] = float("nan")
+    got = dense_kernels.prefill_attention(q, cache[0], cache[1], table, first_pos, 0.2, window)
+    assert len(behind) >= 4 and not got.isnan().any()
+    torch.testing.assert_close(got, clean)
+
+
+def test_prefill_attention_declines_what_it_does_not_cover():
+    q, cache, table = _prefill_case(5, 0, 4, 2, 40, 4, seed=8)          # head_dim not a multiple of 16
+    assert dense_kernels.prefill_attention(q, cache[0], cache[1], table, 0, 1.0, None) is None
+    q, cache, table = _prefill_case(5, 0, 4, 2, 32, 4, seed=9)
+    assert dense_kernels.prefill_attention(q.bfloat16(), cache[0].bfloat16(), cache[1].bfloat16(), table, 0, 1.0,
+                                           None) is None
+    assert dense_kernels.prefill_attention(q, cache[0], cache[1], table.int(), 0, 1.0, None) is None
+
+
 @pytest.mark.parametrize("rows", [1, 3, 700])          # 700 x 576 rows run on several threads
 def test_rms_norm_equals_torch(rows):
     g = torch.Generator().manual_seed(rows)

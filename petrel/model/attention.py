@@ -102,6 +102,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)
         first_pos = chunk.context_len - chunk.num_tokens
+        fast = dense_kernels.prefill_attention(q[rows], key_cache, value_cache, chunk.block_table, first_pos, scale,
+                                               sliding_window)
+        if fast is not None:
+            out[rows] = fast
+            continue
         if sliding_window is not None and chunk.context_len > sliding_window:
             # Keys from the block holding the first visible position on; mask causal and window together.
             first_block = max(0, first_pos - sliding_window + 1) // block_size

@@ -25,6 +25,9 @@ SIGNATURES = {"f32_gemv": [_P, _I64, _I64, _P, _P, _I64, _I32],
               "silu_and_mul": [_P, _I64, _I64, _P, _I32],
               "decode_layer": [_P, _P, _I64, _I64, _P, _P, _F32, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _P,
                                _P, _P, _P, _I64, _P, _I64, _I64, _F32, _I32],
+              "paged_prefill_attention": [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _P,
+                                          _P, _I32],
+              "prefill_attention_workspace": ([_I64, _I64, _I64], _I64),
               "f32_gemm": [_P, _I64, _I64, _P, _P, _I64, _P, _I32],
               "f32_gemm_workspace": ([_I64, _I64, _I32], _I64),
               "decode_layers": [_I64, _P, _P, _I64, _I64, _P, _P, _F32, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P,
@@ -53,6 +56,7 @@ def describe(weight: torch.Tensor | QuantizedWeight) -> Weight | None:
 GEMV_MAX_ROWS = 256     # measured (2 threads): 1.2-2x torch up to 128 rows, even at 256, behind torch's GEMM from 512
 _MAX_GROUP, _MAX_HEAD_DIMS = 64, 16384   # query heads per KV head; query heads x head_dim (dense_kernels.c)
 _MAX_BLOCK_SIZE = 256
+_MAX_PREFILL_HEAD_DIM = 256         # MAX_D in prefill_attention.c
 
 
 def library() -> ctypes.CDLL | None:
@@ -118,6 +122,31 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
                                block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), num_seqs,
                                num_heads, num_kv_heads, head_dim, block_size, sliding_window or 0, scale,
                                out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
+                      first_pos: int, scale: float, sliding_window: int | None) -> torch.Tensor | None:
+    """A prompt chunk's queries against every key they see (causal; windowed when sliding_window is set), read
+    from the paged cache, which already holds the chunk's own keys and values. q [n, heads, d] at positions
+    first_pos .. first_pos+n-1; key/value_cache [blocks, block_size, kv_heads, d]; block_table [>= blocks of the
+    context] int64. Returns [n, heads, d], or None."""
+    n, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    if (head_dim % 16 or head_dim > _MAX_PREFILL_HEAD_DIM or num_heads % num_kv_heads
+            or block_table.dtype != torch.int64 or not _is_cpu_f32(q, key_cache, value_cache)
+            or not (key_cache.is_contiguous() and value_cache.is_contiguous()) or (lib := library()) is None):
+        return None
+    if q.stride(2) != 1 or q.stride(1) != head_dim:
+        q = q.contiguous()
+    block_table = block_table.contiguous()
+    first_key = max(0, first_pos - sliding_window + 1) if sliding_window else 0
+    threads = torch.get_num_threads()
+    workspace = torch.empty(lib.prefill_attention_workspace(first_pos + n - first_key, num_kv_heads, head_dim))
+    out = torch.empty(q.shape, dtype=torch.float32)
+    lib.paged_prefill_attention(q.data_ptr(), q.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
+                                block_table.data_ptr(), n, first_pos, num_heads, num_kv_heads, head_dim, block_size,
+                                sliding_window or 0, scale, out.data_ptr(), workspace.data_ptr(), threads)
     return out
 
 

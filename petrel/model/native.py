@@ -27,7 +27,8 @@ from petrel.model.cache import petrel_cache_dir
 logger = logging.getLogger("petrel")
 
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-pthread", "-shared", "-fPIC"]
-SOURCES = ("dense_kernels.c", "quant_kernels.c", "gemm_avx512.c", "thread_pool.c", "thread_pool.h", "simd.h")
+SOURCES = ("dense_kernels.c", "prefill_attention.c", "quant_kernels.c", "gemm_avx512.c", "thread_pool.c", "thread_pool.h",
+           "simd.h")
 
 
 @functools.cache
