@@ -2,12 +2,16 @@
 default model's shapes (the numbers behind using them).
 
     python benchmarks/dense_kernels.py [--threads 2] [--rows 1,4,8,12,16,24,32] [--seqs 1,16,64]
+                                       [--prefill-rows 512,2048] [--prompts 290,512]
 
 Products: all 30 layers' weights plus the LM head (540 MB, read from memory on every pass as in a decode step),
 petrel's f32_gemv against torch's best form for the rows (F.linear at one row, (W @ x^T)^T above, which is what
 petrel used before); ms for the whole model and GB/s of weight streamed. Decode attention: one layer, `seqs`
 sequences with W2-like contexts (64..640 tokens, scrambled 16-token blocks), the kernel against gather + SDPA in
-groups of 16 (the torch path). Small ops: one row. Best of several passes.
+groups of 16 (the torch path). Small ops: one row. Prefill (with --prefill-rows / --prompts; empty to skip): each
+layer shape's product at that many rows, torch's F.linear against petrel's AVX-512 GEMM (where the CPU has it), in
+GFLOP/s; attention of one layer over a whole prompt of that many tokens, torch's SDPA (causal) against petrel's
+paged prefill kernel. Best of several passes.
 """
 from __future__ import annotations
 
@@ -109,19 +113,54 @@ def small_ops() -> None:
         print(f"| {name} | {best_ms(t_fn, 5, 2000) * 1e3:.1f} | {best_ms(k_fn, 5, 2000) * 1e3:.1f} |")
 
 
+def prefill(rows_list: list[int], prompts: list[int]) -> None:
+    if rows_list and dense_kernels.gemm(torch.randn(2, 16), torch.randn(16, 16)) is not None:
+        print("\nprefill products, GFLOP/s (torch F.linear / petrel GEMM):")
+        print("| rows | " + " | ".join(f"{n}x{k}" for n, k in LAYER_SHAPES) + " |\n| ---: |" + " ---: |" * 4)
+        for m in rows_list:
+            cells = []
+            for n, k in LAYER_SHAPES:
+                x, w = torch.randn(m, k), torch.randn(n, k)
+                flop = 2 * m * n * k / 1e6
+                torch_ms, petrel_ms = best_ms(lambda: F.linear(x, w)), best_ms(lambda: dense_kernels.gemm(x, w))
+                cells.append(f"{flop / torch_ms:.0f} / {flop / petrel_ms:.0f}")
+            print(f"| {m} | " + " | ".join(cells) + " |")
+    if not prompts:
+        return
+    heads, kv_heads, dim, bs = 9, 3, 64, 16
+    print("\nprefill attention, one layer over a whole prompt (9 query heads, 3 KV heads, head_dim 64), ms:")
+    print("| prompt tokens | torch SDPA (causal) | petrel kernel | torch / kernel | kernel GFLOP/s |")
+    print("| ---: | ---: | ---: | ---: | ---: |")
+    for n in prompts:
+        blocks = math.ceil(n / bs)
+        cache = torch.randn(2, blocks + 1, bs, kv_heads, dim)
+        table = torch.randperm(blocks) + 1
+        q = torch.randn(n, heads, dim)
+        k, v = (cache[i][table].view(-1, kv_heads, dim)[:n].transpose(0, 1).unsqueeze(0) for i in (0, 1))
+        t = best_ms(lambda: F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k, v, is_causal=True,
+                                                           scale=0.125, enable_gqa=True), 5, 5)
+        kern = best_ms(lambda: dense_kernels.prefill_attention(q, cache[0], cache[1], table, 0, 0.125, None), 5, 5)
+        flop = 2 * 2 * heads * dim * n * (n + 1) / 2          # scores and values over the causal half
+        print(f"| {n} | {t:.2f} | {kern:.2f} | {t / kern:.2f}x | {flop / kern / 1e6:.0f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", default="1,4,8,12,16,24,32")
     ap.add_argument("--seqs", default="1,16,64")
+    ap.add_argument("--prefill-rows", default="512,2048")
+    ap.add_argument("--prompts", default="290,512")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if dense_kernels.library() is None:
         raise SystemExit("petrel's float32 kernels cannot run here (no AVX2/FMA or no C compiler)")
     print(f"torch {torch.__version__}, {args.threads} threads")
-    products([int(r) for r in args.rows.split(",")])
-    attention([int(s) for s in args.seqs.split(",")])
+    numbers = lambda text: [int(v) for v in text.split(",") if v]          # noqa: E731
+    products(numbers(args.rows))
+    attention(numbers(args.seqs))
     small_ops()
+    prefill(numbers(args.prefill_rows), numbers(args.prompts))
 
 
 if __name__ == "__main__":

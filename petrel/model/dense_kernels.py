@@ -93,7 +93,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
 def gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """x [M, K] @ weight[N, K]^T for many rows (prefill) with the AVX-512 kernel (gemm_avx512.c), or None where it
     does not run (no AVX-512: see native.cpu_has_avx512; not CPU float32)."""
-    if not (_is_cpu_f32(x, weight) and weight.is_contiguous() and native.cpu_has_avx512()) or (lib := library()) is None:
+    if not (_is_cpu_f32(x, weight) and weight.is_contiguous() and native.cpu_has_avx512()):
+        return None
+    if (lib := library()) is None:
         return None
     x = x.contiguous()
     (m, k), n, threads = x.shape, weight.shape[0], torch.get_num_threads()
