@@ -21,10 +21,10 @@
 #include "thread_pool.h"
 
 /* y[m][n] for MR rows of x and NR weight rows at a time, KS floats of k per iteration (8 or 16); each iteration
- * also prefetches one cache line of *pf (up to pf_end) into L2 */
-#define KER(MR, NR, KS) \
-static void f32_rows_##MR(const float *x, int64_t K, const float *W, float *y, int64_t N, int64_t n0, int64_t n1, \
-                          const char **pf, const char *pf_end) { \
+ * also prefetches PF cache lines of *pf (up to pf_end) into L2 */
+#define KER(NAME, MR, NR, KS, PF) \
+static void NAME(const float *x, int64_t K, const float *W, float *y, int64_t N, int64_t n0, int64_t n1, \
+                 const char **pf, const char *pf_end) { \
     const char *p = *pf; \
     for (int64_t n = n0; n < n1; n += NR) { \
         const int nr = n1 - n < NR ? (int)(n1 - n) : NR; \
@@ -32,7 +32,7 @@ static void f32_rows_##MR(const float *x, int64_t K, const float *W, float *y, i
         for (int m = 0; m < MR; m++) for (int j = 0; j < NR; j++) for (int h = 0; h < KS / 8; h++) acc[m][j][h] = _mm256_setzero_ps(); \
         if (nr == NR) { \
             for (int64_t k = 0; k < K; k += KS) { \
-                if (p < pf_end) { _mm_prefetch(p, _MM_HINT_T1); p += 64; } \
+                for (int q = 0; q < PF; q++) if (p < pf_end) { _mm_prefetch(p, _MM_HINT_T1); p += 64; } \
                 for (int h = 0; h < KS / 8; h++) { \
                     __m256 w[NR]; \
                     for (int j = 0; j < NR; j++) w[j] = _mm256_loadu_ps(W + (n + j) * K + k + 8 * h); \
@@ -56,7 +56,10 @@ static void f32_rows_##MR(const float *x, int64_t K, const float *W, float *y, i
     } \
     *pf = p; \
 }
-KER(1, 4, 16) KER(2, 2, 16) KER(3, 3, 8) KER(4, 3, 8)
+/* PF: enough that the next tile is all on its way within one pass over this one (the passes of up to 4 rows are
+ * the only ones; a 4-row pass among others shares the work) */
+KER(f32_rows_1, 1, 4, 16, 4) KER(f32_rows_2, 2, 2, 16, 2) KER(f32_rows_3, 3, 3, 8, 2) KER(f32_rows_4, 4, 3, 8, 1)
+KER(f32_rows_4_alone, 4, 3, 8, 2)
 /* y[M][N] = x[M][K] @ W[N][K]^T; K a multiple of 16. Each thread walks its weight rows in tiles of 12; a tile
  * stays in L1 or L2 while every group of four x rows passes over it, so W is read from memory once for any M. */
 typedef struct { const float *x; int64_t M, K; const float *W; float *y; int64_t N; } gemv_args;
@@ -68,14 +71,16 @@ static void f32_gemv_part(void *args, int t, int T) {
     float *y = a->y;
     int64_t n0, n1;
     split_range(N, t, T, 8, &n0, &n1);
+    /* the next tile comes into L2 while this one is worked on, a few lines per inner iteration so that all of it
+     * is on its way within the first pass over this one: the hardware prefetcher alone leaves the first pass over
+     * each tile waiting on memory (and one row streams a third slower) */
     for (int64_t n = n0; n < n1; n += 12) {
         const int64_t ne = n + 12 < n1 ? n + 12 : n1;
-        /* the next tile comes into L2 a line at a time while this one is worked on: the hardware prefetcher
-         * alone leaves the first pass over each tile waiting on memory */
         const char *pf = (const char *)(W + ne * K), *pf_end = (const char *)(W + (ne + 12 < n1 ? ne + 12 : n1) * K);
         for (int64_t m = 0; m < M; m += 4) {
             int64_t r = M - m < 4 ? M - m : 4;
-            if (r == 4) f32_rows_4(x + m * K, K, W, y + m * N, N, n, ne, &pf, pf_end);
+            if (M == 4) f32_rows_4_alone(x, K, W, y, N, n, ne, &pf, pf_end);
+            else if (r == 4) f32_rows_4(x + m * K, K, W, y + m * N, N, n, ne, &pf, pf_end);
             else if (r == 3) f32_rows_3(x + m * K, K, W, y + m * N, N, n, ne, &pf, pf_end);
             else if (r == 2) f32_rows_2(x + m * K, K, W, y + m * N, N, n, ne, &pf, pf_end);
             else f32_rows_1(x + m * K, K, W, y + m * N, N, n, ne, &pf, pf_end);
