@@ -52,6 +52,16 @@ static void pack_part(void *args, int t, int T) {
     }
 }
 
+/* acc[r] += a[r][i] * (b0, b1) for every row r: one column of a times one row of b, sixteen wide */
+static inline void add_outer_product(__m256 acc[ROWS][2], const float *const a[ROWS], int64_t i, __m256 b0,
+                                     __m256 b1) {
+    for (int r = 0; r < ROWS; r++) {
+        const __m256 ar = _mm256_broadcast_ss(a[r] + i);
+        acc[r][0] = _mm256_fmadd_ps(ar, b0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(ar, b1, acc[r][1]);
+    }
+}
+
 static void prefill_part(void *args, int part, int parts) {
     prefill_args *a = args;
     const int64_t D = a->D, L = a->L, G = a->H / a->KVH, lo = a->lo, window = a->window;
@@ -88,17 +98,14 @@ static void prefill_part(void *args, int part, int parts) {
             const int64_t nk = (kb + KEYS <= last_pos + 1 ? KEYS : (last_pos + 1 - kb + 15) / 16 * 16);
             const float *kt = a->kt + kh * D * L + (kb - lo), *vv = a->v + (kh * L + (kb - lo)) * D;
             float s[ROWS][KEYS] __attribute__((aligned(32)));
+            const float *weights[ROWS];                         /* the rows of s, once the softmax has run */
+            for (int r = 0; r < ROWS; r++) weights[r] = s[r];
             for (int64_t c = 0; c < nk; c += 16) {           /* scores of 16 keys for all rows */
                 __m256 acc[ROWS][2];
                 for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-                for (int64_t d = 0; d < D; d++) {
-                    const __m256 k0 = _mm256_loadu_ps(kt + d * L + c), k1 = _mm256_loadu_ps(kt + d * L + c + 8);
-                    for (int r = 0; r < ROWS; r++) {
-                        const __m256 qb = _mm256_broadcast_ss(qr[r] + d);
-                        acc[r][0] = _mm256_fmadd_ps(qb, k0, acc[r][0]);
-                        acc[r][1] = _mm256_fmadd_ps(qb, k1, acc[r][1]);
-                    }
-                }
+                for (int64_t d = 0; d < D; d++)
+                    add_outer_product(acc, qr, d, _mm256_loadu_ps(kt + d * L + c),
+                                      _mm256_loadu_ps(kt + d * L + c + 8));
                 const __m256 sc = _mm256_set1_ps(a->scale);
                 for (int r = 0; r < ROWS; r++) {
                     _mm256_store_ps(s[r] + c, _mm256_mul_ps(acc[r][0], sc));
@@ -140,14 +147,9 @@ static void prefill_part(void *args, int part, int parts) {
                     acc[r][0] = _mm256_load_ps(o[r] + d);
                     acc[r][1] = _mm256_load_ps(o[r] + d + 8);
                 }
-                for (int64_t j = 0; j < nk; j++) {
-                    const __m256 v0 = _mm256_loadu_ps(vv + j * D + d), v1 = _mm256_loadu_ps(vv + j * D + d + 8);
-                    for (int r = 0; r < ROWS; r++) {
-                        const __m256 pb = _mm256_broadcast_ss(s[r] + j);
-                        acc[r][0] = _mm256_fmadd_ps(pb, v0, acc[r][0]);
-                        acc[r][1] = _mm256_fmadd_ps(pb, v1, acc[r][1]);
-                    }
-                }
+                for (int64_t j = 0; j < nk; j++)
+                    add_outer_product(acc, weights, j, _mm256_loadu_ps(vv + j * D + d),
+                                      _mm256_loadu_ps(vv + j * D + d + 8));
                 for (int r = 0; r < ROWS; r++) {
                     _mm256_store_ps(o[r] + d, acc[r][0]);
                     _mm256_store_ps(o[r] + d + 8, acc[r][1]);
