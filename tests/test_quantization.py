@@ -64,7 +64,7 @@ def rounded_activations(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(blocks * inverse).double() * d.double()).reshape(x.shape)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 7, 40])
+@pytest.mark.parametrize("rows", [1, 3, 7, 40, 300])       # the few-row kernel, 12-row float tiles, torch's GEMM
 @pytest.mark.parametrize("fmt", [*sorted(READERS), "int8"])
 def test_quantized_linear_matches_dequantized_product(fmt, rows, backend):
     """QuantizedLinear computes the dequantized weight's product: exactly (up to float summation order) on the torch

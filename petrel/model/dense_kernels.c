@@ -88,6 +88,21 @@ static void f32_gemv_part(void *args, int t, int T) {
     }
 }
 
+/* y[m][n0 + j] = x[m] . tile[j] for all M rows of x and the `rows` weight rows of a float32 tile [rows][K] (in
+ * cache: quant_kernels.c's quant_gemm dequantizes a tile, then runs this over it on the same thread) */
+void f32_tile_product(const float *x, int64_t M, int64_t K, const float *tile, int64_t rows, float *y, int64_t N,
+                      int64_t n0) {
+    const char *none = 0;
+    for (int64_t m = 0; m < M; m += 4) {
+        const int64_t r = M - m < 4 ? M - m : 4;
+        float *ym = y + m * N + n0;
+        if (r == 4) f32_rows_4(x + m * K, K, tile, ym, N, 0, rows, &none, none);
+        else if (r == 3) f32_rows_3(x + m * K, K, tile, ym, N, 0, rows, &none, none);
+        else if (r == 2) f32_rows_2(x + m * K, K, tile, ym, N, 0, rows, &none, none);
+        else f32_rows_1(x + m * K, K, tile, ym, N, 0, rows, &none, none);
+    }
+}
+
 void f32_gemv(const float *x, int64_t M, int64_t K, const float *W, float *y, int64_t N, int nthreads) {
     gemv_args a = {x, M, K, W, y, N};
     parallel_run(f32_gemv_part, &a, nthreads);
@@ -348,13 +363,18 @@ void silu_and_mul(const float *x, int64_t T, int64_t I, float *out, int nthreads
  * their float32 scale and min per group of 2^gshift (mins may be NULL). */
 typedef struct { const void *data; const float *scale, *mins; int32_t bits, gshift; } weight;
 
+/* quant_kernels.c */
 void quant_gemv(int bits, const float *x, int64_t M, int64_t K, const void *codes, const float *scale,
-                const float *mins, int gshift, float *y, int64_t N, int nthreads);   /* quant_kernels.c */
+                const float *mins, int gshift, float *y, int64_t N, int nthreads);
+void quant_gemm(int bits, const float *x, int64_t M, int64_t K, const void *codes, const float *scale,
+                const float *mins, int gshift, float *y, int64_t N, int nthreads);
+#define QUANT_GEMV_MAX_ROWS 12      /* quantization.GEMV_MAX_ROWS: beyond, dequantized tiles (quant_gemm) win */
 
 /* y[M][N] = x[M][K] @ W^T for either kind of weight */
 static void product(const float *x, int64_t M, int64_t K, const weight *w, float *y, int64_t N, int nthreads) {
     if (w->bits == 32) f32_gemv(x, M, K, (const float *)w->data, y, N, nthreads);
-    else quant_gemv(w->bits, x, M, K, w->data, w->scale, w->mins, w->gshift, y, N, nthreads);
+    else if (M <= QUANT_GEMV_MAX_ROWS) quant_gemv(w->bits, x, M, K, w->data, w->scale, w->mins, w->gshift, y, N, nthreads);
+    else quant_gemm(w->bits, x, M, K, w->data, w->scale, w->mins, w->gshift, y, N, nthreads);
 }
 
 /* One Llama decoder layer for T decode rows (one new token per sequence), all in this call:

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from petrel.model import native, quant_kernels
-from petrel.model.quantization import GEMV_MAX_ROWS as QUANT_GEMV_MAX_ROWS, QuantizedWeight
+from petrel.model.quantization import GEMM_MAX_ROWS as QUANT_GEMM_MAX_ROWS, QuantizedWeight
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {"f32_gemv": [_P, _I64, _I64, _P, _P, _I64, _I32],
@@ -202,9 +202,9 @@ class LayerParts(NamedTuple):
 
     @property
     def max_rows(self) -> int:
-        """The most decode rows its products take in one call: fewer with quantized weights."""
+        """The most decode rows its products take in one call (quantized ones: dequantized tiles above a few)."""
         quantized = any(isinstance(w, QuantizedWeight) for w in self.weights)
-        return QUANT_GEMV_MAX_ROWS if quantized else GEMV_MAX_ROWS
+        return QUANT_GEMM_MAX_ROWS if quantized else GEMV_MAX_ROWS
 
     def fits(self, rows: int) -> bool:
         """Whether the kernels take this layer for `rows` decode rows (its weights apart: see describe)."""
@@ -229,8 +229,7 @@ def decode_layer(x: torch.Tensor, layer: LayerParts, cos: torch.Tensor, sin: tor
     """A whole Llama decoder layer for T decode rows (see decode_layer in dense_kernels.c), or None.
 
     x [T, hidden]; cos/sin [T, 1, D]; kv_cache [2, blocks, block_size, KVH, D]; slots [T]; block_tables [T, width];
-    context_lens [T]. With quantized weights, up to quantization.GEMV_MAX_ROWS rows (beyond, QuantizedLinear's
-    dequantized tiles and torch's GEMM are faster than products that read the codes once per four rows)."""
+    context_lens [T]. With quantized weights, up to quantization.GEMM_MAX_ROWS rows."""
     num_heads, num_kv_heads, head_dim = layer.heads
     if (not layer.fits(x.shape[0])
             or not _step_fits(x, cos, sin, kv_cache, slots, block_tables, context_lens, layer.heads)

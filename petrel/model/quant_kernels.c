@@ -242,20 +242,26 @@ typedef struct {
     int bits; int64_t K; const void *codes; const float *scale, *mins; int gshift; float *out; int64_t n0, n1;
 } dequant_args;
 
-static void dequant_part(void *args, int t, int T) {
-    const dequant_args *a = args;
-    const int64_t K = a->K, G = num_groups(a->bits, K, a->gshift);
-    int64_t lo, hi;
-    split_range(a->n1 - a->n0, t, T, 1, &lo, &hi);
-    for (int64_t n = a->n0 + lo; n < a->n0 + hi; n++) {
+/* out[n - n0][K] = W[n] for n0 <= n < n1, on this thread */
+static void dequant_rows(int bits, int64_t K, const void *codes, const float *scale, const float *mins, int gshift,
+                         float *out, int64_t n0, int64_t n1) {
+    const int64_t G = num_groups(bits, K, gshift);
+    for (int64_t n = n0; n < n1; n++) {
         __m256 w[4];
-        const float *s = a->scale + n * G, *mn = a->mins ? a->mins + n * G : 0;
+        const float *s = scale + n * G, *mn = mins ? mins + n * G : 0;
         for (int64_t k = 0; k < K; k += 32) {
-            if (a->bits == 4) q4_group((const uint8_t *)a->codes + (n * G + k / 32) * 16, s[k / 32], mn[k / 32], w);
-            else q8_chunk((const int8_t *)a->codes + n * K, s, mn, k, a->gshift, w);
-            for (int j = 0; j < 4; j++) _mm256_storeu_ps(a->out + (n - a->n0) * K + k + 8 * j, w[j]);
+            if (bits == 4) q4_group((const uint8_t *)codes + (n * G + k / 32) * 16, s[k / 32], mn[k / 32], w);
+            else q8_chunk((const int8_t *)codes + n * K, s, mn, k, gshift, w);
+            for (int j = 0; j < 4; j++) _mm256_storeu_ps(out + (n - n0) * K + k + 8 * j, w[j]);
         }
     }
+}
+
+static void dequant_part(void *args, int t, int T) {
+    const dequant_args *a = args;
+    int64_t lo, hi;
+    split_range(a->n1 - a->n0, t, T, 1, &lo, &hi);
+    dequant_rows(a->bits, a->K, a->codes, a->scale, a->mins, a->gshift, a->out + lo * a->K, a->n0 + lo, a->n0 + hi);
 }
 
 /* out[n - n0][K] = W[n] for n0 <= n < n1 */
@@ -263,4 +269,41 @@ void quant_dequant(int bits, int64_t K, const void *codes, const float *scale, c
                    float *out, int64_t n0, int64_t n1, int nthreads) {
     dequant_args a = {bits, K, codes, scale, mins, gshift, out, n0, n1};
     parallel_run(dequant_part, &a, nthreads);
+}
+
+/* dense_kernels.c: y[m][n0 + j] = x[m] . tile[j] for a float32 tile of `rows` weight rows */
+void f32_tile_product(const float *x, int64_t M, int64_t K, const float *tile, int64_t rows, float *y, int64_t N,
+                      int64_t n0);
+
+#define TILE 12
+typedef struct {
+    int bits; const float *x; int64_t M, K; const void *codes; const float *scale, *mins; int gshift; float *y;
+    int64_t N; float *tiles;
+} gemm_args;
+
+static void gemm_part(void *args, int t, int T) {
+    const gemm_args *a = args;
+    float *tile = a->tiles + (int64_t)t * TILE * a->K;
+    int64_t n0, n1;
+    split_range(a->N, t, T, TILE, &n0, &n1);
+    for (int64_t n = n0; n < n1; n += TILE) {
+        const int64_t ne = n + TILE < n1 ? n + TILE : n1;
+        dequant_rows(a->bits, a->K, a->codes, a->scale, a->mins, a->gshift, tile, n, ne);
+        f32_tile_product(a->x, a->M, a->K, tile, ne - n, a->y, a->N, n);
+    }
+}
+
+/* y[M][N] = x[M][K] @ W^T for more rows than quant_gemv's: each thread dequantizes TILE weight rows into a float32
+ * tile that stays in cache while every row of x passes over it (float32 products, the weight read once) */
+void quant_gemm(int bits, const float *x, int64_t M, int64_t K, const void *codes, const float *scale,
+                const float *mins, int gshift, float *y, int64_t N, int nthreads) {
+    const int T = nthreads < 1 ? 1 : nthreads;
+    float *tiles = malloc(sizeof(float) * TILE * K * T);
+    if (!tiles) {          /* no memory for the tiles: the few-row kernel gives the same products, slower */
+        quant_gemv(bits, x, M, K, codes, scale, mins, gshift, y, N, nthreads);
+        return;
+    }
+    gemm_args a = {bits, x, M, K, codes, scale, mins, gshift, y, N, tiles};
+    parallel_run(gemm_part, &a, T);
+    free(tiles);
 }

@@ -12,6 +12,7 @@ from petrel.model import native
 
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 SIGNATURES = {"quant_gemv": [_I32, _P, _I64, _I64, _P, _P, _P, _I32, _P, _I64, _I32],
+              "quant_gemm": [_I32, _P, _I64, _I64, _P, _P, _P, _I32, _P, _I64, _I32],
               "quant_dequant": [_I32, _I64, _P, _P, _P, _I32, _P, _I64, _I64, _I32]}
 
 
@@ -26,6 +27,17 @@ def gemv(lib, bits: int, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tens
     m, k = x.shape
     y = torch.empty(m, n, dtype=torch.float32)
     lib.quant_gemv(bits, x.data_ptr(), m, k, codes.data_ptr(), scale.data_ptr(),
+                   None if mins is None else mins.data_ptr(), gshift, y.data_ptr(), n, torch.get_num_threads())
+    return y
+
+
+def gemm(lib, bits: int, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None,
+         gshift: int, n: int) -> torch.Tensor:
+    """x [M, K] float32 contiguous -> [M, n] float32 (tens of rows: 12 weight rows at a time dequantized into a
+    float32 tile that every row of x passes over while it is in cache)."""
+    m, k = x.shape
+    y = torch.empty(m, n, dtype=torch.float32)
+    lib.quant_gemm(bits, x.data_ptr(), m, k, codes.data_ptr(), scale.data_ptr(),
                    None if mins is None else mins.data_ptr(), gshift, y.data_ptr(), n, torch.get_num_threads())
     return y
 

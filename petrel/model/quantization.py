@@ -19,8 +19,9 @@ from petrel.model import quant_kernels
 
 QUANTIZATION_METHODS = ("none", "int8", "gguf")
 ROW_GROUP = 62        # group shift meaning "one group per row" (per-output-channel scales)
-GEMV_MAX_ROWS = 12    # up to this many rows of x the register kernel wins; beyond, a dequantized tile + GEMM
-TILE_ELEMENTS = 1 << 18   # weights dequantized per GEMM tile (1 MB of float32: stays in cache)
+GEMV_MAX_ROWS = 12    # up to this many rows of x the register kernel wins; beyond, dequantized tiles:
+GEMM_MAX_ROWS = 256   # up to this many, 12-row tiles under the float32 decode kernel (one call, quant_kernels.gemm);
+TILE_ELEMENTS = 1 << 18   # beyond, tiles of this many weights (1 MB of float32: stays in cache) and torch's GEMM
 
 
 class QuantizedWeight(nn.Module):
@@ -127,8 +128,9 @@ class QuantizedWeight(nn.Module):
         x = x.to(torch.float32).contiguous()
         lib = quant_kernels.library() if x.device.type == "cpu" and in_features % 32 == 0 else None
         mins = self.mins
-        if lib is not None and x.shape[0] <= GEMV_MAX_ROWS:
-            return quant_kernels.gemv(lib, self.bits, x, self.codes, self.scale, mins, self.group_shift, out_features)
+        if lib is not None and x.shape[0] <= GEMM_MAX_ROWS:
+            product = quant_kernels.gemv if x.shape[0] <= GEMV_MAX_ROWS else quant_kernels.gemm
+            return product(lib, self.bits, x, self.codes, self.scale, mins, self.group_shift, out_features)
         tile = max(16, TILE_ELEMENTS // in_features)
         out_t = torch.empty(out_features, x.shape[0], dtype=torch.float32, device=x.device)
         buffer = torch.empty(min(tile, out_features), in_features, dtype=torch.float32, device=x.device)
