@@ -64,11 +64,23 @@ KER(f32_rows_4_alone, 4, 3, 8, 2)
  * stays in L1 or L2 while every group of four x rows passes over it, so W is read from memory once for any M. */
 typedef struct { const float *x; int64_t M, K; const float *W; float *y; int64_t N; } gemv_args;
 
+/* y[m][n..ne) for every row m of x over the weight rows n..ne (a tile), four x rows a pass, prefetching *pf */
+static void tile_passes(const float *x, int64_t M, int64_t K, const float *W, float *y, int64_t N, int64_t n,
+                        int64_t ne, const char **pf, const char *pf_end) {
+    for (int64_t m = 0; m < M; m += 4) {
+        const int64_t r = M - m < 4 ? M - m : 4;
+        if (M == 4) f32_rows_4_alone(x, K, W, y, N, n, ne, pf, pf_end);
+        else if (r == 4) f32_rows_4(x + m * K, K, W, y + m * N, N, n, ne, pf, pf_end);
+        else if (r == 3) f32_rows_3(x + m * K, K, W, y + m * N, N, n, ne, pf, pf_end);
+        else if (r == 2) f32_rows_2(x + m * K, K, W, y + m * N, N, n, ne, pf, pf_end);
+        else f32_rows_1(x + m * K, K, W, y + m * N, N, n, ne, pf, pf_end);
+    }
+}
+
 static void f32_gemv_part(void *args, int t, int T) {
     const gemv_args *a = args;
-    const float *x = a->x, *W = a->W;
-    const int64_t M = a->M, K = a->K, N = a->N;
-    float *y = a->y;
+    const float *W = a->W;
+    const int64_t K = a->K, N = a->N;
     int64_t n0, n1;
     split_range(N, t, T, 8, &n0, &n1);
     /* the next tile comes into L2 while this one is worked on, a few lines per inner iteration so that all of it
@@ -77,14 +89,7 @@ static void f32_gemv_part(void *args, int t, int T) {
     for (int64_t n = n0; n < n1; n += 12) {
         const int64_t ne = n + 12 < n1 ? n + 12 : n1;
         const char *pf = (const char *)(W + ne * K), *pf_end = (const char *)(W + (ne + 12 < n1 ? ne + 12 : n1) * K);
-        for (int64_t m = 0; m < M; m += 4) {
-            int64_t r = M - m < 4 ? M - m : 4;
-            if (M == 4) f32_rows_4_alone(x, K, W, y, N, n, ne, &pf, pf_end);
-            else if (r == 4) f32_rows_4(x + m * K, K, W, y + m * N, N, n, ne, &pf, pf_end);
-            else if (r == 3) f32_rows_3(x + m * K, K, W, y + m * N, N, n, ne, &pf, pf_end);
-            else if (r == 2) f32_rows_2(x + m * K, K, W, y + m * N, N, n, ne, &pf, pf_end);
-            else f32_rows_1(x + m * K, K, W, y + m * N, N, n, ne, &pf, pf_end);
-        }
+        tile_passes(a->x, a->M, K, W, a->y, N, n, ne, &pf, pf_end);
     }
 }
 
@@ -93,14 +98,7 @@ static void f32_gemv_part(void *args, int t, int T) {
 void f32_tile_product(const float *x, int64_t M, int64_t K, const float *tile, int64_t rows, float *y, int64_t N,
                       int64_t n0) {
     const char *none = 0;
-    for (int64_t m = 0; m < M; m += 4) {
-        const int64_t r = M - m < 4 ? M - m : 4;
-        float *ym = y + m * N + n0;
-        if (r == 4) f32_rows_4(x + m * K, K, tile, ym, N, 0, rows, &none, none);
-        else if (r == 3) f32_rows_3(x + m * K, K, tile, ym, N, 0, rows, &none, none);
-        else if (r == 2) f32_rows_2(x + m * K, K, tile, ym, N, 0, rows, &none, none);
-        else f32_rows_1(x + m * K, K, tile, ym, N, 0, rows, &none, none);
-    }
+    tile_passes(x, M, K, tile, y + n0, N, 0, rows, &none, none);
 }
 
 void f32_gemv(const float *x, int64_t M, int64_t K, const float *W, float *y, int64_t N, int nthreads) {
@@ -373,7 +371,8 @@ void quant_gemm(int bits, const float *x, int64_t M, int64_t K, const void *code
 /* y[M][N] = x[M][K] @ W^T for either kind of weight */
 static void product(const float *x, int64_t M, int64_t K, const weight *w, float *y, int64_t N, int nthreads) {
     if (w->bits == 32) f32_gemv(x, M, K, (const float *)w->data, y, N, nthreads);
-    else if (M <= QUANT_GEMV_MAX_ROWS) quant_gemv(w->bits, x, M, K, w->data, w->scale, w->mins, w->gshift, y, N, nthreads);
+    else if (M <= QUANT_GEMV_MAX_ROWS)
+        quant_gemv(w->bits, x, M, K, w->data, w->scale, w->mins, w->gshift, y, N, nthreads);
     else quant_gemm(w->bits, x, M, K, w->data, w->scale, w->mins, w->gshift, y, N, nthreads);
 }
 

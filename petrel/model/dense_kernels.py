@@ -27,9 +27,9 @@ SIGNATURES = {"f32_gemv": [_P, _I64, _I64, _P, _P, _I64, _I32],
                                _P, _P, _P, _I64, _P, _I64, _I64, _F32, _I32],
               "paged_prefill_attention": [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _P,
                                           _P, _I32],
-              "prefill_attention_workspace": ([_I64, _I64, _I64], _I64),
+              "prefill_attention_workspace": ([_I64, _I64, _I64, _I64, _I64], _I64),
               "f32_gemm": [_P, _I64, _I64, _P, _P, _I64, _P, _I32],
-              "f32_gemm_workspace": ([_I64, _I64, _I32], _I64),
+              "f32_gemm_workspace": ([_I64, _I32], _I64),
               "decode_layers": [_I64, _P, _P, _I64, _I64, _P, _P, _F32, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P,
                                 _P, _P, _I64, _P, _I64, _P, _F32, _I32]}
 
@@ -100,7 +100,7 @@ def gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     x = x.contiguous()
     (m, k), n, threads = x.shape, weight.shape[0], torch.get_num_threads()
     y = torch.empty(m, n, dtype=torch.float32)
-    workspace = torch.empty(lib.f32_gemm_workspace(m, k, threads), dtype=torch.float32)
+    workspace = torch.empty(lib.f32_gemm_workspace(k, threads), dtype=torch.float32)
     lib.f32_gemm(x.data_ptr(), m, k, weight.data_ptr(), y.data_ptr(), n, workspace.data_ptr(), threads)
     return y
 
@@ -142,13 +142,12 @@ def prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     if q.stride(2) != 1 or q.stride(1) != head_dim:
         q = q.contiguous()
     block_table = block_table.contiguous()
-    first_key = max(0, first_pos - sliding_window + 1) if sliding_window else 0
-    threads = torch.get_num_threads()
-    workspace = torch.empty(lib.prefill_attention_workspace(first_pos + n - first_key, num_kv_heads, head_dim))
+    window, threads = sliding_window or 0, torch.get_num_threads()
+    workspace = torch.empty(lib.prefill_attention_workspace(n, first_pos, window, num_kv_heads, head_dim))
     out = torch.empty(q.shape, dtype=torch.float32)
     lib.paged_prefill_attention(q.data_ptr(), q.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
                                 block_table.data_ptr(), n, first_pos, num_heads, num_kv_heads, head_dim, block_size,
-                                sliding_window or 0, scale, out.data_ptr(), workspace.data_ptr(), threads)
+                                window, scale, out.data_ptr(), workspace.data_ptr(), threads)
     return out
 
 

@@ -38,7 +38,9 @@ static void block_14x32(const float *x, int64_t ldx, const float *wp, int64_t K,
 
 /* tail: the last M % MR rows of x followed by zero rows, [MR][K] (NULL when M is a multiple of MR); wp: each
  * thread's W panel [K][NR] */
-typedef struct { const float *x; int64_t M, K; const float *W; float *y; int64_t N; const float *tail; float *wp; } gemm_args;
+typedef struct {
+    const float *x; int64_t M, K; const float *W; float *y; int64_t N; const float *tail; float *wp;
+} gemm_args;
 
 __attribute__((target("avx512f")))
 static void gemm_part(void *args, int t, int T) {
@@ -66,12 +68,11 @@ static void gemm_part(void *args, int t, int T) {
 }
 
 /* floats of workspace f32_gemm needs */
-int64_t f32_gemm_workspace(int64_t M, int64_t K, int nthreads) {
-    (void)M;
+int64_t f32_gemm_workspace(int64_t K, int nthreads) {
     return MR * K + (int64_t)nthreads * K * NR;
 }
 
-/* y[M][N] = x[M][K] @ W[N][K]^T (x, W, y contiguous rows); workspace: f32_gemm_workspace(M, K, nthreads) floats */
+/* y[M][N] = x[M][K] @ W[N][K]^T (x, W, y contiguous rows); workspace: f32_gemm_workspace(K, nthreads) floats */
 void f32_gemm(const float *x, int64_t M, int64_t K, const float *W, float *y, int64_t N, float *workspace,
               int nthreads) {
     const int64_t rest = M % MR;

@@ -163,20 +163,27 @@ static void prefill_part(void *args, int part, int parts) {
     }
 }
 
-/* floats of workspace paged_prefill_attention needs for a chunk whose keys lo .. ctx-1 are visible */
-int64_t prefill_attention_workspace(int64_t keys, int64_t KVH, int64_t D) {
-    return 2 * KVH * D * ((keys + 15) / 16 * 16);
+/* the first position a chunk starting at p0 sees (its first query's window), and how many keys it packs from there */
+static int64_t first_key(int64_t p0, int64_t window) {
+    return window > 0 && p0 - window + 1 > 0 ? p0 - window + 1 : 0;
+}
+
+static int64_t packed_keys(int64_t n, int64_t p0, int64_t window) {
+    return (p0 + n - first_key(p0, window) + 15) / 16 * 16;
+}
+
+/* floats of workspace paged_prefill_attention needs (its arguments of the same names) */
+int64_t prefill_attention_workspace(int64_t n, int64_t p0, int64_t window, int64_t KVH, int64_t D) {
+    return 2 * KVH * D * packed_keys(n, p0, window);
 }
 
 /* q: the chunk's n queries, [n][H][D] (rows q_stride floats apart); out [n][H][D]; key_cache, value_cache
  * [num_blocks][bs][KVH][D] holding positions 0 .. p0+n-1 (this chunk's too) through `table`; D a multiple of 16
- * up to MAX_D; window 0 for none; workspace of prefill_attention_workspace(p0 + n - lo, KVH, D) floats where lo is
- * the first position the chunk sees (p0 - window + 1, or 0) */
+ * up to MAX_D; window 0 for none; workspace of prefill_attention_workspace(n, p0, window, KVH, D) floats */
 void paged_prefill_attention(const float *q, int64_t q_stride, const float *key_cache, const float *value_cache,
                              const int64_t *table, int64_t n, int64_t p0, int64_t H, int64_t KVH, int64_t D,
                              int64_t bs, int64_t window, float scale, float *out, float *workspace, int nthreads) {
-    const int64_t lo = window > 0 && p0 - window + 1 > 0 ? p0 - window + 1 : 0;
-    const int64_t L = (p0 + n - lo + 15) / 16 * 16;
+    const int64_t lo = first_key(p0, window), L = packed_keys(n, p0, window);
     prefill_args a = {q, q_stride, key_cache, value_cache, table, n, p0, H, KVH, D, bs, window, lo, L, scale, out,
                       workspace, workspace + KVH * D * L, (n * (H / KVH) + ROWS - 1) / ROWS, 0};
     parallel_run(pack_part, &a, nthreads);
