@@ -1,12 +1,19 @@
 """SamplingParams: how to pick tokens and when to stop, validated once (ValueError names the field)."""
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Callable
 
 from petrel.guided_decoding import GuidedDecodingParams
 
 ADDITIONAL_OUTPUTS = ("hidden_states",)   # model outputs a request may ask for besides logits
+# a temperature below this samples as greedy: dividing logits by it would overflow float32 (1e-45 made every
+# logit -inf or nan, and the draw picked token 0)
+GREEDY_TEMPERATURE = 1e-5
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                 "length_penalty")
 
 
 @dataclass
@@ -77,23 +84,27 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     def validate(self) -> None:
         def bad(name, why):
             raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
 
-        if not isinstance(self.n, int) or self.n < 1:
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                bad(name, "must be a finite number")
+        if not _is_int(self.n) or self.n < 1:
             bad("n", "must be an integer >= 1")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             bad("max_tokens", "must be an integer >= 1")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
             bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if self.temperature < 0.0:
             bad("temperature", "must be >= 0")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _is_int(self.top_k) or self.top_k < 0:
             bad("top_k", "must be an integer >= 0 (0 or -1 disables it)")
         if not 0.0 < self.top_p <= 1.0:
             bad("top_p", "must be in (0, 1]")
@@ -105,19 +116,19 @@ class SamplingParams:
             bad("presence_penalty", "must be in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             bad("frequency_penalty", "must be in [-2, 2]")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             bad("logprobs", "must be an integer >= 0")
-        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0):
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
             bad("prompt_logprobs", "must be an integer >= 0")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and not _is_int(self.seed):
             bad("seed", "must be an integer")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
         for name in ("bad_words_token_ids", "stop_token_sequences"):
             for w in getattr(self, name):
-                if not w or any(not isinstance(t, int) or t < 0 for t in w):
+                if not w or any(not _is_int(t) or t < 0 for t in w):
                     raise ValueError(f"{name} must be non-empty lists of token ids (ints >= 0), got {w!r}")
         if any(not isinstance(w, str) or not w for w in self.bad_words):
             bad("bad_words", "must be non-empty strings")
@@ -132,14 +143,14 @@ class SamplingParams:
             bad("beam_width", "needs use_beam_search=True")
         if self.logit_bias is not None:
             for tok, bias in self.logit_bias.items():
-                if not isinstance(tok, int) or tok < 0:
+                if not _is_int(tok) or tok < 0:
                     raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {tok!r}")
-                if not -100.0 <= bias <= 100.0:
+                if isinstance(bias, bool) or not isinstance(bias, numbers.Real) or not -100.0 <= bias <= 100.0:
                     raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {tok}")
 
     def _validate_beam_search(self, bad) -> None:
         width = self.num_beams
-        if not isinstance(width, int) or width < 1:
+        if not _is_int(width) or width < 1:
             bad("beam_width", "must be an integer >= 1")
         if self.n > width:
             bad("n", f"must be <= the beam width ({width})")
@@ -155,6 +166,10 @@ class SamplingParams:
             raise ValueError("top_p, top_k and min_p do not apply to beam search: leave them at their defaults")
 
     def validate_for_model(self, vocab_size: int) -> None:
+        """The limits that depend on the model: token ids and counts of tokens within its vocabulary."""
+        if self.top_k > vocab_size:
+            raise ValueError(f"top_k must be <= the vocabulary size ({vocab_size}), got {self.top_k} "
+                             "(0 or -1 keeps every token)")
         words = [t for w in self.bad_words_token_ids + self.stop_token_sequences for t in w]
         for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias or {})),
                           ("bad_words/stop words", words)):
@@ -169,3 +184,8 @@ class SamplingParams:
     @property
     def needs_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _is_int(value) -> bool:
+    """An integer, not a bool (True is an int to Python, not a count or a token id to a request)."""
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -214,15 +214,18 @@ class EngineCore:
             seq.num_computed_tokens += n
             self.block_manager.cache_computed_blocks(seq)
 
+        failed: dict = {}     # request id -> why: one request's failure in this step ends that request only
         for rows in step_logits.context_rows:
-            self._collect_context_rows(rows)
+            _isolated(failed, rows.seq.request.request_id, self._collect_context_rows, rows)
 
         outputs: list[EngineOutput] = []
         num_generated = num_accepted = 0
         if step_logits.sample_seqs:
             seqs, rows = self._fork_new_sequences(step_logits.sample_seqs)
             rows = [step_logits.first_rows[r] for r in rows]
-            outputs, num_generated, num_accepted = self._sample_and_append(seqs, rows, step_logits)
+            outputs, num_generated, num_accepted = self._sample_and_append(seqs, rows, step_logits, failed)
+        for request_id, message in failed.items():
+            outputs.extend(self.abort_request(request_id, message))
         num_draft = self._finish_verification(batch)
         if self.block_manager.frees_blocks:   # forked children too: give back what fell behind a window
             for seq in self.scheduler.running:
@@ -233,12 +236,11 @@ class EngineCore:
         self._record_stats(t0, batch, num_prompt_tokens, num_generated, num_draft, num_accepted)
         return outputs
 
-    def _sample_and_append(self, seqs: list[Sequence], rows: list[int], step_logits):
+    def _sample_and_append(self, seqs: list[Sequence], rows: list[int], step_logits, failed: dict):
         """Sample every sequence's next token; a sequence with drafts goes on to its next row while the
         sampled token equals its draft (speculative verification). One merged output per sequence.
-        Returns (outputs, tokens sampled, drafts accepted)."""
+        A request whose sampling or bookkeeping raises is added to `failed` (the caller aborts what is left of it). Returns (outputs, tokens sampled, drafts accepted)."""
         merged: dict[Sequence, EngineOutput] = {}
-        failed: dict = {}
         beam_requests = {}
         num_generated = num_accepted = 0
         position = 0
@@ -261,7 +263,9 @@ class EngineCore:
                     seq.beam_candidates = (result.beam_candidates[i], result.beam_logp.get(i), extras[i])
                     beam_requests[seq.request.request_id] = seq.request
                     continue
-                out = self._append_token(seq, token, lp, extras[i], now)
+                out = _isolated(failed, seq.request.request_id, self._append_token, seq, token, lp, extras[i], now)
+                if out is None:
+                    continue
                 merged[seq] = _merge_outputs(merged[seq], out) if seq in merged else out
                 if token == drafts[i]:
                     seq.num_accepted_tokens += 1
@@ -272,16 +276,13 @@ class EngineCore:
             seqs, rows = next_seqs, next_rows
             position += 1
         outputs = []
-        for request_id, message in failed.items():
-            outputs.extend(self.abort_request(request_id, message))
-        for seq, out in merged.items():
-            if seq.request.request_id in failed:
-                continue
+        for req in beam_requests.values():
+            if req.request_id not in failed:
+                outputs.extend(_isolated(failed, req.request_id, self._beam_step, req, now) or [])
+        for seq, out in merged.items():   # a failed request's finished sequences keep their final output
             if self.proposer is not None:
                 self._attach_spec_stats(out, seq)
             outputs.append(out)
-        for req in beam_requests.values():
-            outputs.extend(self._beam_step(req, now))
         return outputs, num_generated, num_accepted
 
     # ------------------------------------------------------------------ speculative decoding
@@ -569,6 +570,19 @@ class EngineCore:
             kv_blocks_used=bm.num_used_blocks, kv_blocks_free=bm.num_free_blocks, kv_blocks_cached=bm.num_cached_blocks,
             prefix_cache_hit_rate=sched.prefix_hit_tokens / queried if queried else 0.0,
             num_draft_tokens=num_draft, num_accepted_tokens=num_accepted)
+
+
+def _isolated(failed: dict, request_id, fn, *args):
+    """fn(*args), unless this request failed earlier in the step; an exception fails the request (recorded in
+    `failed` with its cause, logged) instead of the step. Returns fn's result, or None."""
+    if request_id in failed:
+        return None
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001 - one request's failure must not end the others in its step
+        logger.exception("request %r failed in an engine step", request_id)
+        failed[request_id] = f"engine error in this request: {type(exc).__name__}: {exc}"
+        return None
 
 
 def max_tokens_held(windows, num_blocks: int, block_size: int, max_batched_tokens: int) -> int | None:

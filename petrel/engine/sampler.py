@@ -111,12 +111,45 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[int | None] | None = None) -> SampleResult:
         """drafts: a speculative draft token per row (or None). A greedy row ignores it (the caller compares);
-        a random row accepts it with its probability, else samples from the rest of the distribution."""
+        a random row accepts it with its probability, else samples from the rest of the distribution.
+
+        One request's failure fails that request only: a logits processor that raises marks its row, and if
+        choosing the tokens raises for the batch, the rows are chosen again one at a time, so the rows that
+        raise alone are the only ones marked (in result.errors) while the others get their tokens."""
         logits = logits.float()
-        params = [s.params for s in seqs]
         errors = self._run_processors(logits, seqs)
         for i in errors:                       # keep the failed rows harmless for the rest of the step
             logits[i] = 0.0
+        try:
+            result = self._choose(logits, seqs, drafts)
+        except Exception:  # noqa: BLE001 - find the rows that fail on their own
+            result = self._choose_row_by_row(logits, seqs, drafts)
+        for i, message in errors.items():
+            result.errors.setdefault(i, message)
+        return result
+
+    def _choose_row_by_row(self, logits: torch.Tensor, seqs: list[Sequence],
+                           drafts: list[int | None] | None) -> SampleResult:
+        """_choose for each row alone; a row that raises gets an error instead of a token."""
+        result = SampleResult([0] * len(seqs), [None] * len(seqs))
+        for i, seq in enumerate(seqs):
+            try:
+                row = self._choose(logits[i:i + 1], [seq], [drafts[i]] if drafts else None)
+            except Exception as exc:  # noqa: BLE001 - this request's own failure
+                result.errors[i] = f"sampling failed: {type(exc).__name__}: {exc}"
+                continue
+            result.token_ids[i], result.logprobs[i] = row.token_ids[0], row.logprobs[0]
+            if 0 in row.beam_candidates:
+                result.beam_candidates[i] = row.beam_candidates[0]
+            if 0 in row.beam_logp:
+                result.beam_logp[i] = row.beam_logp[0]
+        return result
+
+    def _choose(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[int | None] | None) -> SampleResult:
+        """Bias, bad words, penalties, min_tokens and grammar masks on a copy of the processed logits (the input
+        stays as it was, so a failed batch can be chosen again row by row), then each row's token."""
+        logits = logits.clone()
+        params = [s.params for s in seqs]
         for i, p in enumerate(params):
             if p.logit_bias:
                 ids = torch.tensor(list(p.logit_bias), device=logits.device)
@@ -136,20 +169,18 @@ class Sampler:
         beams = [i for i, p in enumerate(params) if p.use_beam_search]
         greedy = torch.tensor([p.greedy or p.use_beam_search for p in params], device=logits.device)
         tokens = logits.argmax(dim=-1)
-        processed = logits
-        if not bool(greedy.all()):
-            processed = logits.clone()
+        if not bool(greedy.all()):    # random rows are processed in place (temperature, top-k/p, min-p)
             random_rows = (~greedy).nonzero().squeeze(1).tolist()
-            sampled = self._sample_random(processed, [seqs[i] for i in random_rows], random_rows,
+            sampled = self._sample_random(logits, [seqs[i] for i in random_rows], random_rows,
                                           [drafts[i] for i in random_rows] if drafts else None)
             tokens[random_rows] = sampled
 
-        result = SampleResult(tokens.tolist(), [None] * len(seqs), errors=errors)
+        result = SampleResult(tokens.tolist(), [None] * len(seqs))
         if beams:
-            self._beam_candidates(processed, beams, params, result)
+            self._beam_candidates(logits, beams, params, result)
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None and not p.use_beam_search]
         if wanted:
-            logp = torch.log_softmax(processed[wanted], dim=-1)
+            logp = torch.log_softmax(logits[wanted], dim=-1)
             for i, lp in zip(wanted, _gather_logprobs(logp, tokens[wanted], [params[i].logprobs for i in wanted])):
                 result.logprobs[i] = lp
         return result
