@@ -1,17 +1,24 @@
 """Guided decoding on the default model: 20 JSON schemas validated by jsonschema at temperature 0 and 1,
 regexes that fully match, an EBNF arithmetic grammar that parses, choices, n > 1, beams, preemption,
-stop strings, the compile cache, bad constraints, and the executor's GuidedDecodingParams."""
+stop strings, the compile cache, bad constraints, and the executor's GuidedDecodingParams; then the bounds on
+compiling: input limits, the compile timeout, the byte-bounded cache, one compile for concurrent identical ones."""
 from __future__ import annotations
 
 import json
+import random
 import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import pytest
 import torch
 
 from petrel import GuidedDecodingParams, SamplingParams
+from petrel.engine.grammar import GrammarCompiler, GrammarCompilerBusy
 from petrel.engine.model_runner import kv_bytes_per_block
+from petrel.guided_decoding import GuidedDecodingLimits, json_depth
 
 pytestmark = pytest.mark.e2e
 
@@ -219,3 +226,143 @@ def test_executor_guided_decoding(llm):
                             SCHEMAS[2])
         [r] = ex.await_responses(bad, timeout=10)
         assert r.has_error() and "regex" in r.error_msg
+
+
+# ------------------------------------------------------------------------------------------- bounded compiles
+
+def _slow_schema(repeats: int, tag: str) -> dict:
+    """A schema of a few bytes whose compile grows with repeats squared (~1.5 s at 5000, ~25 s at 20000)."""
+    pattern = {"type": "string", "pattern": f"^a{{{repeats}}}$"}
+    return {"type": "object", "properties": {tag: pattern}, "required": [tag]}
+
+
+def _deep_schema(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+OVER_THE_LIMITS = [   # (constraint just over a default limit, the field its error names)
+    (dict(choice=[f"c{i}" for i in range(4097)]), "guided_decoding.choice has 4097 strings"),
+    (dict(choice=["x" * 40_000, "y" * 40_000]), "guided_decoding.choice has 80000 bytes"),
+    (dict(json={"type": "object", "properties": {f"field_{i}": {"type": "integer"} for i in range(2500)}}),
+     "guided_decoding.json has"),
+    (dict(json=_deep_schema(70)), "guided_decoding.json has 141 levels of nesting"),
+    (dict(json='{"type": "array", "items": ' * 5000 + "{}" + "}" * 5000), "guided_decoding.json has 5001 levels"),
+    (dict(regex="|".join(f"word{i}" for i in range(2500))), "guided_decoding.regex has"),
+    (dict(grammar="root ::= " + " | ".join(f'"w{i}" [0-9]*' for i in range(9000))), "guided_decoding.grammar has"),
+]
+
+
+def test_constraints_over_the_limits_are_refused_before_compiling(llm):
+    compiler = llm.engine.grammar_compiler
+    before = compiler.num_compiled
+    for kwargs, message in OVER_THE_LIMITS:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            llm.generate("x", SamplingParams(max_tokens=1, guided_decoding=GuidedDecodingParams(**kwargs)),
+                         use_tqdm=False)
+    huge = GuidedDecodingParams(choice=[f"choice number {i}" for i in range(100_000)])   # once: minutes, ~1 GB
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="guided_decoding.choice has 100000 strings"):
+        compiler.compile(huge)
+    assert time.monotonic() - started < 2
+    assert compiler.num_compiled == before     # not one of them reached a compile
+
+
+def test_limits_are_parameters_and_name_the_field():
+    limits = GuidedDecodingLimits(max_choices=2, max_regex_bytes=4, max_schema_depth=2)
+    limits.check(GuidedDecodingParams(choice=["a", "b"]))
+    with pytest.raises(ValueError, match=r"guided_decoding.choice has 3 strings; at most 2"):
+        limits.check(GuidedDecodingParams(choice=["a", "b", "c"]))
+    with pytest.raises(ValueError, match=r"guided_decoding.regex has 5 bytes; at most 4"):
+        limits.check(GuidedDecodingParams(regex="a{1,}"))
+    limits.check(GuidedDecodingParams(json={"type": "array", "items": {"type": "string"}}))
+    with pytest.raises(ValueError, match=r"guided_decoding.json has 3 levels of nesting; at most 2"):
+        limits.check(GuidedDecodingParams(json={"type": "array", "items": {"type": "array", "items": {}}}))
+    assert json_depth('{"a": "[[{{", "b": [1, {"c": "\\"]"}]}') == 3     # brackets in strings are text
+    with pytest.raises(ValueError, match="max_choices must be a positive integer"):
+        GuidedDecodingLimits(max_choices=0)
+
+
+@pytest.fixture(scope="module")
+def small_compiler(llm):
+    """A compiler of its own, with one worker, a 1 s compile timeout and a 1.2 MB cache."""
+    compiler = GrammarCompiler(llm.tokenizer, llm.engine.model_config.vocab_size, list(llm.engine.eos_token_ids),
+                               compile_timeout=1.0, cache_bytes=1_200_000, workers=1)
+    yield compiler
+    compiler.close()
+
+
+def _choices(tag: str) -> GuidedDecodingParams:
+    """150 random strings: a compiled grammar of ~525 kB (SmolLM2's vocabulary), the same for the same tag."""
+    rng = random.Random(tag)
+    return GuidedDecodingParams(choice=[tag + " " + "".join(rng.choice("abcdefghij klmnop") for _ in range(16))
+                                        for _ in range(150)])
+
+
+def test_cache_is_bounded_by_bytes(small_compiler):
+    compiler = small_compiler
+    sizes = {}
+    for tag in "ABC":
+        sizes[tag] = compiler.compile(_choices(tag)).memory_size_bytes
+        assert compiler.cached_bytes <= compiler.cache_bytes
+    assert all(400_000 < s < 600_000 for s in sizes.values()), sizes     # three don't fit in 1.2 MB; two do
+    assert not compiler.is_cached(_choices("A"))      # the least recently used went first
+    assert compiler.is_cached(_choices("B")) and compiler.is_cached(_choices("C"))
+    compiler.compile(_choices("B"))                     # B used again: C is now the oldest
+    compiler.compile(_choices("D"))
+    assert compiler.is_cached(_choices("B")) and not compiler.is_cached(_choices("C"))
+    # a grammar a request still holds is found again without a compile, however much the cache has evicted
+    held = compiler.compile(_choices("E"))
+    for tag in "FG":
+        compiler.compile(_choices(tag))
+    before = compiler.num_compiled
+    assert not compiler.is_cached(_choices("E"))
+    assert compiler.compile(_choices("E")) is held and compiler.num_compiled == before
+
+
+def test_compile_timeout_kills_the_compile_and_the_compiler_goes_on(small_compiler, monkeypatch):
+    compiler = small_compiler
+    compiler.compile(GuidedDecodingParams(regex="[0-9]+"))      # the worker is up
+    monkeypatch.setattr(compiler, "max_queued", 0)               # one compile at a time, none waiting
+    slow = GuidedDecodingParams(json=_slow_schema(20_000, "slow"))     # ~25 s if left to run
+    started = time.monotonic()
+    first, same = compiler.submit(slow), compiler.submit(slow)   # the second shares the first's compile
+    with pytest.raises(GrammarCompilerBusy, match="busy"):
+        compiler.submit(GuidedDecodingParams(json=_slow_schema(20_000, "other")))    # refused at once
+    for future in (first, same):
+        with pytest.raises(ValueError, match=r"guided_decoding.json: the constraint took longer than 1 s to compile"):
+            future.result()
+    assert time.monotonic() - started < 5
+    out = compiler.compile(GuidedDecodingParams(regex="(yes|no)!"))      # on a fresh worker
+    matcher = compiler.matcher(out)
+    assert matcher.accept_string("yes!") and matcher.is_completed()
+
+
+def test_concurrent_identical_constraints_compile_once(llm):
+    compiler = llm.engine.grammar_compiler
+    params = GuidedDecodingParams(json=_slow_schema(3000, "shared"))    # ~0.5 s: the four overlap
+    before = compiler.num_compiled
+    barrier = threading.Barrier(4)
+
+    def compile_after_barrier():
+        barrier.wait()
+        return compiler.compile(params)
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: compile_after_barrier(), range(4)))
+    assert all(r is results[0] for r in results)
+    assert compiler.num_compiled == before + 1
+
+
+def test_a_regex_whose_repeats_multiply_out_too_far_is_refused_before_compiling():
+    """`((a|b){1,1000}){1,1000}c{1,100000}` is 36 bytes, compiled for seconds and handed over ~100 MB: it is
+    refused by its size once repeat counts are multiplied out; long but plain repeats are not."""
+    from petrel.guided_decoding import GuidedDecodingLimits, regex_size
+    limits = GuidedDecodingLimits()
+    with pytest.raises(ValueError, match="guided_decoding.regex has 1100000 pieces"):
+        limits.check(GuidedDecodingParams(regex="((a|b){1,1000}){1,1000}c{1,100000}"))
+    limits.check(GuidedDecodingParams(regex="[a-z]{20000}"))
+    limits.check(GuidedDecodingParams(regex="(a+)+$"))          # unbounded repeats compile to loops
+    assert regex_size("(ab|cd){1,500}") == 2000 and regex_size("(x)?(?(1)a{5}|b{7})") == 13
+    assert regex_size("[\\p{L}]+") == len("[\\p{L}]+")          # a dialect Python cannot read: its length

@@ -3,12 +3,15 @@
 Oracles are the constraints themselves: outputs are checked with jsonschema, re.fullmatch, a small parser for
 the arithmetic grammar, and the parsed tool calls against the tool's parameters schema. Bad constraints are
 400s naming the field, and the server keeps serving. Requests that do not depend on each other run
-concurrently, so the engine batches them.
+concurrently, so the engine batches them. Compiles are bounded: oversized constraints are 400s at once, slow ones
+400s at the compile timeout while /health stays fast, and identical concurrent ones compile once.
 """
 from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
@@ -133,10 +136,18 @@ def test_openapi_describes_json_schema():
     assert {"guided_json", "guided_regex", "guided_grammar", "guided_choice"} <= set(doc["properties"])
 
 
+def _compiled(guided):
+    """The constraint compiled as a grammar worker does it (over a two-token vocabulary)."""
+    import xgrammar as xgr
+    from petrel.engine.grammar import _worker_request
+    from petrel.engine.grammar_worker import compile_request
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo(["a", "</s>"], stop_token_ids=[1]))
+    return compile_request(compiler, json.loads(_worker_request(guided)))
+
+
 def _accepts(guided, text: str) -> bool:
     import xgrammar as xgr
-    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo(["a", "</s>"], stop_token_ids=[1]))
-    matcher = xgr.GrammarMatcher(compiler.compile_grammar(guided.grammar))
+    matcher = xgr.GrammarMatcher(_compiled(guided))
     return matcher.accept_string(text) and matcher.is_completed()
 
 
@@ -153,8 +164,9 @@ def test_tool_grammars_accept_exactly_valid_calls():
     assert _accepts(both, '{"name": "noop", "arguments": {}}\n</tool_call>')
     assert not _accepts(both, '{"name": "get_weather", "arguments": {"city": 3}}\n</tool_call>')
     assert not _accepts(both, '{"name": "other", "arguments": {}}\n</tool_call>')
-    with pytest.raises(ValueError, match="parameters"):
-        named_call_grammar({"type": "object", "properties": {"a": {"type": "frob"}}})
+    assert not _accepts(named, ' {"city":\n"Paris"}}\n</tool_call>')      # compact: no newlines to pad with
+    with pytest.raises(Exception):    # an unusable schema fails to compile (the server's 400 names `tools`)
+        _compiled(named_call_grammar({"type": "object", "properties": {"a": {"type": "frob"}}}))
 
 
 # ------------------------------------------------------------------------------------------- helpers
@@ -339,3 +351,90 @@ def test_bad_guided_requests_are_400s_and_the_server_keeps_serving(llm, server, 
     assert r.choices[0].text in ("yes!", "no!")
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert free_blocks(llm) == baseline
+
+
+# ------------------------------------------------------------------------------------------- bounded compiles
+
+def _slow_schema(repeats: int, tag: str) -> dict:
+    """A schema of a few bytes whose compile grows with repeats squared (~9 s at 12000 on a 2-core CPU)."""
+    pattern = {"type": "string", "pattern": f"^a{{{repeats}}}$"}
+    return {"type": "object", "properties": {tag: pattern}, "required": [tag]}
+
+
+def _deep_schema(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+OVERSIZED = [   # each over one default GuidedDecodingLimits limit
+    (CMPL, {"guided_choice": [f"choice number {i}" for i in range(100_000)]}, "guided_choice"),    # minutes, ~1 GB
+    (CHAT, {"guided_json": {"type": "object", "properties": {f"f{i}": {"type": "integer"} for i in range(3000)}}},
+     "guided_json"),
+    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": _deep_schema(80)}}},
+     "response_format"),
+    (CMPL, {"guided_regex": "|".join(f"word{i}" for i in range(3000))}, "guided_regex"),
+    (CHAT, {"guided_grammar": "root ::= " + " | ".join(f'"w{i}" [0-9]*' for i in range(9000))}, "guided_grammar"),
+]
+
+
+@pytest.mark.e2e
+def test_oversized_guided_requests_are_400s_at_once(server):
+    for path, extra, param in OVERSIZED:
+        body = dict(extra, **({"messages": USER} if path == CHAT else {"prompt": "hi"}), max_tokens=1)
+        started = time.monotonic()
+        r = httpx.post(f"{server.url}{path}", json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (param, r.text[:300])
+        assert "at most" in r.json()["error"]["message"] and time.monotonic() - started < 5, r.text[:300]
+
+
+@pytest.mark.e2e
+def test_slow_compiles_are_400s_and_health_stays_fast(llm, server, client, monkeypatch):
+    """Eight slow constraints at once (compiled in asyncio's default executor, 6 threads on 2 cores, they made
+    /health wait for a free thread): each is a 400 at the 1 s compile timeout, or a 429 if it waited that long for
+    a worker, and /health and /metrics answer all along."""
+    monkeypatch.setattr(llm.engine.grammar_compiler, "compile_timeout", 1.0)
+    stop, answers = threading.Event(), []
+
+    def poll():
+        while not stop.is_set():
+            for path in ("/health", "/metrics"):
+                started = time.monotonic()
+                try:
+                    status = httpx.get(f"{server.url}{path}", timeout=30).status_code
+                except httpx.HTTPError as exc:
+                    status = type(exc).__name__
+                answers.append((path, status, time.monotonic() - started))
+            time.sleep(0.05)
+
+    def slow(i):
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 1, "guided_json": _slow_schema(12_000, f"field{i}")}
+        return httpx.post(f"{server.url}{CMPL}", json=body, timeout=30)
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        responses = parallel(*[lambda i=i: slow(i) for i in range(8)])
+    finally:
+        stop.set()
+        poller.join()
+    for r in responses:
+        error = r.json()["error"]
+        timed_out = r.status_code == 400 and error["param"] == "guided_json" and "longer than 1 s" in error["message"]
+        assert timed_out or (r.status_code, error["code"]) == (429, "server_overloaded"), r.text
+    assert any(r.status_code == 400 for r in responses)
+    slowest = max(answers, key=lambda a: a[2])     # behind the compiles, it was the compile's seconds (43 s seen)
+    assert all(status == 200 for _, status, _ in answers) and slowest[2] < 5, slowest   # < 5: a busy shared CPU
+    r = client.completions.create(model=MODEL, prompt="Still here?", max_tokens=8, temperature=0,
+                                  extra_body={"guided_regex": "(yes|no)!"})
+    assert r.choices[0].text in ("yes!", "no!")
+
+
+@pytest.mark.e2e
+def test_concurrent_identical_guided_requests_compile_once(llm, server):
+    compiler = llm.engine.grammar_compiler
+    before = compiler.num_compiled
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1, "guided_json": _slow_schema(3000, "same")}   # ~0.5 s
+    responses = parallel(*[lambda: httpx.post(f"{server.url}{CMPL}", json=body, timeout=60) for _ in range(4)])
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+    assert compiler.num_compiled == before + 1

@@ -1,15 +1,17 @@
 """Guided decoding options of a request -> GuidedDecodingParams, with errors naming the field the client used.
 
 The options: chat's response_format (json_object / json_schema) and the extras guided_json, guided_regex,
-guided_grammar, guided_choice (both endpoints); at most one per request. The constraint is compiled here,
-in a worker thread, before the request is queued: a slow compile does not hold up the event loop, and a bad
-schema, regex or grammar is a 400 naming its field. The engine's cache then serves the request's own compile.
+guided_grammar, guided_choice (both endpoints); at most one per request. The constraint is compiled here, on
+the grammar compiler's workers (petrel/engine/grammar.py), before the request is queued: a slow compile holds up
+neither the event loop nor /health, and a bad, oversized or too slow schema, regex or grammar is a 400 naming its
+field. The engine then finds the compiled grammar again rather than compiling it a second time.
 """
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
 
+from petrel.engine.grammar import GrammarCompilerBusy
 from petrel.guided_decoding import GuidedDecodingParams
 from petrel.serve.errors import APIError
 
@@ -24,6 +26,7 @@ JSON_ANY_WHITESPACE = False
 class Guided:
     params: GuidedDecodingParams
     param: str        # the request field it came from, named in errors
+    compiled: object = None   # its compiled grammar, once compile_guided has it
 
 
 def guided_fields(req) -> list[str]:
@@ -78,13 +81,19 @@ def _rename(message: str, field: str) -> str:
 
 
 async def compile_guided(state, guided: Guided | None) -> None:
-    """Compile (and cache) the constraint off the event loop; a bad one is a 400 naming the field."""
+    """Compile (and cache) the constraint on the grammar compiler's own workers, never in the event loop or asyncio's
+    default executor (/health and /metrics use that one). Over a limit, malformed, or slower than the compile
+    timeout: a 400 naming the field; the compiler's queue full: a 429. The compiled grammar is kept on `guided`
+    until the request is queued, so the engine finds it again however busy the cache is."""
     if guided is None:
         return
     try:
-        await asyncio.to_thread(state.llm.engine.grammar_compiler.compile, guided.params)
+        future = state.llm.engine.grammar_compiler.submit(guided.params)
+        guided.compiled = await asyncio.wrap_future(future)
     except ValueError as exc:
         raise APIError(_rename(str(exc), guided.param), 400, param=guided.param) from None
+    except GrammarCompilerBusy as exc:
+        raise APIError(str(exc), 429, code="server_overloaded") from None
 
 
 def guided_value_error(exc: ValueError, guided: Guided | None) -> APIError | None:
