@@ -54,7 +54,7 @@ def cheap(case) -> None:
         value = body.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value > MAX_GEN_TOKENS:
             body[key] = MAX_GEN_TOKENS
-    if "max_tokens" not in body and "max_completion_tokens" not in body:
+    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:   # absent or null: no limit
         body["max_tokens"] = MAX_GEN_TOKENS
 
 

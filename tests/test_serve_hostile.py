@@ -41,6 +41,17 @@ def nested_schema(depth: int) -> dict:
     return schema
 
 
+def tool(parameters) -> dict:
+    return {"type": "function", "function": {"name": "f", "parameters": parameters}}
+
+
+def nested(leaf, depth: int) -> dict:
+    value = leaf
+    for _ in range(depth):
+        value = {"a": value}
+    return value
+
+
 def raw(text: str) -> bytes:
     return text.encode("utf-8")
 
@@ -98,6 +109,23 @@ CASES = [
     ("prompt_too_many", C, {"prompt": ["hi"] * 10_000, "max_tokens": 1}, {400}, "prompt"),
     ("logit_bias_100k_keys", C, {"prompt": "hi", "max_tokens": 1, "logit_bias": {str(i): 1 for i in range(100_000)}},
      {400}, "logit_bias"),
+    ("top_k_vocab_plus_1", C, {"prompt": "hi", "max_tokens": 2, "top_k": 49153}, {400}, "top_k"),
+    ("top_k_2_pow_63", CHAT, {"messages": USER, "max_tokens": 2, "top_k": 2**63}, {400}, "top_k"),
+    ("top_k_2_pow_70", C, {"prompt": "hi", "max_tokens": 2, "top_k": 2**70}, {400}, "top_k"),
+    ("temperature_1e_minus_45", C, {"prompt": "hi", "max_tokens": 2, "temperature": 1e-45}, {200}, None),
+    ("tool_properties_not_schemas", CHAT, {"messages": USER, "max_tokens": 2, "tools": [tool({
+        "type": "object", "properties": {"a": 5}})]}, {400}, "tools.0.function.parameters"),
+    ("tool_required_not_a_list", CHAT, {"messages": USER, "max_tokens": 2, "tools": [tool({
+        "type": "object", "properties": {"a": {"type": "string"}}, "required": 5})]}, {400},
+     "tools.0.function.parameters"),
+    ("tool_forced_bad_schema", CHAT, {"messages": USER, "max_tokens": 2, "tool_choice": "required", "tools": [tool({
+        "type": "object", "properties": [1, 2]})]}, {400}, "tools.0.function.parameters"),
+    ("lone_surrogate_70_deep_in_tool", CHAT, raw(json.dumps({"messages": USER, "max_tokens": 2, "tools": [tool(
+        nested("\ud800", 70))]})), {400}, "tools"),     # json.dumps writes the lone surrogate as a \\ud800 escape
+    ("prompt_list_of_bools", C, {"prompt": [True, False], "max_tokens": 2}, {400}, "prompt"),
+    ("max_tokens_true", C, {"prompt": "hi", "max_tokens": True}, {400}, "max_tokens"),
+    ("n_as_string", C, {"prompt": "hi", "max_tokens": 1, "n": "2"}, {400}, "n"),
+    ("temperature_as_string", CHAT, {"messages": USER, "max_tokens": 1, "temperature": "0.5"}, {400}, "temperature"),
     ("body_not_object", C, b'["prompt", "hi"]', {400}, "object"),
     ("body_empty", C, b"", {400}, "body"),
 ]

@@ -48,7 +48,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[object, list] = {}      # request_id -> [sink, sequences not finished yet] (loop thread)
-        self._in_flight: set = set()               # request ids added and not finished (any thread, under the lock)
+        self._in_flight: dict = {}                 # request id added and not finished -> its sequences (any thread,
+                                                   # under the lock)
         self._in_flight_lock = threading.Lock()
         self._grammar_compiler: GrammarCompiler | None = None
         self._deadlines: dict[object, float] = {}
@@ -139,7 +140,7 @@ class LLMEngine:
                 self._raise_if_closed(closed=True)
             if request_id in self._in_flight:
                 raise ValueError(f"request_id {request_id!r} is already in flight")
-            self._in_flight.add(request_id)
+            self._in_flight[request_id] = max(params.n, params.num_beams)
             self._commands.put(("add", request, sink))
 
     def _raise_if_closed(self, closed: bool = False) -> None:
@@ -180,6 +181,12 @@ class LLMEngine:
         """Requests added and not finished yet (queued, waiting or running)."""
         with self._in_flight_lock:
             return len(self._in_flight)
+
+    @property
+    def num_unfinished_sequences(self) -> int:
+        """Sequences the unfinished requests run (n, or the beam width, each): what a server's queue limit counts."""
+        with self._in_flight_lock:
+            return sum(self._in_flight.values())
 
     def call(self, fn: Callable, timeout: float | None = 30.0):
         """Run fn(core) inside the engine loop and return its result (a health check, stats, tests)."""
@@ -224,6 +231,8 @@ class LLMEngine:
             if threading.current_thread() is not self._thread:
                 self._thread.join(timeout=30)
             self.core.runner.shutdown()
+            if self._grammar_compiler is not None:
+                self._grammar_compiler.close()     # its compile worker processes
 
     # ------------------------------------------------------------------ engine side
     def _run(self) -> None:
@@ -314,7 +323,7 @@ class LLMEngine:
                 if entry[1] == 0:
                     del self._sinks[out.request_id]
                     with self._in_flight_lock:
-                        self._in_flight.discard(out.request_id)
+                        self._in_flight.pop(out.request_id, None)
                     self._deadlines.pop(out.request_id, None)
             try:
                 entry[0](chunk)

@@ -1,21 +1,40 @@
 """Tokenizer loading: a Hugging Face directory as is, a GGUF file's vocabulary converted once and cached."""
 from __future__ import annotations
 
+import functools
 import os
 
 from petrel.model.cache import cache_key, petrel_cache_dir
 from petrel.model.loader import ModelSource
+from petrel.model.special_tokens import SpecialTokenText
 
 
 def chat_prompt(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
                 chat_template_kwargs: dict | None = None) -> dict:
     """The chat template applied to messages: {"prompt": text, "prompt_token_ids": ids} (the template
-    writes the special tokens itself, so none are added when encoding)."""
+    writes the special tokens itself, so none are added when encoding). Special-token strings inside the
+    messages or arguments are text, not control tokens (petrel/model/special_tokens.py): a message cannot
+    close its turn and open another. A caller that wants control tokens renders and tokenizes the prompt itself
+    and passes the token ids."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template")
+    guard = special_token_text(tokenizer)
+    (messages, kwargs), escapes = guard.escape((messages, dict(chat_template_kwargs or {})))
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         **(chat_template_kwargs or {}))
-    return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False)["input_ids"]}
+                                         **kwargs)
+    return {"prompt": guard.restore(text, escapes), "prompt_token_ids": guard.encode(text, escapes)}
+
+
+def longest_token_chars(tokenizer) -> int:
+    """The most characters one token stands for (its vocabulary string's length bounds its text's): a text
+    longer than this many characters per token cannot fit a context of that many tokens."""
+    return max(map(len, tokenizer.get_vocab()), default=1)
+
+
+@functools.lru_cache(maxsize=8)
+def special_token_text(tokenizer) -> SpecialTokenText:
+    """The tokenizer's SpecialTokenText, built once."""
+    return SpecialTokenText(tokenizer)
 
 
 def load_tokenizer(source: ModelSource, tokenizer: str | None = None):

@@ -12,13 +12,14 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 import petrel
 from petrel.serve.chat import create_chat_completion
-from petrel.serve.chat_template import ChatTemplate, messages_for_template
+from petrel.model.tokenizer import longest_token_chars
+from petrel.serve.chat_template import ChatTemplate, conversation_chars, messages_for_template
 from petrel.serve.completions import create_completion
 from petrel.serve.errors import ERROR_RESPONSES, APIError, install_error_handlers
-from petrel.serve.limits import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
+from petrel.serve.limits import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
 from petrel.serve.logprobs import TokenText
 from petrel.serve.metrics import ServerMetrics
-from petrel.serve.params import ServerLimits
+from petrel.serve.params import ServerLimits, check_prompt_chars
 from petrel.serve.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                                    CompletionRequest, CompletionResponse, CompletionStreamResponse,
                                    DetokenizeRequest, DetokenizeResponse, ErrorResponse, HealthResponse, ModelCard,
@@ -78,18 +79,23 @@ def _lora_requests(llm, base_name: str, lora_modules: dict[str, str]) -> dict:
 def build_app(llm, served_model_name: str | None = None, api_key: str | None = None,
               chat_template: str | None = None, max_n: int = 16, health_timeout: float = 5.0,
               max_queue_len: int | None = DEFAULT_MAX_QUEUE_LEN,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, lora_modules: dict[str, str] | None = None) -> FastAPI:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, lora_modules: dict[str, str] | None = None,
+              body_timeout: float | None = DEFAULT_BODY_TIMEOUT, trust_special_tokens: bool = False) -> FastAPI:
     """An app serving `llm` (a petrel.LLM). `chat_template` is Jinja source overriding the model's.
-    At most max_num_seqs + max_queue_len requests are in flight (None: no limit); more get 429.
     lora_modules: served name -> PEFT LoRA adapter directory (the engine needs enable_lora); a request's `model`
-    naming one runs with that adapter. Each adapter is read now: a bad one is a ValueError here."""
+    naming one runs with that adapter. Each adapter is read now: a bad one is a ValueError here.
+    A body larger than max_request_bytes is a 413; one stalled body_timeout seconds between chunks a 408.
+    At most max_num_seqs + max_queue_len sequences (n per request) are in flight (None: no limit); more get 429.
+    trust_special_tokens: special-token strings in chat messages act as control tokens (only for trusted clients:
+    by default they are text, so no message can forge another turn)."""
     name = served_model_name or getattr(llm.config, "model", None) or DEFAULT_MODEL_NAME
     core = llm.engine.core
     limits = ServerLimits(max_model_len=llm.engine.max_model_len, vocab_size=core.model_config.vocab_size,
-                          max_n=max_n)
+                          max_n=max_n, max_prompt_chars=llm.engine.max_model_len * longest_token_chars(llm.tokenizer))
     loras = _lora_requests(llm, name, lora_modules or {})
     state = ServeState(llm=llm, model_name=name, limits=limits, lora_modules=loras,
-                       template=ChatTemplate(llm.tokenizer, chat_template), metrics=ServerMetrics(name),
+                       template=ChatTemplate(llm.tokenizer, chat_template, trust_special_tokens),
+                       metrics=ServerMetrics(name),
                        token_text=TokenText(llm.tokenizer), api_key=api_key, health_timeout=health_timeout,
                        max_pending=None if max_queue_len is None else llm.config.max_num_seqs + max_queue_len)
 
@@ -104,7 +110,7 @@ def build_app(llm, served_model_name: str | None = None, api_key: str | None = N
                   description="An OpenAI-compatible server for the petrel inference engine.")
     app.state.petrel = state
     install_error_handlers(app)
-    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes, body_timeout=body_timeout)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
     extra = APIRouter(dependencies=[Depends(check_key)])
 
@@ -132,11 +138,14 @@ def build_app(llm, served_model_name: str | None = None, api_key: str | None = N
         if (body.prompt is None) == (body.messages is None):
             raise APIError("give exactly one of prompt and messages", 400, param="prompt")
         if body.prompt is not None:
-            ids = llm.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
+            check_prompt_chars(len(body.prompt), limits, "prompt")
+            ids = (await state.run_blocking(lambda: llm.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)
+                                            ))["input_ids"]
         else:
-            text = state.template.render(messages_for_template(body.messages, state.template.supports_tools),
-                                         add_generation_prompt=body.add_generation_prompt)
-            ids = llm.tokenizer(text, add_special_tokens=False)["input_ids"]
+            messages = messages_for_template(body.messages, state.template.supports_tools)
+            check_prompt_chars(conversation_chars(messages), limits, "messages")
+            ids = await state.run_blocking(lambda: state.template.encode(
+                messages, add_generation_prompt=body.add_generation_prompt))
         return TokenizeResponse(count=len(ids), max_model_len=limits.max_model_len, tokens=ids)
 
     @extra.post("/detokenize", response_model=DetokenizeResponse, responses=ERROR_RESPONSES,
@@ -146,7 +155,7 @@ def build_app(llm, served_model_name: str | None = None, api_key: str | None = N
         bad = [t for t in body.tokens if not 0 <= t < limits.vocab_size]
         if bad:
             raise APIError(f"tokens outside the vocabulary (size {limits.vocab_size}): {bad[:5]}", 400, param="tokens")
-        return DetokenizeResponse(prompt=llm.tokenizer.decode(body.tokens))
+        return DetokenizeResponse(prompt=await state.run_blocking(llm.tokenizer.decode, body.tokens))
 
     @app.get("/health", response_model=HealthResponse,
              summary="200 when the engine loop is in a step (not stalled) or answers in time",

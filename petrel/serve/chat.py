@@ -8,13 +8,13 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from petrel.serve.chat_template import messages_for_template
+from petrel.serve.chat_template import conversation_chars, messages_for_template
 from petrel.serve.completions import api_finish_reason
 from petrel.serve import disagg
 from petrel.serve.errors import APIError, from_value_error
 from petrel.serve.guided import Guided, compile_guided, guided_from_request, guided_value_error
 from petrel.serve.logprobs import chat_logprobs
-from petrel.serve.params import build_sampling_params, check_prompt_length, resolve_max_tokens
+from petrel.serve.params import build_sampling_params, check_prompt_chars, check_prompt_length, resolve_max_tokens
 from petrel.serve.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                                    ChatStreamChoice, ChoiceLogprobs, DeltaFunctionCall, DeltaMessage, DeltaToolCall,
                                    FunctionCall, PromptTokensDetails, ResponseMessage, ToolCall, Usage)
@@ -98,9 +98,9 @@ async def create_chat_completion(state: ServeState, req: ChatCompletionRequest, 
     template = state.template
     messages = messages_for_template(req.messages, template.supports_tools)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if plan.parse else None
-    text = template.render(messages, tools, req.add_generation_prompt, req.continue_final_message,
-                           req.chat_template_kwargs) + plan.prefill
-    ids = state.llm.tokenizer(text, add_special_tokens=False)["input_ids"]
+    check_prompt_chars(conversation_chars(messages, tools), state.limits, "messages")
+    ids = await state.run_blocking(template.encode, messages, tools, req.add_generation_prompt,
+                                   req.continue_final_message, req.chat_template_kwargs, plan.prefill)
     check_prompt_length(len(ids), state.limits, "messages")
     param = "max_tokens" if req.max_completion_tokens is None and req.max_tokens is not None else "max_completion_tokens"
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -111,7 +111,7 @@ async def create_chat_completion(state: ServeState, req: ChatCompletionRequest, 
                                    renames={"max_tokens": param, "logprobs": "top_logprobs"},
                                    guided_decoding=guided.params if guided else None)
     await compile_guided(state, guided)
-    state.check_capacity(1)
+    state.check_capacity(req.n)
     try:
         future = await disagg.submit(state, ids, params, req.stream, req.cache_salt, lora_request, dp)
     except ValueError as exc:

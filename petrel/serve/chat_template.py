@@ -19,6 +19,7 @@ from functools import lru_cache
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from petrel.model.tokenizer import special_token_text
 from petrel.serve.errors import APIError
 
 DEFAULT_TOOL_PROMPT = (
@@ -42,7 +43,8 @@ def _example_call(tool: dict) -> str:
     filler = {"string": None, "integer": 0, "number": 0, "boolean": True, "array": [], "object": {}}
     args = {}
     for name in names:
-        kind = (props.get(name) or {}).get("type", "string")
+        sub = props.get(name)
+        kind = sub.get("type", "string") if isinstance(sub, dict) else "string"
         value = filler.get(kind if isinstance(kind, str) else "string")
         args[name] = f"<{name}>" if value is None else value
     return json.dumps({"name": fn.get("name", "function_name"), "arguments": args}, ensure_ascii=False)
@@ -78,7 +80,11 @@ def _compile(source: str) -> jinja2.Template:
 
 
 class ChatTemplate:
-    def __init__(self, tokenizer, override: str | None = None):
+    def __init__(self, tokenizer, override: str | None = None, trust_special_tokens: bool = False):
+        """trust_special_tokens: special-token strings written in messages act as control tokens (trusted callers
+        only; by default they are text, see petrel/model/special_tokens.py)."""
+        self.trust_special_tokens = trust_special_tokens
+        self.special_text = special_token_text(tokenizer)
         source = override if override is not None else getattr(tokenizer, "chat_template", None)
         if isinstance(source, dict):   # named templates: the default one
             source = source.get("default") or next(iter(source.values()))
@@ -118,7 +124,8 @@ class ChatTemplate:
                                                 bos_token=self.bos_token, eos_token=self.eos_token, **kwargs)
         except jinja2.TemplateError as exc:
             raise APIError(f"the chat template failed: {exc}", 400, param="messages") from None
-        except (TypeError, KeyError, ValueError, AttributeError) as exc:
+        except Exception as exc:  # noqa: BLE001 - a template is code: ZeroDivisionError, RecursionError, MemoryError,
+            # OverflowError (the sandbox's range limit), ... on these messages are the request's problem, not a 500
             raise APIError(f"the chat template failed on these messages: {type(exc).__name__}: {exc}", 400,
                            param="messages") from None
         if continue_final_message:
@@ -129,6 +136,20 @@ class ChatTemplate:
                                param="continue_final_message")
             text = text[:at + len(final)]
         return text
+
+    def encode(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
+               continue_final_message: bool = False, kwargs: dict | None = None, prefill: str = "") -> list[int]:
+        """Token ids of the rendered conversation followed by `prefill` (the server's own text, tokenized as
+        written). Special-token strings in the request's values stay text unless trust_special_tokens."""
+        if self.trust_special_tokens:
+            text = self.render(messages, tools, add_generation_prompt, continue_final_message, kwargs)
+            return self.tokenizer(text + prefill, add_special_tokens=False)["input_ids"]
+        try:
+            (messages, tools, kwargs), escapes = self.special_text.escape((messages, tools, kwargs))
+            text = self.render(messages, tools, add_generation_prompt, continue_final_message, kwargs)
+            return self.special_text.encode(text + prefill, escapes)
+        except ValueError as exc:
+            raise APIError(str(exc), 400, param="messages") from None
 
     def _with_tool_prompt(self, messages: list[dict], tools: list[dict]) -> list[dict]:
         listing = "\n".join(json.dumps(t.get("function", t), ensure_ascii=False) for t in tools)
@@ -186,3 +207,9 @@ def messages_for_template(messages, supports_tools: bool) -> list[dict]:
             d["tool_calls"] = calls
         out.append(d)
     return out
+
+
+def conversation_chars(messages: list[dict], tools: list[dict] | None = None) -> int:
+    """Characters of the messages' contents and the tool definitions: what a prompt built from them holds at least."""
+    chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
+    return chars + (len(json.dumps(tools, ensure_ascii=False)) if tools else 0)

@@ -10,7 +10,7 @@ from petrel.serve import disagg
 from petrel.serve.errors import APIError, from_value_error
 from petrel.serve.guided import compile_guided, guided_from_request, guided_value_error
 from petrel.serve.logprobs import completion_logprobs
-from petrel.serve.params import build_sampling_params, check_prompt_length, resolve_max_tokens
+from petrel.serve.params import build_sampling_params, check_prompt_chars, check_prompt_length, resolve_max_tokens
 from petrel.serve.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, CompletionStreamResponse,
                                    PromptTokensDetails, Usage)
 from petrel.serve.streams import SSE_DONE, ServeState, abort_unfinished, merged, new_id, outputs_or_none, sse
@@ -25,9 +25,19 @@ def api_finish_reason(reason: str | None) -> str | None:
     return "length"
 
 
-def _prompts(state: ServeState, prompt) -> list[tuple[str, list[int]]]:
-    """(text, token ids) per prompt; the text of a token-id prompt is its decoding (for echo)."""
-    tok = state.llm.tokenizer
+async def _prompts(state: ServeState, prompt) -> list[tuple[str, list[int]]]:
+    """(text, token ids) per prompt; the text of a token-id prompt is its decoding (for echo). Prompts too long
+    for the context by their characters alone are refused first; the tokenizing runs off the event loop."""
+    items = _prompt_items(state, prompt)
+    for item in items:
+        if isinstance(item, str):
+            check_prompt_chars(len(item), state.limits, "prompt")
+        else:
+            check_prompt_length(len(item), state.limits, "prompt")
+    return await state.run_blocking(_tokenize_prompts, state, items)
+
+
+def _prompt_items(state: ServeState, prompt) -> list:
     if isinstance(prompt, str):
         items = [prompt]
     elif prompt and isinstance(prompt[0], int):
@@ -39,6 +49,11 @@ def _prompts(state: ServeState, prompt) -> list[tuple[str, list[int]]]:
     if len(items) > state.limits.max_prompts:
         raise APIError(f"prompt has {len(items)} prompts; this server allows {state.limits.max_prompts} per request",
                        400, param="prompt")
+    return items
+
+
+def _tokenize_prompts(state: ServeState, items: list) -> list[tuple[str, list[int]]]:
+    tok = state.llm.tokenizer
     vocab = state.limits.vocab_size
     out = []
     for item in items:
@@ -68,7 +83,7 @@ async def create_completion(state: ServeState, req: CompletionRequest, request: 
     if req.best_of is not None and req.best_of != req.n:
         raise APIError("best_of is supported only equal to n (petrel returns every sequence it samples)", 400,
                        param="best_of")
-    prompts = _prompts(state, req.prompt)
+    prompts = await _prompts(state, req.prompt)
     dp = disagg.from_request(req, len(prompts))
     guided = guided_from_request(req)
     requested = req.max_tokens if "max_tokens" in req.model_fields_set else None
@@ -81,7 +96,7 @@ async def create_completion(state: ServeState, req: CompletionRequest, request: 
             prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
             guided_decoding=guided.params if guided else None))
     await compile_guided(state, guided)
-    state.check_capacity(len(prompts))
+    state.check_capacity(len(prompts) * req.n)
     futures = []
     try:
         for (_, ids), params in zip(prompts, params_list):

@@ -106,7 +106,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
-        return _body_parse_error(exc) or APIError(str(exc.detail), exc.status_code).response()
+        response = _body_parse_error(exc) or APIError(str(exc.detail), exc.status_code).response()
+        response.headers.update(exc.headers or {})    # a 405's Allow, for one
+        return response
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
@@ -119,7 +121,8 @@ ERROR_RESPONSES = {status: {"model": ErrorResponse, "description": text} for sta
     (401, "missing or wrong API key (when the server runs with --api-key)"),
     (404, "unknown model"),
     (413, "the request body is larger than the server accepts (--max-request-bytes)"),
-    (429, "the server is full: more requests in flight than --max-num-seqs + --max-queue-len; retry later"),
+    (429, "the server is full: more sequences in flight than --max-num-seqs + --max-queue-len, or disaggregated "
+          "serving at its limits (pinned prompts, fetches at once); retry later"),
     (500, "an error inside the engine"),
     (502, "disaggregated_params: fetching the prompt's KV from the context server failed"),
     (503, "the engine is shut down"),

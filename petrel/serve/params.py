@@ -16,6 +16,7 @@ class ServerLimits:
     max_n: int = 16               # most choices per request
     max_prompts: int = 64         # most prompts in one /v1/completions request
     max_stop: int = MAX_STOP_STRINGS
+    max_prompt_chars: int | None = None   # more characters cannot fit the context: refused before tokenizing
 
 
 
@@ -36,6 +37,16 @@ def parse_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int
                            param="logit_bias")
         out[tok] = float(value)
     return out
+
+
+def check_prompt_chars(num_chars: int, limits: ServerLimits, param: str) -> None:
+    """A prompt with more characters than the context could hold is refused before it is tokenized (tokenizing
+    10 MB took the tokenizer tens of seconds and gigabytes, to learn that it is too long)."""
+    if limits.max_prompt_chars is not None and num_chars > limits.max_prompt_chars:
+        raise APIError(f"the prompt has {num_chars} characters, more than this model's {limits.max_model_len}-token "
+                       f"context can hold (at most {limits.max_prompt_chars} characters: no token is longer than "
+                       f"{limits.max_prompt_chars // limits.max_model_len})", 400, param=param,
+                       code="context_length_exceeded")
 
 
 def check_prompt_length(num_prompt_tokens: int, limits: ServerLimits, param: str) -> None:

@@ -15,7 +15,9 @@ MAX_LOGPROBS = 20   # most alternatives per token a request may ask for (OpenAI:
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    # strict: JSON types as OpenAI's API takes them (`"n": "2"`, `"max_tokens": true` or `"prompt": [true]` are
+    # refused, not coerced); an integer still counts as a number
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), strict=True)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -25,22 +27,29 @@ class _Request(BaseModel):
         return value
 
 
-def _check_text(value, depth: int = 0) -> None:
-    if isinstance(value, str):
-        if not value.isascii():
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                raise ValueError(f"the text has a lone UTF-16 surrogate ({value[exc.start]!r} at character "
-                                 f"{exc.start}), which is not valid Unicode") from None
-    elif depth < 64 and isinstance(value, (list, tuple)):
-        for item in value:
-            if not isinstance(item, (int, float)):
-                _check_text(item, depth + 1)
-    elif depth < 64 and isinstance(value, dict):
-        for key, item in value.items():
-            _check_text(key, depth + 1)
-            _check_text(item, depth + 1)
+MAX_ITEMS = 2 ** 18    # most items of any one list or object in a request: more than any context holds as token ids
+
+
+def _check_text(value) -> None:
+    """Every string in value, at any depth (a walk with its own stack: JSON nesting is no recursion limit here),
+    and no list or object of more than MAX_ITEMS items (validating 2M token ids held the event loop for seconds)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, (list, tuple, dict)) and len(item) > MAX_ITEMS:
+            raise ValueError(f"a list or object of {len(item)} items: at most {MAX_ITEMS} are accepted")
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    raise ValueError(f"the text has a lone UTF-16 surrogate ({item[exc.start]!r} at character "
+                                     f"{exc.start}), which is not valid Unicode") from None
+        elif isinstance(item, (list, tuple)):
+            stack.extend(x for x in item if not isinstance(x, (int, float)))
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
 
 
 class _Response(BaseModel):
@@ -189,7 +198,7 @@ class CompletionStreamResponse(CompletionResponse):
 # ------------------------------------------------------------------------------------------ /v1/chat/completions
 
 class ContentPart(_Request):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: str
     text: str | None = None
 
@@ -219,6 +228,27 @@ class FunctionDefinition(_Request):
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
+    @field_validator("parameters")
+    @classmethod
+    def _a_json_schema(cls, value):
+        if value is not None:
+            check_json_schema(value)
+        return value
+
+
+def check_json_schema(schema: dict) -> None:
+    """ValueError unless `schema` is a well-formed JSON Schema (checked against its draft's metaschema): the tool
+    prompt and the tool-call grammar read it, and `"properties": {"a": 5}` is no schema to read."""
+    import jsonschema
+    from jsonschema.validators import validator_for
+    try:
+        validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path) or "the top level"
+        raise ValueError(f"not a valid JSON schema at {where}: {exc.message}") from None
+    except RecursionError:
+        raise ValueError("not a JSON schema petrel accepts: it is nested too deeply") from None
+
 
 class Tool(_Request):
     type: Literal["function"] = "function"
@@ -235,7 +265,7 @@ class NamedToolChoice(_Request):
 
 
 class JsonSchemaFormat(_Request):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=(), populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), populate_by_name=True, strict=True)
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$", description="a name for the output format")
     description: str | None = Field(None, description="what the output is for (not used to constrain it)")
     schema_: dict[str, Any] | None = Field(None, alias="schema",

@@ -6,6 +6,7 @@ import asyncio
 import json
 import secrets
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -18,6 +19,9 @@ from petrel.serve.metrics import ServerMetrics
 from petrel.serve.params import ServerLimits
 
 
+TOKENIZE_THREADS = 2
+
+
 @dataclass
 class ServeState:
     llm: object
@@ -28,19 +32,27 @@ class ServeState:
     token_text: TokenText
     api_key: str | None = None
     health_timeout: float = 5.0
-    max_pending: int | None = None     # most requests in flight (running + queued); past it: 429
+    max_pending: int | None = None     # most sequences in flight (running + queued); past it: 429
     created: int = field(default_factory=lambda: int(time.time()))
     lora_modules: dict = field(default_factory=dict)   # served name -> petrel.LoRARequest (`petrel serve --lora-modules`)
+    # rendering and tokenizing prompts: off the event loop, and off the default executor that /health uses
+    tokenize_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="petrel-tokenize"))
+
+    async def run_blocking(self, fn, *args):
+        """fn(*args) on the tokenize pool (CPU work that would otherwise stall every other client)."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, *args)
 
     def check_capacity(self, num_new: int = 1) -> None:
-        """Refuse new work with 429 rather than queue without bound."""
+        """Refuse new work with 429 rather than queue without bound. Counts sequences (a request with n=8 is 8):
+        `num_new` is the sequences the new request would run."""
         if self.max_pending is None:
             return
-        pending = self.llm.engine.num_unfinished_requests
+        pending = self.llm.engine.num_unfinished_sequences
         if pending + num_new > self.max_pending:
             self.metrics.rejected.inc()
-            raise APIError(f"the server is full ({pending} requests in flight, limit {self.max_pending}); "
-                           f"retry later", 429, code="server_overloaded")
+            raise APIError(f"the server is full ({pending} sequences in flight, this request adds {num_new}, limit "
+                           f"{self.max_pending}); retry later", 429, code="server_overloaded")
 
     def check_model(self, model: str | None):
         """The LoRARequest the `model` field names (None: the base model); 404 for an unknown name."""
