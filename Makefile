@@ -30,7 +30,7 @@ run: install
 test: install $(VENV)/.installed-test-model
 	$(PY) -m pytest -q --durations=25 tests
 
-stress: install             # minutes: 500 concurrent streams, then a 2,000-request fault soak (tests/stress)
+stress: install             # minutes: 500 concurrent streams, a 2,000-request fault soak, slowloris, bombs (tests/stress)
 	$(PY) -m tests.stress.run
 
 bench: install

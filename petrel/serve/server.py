@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import signal
@@ -14,6 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 import uvicorn
 
 from petrel.cli import parallel_arguments, parallel_options, speculative_config_json
+from petrel.serve.connections import (DEFAULT_HEADER_TIMEOUT, ConnectionGuard, default_max_connections,
+                                      guarded_config, raise_open_file_limit)
+from petrel.serve.limits import DEFAULT_BODY_TIMEOUT
 
 # A server's step budget: a burst of requests gets its first tokens a few prompts at a time instead of a 2048-token
 # step at a time. W3 (16 streams, bench/peers/serve_client.py): 2048 -> 512 tokens moved TTFT p50 4.94 -> 2.10 s,
@@ -31,10 +35,22 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "(default: $PETREL_API_KEY, else none)")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: the model's)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template (file or text) overriding the model's")
+    p.add_argument("--trust-special-tokens-in-messages", action="store_true",
+                   help="special-token strings (e.g. <|im_start|>) written in chat messages act as control tokens; "
+                        "only for trusted clients: by default they are text, so no message can forge another turn")
     p.add_argument("--max-n", type=int, default=16, help="most choices (n) per request")
     p.add_argument("--max-queue-len", type=int, default=1024,
                    help="requests that may wait beyond the running batch; more get 429 (-1: no limit)")
     p.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024, help="larger bodies get 413")
+    p.add_argument("--max-connections", type=int, default=None,
+                   help="open connections at most; at the cap a new one evicts the connection waiting longest "
+                        "for its request headers, else gets 503 (default: half the open-file limit, at most 4096)")
+    p.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT,
+                   help="seconds a connection may take to send a request's headers, from connecting or the "
+                        f"previous response; then it is closed (default {DEFAULT_HEADER_TIMEOUT:g})")
+    p.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT,
+                   help="seconds a request body may stall between chunks before a 408 (default "
+                        f"{DEFAULT_BODY_TIMEOUT:g}; 0: no limit)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     g = p.add_argument_group("engine options (see petrel/config.py)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -60,11 +76,28 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--speculative-config", type=speculative_config_json, default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                         '(methods: ngram, draft_model with "draft_model": PATH, self with "draft_num_layers": N)')
-    g.add_argument("--kv-transfer-host", default=None,
-                   help="disaggregated serving: the address this server's KV transfer server listens on (127.0.0.1)")
-    g.add_argument("--kv-transfer-port", type=int, default=None, help="and its port (default: one the OS picks)")
-    g.add_argument("--kv-transfer-timeout", type=float, default=None,
-                   help="seconds a context_only request's prompt KV stays pinned waiting to be fetched (60)")
+    d = p.add_argument_group("disaggregated serving (off unless --kv-transfer-role is given)")
+    d.add_argument("--kv-transfer-role", default=None, choices=["prefill", "decode", "both"],
+                   help="prefill: answer context_only requests and serve their prompt KV; decode: answer "
+                        "generation_only requests, fetching it from a --kv-transfer-peers server; both")
+    d.add_argument("--kv-transfer-peers", nargs="+", default=None, metavar="HOST:PORT",
+                   help="decode: the prefill servers' KV transfer endpoints it may fetch from (as they advertise "
+                        "them in ctx_info_endpoint); any other is refused without connecting")
+    d.add_argument("--kv-transfer-secret", default=os.environ.get("PETREL_KV_TRANSFER_SECRET"),
+                   help="the secret every prefill and decode server shares: a fetch without it is refused "
+                        "(default: $PETREL_KV_TRANSFER_SECRET, else the --api-key)")
+    d.add_argument("--kv-transfer-host", default=None,
+                   help="prefill: the address its KV transfer server listens on (127.0.0.1)")
+    d.add_argument("--kv-transfer-port", type=int, default=None, help="and its port (default: one the OS picks)")
+    d.add_argument("--kv-transfer-timeout", type=float, default=None,
+                   help="seconds a context_only request's prompt KV stays pinned waiting to be fetched, and a "
+                        "fetch's deadline (60)")
+    d.add_argument("--kv-transfer-max-pinned", type=int, default=None,
+                   help="prefill: context_only prompts pinned at once; more get 429 (64)")
+    d.add_argument("--kv-transfer-max-pinned-share", type=float, default=None,
+                   help="prefill: the most of the KV cache they may hold, 0..1; more get 429 (0.25)")
+    d.add_argument("--kv-transfer-max-fetches", type=int, default=None,
+                   help="decode: KV fetches at once; more get 429 (4)")
     parallel_arguments(g)
     return p
 
@@ -73,10 +106,14 @@ def engine_options(args) -> dict:
     options = {"dtype": args.dtype, "device": args.device}
     for key in ("tokenizer", "max_model_len", "block_size", "kv_cache_memory", "max_num_seqs",
                 "max_num_batched_tokens", "seed", "num_threads", "speculative_config", "max_loras", "max_lora_rank",
-                "kv_transfer_host", "kv_transfer_port", "kv_transfer_timeout", "quantization"):
+                "kv_transfer_host", "kv_transfer_port", "kv_transfer_timeout", "quantization", "kv_transfer_role",
+                "kv_transfer_peers", "kv_transfer_max_pinned", "kv_transfer_max_pinned_share",
+                "kv_transfer_max_fetches"):
         value = getattr(args, key)
         if value is not None:
             options[key] = value
+    if args.kv_transfer_role is not None:   # the secret travels only to an instance that takes a role
+        options["kv_transfer_secret"] = args.kv_transfer_secret or args.api_key
     if args.no_prefix_caching:
         options["enable_prefix_caching"] = False
     if args.no_chunked_prefill:
@@ -107,6 +144,10 @@ def lora_modules(args) -> dict[str, str]:
 def run(args) -> int:
     from petrel import LLM
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.body_timeout < 0:
+        raise ValueError(f"--body-timeout must be positive, or 0 for no limit; got {args.body_timeout:g}")
+    file_limit = raise_open_file_limit()
+    guard = ConnectionGuard(args.header_timeout, args.max_connections or default_max_connections(file_limit))
     loras = lora_modules(args)
     with ThreadPoolExecutor(1, thread_name_prefix="petrel-load") as pool:
         loading = pool.submit(LLM, args.model, **engine_options(args))
@@ -120,15 +161,18 @@ def run(args) -> int:
         llm = loading.result()
     try:
         app = build_app(llm, args.served_model_name, args.api_key, template, max_n=args.max_n,
+                        trust_special_tokens=args.trust_special_tokens_in_messages,
                         max_queue_len=None if args.max_queue_len < 0 else args.max_queue_len,
-                        max_request_bytes=args.max_request_bytes, lora_modules=loras)
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                        max_request_bytes=args.max_request_bytes, lora_modules=loras,
+                        body_timeout=args.body_timeout or None)
+        config = guarded_config(app, guard, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=5)
         print(startup_banner(llm, app.state.petrel.model_name, args.host, args.port), file=sys.stderr, flush=True)
         # uvicorn re-raises the signal that stopped it once it has shut down; with these handlers that
         # ends here, so a drained SIGTERM / Ctrl-C exits 0 instead of dying by the signal
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: None)
+        freeze_startup_objects()
         DrainingServer(config, llm).run()
     finally:
         llm.shutdown()
@@ -145,7 +189,27 @@ def startup_banner(llm, model_name: str, host: str, port: int) -> str:
             f"KV cache {llm.engine.kv_cache_tokens} tokens ({bm.num_blocks} blocks of {bm.block_size}"
             f"{f' shared by {bm.num_groups} layer groups' if bm.num_groups > 1 else ''}), "
             f"max model len {llm.engine.max_model_len}\n"
+            f"{kv_transfer_banner(llm)}"
             f"petrel serve: API at {url}/v1, chat page at {url}/")
+
+
+def kv_transfer_banner(llm) -> str:
+    """The disaggregated-serving role, and the endpoint decode servers list in --kv-transfer-peers."""
+    role = llm.config.kv_transfer_role
+    if role is None:
+        return ""
+    served = f", KV transfer server at {llm.kv_transfer_endpoint}" if llm.kv_transfer_endpoint else ""
+    peers = f", fetching from {' '.join(llm.config.kv_transfer_peers)}" if llm.config.kv_transfer_peers else ""
+    return f"petrel serve: disaggregated serving role {role}{served}{peers}\n"
+
+
+def freeze_startup_objects() -> None:
+    """Moves every object alive after start-up (the model, tokenizer, modules) out of the cyclic garbage
+    collector's reach. A full collection traversed them all: 0.46 s here, several a minute while thousands of
+    connections come and go, and each one stalled the event loop (/health took up to 3.8 s under a slowloris
+    flood); after the freeze a full collection takes milliseconds."""
+    gc.collect()
+    gc.freeze()
 
 
 class DrainingServer(uvicorn.Server):
@@ -162,14 +226,17 @@ class DrainingServer(uvicorn.Server):
 
 
 class BackgroundServer:
-    """uvicorn serving `app` on 127.0.0.1 in a daemon thread, on a free port picked by the OS."""
+    """uvicorn serving `app` on 127.0.0.1 in a daemon thread, on a free port picked by the OS, through a
+    ConnectionGuard (`self.guard`) with these limits (as `petrel serve`'s --header-timeout, --max-connections)."""
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 header_timeout: float = DEFAULT_HEADER_TIMEOUT, max_connections: int | None = None):
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = self.sock.getsockname()[:2]
-        config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=2)
+        self.guard = ConnectionGuard(header_timeout, max_connections)
+        config = guarded_config(app, self.guard, log_level=log_level, timeout_graceful_shutdown=2)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="petrel-serve", daemon=True)

@@ -1,6 +1,6 @@
 """Stress runs against `petrel serve` started as a subprocess with its default limits (not part of pytest).
 
-    PYTHONPATH=. python -m tests.stress.run [overload] [soak] [--requests N] [--soak-requests N]
+    PYTHONPATH=. python -m tests.stress.run [overload] [soak] [slowloris] [bombs] [--requests N] ...
 
 overload: N concurrent streaming completions (default 500, max_tokens 8) from one loopback async httpx client.
     Reports accepted (200) / rejected (429) / other, p50/p99 time to first token of the accepted ones, the
@@ -8,6 +8,17 @@ overload: N concurrent streaming completions (default 500, max_tokens 8) from on
 soak: N requests (default 2,000, 64 at a time) where each one, at random, completes, streams and disconnects
     mid-stream, runs under a short client timeout, or is cancelled by the client task. Afterwards /metrics
     must show 0 requests running or waiting and 0 KV-cache usage.
+slowloris: N connections (default 5,000, more than the default --max-connections of 4,096) from another process
+    send half a request's headers and a header line every 2 s, reconnecting whenever the server closes them, for
+    30 s. /health is probed meanwhile on a new connection and on a kept-alive one; its p99 must stay under 1 s,
+    no slow connection may live longer than --header-timeout + 3 s, the server must log only a few lines, and
+    its RSS must come back within 10% of what it was before.
+bombs: one after another, a few requests each (4 at a time): huge prompts (10 MB of text, a 2M-token id list),
+    grammar bombs (guided_choice of 100k strings, a JSON schema 400 levels deep or with 50k properties, a regex
+    and a grammar that expand enormously), disaggregation abuse (generation_only fetching its KV from a port
+    that never answers, from the server's own HTTP port, from a closed port; a flood of context_only requests).
+    Each must be refused (4xx) within --bomb-deadline seconds, /health p99 must stay under 1 s meanwhile, and
+    the RSS must come back within 10% afterwards.
 Prints one JSON object with the figures; exits 1 when a check fails.
 """
 from __future__ import annotations
@@ -15,13 +26,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
+import multiprocessing
 import os
 import random
 import socket
-import statistics
 import subprocess
 import sys
+import threading
 import time
+from collections import Counter, deque
 
 import httpx
 import psutil
@@ -45,10 +59,13 @@ class Server:
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.ps = psutil.Process(self.proc.pid)
+        self.log_lines, self.log_tail = 0, deque(maxlen=40)    # what the server wrote to stderr
+        threading.Thread(target=self._read_log, daemon=True).start()
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError("the server died: " + self.proc.stderr.read().decode()[-3000:])
+                time.sleep(0.5)
+                raise RuntimeError("the server died: " + "".join(self.log_tail)[-3000:])
             try:
                 if httpx.get(f"{self.base}/health", timeout=2).status_code == 200:
                     return
@@ -56,6 +73,18 @@ class Server:
                 pass
             time.sleep(0.5)
         raise RuntimeError("the server did not start")
+
+    def _read_log(self) -> None:
+        """Drains the server's stderr (a full pipe would block it) counting the lines, keeping the last ones."""
+        for line in iter(self.proc.stderr.readline, b""):
+            self.log_lines += 1
+            self.log_tail.append(line.decode(errors="replace"))
+
+    def fds(self) -> int:
+        try:
+            return self.ps.num_fds()
+        except psutil.Error:
+            return 0
 
     def rss(self) -> int:
         try:
@@ -252,18 +281,345 @@ async def soak(server: Server, n: int, concurrency: int, seed: int = 0) -> dict:
             "health_max_s": round(max(health), 3) if health else None}
 
 
+# ------------------------------------------------------------------------------------------------ shared
+
+async def probe_health(base: str, stop: asyncio.Event, fresh: bool, out: list) -> None:
+    """/health every 0.2 s until `stop`, on a new connection each time (`fresh`: it must get past the connection
+    cap) or on one kept alive; appends the latency, or None for a failure (an error or a status other than 200)."""
+    limits = httpx.Limits(max_keepalive_connections=0 if fresh else 1)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(10, connect=10), limits=limits) as client:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            try:
+                ok = (await client.get(f"{base}/health")).status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            out.append(time.perf_counter() - t0 if ok else None)
+            try:
+                await asyncio.wait_for(stop.wait(), 0.2)
+            except asyncio.TimeoutError:
+                pass
+
+
+async def watch_server(server: Server, stop: asyncio.Event, out: dict) -> None:
+    """The server's peak RSS and open file descriptors every 0.2 s until `stop`."""
+    while not stop.is_set():
+        out["peak_rss"] = max(out.get("peak_rss", 0), server.rss())
+        out["peak_fds"] = max(out.get("peak_fds", 0), server.fds())
+        try:
+            await asyncio.wait_for(stop.wait(), 0.2)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def under_watch(server: Server, attack) -> tuple[object, dict]:
+    """Runs the coroutine `attack` while /health is probed (fresh and kept-alive connections) and the server
+    watched; returns its result and the figures."""
+    stop, fresh, kept, peaks = asyncio.Event(), [], [], {}
+    watchers = [asyncio.create_task(probe_health(server.base, stop, True, fresh)),
+                asyncio.create_task(probe_health(server.base, stop, False, kept)),
+                asyncio.create_task(watch_server(server, stop, peaks))]
+    try:
+        result = await attack
+    finally:
+        stop.set()
+        await asyncio.gather(*watchers)
+    return result, {**health_figures(fresh + kept), "health_fresh_connection": health_figures(fresh),
+                    "peak_rss_mib": round(peaks.get("peak_rss", 0) / 2**20), "peak_fds": peaks.get("peak_fds")}
+
+
+def health_figures(latencies: list) -> dict:
+    """p50 / p99 / max of /health latency; a failed probe counts as slower than any answer (p99 is None when
+    more than 1% failed)."""
+    ranked = [lat if lat is not None else float("inf") for lat in latencies]
+
+    def shown(v):
+        return None if v is None or v == float("inf") else round(v, 3)
+    return {"health_samples": len(latencies), "health_failed": sum(lat is None for lat in latencies),
+            "health_p50_s": shown(pct(ranked, 50)), "health_p99_s": shown(pct(ranked, 99)),
+            "health_max_s": shown(max(ranked)) if ranked else None}
+
+
+async def rss_recovery(server: Server, baseline: int, seconds: float = 30.0) -> dict:
+    """Waits (up to `seconds`) for the server's RSS to come back within 10% of `baseline`."""
+    t0 = time.monotonic()
+    while True:
+        rss = server.rss()
+        if rss <= baseline * 1.10 or time.monotonic() - t0 > seconds:
+            return {"rss_before_mib": round(baseline / 2**20), "rss_after_mib": round(rss / 2**20),
+                    "rss_after_vs_before": round(rss / baseline, 3), "rss_recovered": rss <= baseline * 1.10,
+                    "rss_recovery_s": round(time.monotonic() - t0, 1), "fds_after": server.fds()}
+        await asyncio.sleep(1.0)
+
+
+async def warm_up(server: Server) -> int:
+    """A request, so that the baseline RSS counts what serving one allocates; returns the RSS after it."""
+    async with httpx.AsyncClient(timeout=120) as client:
+        await client.post(f"{server.base}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    await asyncio.sleep(1.0)
+    return server.rss()
+
+
+# ------------------------------------------------------------------------------------------------ slowloris
+
+SLOW_HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: petrel\r\nContent-Type: application/json\r\n"
+
+
+async def _until_closed(reader: asyncio.StreamReader) -> str:
+    """How the server ended a slow connection: "http_408" (its answer's status), "closed" (no answer), "reset"."""
+    try:
+        data = await reader.read()
+    except ConnectionError:
+        return "reset"
+    except OSError as exc:
+        return type(exc).__name__
+    return f"http_{data[9:12].decode(errors='replace')}" if data.startswith(b"HTTP/1.1 ") else "closed"
+
+
+async def _slow_connection(port: int, start: float, deadline: float, trickle: float, stats: dict) -> None:
+    """One attacker: half a request, then a header line every `trickle` s; reconnects when the server closes."""
+    await asyncio.sleep(max(0.0, start - time.monotonic()))
+    while time.monotonic() < deadline:
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 10)
+        except (OSError, asyncio.TimeoutError) as exc:
+            stats["outcomes"][f"connect_{type(exc).__name__}"] += 1
+            await asyncio.sleep(0.2)
+            continue
+        opened = time.monotonic()
+        stats["outcomes"]["opened"] += 1
+        ended = asyncio.ensure_future(_until_closed(reader))
+        writer.write(SLOW_HEAD)
+        while not ended.done() and time.monotonic() < deadline:
+            await asyncio.wait([ended], timeout=min(trickle, max(0.0, deadline - time.monotonic())))
+            if not ended.done() and not writer.is_closing():
+                writer.write(b"X-Slow: 1\r\n")
+        held = time.monotonic() - opened
+        if ended.done():
+            stats["outcomes"][ended.result()] += 1
+            stats["longest_held_s"] = max(stats["longest_held_s"], held)
+        else:
+            ended.cancel()
+            stats["oldest_open_at_end_s"] = max(stats["oldest_open_at_end_s"], held)
+        writer.close()
+
+
+async def _slowloris_attack(port: int, connections: int, seconds: float, trickle: float, ramp: float) -> dict:
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)    # writes to sockets the server closed
+    stats = {"outcomes": Counter(), "longest_held_s": 0.0, "oldest_open_at_end_s": 0.0}
+    t0 = time.monotonic()
+    await asyncio.gather(*(_slow_connection(port, t0 + ramp * i / connections, t0 + seconds, trickle, stats)
+                           for i in range(connections)))
+    return {"outcomes": dict(stats["outcomes"]), "longest_held_s": round(stats["longest_held_s"], 2),
+            "oldest_open_at_end_s": round(stats["oldest_open_at_end_s"], 2)}
+
+
+def slowloris_process(port: int, connections: int, seconds: float, trickle: float, ramp: float, results) -> None:
+    """The attack in a process of its own, so that its event loop does not delay the /health probes."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    results.put(asyncio.run(_slowloris_attack(port, connections, seconds, trickle, ramp)))
+
+
+async def slowloris(server: Server, connections: int, seconds: float, trickle: float) -> dict:
+    baseline, fds_before, log_before = await warm_up(server), server.fds(), server.log_lines
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    attacker = ctx.Process(target=slowloris_process, args=(server.port, connections, seconds, trickle,
+                                                           min(5.0, seconds / 4), results), daemon=True)
+    attacker.start()
+
+    async def attack():
+        while attacker.is_alive() and results.empty():
+            await asyncio.sleep(0.2)
+        return await asyncio.to_thread(results.get, timeout=120)
+    t0 = time.perf_counter()
+    outcome, figures = await under_watch(server, attack())
+    wall = time.perf_counter() - t0
+    attacker.join(30)
+    recovery = await rss_recovery(server, baseline)
+    return {"connections": connections, "attack_s": seconds, "trickle_s": trickle, "wall_s": round(wall, 1),
+            **outcome, **figures, "fds_before": fds_before, **recovery,
+            "server_log_lines": server.log_lines - log_before, "server_log_tail": list(server.log_tail)[-5:]}
+
+
+# ------------------------------------------------------------------------------------------------ bombs
+
+def _bomb_requests(server_port: int, tarpit_port: int, closed_port: int) -> dict[str, list[tuple[str, str, bytes]]]:
+    """Each bomb: (label, path, JSON body) requests."""
+    def body(**fields) -> bytes:
+        return json.dumps(fields).encode()
+    huge_text = "lorem ipsum " * (10 * 2**20 // 12)                    # 10 MB
+    grammar_rules = "\n".join(f'r{i} ::= "a" r{i + 1} | "b"' for i in range(20_000)) + '\nr20000 ::= "c"'
+    deep_schema: dict = {"type": "string"}
+    for _ in range(400):
+        deep_schema = {"type": "object", "properties": {"a": deep_schema}, "required": ["a"]}
+    wide_schema = {"type": "object", "properties": {f"field_{i}": {"type": "integer"} for i in range(50_000)},
+                   "required": [f"field_{i}" for i in range(50_000)]}
+
+    def generation_only(endpoint: str) -> bytes:
+        return body(prompt="hi", max_tokens=4, disaggregated_params={
+            "request_type": "generation_only", "first_gen_tokens": [42], "ctx_request_id": 1,
+            "opaque_state": "0" * 64, "ctx_info_endpoint": endpoint})
+    completions, chat = "/v1/completions", "/v1/chat/completions"
+    return {
+        "huge_prompt": [
+            ("completion_10MB_text", completions, body(prompt=huge_text, max_tokens=1)),
+            ("chat_10MB_message", chat, body(messages=[{"role": "user", "content": huge_text}], max_tokens=1)),
+            ("completion_2M_token_ids", completions, body(prompt=[42] * 2_000_000, max_tokens=1)),
+        ],
+        "grammar_bomb": [
+            ("guided_choice_100k", completions,
+             body(prompt="hi", max_tokens=4, guided_choice=[f"choice number {i:06d}" for i in range(100_000)])),
+            ("guided_json_400_deep", completions, body(prompt="hi", max_tokens=4, guided_json=deep_schema)),
+            ("guided_json_50k_properties", completions, body(prompt="hi", max_tokens=4, guided_json=wide_schema)),
+            ("guided_regex_repeat_bomb", completions,
+             body(prompt="hi", max_tokens=4, guided_regex="((a|b){1,1000}){1,1000}c{1,100000}")),
+            ("guided_grammar_20k_rules", completions,
+             body(prompt="hi", max_tokens=4, guided_grammar="root ::= r0\n" + grammar_rules)),
+        ],
+        "disagg_abuse": [
+            ("generation_only_from_tarpit", completions, generation_only(f"127.0.0.1:{tarpit_port}")),
+            ("generation_only_from_own_http_port", completions, generation_only(f"127.0.0.1:{server_port}")),
+            ("generation_only_from_closed_port", completions, generation_only(f"127.0.0.1:{closed_port}")),
+            ("context_only_flood", completions,
+             body(prompt="Tell me a story. " * 50, max_tokens=1,
+                  disaggregated_params={"request_type": "context_only"})),
+        ],
+    }
+
+
+async def _tarpit() -> tuple[asyncio.AbstractServer, int]:
+    """A TCP listener that accepts and never answers (a KV transfer server that hangs)."""
+    held = []
+
+    async def hold(reader, writer):
+        held.append(writer)
+        await asyncio.sleep(3600)
+    srv = await asyncio.start_server(hold, "127.0.0.1", 0)
+    return srv, srv.sockets[0].getsockname()[1]
+
+
+async def _send_bomb(client, base, label, path, payload, deadline: float) -> dict:
+    t0 = time.perf_counter()
+    try:
+        r = await client.post(f"{base}{path}", content=payload, headers={"content-type": "application/json"},
+                              timeout=max(60.0, deadline * 4))
+        status, code, message = r.status_code, None, None
+        try:
+            error = r.json().get("error") or {}
+            code, message = error.get("code"), str(error.get("message"))[:160]
+        except (ValueError, AttributeError):
+            pass
+    except httpx.HTTPError as exc:
+        status, code, message = type(exc).__name__, None, str(exc)[:160]
+    return {"label": label, "status": status, "code": code, "message": message, "seconds": time.perf_counter() - t0}
+
+
+async def bomb(server: Server, requests: list, repeat: int, concurrency: int, deadline: float) -> dict:
+    """`requests` sent `repeat` times each, `concurrency` at a time, while /health is probed."""
+    baseline = await warm_up(server)
+    sem = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 2)
+
+    async def attack():
+        async with httpx.AsyncClient(limits=limits) as client:
+            async def one(req):
+                async with sem:
+                    return await _send_bomb(client, server.base, *req, deadline)
+            return await asyncio.gather(*(one(req) for req in requests * repeat))
+    t0 = time.perf_counter()
+    results, figures = await under_watch(server, attack())
+    wall = time.perf_counter() - t0
+    async with httpx.AsyncClient(timeout=60) as client:
+        after = await settle(client, server.base, seconds=90)
+    recovery = await rss_recovery(server, baseline)
+    by_label = {}
+    for r in results:
+        entry = by_label.setdefault(r["label"], {"statuses": Counter(), "codes": Counter(), "max_s": 0.0,
+                                                 "message": r["message"]})
+        entry["statuses"][str(r["status"])] += 1
+        entry["codes"][str(r["code"])] += 1
+        entry["max_s"] = round(max(entry["max_s"], r["seconds"]), 3)
+    refused_fast = [isinstance(r["status"], int) and 400 <= r["status"] < 500 and r["seconds"] < deadline
+                    for r in results]
+    return {"requests": len(results), "wall_s": round(wall, 1), "all_refused_fast": all(refused_fast),
+            "refused_fast": sum(refused_fast),
+            "by_request": {k: {**v, "statuses": dict(v["statuses"]), "codes": dict(v["codes"])}
+                           for k, v in by_label.items()},
+            **figures, **recovery, "after": after}
+
+
+async def bombs(server: Server, repeat: int, concurrency: int, deadline: float, flood: int) -> dict:
+    tarpit, tarpit_port = await _tarpit()
+    closed_port = free_port()
+    out = {}
+    try:
+        for name, requests in _bomb_requests(server.port, tarpit_port, closed_port).items():
+            if name == "disagg_abuse":        # the flood: many context_only requests, each pinning its prompt's KV
+                flood_req = requests[-1]
+                requests = requests[:-1] + [flood_req] * max(1, flood // repeat)
+            out[name] = await bomb(server, requests, repeat, concurrency, deadline)
+            print(json.dumps({f"bombs.{name}": out[name]}), flush=True)
+    finally:
+        tarpit.close()
+    return out
+
+
+def slowloris_failures(r: dict, header_timeout: float) -> list[str]:
+    failures = []
+    if r["health_p99_s"] is None or r["health_p99_s"] >= 1.0:
+        failures.append(f"slowloris: /health p99 {r['health_p99_s']} s (>= 1 s or over 1% failed)")
+    held = max(r["longest_held_s"], r["oldest_open_at_end_s"])
+    if held > header_timeout + 3.0:
+        failures.append(f"slowloris: a slow connection stayed open {held} s (header timeout {header_timeout} s)")
+    if not r["rss_recovered"]:
+        failures.append(f"slowloris: RSS {r['rss_after_mib']} MiB after vs {r['rss_before_mib']} MiB before")
+    if r["server_log_lines"] > 100:
+        failures.append(f"slowloris: the server logged {r['server_log_lines']} lines")
+    return failures
+
+
+def bombs_failures(report: dict, deadline: float) -> list[str]:
+    failures, four_xx = [], {str(s) for s in range(400, 500)}
+    for name, r in report.items():
+        if not r["all_refused_fast"]:
+            missed = {label: [v["statuses"], v["max_s"]] for label, v in r["by_request"].items()
+                      if set(v["statuses"]) - four_xx or v["max_s"] >= deadline}
+            failures.append(f"bombs.{name}: {r['requests'] - r['refused_fast']} of {r['requests']} requests not "
+                            f"refused with a 4xx within {deadline} s: {json.dumps(missed)}")
+        if r["health_p99_s"] is None or r["health_p99_s"] >= 1.0:
+            failures.append(f"bombs.{name}: /health p99 {r['health_p99_s']} s (>= 1 s or over 1% failed)")
+        if not r["rss_recovered"]:
+            failures.append(f"bombs.{name}: RSS {r['rss_after_mib']} MiB after vs {r['rss_before_mib']} MiB before")
+    return failures
+
+
+RUNS = ("overload", "soak", "slowloris", "bombs")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("runs", nargs="*", help="overload and/or soak (default: both)")
+    p.add_argument("runs", nargs="*", help=f"any of {', '.join(RUNS)} (default: all)")
     p.add_argument("--requests", type=int, default=500, help="overload: concurrent streams")
     p.add_argument("--max-tokens", type=int, default=8, help="overload: tokens per stream")
     p.add_argument("--soak-requests", type=int, default=2000)
     p.add_argument("--soak-concurrency", type=int, default=64)
+    p.add_argument("--slow-connections", type=int, default=5000, help="slowloris: attacking connections")
+    p.add_argument("--slow-seconds", type=float, default=30.0, help="slowloris: how long the attack lasts")
+    p.add_argument("--slow-trickle", type=float, default=2.0, help="slowloris: seconds between header lines")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="slowloris: the server's --header-timeout (the check allows 3 s more)")
+    p.add_argument("--bomb-repeat", type=int, default=3, help="bombs: times each request is sent")
+    p.add_argument("--bomb-concurrency", type=int, default=4, help="bombs: requests at once")
+    p.add_argument("--bomb-deadline", type=float, default=2.0, help="bombs: seconds a refusal may take")
+    p.add_argument("--context-only-flood", type=int, default=200, help="bombs: context_only requests sent")
     p.add_argument("--server-arg", action="append", default=[], help="passed to `petrel serve` (repeatable)")
     args = p.parse_args(argv)
-    args.runs = args.runs or ["overload", "soak"]
-    if set(args.runs) - {"overload", "soak"}:
-        p.error(f"unknown run(s): {sorted(set(args.runs) - {'overload', 'soak'})}")
+    args.runs = args.runs or list(RUNS)
+    if set(args.runs) - set(RUNS):
+        p.error(f"unknown run(s): {sorted(set(args.runs) - set(RUNS))}")
     server = Server(args.server_arg)
     report, failures = {}, []
     try:
@@ -285,6 +641,15 @@ def main(argv=None) -> int:
                 failures.append(f"soak: the engine is not empty afterwards: {a}")
             if s["next_request_status"] != 200:
                 failures.append("soak: the server did not serve a request afterwards")
+        if "slowloris" in args.runs:
+            sl = report["slowloris"] = asyncio.run(slowloris(server, args.slow_connections, args.slow_seconds,
+                                                             args.slow_trickle))
+            print(json.dumps({"slowloris": sl}), flush=True)
+            failures += slowloris_failures(sl, args.header_timeout)
+        if "bombs" in args.runs:
+            b = report["bombs"] = asyncio.run(bombs(server, args.bomb_repeat, args.bomb_concurrency,
+                                                    args.bomb_deadline, args.context_only_flood))
+            failures += bombs_failures(b, args.bomb_deadline)
     finally:
         report["server_exit_code"] = server.stop()
     report["failures"] = failures
