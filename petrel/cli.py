@@ -284,8 +284,10 @@ examples:
   curl http://127.0.0.1:8000/health            # the router's view of every backend
 A request may pick its backend with "target_endpoint": URL in the body (or an X-Target-Endpoint header).
 
-disaggregated serving (prefill on one server, decode on another):
-  petrel serve --port 8001 & petrel serve --port 8002 &
+disaggregated serving (prefill on one server, decode on another; both share a secret):
+  export PETREL_KV_TRANSFER_SECRET=$(openssl rand -hex 32)
+  petrel serve --port 8001 --kv-transfer-role prefill --kv-transfer-port 9001 &
+  petrel serve --port 8002 --kv-transfer-role decode --kv-transfer-peers 127.0.0.1:9001 &
   petrel route --prefill http://127.0.0.1:8001 --decode http://127.0.0.1:8002 --port 8000
 """
 

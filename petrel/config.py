@@ -1,7 +1,7 @@
 """EngineConfig: every engine option in one place, validated once at start-up, defaults that work on a laptop."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
@@ -10,6 +10,7 @@ TORCH_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": tor
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "self")
+KV_TRANSFER_ROLES = ("prefill", "decode", "both")
 EXECUTOR_BACKENDS = ("mp", "ray")
 
 
@@ -82,9 +83,17 @@ class EngineConfig:
     enable_lora: bool = False             # LoRA adapter slots on the model's projections (LLM.generate(lora_request=...))
     max_loras: int = 4                    # adapters resident at once; distinct adapters running at once at most
     max_lora_rank: int = 16               # largest adapter rank accepted
-    kv_transfer_host: str = "127.0.0.1"   # disaggregated serving: where the KV transfer server listens
-    kv_transfer_port: int = 0             # 0: a port the OS picks (the server starts with the first context-only request)
-    kv_transfer_timeout: float = 60.0     # seconds a context-only request's prompt KV stays pinned, waiting to be fetched
+    # disaggregated serving (petrel/disagg), off unless kv_transfer_role is set: 'prefill' answers context_only
+    # requests and serves their KV, 'decode' answers generation_only ones by fetching it, 'both' does both
+    kv_transfer_role: str | None = None
+    kv_transfer_host: str = "127.0.0.1"   # where a prefill role's KV transfer server listens
+    kv_transfer_port: int = 0             # 0: a port the OS picks
+    kv_transfer_timeout: float = 60.0     # seconds a pinned prompt KV waits to be fetched; also a fetch's deadline
+    kv_transfer_peers: list[str] | None = None   # decode: the prefill instances' "host:port" it may fetch from
+    kv_transfer_secret: str | None = field(default=None, repr=False)   # shared by the instances: authenticates a fetch
+    kv_transfer_max_pinned: int = 64      # prefill: context_only prompts pinned (or prefilling to be) at once
+    kv_transfer_max_pinned_share: float = 0.25   # prefill: the most of the KV cache's blocks they may hold
+    kv_transfer_max_fetches: int = 4      # decode (petrel serve): KV fetches at once; more get 429
     quantization: str | None = None       # None/'none': weights dequantized to dtype; 'int8': int8 per row; 'gguf': GGUF blocks kept
     tensor_parallel_size: int = 1         # ranks the model is split over (kv_cache_memory is per rank)
     distributed_executor_backend: str = "mp"   # with tensor_parallel_size > 1: 'mp' (local processes) or 'ray'
@@ -115,6 +124,7 @@ class EngineConfig:
             raise ValueError(f"kv_transfer_port must be 0..65535, got {self.kv_transfer_port!r}")
         if not isinstance(self.kv_transfer_timeout, (int, float)) or self.kv_transfer_timeout <= 0:
             raise ValueError(f"kv_transfer_timeout must be > 0 seconds, got {self.kv_transfer_timeout!r}")
+        self._check_kv_transfer()
         from petrel.model.quantization import QUANTIZATION_METHODS
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)} or None, got {self.quantization!r}")
@@ -132,6 +142,50 @@ class EngineConfig:
             raise ValueError(f"quantization {self.quantization!r} is not supported with tensor_parallel_size={size} "
                              "(quantized weights are not split over ranks)")
 
+    def _check_kv_transfer(self) -> None:
+        """A role needs a secret, and a decode role the peers it may fetch from: nothing is open by default."""
+        role = self.kv_transfer_role
+        if role is not None and role not in KV_TRANSFER_ROLES:
+            raise ValueError(f"kv_transfer_role must be one of {list(KV_TRANSFER_ROLES)} or None (off), got {role!r}")
+        for name in ("kv_transfer_max_pinned", "kv_transfer_max_fetches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        share = self.kv_transfer_max_pinned_share
+        if not isinstance(share, (int, float)) or not 0 < share <= 1:
+            raise ValueError(f"kv_transfer_max_pinned_share must be in (0, 1], got {share!r}")
+        if isinstance(self.kv_transfer_peers, str):
+            self.kv_transfer_peers = [self.kv_transfer_peers]
+        self.kv_transfer_peers = [parse_endpoint(p, "kv_transfer_peers") for p in self.kv_transfer_peers or []]
+        if role is None:
+            return
+        if not isinstance(self.kv_transfer_secret, str) or not self.kv_transfer_secret:
+            raise ValueError(f"kv_transfer_role {role!r} needs kv_transfer_secret, the secret every prefill and "
+                             "decode instance shares (petrel serve --kv-transfer-secret, $PETREL_KV_TRANSFER_SECRET "
+                             "or --api-key)")
+        if role in ("decode", "both") and not self.kv_transfer_peers:
+            raise ValueError(f"kv_transfer_role {role!r} needs kv_transfer_peers, the prefill instances' KV transfer "
+                             "servers (host:port) it may fetch from (petrel serve --kv-transfer-peers)")
+
+    @property
+    def serves_kv(self) -> bool:
+        """A prefill role: context_only requests pin their prompt's KV and a KV transfer server hands it out."""
+        return self.kv_transfer_role in ("prefill", "both")
+
+    @property
+    def fetches_kv(self) -> bool:
+        """A decode role: generation_only requests fetch their prompt's KV from one of kv_transfer_peers."""
+        return self.kv_transfer_role in ("decode", "both")
+
     @property
     def torch_dtype(self) -> torch.dtype:
         return TORCH_DTYPES[self.dtype]
+
+
+def parse_endpoint(endpoint, name: str) -> str:
+    """The endpoint in the one form endpoints are compared in, "host:port" (host lower-case, port 1..65535);
+    ValueError naming `name` otherwise."""
+    host, sep, port = endpoint.rpartition(":") if isinstance(endpoint, str) else ("", "", "")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{name} must be host:port, got {endpoint!r}")
+    return f"{host.lower()}:{int(port)}"

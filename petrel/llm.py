@@ -258,8 +258,9 @@ class LLM:
         self.config = EngineConfig.from_kwargs(model=model, tokenizer=tokenizer, **engine_options)
         self._engine = LLMEngine(self.config)
         self._ids = itertools.count()
-        self._kv_server = None     # the KV transfer server, started by the first context-only request
-        self._kv_server_lock = threading.Lock()
+        self._kv_server = None     # a prefill role's KV transfer server (kv_transfer_role): serves pinned prompts
+        if self.config.serves_kv:
+            self._kv_server = self._start_kv_server()
 
     @property
     def tokenizer(self):
@@ -295,9 +296,10 @@ class LLM:
         """Queue one request and return its future at once. `timeout` (seconds) ends it with finish_reason 'timeout'.
         `prompt` may be a TextGenerationRequest (its request_id, sampling_params and cache_salt are then used).
         `lora_request` runs it with that LoRA adapter (the engine needs enable_lora=True).
-        `disaggregated_params`: request_type "context_only" prefills, samples one token and returns the
-        DisaggregatedParams a "generation_only" request on another instance needs (that one fetches the prompt's
-        KV here, before it is queued)."""
+        `disaggregated_params` (an instance with a kv_transfer_role only): request_type "context_only" (role
+        'prefill') prefills, samples one token and returns the DisaggregatedParams a "generation_only" request on
+        another instance (role 'decode') needs; that one fetches the prompt's KV here, from one of its
+        kv_transfer_peers, before it is queued. KVTransferBusy: no room to pin the prompt now."""
         return self._prepare(prompt, sampling_params, cache_salt, lora_request, disaggregated_params)(streaming, timeout)
 
     def _prepare(self, prompt, sampling_params: SamplingParams | None, cache_salt: str | None,
@@ -317,23 +319,36 @@ class LLM:
             raise ValueError(f"disaggregated_params is not supported with tensor_parallel_size="
                              f"{self.config.tensor_parallel_size} (the KV cache is split over ranks)")
         if dp is not None:
-            disagg.check(dp, params, ids, self._engine.model_config.vocab_size, self._engine.max_model_len,
-                         self._engine.kv_cache_tokens)
+            disagg.check(dp, params, ids, self._engine, self.config)
 
         def submit(streaming: bool, timeout: float | None) -> RequestFuture:
             arrival = _now()
-            options, kv_stats = disagg.request_options(dp, ids, self._engine.model_config, self.config.kv_transfer_timeout)
+            options, kv_stats = disagg.request_options(dp, ids, self._engine.model_config, self.config)
             future = RequestFuture(next(self._ids) if request_id is None else request_id, text, ids, params,
                                    streaming, self._engine)
             future._metrics.arrival_time = arrival
             future._output.kv_transfer = kv_stats
-            if options.get("context_only"):
-                future._kv_endpoint = self.kv_transfer_endpoint
             if lora_request is not None:
                 options["lora_request"] = lora_request
-            self._engine.add_request(future.request_id, ids, params, future._on_chunk, timeout, cache_salt, **options)
+            self._add(future, ids, params, timeout, cache_salt, options, dp)
             return future
         return submit
+
+    def _add(self, future: RequestFuture, ids: list[int], params: SamplingParams, timeout: float | None,
+             cache_salt: str | None, options: dict, dp: DisaggregatedParams | None) -> None:
+        """Queue the future's request; a context-only one holds room for its pin until it finished
+        (KVTransferBusy, queueing nothing, when the pinned prompts are at their cap)."""
+        reservation = disagg.reserve_pin(dp, ids, self._engine.core.pinned, self.config)
+        sink = future._on_chunk
+        if reservation is not None:
+            future._kv_endpoint = self.kv_transfer_endpoint
+            sink = reservation.until_finished(sink)
+        try:
+            self._engine.add_request(future.request_id, ids, params, sink, timeout, cache_salt, **options)
+        except BaseException:
+            if reservation is not None:
+                reservation.release()
+            raise
 
     def generate(self, prompts: PromptType | TextGenerationRequest | Seq[PromptType | TextGenerationRequest],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -391,15 +406,20 @@ class LLM:
     def get_latest_iteration_stats(self):
         return self._engine.core.last_stats
 
+    def _start_kv_server(self):
+        from petrel.disagg.kv_transfer import KVTransferServer
+        try:
+            return KVTransferServer(self._engine, self.config.kv_transfer_secret, self.config.kv_transfer_host,
+                                    self.config.kv_transfer_port, self.config.kv_transfer_timeout)
+        except BaseException:
+            self._engine.shutdown()
+            raise
+
     @property
-    def kv_transfer_endpoint(self) -> str:
-        """host:port of this instance's KV transfer server (started on first use) for disaggregated serving."""
-        with self._kv_server_lock:
-            if self._kv_server is None:
-                from petrel.disagg.kv_transfer import KVTransferServer
-                self._kv_server = KVTransferServer(self._engine, self.config.kv_transfer_host,
-                                                   self.config.kv_transfer_port)
-            return self._kv_server.endpoint
+    def kv_transfer_endpoint(self) -> str | None:
+        """host:port of this instance's KV transfer server, which a prefill role (kv_transfer_role 'prefill' or
+        'both') starts with the engine; None: this instance serves no KV."""
+        return None if self._kv_server is None else self._kv_server.endpoint
 
     def shutdown(self) -> None:
         if self._kv_server is not None:

@@ -62,6 +62,10 @@ class DisaggregatedParams:
         return cls(**data)
 
 
+class KVTransferBusy(Exception):
+    """Disaggregated serving is at its limit (prompts pinned, fetches at once): retry later (HTTP 429)."""
+
+
 @dataclass
 class KVTransferStats:
     """One generation-only request's fetch of its prompt's KV: how much, and how long it took."""

@@ -1,9 +1,12 @@
-"""What the LLM front does with a request's DisaggregatedParams before queueing it: check it, and for a
+"""What the LLM front does with a request's DisaggregatedParams before queueing it: check it against this
+instance's role (kv_transfer_role) and peers, reserve room for a context-only prompt's pin, and for a
 generation-only request fetch its prompt's KV (network I/O: on the caller's thread, never the engine loop's)."""
 from __future__ import annotations
 
+from petrel.config import parse_endpoint
 from petrel.disagg.kv_transfer import fetch_kv
 from petrel.disagg.params import DisaggregatedParams, KVTransferStats
+from petrel.disagg.pinned import PinReservation
 
 
 def coerce(value) -> DisaggregatedParams | None:
@@ -14,18 +17,20 @@ def coerce(value) -> DisaggregatedParams | None:
     raise ValueError(f"disaggregated_params must be a DisaggregatedParams or a dict, got {type(value).__name__}")
 
 
-def check(dp: DisaggregatedParams, params, prompt_ids: list[int], vocab_size: int, max_model_len: int,
-          kv_cache_tokens: int | None = None) -> None:
-    """ValueError naming disaggregated_params for a combination the split cannot run.
+def check(dp: DisaggregatedParams, params, prompt_ids: list[int], engine, config) -> None:
+    """ValueError naming disaggregated_params for a request this instance may not or cannot run: a split request
+    where its kv_transfer_role does not take that side, a fetch from an endpoint outside kv_transfer_peers (refused
+    here, before any connection), or a combination the split cannot run.
 
-    kv_cache_tokens: what the whole KV cache holds; a split request's prompt KV is held (pinned, or imported) whole,
-    even where sliding-window blocks are given back and max_model_len is longer than the cache."""
-    dp.validate(vocab_size)
+    A split request's prompt KV is held (pinned, or imported) whole: it must fit the KV cache (engine
+    .kv_cache_tokens), even where sliding-window blocks are given back and max_model_len is longer than the cache."""
+    dp.validate(engine.model_config.vocab_size)
     if dp.request_type == "context_and_generation":
         return
-    if kv_cache_tokens is not None and len(prompt_ids) + 1 > kv_cache_tokens:
+    check_role(dp, config)
+    if len(prompt_ids) + 1 > engine.kv_cache_tokens:
         raise ValueError(f"disaggregated_params: the prompt ({len(prompt_ids)} tokens) and the first token must fit "
-                         f"the {kv_cache_tokens}-token KV cache whole")
+                         f"the {engine.kv_cache_tokens}-token KV cache whole")
     unsupported = [name for name, on in (
         ("n > 1", params.n > 1), ("beam search", params.use_beam_search),
         ("prompt logprobs or context outputs", params.needs_context_outputs),
@@ -38,22 +43,52 @@ def check(dp: DisaggregatedParams, params, prompt_ids: list[int], vocab_size: in
         if params.max_tokens is not None and params.max_tokens < 2:
             raise ValueError("disaggregated_params: a generation_only request needs max_tokens >= 2 "
                              "(the context instance sampled the first token)")
-        if len(prompt_ids) + 1 >= max_model_len:
+        if len(prompt_ids) + 1 >= engine.max_model_len:
             raise ValueError(f"disaggregated_params: the prompt ({len(prompt_ids)} tokens) and the first token "
-                             f"leave no room to generate in the {max_model_len}-token context")
+                             f"leave no room to generate in the {engine.max_model_len}-token context")
+
+
+def check_role(dp: DisaggregatedParams, config) -> None:
+    """A context_only request needs a prefill role, a generation_only one a decode role and an endpoint among the
+    peers: ValueError naming disaggregated_params otherwise."""
+    role = config.kv_transfer_role
+    if role is None:
+        raise ValueError(f"disaggregated_params: a {dp.request_type} request needs disaggregated serving, which is "
+                         "off on this instance; start it with kv_transfer_role 'prefill' or 'decode' "
+                         "(petrel serve --kv-transfer-role)")
+    if dp.is_context_only and not config.serves_kv:
+        raise ValueError(f"disaggregated_params.request_type: this instance's kv_transfer_role is {role!r}: it "
+                         "answers generation_only requests, not context_only ones")
+    if dp.is_generation_only and not config.fetches_kv:
+        raise ValueError(f"disaggregated_params.request_type: this instance's kv_transfer_role is {role!r}: it "
+                         "answers context_only requests, not generation_only ones")
+    if dp.is_generation_only and peer(dp) not in config.kv_transfer_peers:
+        raise ValueError(f"disaggregated_params.ctx_info_endpoint: {dp.ctx_info_endpoint!r} is not one of this "
+                         "instance's prefill peers (kv_transfer_peers)")
+
+
+def peer(dp: DisaggregatedParams) -> str:
+    """The context instance's endpoint, in the form kv_transfer_peers holds."""
+    return parse_endpoint(dp.ctx_info_endpoint, "disaggregated_params.ctx_info_endpoint")
+
+
+def reserve_pin(dp: DisaggregatedParams | None, prompt_ids: list[int], pinned, config) -> PinReservation | None:
+    """For a context-only request, room for its prompt's pin (KVTransferBusy when the cap is reached)."""
+    if dp is None or not dp.is_context_only:
+        return None
+    max_blocks = int(config.kv_transfer_max_pinned_share * pinned.block_manager.num_blocks)
+    return pinned.reserve(len(prompt_ids), config.kv_transfer_max_pinned, max_blocks)
 
 
 def request_options(dp: DisaggregatedParams | None, prompt_ids: list[int], model_config,
-                    timeout: float) -> tuple[dict, KVTransferStats | None]:
-    """The EngineRequest fields for this request (fetching the KV of a generation-only one), and the fetch's stats."""
+                    config) -> tuple[dict, KVTransferStats | None]:
+    """The EngineRequest fields for this request (fetching the KV of a generation-only one, no larger than this
+    prompt's: [layers, 2, prompt tokens, kv_heads, head_dim]), and the fetch's stats."""
     if dp is None or dp.request_type == "context_and_generation":
         return {}, None
     if dp.is_context_only:
         return {"context_only": True}, None
-    kv, stats = fetch_kv(dp.ctx_info_endpoint, dp.opaque_state, timeout)
-    expected = (model_config.num_hidden_layers, 2, len(prompt_ids), model_config.num_key_value_heads,
-                model_config.head_dim)
-    if tuple(kv.shape) != expected:
-        raise ValueError(f"disaggregated_params: the context instance sent KV of shape {list(kv.shape)}, this model "
-                         f"and prompt need {list(expected)} (a different model, or not this prompt)")
+    shape = (model_config.num_hidden_layers, 2, len(prompt_ids), model_config.num_key_value_heads,
+             model_config.head_dim)
+    kv, stats = fetch_kv(peer(dp), dp.opaque_state, config.kv_transfer_secret, shape, config.kv_transfer_timeout)
     return {"imported_kv": kv, "first_gen_tokens": list(dp.first_gen_tokens)}, stats

@@ -1,15 +1,48 @@
 """The server's side of disaggregated serving: the `disaggregated_params` request field checked, the request
-submitted (a generation-only one fetches its prompt's KV first, off the event loop), and what the response
-carries back (a context-only choice's DisaggregatedParams, a generation-only usage's KV transfer)."""
+submitted (a generation-only one fetches its prompt's KV first, on a pool of its own: a slow peer holds neither
+the event loop nor the threads /health and /metrics use), and what the response carries back (a context-only
+choice's DisaggregatedParams, a generation-only usage's KV transfer)."""
 from __future__ import annotations
 
 import asyncio
+import weakref
+from concurrent.futures import ThreadPoolExecutor
 
-from petrel.disagg import DisaggregatedParams
+from petrel.disagg import DisaggregatedParams, KVTransferBusy
 from petrel.disagg.kv_transfer import KVTransferError
 from petrel.serve.errors import APIError
 
 PARAM = "disaggregated_params"
+
+
+class FetchPool:
+    """kv_transfer_max_fetches threads for generation-only requests' KV fetches; one more while all are busy is
+    refused at once (429) rather than queued. Used from the event loop thread only."""
+
+    def __init__(self, max_fetches: int):
+        self.max_fetches = max_fetches
+        self.in_flight = 0
+        self._pool = ThreadPoolExecutor(max_fetches, thread_name_prefix="petrel-kv-fetch")
+
+    async def run(self, call):
+        if self.in_flight >= self.max_fetches:
+            raise KVTransferBusy(f"disaggregated_params: {self.in_flight} KV fetches are running, the most this "
+                                 "server allows at once (kv_transfer_max_fetches); retry later")
+        self.in_flight += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, call)
+        finally:
+            self.in_flight -= 1
+
+
+_fetch_pools: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # LLM -> its server's FetchPool
+
+
+def fetch_pool(llm) -> FetchPool:
+    pool = _fetch_pools.get(llm)
+    if pool is None:
+        pool = _fetch_pools[llm] = FetchPool(llm.config.kv_transfer_max_fetches)
+    return pool
 
 
 def from_request(req, num_prompts: int) -> DisaggregatedParams | None:
@@ -29,17 +62,24 @@ def from_request(req, num_prompts: int) -> DisaggregatedParams | None:
 
 
 async def submit(state, ids, params, stream: bool, cache_salt, lora_request, dp: DisaggregatedParams | None):
-    """state.generate_async, with a generation-only request's KV fetch on a worker thread; a bad handle is a 400
-    naming disaggregated_params, a failed transfer a 502 (only this request fails)."""
+    """state.generate_async, with a generation-only request's KV fetch on the fetch pool; a request this server may
+    not or cannot run, or a bad handle, is a 400 naming disaggregated_params, a split at its limits (prompts
+    pinned, fetches at once) a 429, a failed transfer a 502 (only this request fails)."""
     if dp is None:
         return state.generate_async(ids, params, stream, cache_salt, lora_request)
+
+    def call():
+        return state.generate_async(ids, params, stream, cache_salt, lora_request, disaggregated_params=dp)
     try:
-        call = lambda: state.generate_async(ids, params, stream, cache_salt, lora_request, disaggregated_params=dp)  # noqa: E731
-        return await asyncio.to_thread(call) if dp.is_generation_only else call()
+        if dp.is_generation_only and state.llm.config.fetches_kv:
+            return await fetch_pool(state.llm).run(call)
+        return call()     # nothing to fetch, or refused before any fetch
     except ValueError as exc:
         if str(exc).startswith(PARAM):
             raise APIError(str(exc), 400, param=PARAM) from None
         raise
+    except KVTransferBusy as exc:
+        raise APIError(str(exc), 429, param=PARAM, code="server_overloaded") from None
     except KVTransferError as exc:
         raise APIError(f"disaggregated_params: {exc}", 502, param=PARAM) from None
 
