@@ -1,20 +1,30 @@
 """`petrel route` over two real `petrel serve` processes on loopback (the default model): requests spread over
 both, a shared prefix sticks to one backend and hits its prefix cache, target_endpoint picks a backend,
-streams pass through, and killing a backend loses no request that had not started streaming."""
+streams pass through, and killing a backend loses no request that had not started streaming. Over an in-process
+server and fake backends: a client hanging up aborts its request on the backend, a silent backend is given up
+after the backend timeout (a busy one is not), a stream that breaks off ends with an error event and [DONE],
+oversized bodies are 413 and bad target_endpoint values 400."""
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import signal
+import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
 
 from petrel.bench_serve import _free_port, start_server
-from petrel.route import Router, build_router_app
+from petrel.route import Router, add_arguments, build_router_app
+from petrel.serve.app import build_app
 from petrel.serve.errors import APIError
 from petrel.serve.server import BackgroundServer
+from tests.conftest import free_blocks
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -48,10 +58,182 @@ def test_target_endpoint_and_health_decide_first():
     assert len(router.candidates("p")) == 2
 
 
+def test_route_options_default_like_serve_and_a_too_short_backend_timeout_is_refused():
+    args = add_arguments(argparse.ArgumentParser()).parse_args(["--backends", "http://a"])
+    assert args.max_request_bytes == 16 * 1024 * 1024 and args.backend_timeout == 30.0
+    with pytest.raises(ValueError, match="backend_timeout"):
+        build_router_app(Router(["http://a"]), health_interval=2.0, backend_timeout=5.0)
+
+
+# ------------------------------------------------------------------------------------ bad requests
+UNREACHABLE = "http://127.0.0.1:1"
+
+
+@pytest.fixture(scope="module")
+def lone_router():
+    """A router whose one backend never answers: a request that gets past the router's own checks is a 503."""
+    with BackgroundServer(build_router_app(Router([UNREACHABLE]), health_interval=0.5,
+                                           max_request_bytes=64 * 1024)) as srv:
+        yield srv.url
+
+
+@pytest.mark.parametrize("value", [123, 1.5, True, False, ["http://127.0.0.1:1"], {"url": UNREACHABLE}, "", "   ",
+                                   "http://nowhere.invalid:9", "x" * 5000])
+def test_a_bad_target_endpoint_in_the_body_is_a_400_naming_it(lone_router, value):
+    r = httpx.post(f"{lone_router}/v1/completions", json={"prompt": "hi", "target_endpoint": value}, timeout=30,
+                   trust_env=False)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "target_endpoint" and "target_endpoint" in error["message"]
+    assert error["type"] == "invalid_request_error" and len(error["message"]) < 400
+
+
+@pytest.mark.parametrize("value", ["", "http://nowhere.invalid:9", "[1, 2]"])
+def test_a_bad_x_target_endpoint_header_is_a_400_naming_target_endpoint(lone_router, value):
+    r = httpx.post(f"{lone_router}/v1/chat/completions", headers={"X-Target-Endpoint": value}, timeout=30,
+                   json={"messages": [{"role": "user", "content": "hi"}]}, trust_env=False)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "target_endpoint"
+
+
+def test_an_oversized_body_is_a_413_before_any_backend_is_asked(lone_router):
+    r = httpx.post(f"{lone_router}/v1/completions", json={"prompt": "x" * 100_000}, timeout=30, trust_env=False)
+    assert r.status_code == 413, r.text
+    assert r.json()["error"]["code"] == "request_too_large"
+    r = httpx.post(f"{lone_router}/v1/completions", json={"prompt": "x" * 1000}, timeout=30, trust_env=False)
+    assert r.status_code == 503      # under the limit: on to the (unreachable) backend
+
+
+# ------------------------------------------------------------------------------------ silent, slow and dying backends
+def _wait_until(condition, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@pytest.fixture
+def silent_url():
+    """A backend like a SIGSTOP'd server: connections are taken (by the kernel) and never answered, /health too."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(64)
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+
+def _fake_backend(ending: str) -> BackgroundServer:
+    """A backend whose completions answer "slow"ly (5 s, a JSON body), or stream one event and half of another,
+    then "die" (the connection drops) or "hang" (nothing more, and /health stops answering too)."""
+    app, hung = FastAPI(), []
+
+    @app.get("/health")
+    async def health():
+        if hung:
+            await asyncio.sleep(3600)
+        return {"status": "ok"}
+
+    @app.post("/v1/completions")
+    async def completions():
+        if ending == "slow":
+            await asyncio.sleep(5)
+            return {"object": "text_completion", "choices": [{"index": 0, "text": "late but fine"}]}
+
+        async def events():
+            yield 'data: {"object": "text_completion", "choices": [{"index": 0, "text": "Hello"}]}\n\n'
+            yield 'data: {"object": "text_completion", "choi'
+            if ending == "die":
+                raise RuntimeError("the fake backend dies mid-stream")
+            hung.append(True)
+            await asyncio.sleep(3600)
+        return StreamingResponse(events(), media_type="text/event-stream")
+    return BackgroundServer(app)
+
+
+def _router_over(urls: list[str], **options) -> BackgroundServer:
+    return BackgroundServer(build_router_app(Router(urls), health_interval=0.5, **options))
+
+
+def test_a_silent_backend_is_a_504_within_the_backend_timeout(silent_url):
+    with _router_over([silent_url], backend_timeout=3) as front:
+        began = time.monotonic()
+        r = httpx.post(f"{front.url}/v1/completions", json={"prompt": "hi", "target_endpoint": silent_url},
+                       timeout=15, trust_env=False)
+        waited = time.monotonic() - began
+    assert r.status_code == 504, r.text
+    error = r.json()["error"]
+    assert error["code"] == "backend_timeout" and silent_url in error["message"]
+    assert 3 <= waited < 6, waited
+
+
+@pytest.mark.parametrize("ending", ["die", "hang"])
+def test_a_stream_that_breaks_off_ends_with_an_error_event_and_done(ending):
+    code = {"die": "backend_disconnected", "hang": "backend_timeout"}[ending]
+    with _fake_backend(ending) as backend, _router_over([backend.url], backend_timeout=3) as front:
+        began = time.monotonic()
+        r = httpx.post(f"{front.url}/v1/completions", json={"prompt": "hi", "stream": True}, timeout=15,
+                       trust_env=False)
+        waited = time.monotonic() - began
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [line[6:] for line in r.text.split("\n\n") if line]
+    assert [e[:6] for e in events] == ['{"obje', '{"erro', "[DONE]"], r.text      # whole events only
+    assert json.loads(events[0])["choices"][0]["text"] == "Hello"
+    error = json.loads(events[1])["error"]
+    assert error["code"] == code and backend.url in error["message"]
+    assert waited < 6, waited
+
+
+def test_a_busy_backend_is_not_taken_for_a_silent_one():
+    """A non-streamed answer sends nothing until it is whole; its backend answering /health keeps it alive."""
+    with _fake_backend("slow") as backend, _router_over([backend.url], backend_timeout=3) as front:
+        began = time.monotonic()
+        r = httpx.post(f"{front.url}/v1/completions", json={"prompt": "hi"}, timeout=30, trust_env=False)
+        waited = time.monotonic() - began
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "late but fine"
+    assert waited > 3, waited          # longer than the backend timeout
+
+
+# ------------------------------------------------------------------------------------ an in-process server
+@pytest.fixture(scope="module")
+def local_backend(llm):
+    with BackgroundServer(build_app(llm)) as srv:
+        yield srv
+
+
+def test_a_request_a_silent_backend_sat_on_goes_to_the_next_backend(silent_url, local_backend):
+    with _router_over([silent_url, local_backend.url], backend_timeout=3) as front:
+        r = httpx.post(f"{front.url}/v1/completions", timeout=30, trust_env=False,
+                       json={"prompt": "Seabirds are", "max_tokens": 4, "target_endpoint": silent_url})
+        health = {b["url"]: b for b in httpx.get(f"{front.url}/health", trust_env=False).json()["backends"]}
+    assert r.status_code == 200 and r.headers["x-petrel-backend"] == local_backend.url, r.text
+    assert r.json()["usage"]["completion_tokens"] == 4
+    assert not health[silent_url]["healthy"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_hanging_up_aborts_its_request_on_the_backend(llm, local_backend, stream):
+    baseline = free_blocks(llm)
+    body = json.dumps({"prompt": "Tell me a very long story.", "max_tokens": 4000, "ignore_eos": True,
+                       "stream": stream}).encode()
+    with _router_over([local_backend.url]) as front:
+        try:
+            with socket.create_connection((front.host, front.port)) as conn:
+                conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                assert _wait_until(lambda: llm.engine.num_unfinished_requests == 1, 30)
+                if stream:
+                    assert conn.recv(4096).startswith(b"HTTP/1.1 200")
+            # the connection is closed: within seconds the backend's engine has nothing left and its KV blocks back
+            assert _wait_until(lambda: llm.engine.num_unfinished_requests == 0 and free_blocks(llm) == baseline, 10)
+        finally:
+            llm.engine.abort_all("test over")
+
+
 # ------------------------------------------------------------------------------------ two real servers
 @pytest.fixture(scope="module")
 def backends():
-    """Two `petrel serve` processes on loopback (also tests/test_disagg.py's prefill and decode servers)."""
+    """Two `petrel serve` processes on loopback."""
     procs = []
     ports = [_free_port() for _ in range(2)]
     try:

@@ -5,11 +5,16 @@ prefills, samples the first token and keeps the prompt's KV pinned), then to the
 generation_only request carrying the returned disaggregated_params: that server fetches the KV, decodes on, and
 its answer (streamed or not) is passed through. It starts with the first token, so the client sees one normal
 answer. A request the split cannot serve (n > 1, logprobs, several prompts, guided output: the prefill server
-refuses it naming disaggregated_params), or whose first token already ended it, goes whole to the decode server.
+refuses it naming disaggregated_params), or whose first token already ended it, goes whole to the decode server;
+so does one the prefill server has no room to pin for (429 naming disaggregated_params).
+
+The two servers run with --kv-transfer-role prefill and decode, the decode one listing the prefill one's KV
+transfer endpoint in --kv-transfer-peers, and both with the same --kv-transfer-secret: the fetch between them
+authenticates with it, so the router needs no credential of its own beyond the client's API key, which it
+passes on to both.
 """
 from __future__ import annotations
 
-import json
 import logging
 
 import httpx
@@ -19,6 +24,7 @@ from fastapi.responses import JSONResponse
 from petrel.route.router import (Router, _pass_through, add_completion_routes, forwarded_headers, json_body,
                                  router_base_app)
 from petrel.serve.errors import APIError
+from petrel.serve.limits import DEFAULT_MAX_REQUEST_BYTES
 
 logger = logging.getLogger("petrel.route")
 
@@ -26,10 +32,10 @@ PARAM = "disaggregated_params"
 
 
 def build_disagg_app(prefill_url: str, decode_url: str, health_interval: float = 2.0,
-                     timeout: float = 600.0) -> FastAPI:
+                     timeout: float = 600.0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     router = Router([prefill_url, decode_url])
     prefill, decode = router.backends
-    app, state = router_base_app(router, "petrel route (disaggregated)", health_interval, timeout)
+    app, state = router_base_app(router, "petrel route (disaggregated)", health_interval, timeout, max_request_bytes)
 
     async def send(backend, path: str, body: dict, headers: dict, stream: bool) -> httpx.Response:
         client: httpx.AsyncClient = state["client"]
@@ -60,8 +66,8 @@ def build_disagg_app(prefill_url: str, decode_url: str, health_interval: float =
         answer = await send(prefill, path, context, headers, stream=False)
         if answer.status_code != 200:
             error = _error_param(answer)
-            if answer.status_code == 400 and error == PARAM:   # not splittable: the decode server does it all
-                return await whole_to_decode(path, body, headers)
+            if answer.status_code in (400, 429) and error == PARAM:   # not splittable, or no room to pin now:
+                return await whole_to_decode(path, body, headers)       # the decode server does it all
             return JSONResponse(answer.json(), status_code=answer.status_code)
         params = answer.json()["choices"][0].get(PARAM)
         if not params or not params.get("opaque_state"):      # the first token ended it (EOS, stop, max_tokens=1)
