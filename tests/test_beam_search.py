@@ -128,7 +128,7 @@ def test_select_ends_only_top_ranked_end_tokens():
     bs = BeamSearch(width=2)
     # beam 0: end token 9 is the best candidate overall -> a hypothesis; beam 1's end token ranks below 2 -> dropped
     cands = [[(9, -0.1), (4, -0.5), (5, -2.0)], [(6, -0.2), (7, -0.3), (9, -0.4)]]
-    keep, ended = bs.select(cands, [0.0, -1.0], 3, lambda tok: tok == 9)
+    keep, ended = bs.select(cands, [0.0, -1.0], 3, lambda beam, tok: tok == 9)
     assert [(c.beam, c.token_id) for c in ended] == [(0, 9)]
     assert [(c.beam, c.token_id) for c in keep] == [(0, 4), (1, 6)]
 
@@ -142,3 +142,36 @@ def test_beam_search_params_are_validated():
         SamplingParams(use_beam_search=True, beam_width=2, early_stopping="sometimes")
     with pytest.raises(ValueError, match="beam_width"):
         SamplingParams(beam_width=3)
+
+
+def test_stop_token_sequences_end_beams(tiny):
+    """Beams go through the stop check every sequence does: a one-token stop sequence ends hypotheses exactly as
+    that end token does in transformers (reported as the sequence); a two-token one appears in no output except
+    as the end of a 'stop' one."""
+    t = tiny(2, False)
+    prompts = [_tokens(5 + s, 100 + s) for s in range(4)]
+    width, n, max_tokens = 3, 3, 8
+    params = beam_params(width, n, max_tokens, 0.5, stop_token_sequences=[[218]])
+    results, _ = run_engine(t, [(p, params, ()) for p in prompts])
+    ended = 0
+    for i, prompt in enumerate(prompts):
+        expected, _ = hf_beams(t, prompt, width, n, max_tokens, (218,), 0.5, False)
+        assert [results[i][k].new_token_ids for k in range(n)] == expected
+        for k in range(n):
+            out = results[i][k]
+            stopped = out.new_token_ids[-1] == 218
+            ended += stopped
+            assert (out.finish_reason, out.stop_reason) == (("stop", (218,)) if stopped else ("length", None))
+    assert ended > 0          # (before beams took the one stop check, stop_token_sequences did not end them)
+
+    free, _ = run_engine(t, [(prompts[0], beam_params(width, n, max_tokens), ())])
+    word = free[0][0].new_token_ids[2:4]      # a pair the best beam produces when nothing stops it
+    results, _ = run_engine(t, [(p, beam_params(width, n, max_tokens, stop_token_sequences=[word]), ())
+                                for p in prompts])
+    outputs = [results[i][k] for i in range(len(prompts)) for k in range(n)]
+    for out in outputs:
+        ids = out.new_token_ids
+        inside = [j for j in range(len(ids) - 1) if ids[j:j + 2] == word]
+        assert inside in ([], [len(ids) - 2]), (ids, word)
+        assert (out.stop_reason == tuple(word)) == (inside == [len(ids) - 2])
+    assert any(out.stop_reason == tuple(word) for out in outputs)

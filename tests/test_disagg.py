@@ -23,7 +23,8 @@ import httpx
 import pytest
 
 from petrel import LLM, DisaggregatedParams, SamplingParams
-from petrel.bench_serve import _free_port, start_server
+from petrel.bench.processes import free_port as _free_port
+from petrel.bench.serve import start_server
 from petrel.disagg import KVTransferBusy
 from petrel.disagg.kv_transfer import MAX_CONNECTIONS, KVTransferError, fetch_kv
 from petrel.route import build_disagg_app

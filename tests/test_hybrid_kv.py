@@ -261,7 +261,7 @@ def test_disaggregated_split_moves_every_groups_kv(gemma):
     ctx = make_core(gemma)               # the context instance: prefills, samples one token, pins the prompt's KV
     ctx.add_request(EngineRequest("c", list(prompt), greedy(20), context_only=True))
     outs = [out for _ in range(10) if ctx.has_work for out in ctx.step()]
-    first, handle = outs[-1].new_token_ids, outs[-1].disaggregated_params.opaque_state
+    first, handle = outs[-1].new_token_ids, outs[-1].disaggregated_params.handle   # the engine's PromptHandoff
     assert len(ctx.pinned.pins[handle].blocks) == 3     # every group's blocks of the prompt, none given back
     kv = _export(ctx, handle)
     assert ctx.block_manager.num_free_blocks == ctx.block_manager.num_blocks and kv.shape[:3] == (6, 2, 26)

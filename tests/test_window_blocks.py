@@ -14,8 +14,8 @@ import itertools
 import pytest
 import torch
 
-from petrel.disagg.kv_blocks import gather_prompt_kv, scatter_prompt_kv
 from petrel.engine.block_manager import FREED, BlockManager, held_blocks, num_freed_blocks
+from petrel.engine.kv_export import gather_prompt_kv, scatter_prompt_kv
 from petrel.engine.sequence import EngineRequest, Sequence
 from petrel.sampling_params import SamplingParams
 
@@ -161,6 +161,7 @@ transformers = pytest.importorskip("transformers")
 
 from petrel.config import EngineConfig  # noqa: E402
 from petrel.engine.engine_core import EngineCore  # noqa: E402
+from petrel.engine.kv_capacity import kv_groups_of  # noqa: E402
 from petrel.engine.model_runner import kv_bytes_per_block  # noqa: E402
 from petrel.model.loader import load_model, resolve_model  # noqa: E402
 
@@ -265,5 +266,5 @@ def test_mixed_windows_get_a_block_table_per_group(mistral):
     assert mixed.max_model_len == 16 * MBS
     # a draft model reads the target's block tables with one table of its own: everything stays in one, kept
     drafted = dataclasses.replace(config, speculative_config={"method": "draft_model", "draft_model": "x"})
-    groups = EngineCore._kv_groups(drafted, dataclasses.replace(cfg, sliding_windows=[None, MW]))
+    groups = kv_groups_of(drafted, dataclasses.replace(cfg, sliding_windows=[None, MW]))
     assert groups.windows == (None,) and groups.layers_per_block == 2

@@ -23,8 +23,8 @@ import time
 
 import torch
 
-from petrel.disagg.kv_blocks import gather_prompt_kv
 from petrel.disagg.params import KVTransferStats
+from petrel.engine.kv_export import gather_prompt_kv
 
 logger = logging.getLogger("petrel.disagg")
 

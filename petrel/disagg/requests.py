@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from petrel.config import parse_endpoint
 from petrel.disagg.kv_transfer import fetch_kv
-from petrel.disagg.params import DisaggregatedParams, KVTransferStats
-from petrel.disagg.pinned import PinReservation
+from petrel.disagg.params import DisaggregatedParams, KVTransferBusy, KVTransferStats
+from petrel.engine.pinned_prompts import PinLimitReached, PinReservation
 
 
 def coerce(value) -> DisaggregatedParams | None:
@@ -77,7 +77,10 @@ def reserve_pin(dp: DisaggregatedParams | None, prompt_ids: list[int], pinned, c
     if dp is None or not dp.is_context_only:
         return None
     max_blocks = int(config.kv_transfer_max_pinned_share * pinned.block_manager.num_blocks)
-    return pinned.reserve(len(prompt_ids), config.kv_transfer_max_pinned, max_blocks)
+    try:
+        return pinned.reserve(len(prompt_ids), config.kv_transfer_max_pinned, max_blocks)
+    except PinLimitReached as exc:
+        raise KVTransferBusy(str(exc)) from None
 
 
 def request_options(dp: DisaggregatedParams | None, prompt_ids: list[int], model_config,
@@ -92,3 +95,14 @@ def request_options(dp: DisaggregatedParams | None, prompt_ids: list[int], model
              model_config.head_dim)
     kv, stats = fetch_kv(peer(dp), dp.opaque_state, config.kv_transfer_secret, shape, config.kv_transfer_timeout)
     return {"imported_kv": kv, "first_gen_tokens": list(dp.first_gen_tokens)}, stats
+
+
+def context_params(handoff, endpoint: str | None) -> DisaggregatedParams:
+    """What a context-only request reports: the engine's record of its pinned prompt (a PromptHandoff) as the
+    DisaggregatedParams a decode instance needs, with this instance's KV transfer endpoint."""
+    if isinstance(handoff, DisaggregatedParams):
+        handoff.ctx_info_endpoint = endpoint
+        return handoff
+    return DisaggregatedParams(request_type="context_only", first_gen_tokens=list(handoff.first_gen_tokens),
+                               ctx_request_id=handoff.request_id, opaque_state=handoff.handle,
+                               ctx_info_endpoint=endpoint)

@@ -131,7 +131,7 @@ class ModelRunner:
         self._layer_group = [self.kv_groups.group_of(layer) for layer in range(cfg.num_hidden_layers)]
 
     def layer_tables(self, block_tables: list[list[int]]):
-        """A sequence's table for each layer (its group's), as petrel/disagg/kv_blocks.py takes them; with one
+        """A sequence's table for each layer (its group's), as petrel/engine/kv_export.py takes them; with one
         group, the one table."""
         if self.kv_groups.num_groups == 1:
             return block_tables[0]
@@ -256,7 +256,7 @@ class ModelRunner:
                 k = min(start + n, seq.num_prompt_tokens) - start
                 context_spans.append((seq, start, len(context_rows), k))
                 context_rows.extend(range(row, row + k))
-            num_draft = len(seq.spec_token_ids)
+            num_draft = len(seq.spec.draft_token_ids)
             if start + n == seq.num_tokens + num_draft:   # reaches the end: sample the next token (and verify drafts)
                 sample_seqs.append(seq)
                 first_rows.append(len(sample_rows))

@@ -1,16 +1,22 @@
-"""The one object that carries a sequence's state from admission to finish, and the request that owns it."""
+"""The one object that carries a sequence's state from admission to finish, and the request that owns it.
+
+A Sequence holds what every sequence needs (tokens, KV blocks, status); what only some features need sits in
+three small records on it: `spec` (speculative decoding), `beam` (beam search) and `extra_outputs` (prompt
+logprobs, logits and hidden states a request asked for).
+"""
 from __future__ import annotations
 
 import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Callable
-
-from petrel.engine.beam_search import BeamSearch
+from typing import TYPE_CHECKING, Callable
 
 from petrel.lora import LoRARequest
 from petrel.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from petrel.engine.beam_search import BeamSearch
 
 
 class SequenceStatus(enum.Enum):
@@ -37,7 +43,7 @@ class EngineRequest:
     logits_post_processor: Callable | None = None
     use_batched_post_processor: bool = False   # the engine's batched post-processor applies to this request
     seqs: list["Sequence"] = field(default_factory=list)
-    beam_search: BeamSearch | None = None      # set when params.use_beam_search
+    beam_search: "BeamSearch | None" = None    # set when params.use_beam_search
     compiled_grammar: object = None            # xgrammar CompiledGrammar when params.guided_decoding is set
     finished_indices: set[int] = field(default_factory=set)   # output indices already reported finished
     # disaggregated serving (petrel/disagg): a context-only request stops after its first token and leaves its
@@ -55,6 +61,43 @@ class EngineRequest:
     @property
     def finished(self) -> bool:
         return len(self.finished_indices) == self.params.n
+
+
+@dataclass
+class SpeculativeState:
+    """Speculative decoding: the drafts a sequence verifies this step and its counts so far."""
+    num_lookahead: int = 0                 # draft slots the scheduler reserves beyond the next token
+    draft_token_ids: list[int] = field(default_factory=list)   # this step's drafts, verified after the token_ids
+    num_draft_computed: int = 0            # positions whose K/V a draft model holds
+    num_verify_rounds: int = 0             # steps that verified drafts, so far
+    num_drafted: int = 0                   # draft tokens proposed so far
+    num_accepted: int = 0                  # draft tokens accepted so far
+
+
+@dataclass
+class BeamState:
+    """Beam search: a beam's score and what it waits with until every beam of its request has its candidates."""
+    cum_logprob: float = 0.0               # sum of the output tokens' logprobs
+    token_logprobs: list = field(default_factory=list)   # what the sampler recorded per output token
+    # (best next (token, logprob) pairs, the logprob row, the extra outputs of this row), or None: being computed
+    candidates: tuple | None = None
+
+
+@dataclass
+class ExtraOutputs:
+    """What a request asked of the model besides tokens, gathered as the sequence runs."""
+    prompt_logprobs: list = field(default_factory=list)    # TokenLogprobs of prompt positions 1..
+    context: dict[str, list] = field(default_factory=dict)     # 'logits' / 'hidden_states' -> the prompt's row chunks
+    generation: dict[str, list] = field(default_factory=dict)  # same, one row per output token
+
+    @property
+    def num_context_rows(self) -> int:
+        chunks = next(iter(self.context.values()), [])
+        return sum(c.shape[0] for c in chunks)
+
+    def copy(self) -> "ExtraOutputs":
+        """A beam's own copy: the prompt's outputs shared, the generation rows its own lists."""
+        return ExtraOutputs(self.prompt_logprobs, self.context, {k: list(v) for k, v in self.generation.items()})
 
 
 _seq_ids = itertools.count()
@@ -81,31 +124,16 @@ class Sequence:
         self.finish_reason: str | None = None  # 'stop' | 'length' | 'abort'
         self.stop_reason: int | str | None = None
         self.generator = None                  # torch.Generator when the request has a seed
-        self.prompt_logprobs: list = []        # TokenLogprobs of prompt positions 1.., when asked for
-        self.context_outputs: dict[str, list] = {}      # 'logits' / 'hidden_states' -> row chunks of the prompt
-        self.generation_outputs: dict[str, list] = {}   # same, one row per output token (when asked for)
-        self.cum_logprob = 0.0                 # beam search: sum of the output tokens' logprobs
-        self.token_logprobs: list = []         # beam search: what the sampler recorded per output token
-        self.beam_candidates: list[tuple[int, float]] | None = None   # beam search: best next tokens, waiting for the other beams
         self.grammar = None                    # xgrammar GrammarMatcher of a guided sequence (kept across preemption)
-        # speculative decoding
-        self.num_lookahead = 0                 # draft slots the scheduler reserves beyond the next token
-        self.spec_token_ids: list[int] = []    # this step's draft tokens, verified after the token_ids
-        self.num_draft_computed = 0            # positions whose K/V a draft model holds
-        self.spec_verify_ct = 0                # verify rounds so far
-        self.num_draft_tokens = 0              # draft tokens proposed so far
-        self.num_accepted_tokens = 0           # draft tokens accepted so far
-
-    @property
-    def num_context_rows(self) -> int:
-        chunks = next(iter(self.context_outputs.values()), [])
-        return sum(c.shape[0] for c in chunks)
+        self.spec = SpeculativeState()
+        self.beam = BeamState()
+        self.extra_outputs = ExtraOutputs()
 
     def pending_token_ids(self, n: int) -> list[int]:
         """The next n tokens to compute: the uncomputed token_ids, then the draft tokens."""
         start = self.num_computed_tokens
         tokens = self.token_ids[start:start + n]
-        return tokens + self.spec_token_ids[:n - len(tokens)]
+        return tokens + self.spec.draft_token_ids[:n - len(tokens)]
 
     @property
     def block_table(self) -> list[int]:

@@ -1,4 +1,9 @@
-"""Draft proposers for speculative decoding: each proposes up to k next tokens per decoding sequence.
+"""Speculative decoding: the draft proposers, and the `Speculator` that runs them in the engine step.
+
+Each proposer proposes up to k next tokens per decoding sequence. The Speculator decides before scheduling how
+many drafts each running sequence may verify (the scheduler reserves that room), fills the drafts once the batch
+is known, and after the step counts what was verified; the sampler verifies the drafts row by row, and each
+accepted one is appended (and stop-checked) like a sampled token.
 
 Drafts are proposed greedily (a point mass on one token), so the verifying sampler's rule is simple and
 exact: a greedy row keeps a draft token while it equals the target's argmax; a sampled row accepts draft d
@@ -10,7 +15,8 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from petrel.config import SpeculativeConfig
+from petrel.config import EngineConfig, SpeculativeConfig
+from petrel.engine.engine_output import EngineOutput
 from petrel.engine.model_runner import ModelRunner, QuerySpan
 from petrel.engine.sequence import Sequence
 
@@ -52,7 +58,7 @@ class ModelDrafter:
         drafts: list[list[int]] = [[] for _ in seqs]
         spans = []
         for seq in seqs:
-            start = seq.num_draft_computed if self.own_cache else seq.num_computed_tokens
+            start = seq.spec.num_draft_computed if self.own_cache else seq.num_computed_tokens
             spans.append(QuerySpan.of(seq, seq.token_ids[start:], start))
         active = list(range(len(seqs)))
         while active:
@@ -63,7 +69,7 @@ class ModelDrafter:
             spans = [QuerySpan.of(seqs[i], [drafts[i][-1]], seqs[i].num_tokens + len(drafts[i]) - 1) for i in active]
         if self.own_cache:
             for seq, draft in zip(seqs, drafts):
-                seq.num_draft_computed = seq.num_tokens + len(draft) - 1   # the last draft token is not fed back
+                seq.spec.num_draft_computed = seq.num_tokens + len(draft) - 1   # the last draft token is not fed back
         return drafts
 
 
@@ -80,3 +86,72 @@ def build_proposer(cfg: SpeculativeConfig, target: ModelRunner, draft: ModelRunn
     if draft is None:
         raise ValueError("speculative method 'draft_model' needs a loaded draft model")
     return ModelDrafter(draft, None, own_cache=True)
+
+
+class Speculator:
+    """Speculative decoding in the engine step (petrel/engine/engine_core.py): lookahead, drafts, bookkeeping."""
+
+    def __init__(self, config: EngineConfig, target: ModelRunner, draft_model, num_blocks: int, max_model_len: int):
+        """draft_model: (model, model_config) for method 'draft_model'; it gets a cache of num_blocks blocks,
+        indexed by the target's block tables."""
+        self.config = config.speculative_config
+        draft = None
+        if draft_model is not None:
+            draft = ModelRunner(draft_model[0], draft_model[1], num_blocks, config.block_size, config.torch_dtype,
+                                config.device)
+        self.proposer = build_proposer(self.config, target, draft)
+        self.max_model_len = max_model_len
+
+    def reserve_lookahead(self, running: list[Sequence]) -> None:
+        """Before scheduling: the draft slots each running sequence may use this step."""
+        for seq in running:
+            seq.spec.num_lookahead = self._lookahead(seq)
+
+    def _lookahead(self, seq: Sequence) -> int:
+        """How many draft tokens a running sequence may verify next step (0: decode plainly)."""
+        p = seq.params
+        if p.use_beam_search or seq.num_output_tokens == 0 or seq.num_computed_tokens != seq.num_tokens - 1:
+            return 0
+        k = min(self.config.num_speculative_tokens, self.max_model_len - seq.num_tokens)
+        if p.max_tokens is not None:
+            k = min(k, p.max_tokens - seq.num_output_tokens - 1)   # the step emits at most drafts + 1 tokens
+        return max(k, 0)
+
+    def propose(self, batch) -> None:
+        """Fill the draft tokens of the sequences the scheduler gave lookahead room, and fit the batch to them."""
+        picked = [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
+                  if n > 1 and seq.num_computed_tokens == seq.num_tokens - 1]
+        if not picked:
+            return
+        seqs = [batch.seqs[i] for i in picked]
+        drafts = self.proposer.propose(seqs, [batch.num_new_tokens[i] - 1 for i in picked])
+        for i, seq, draft in zip(picked, seqs, drafts):
+            seq.spec.draft_token_ids = draft[:batch.num_new_tokens[i] - 1]
+            batch.num_new_tokens[i] = 1 + len(seq.spec.draft_token_ids)
+        batch.put_decodes_first()   # a sequence left without drafts is a plain decode again
+
+    @staticmethod
+    def report(out: EngineOutput, seq: Sequence) -> None:
+        """The sequence's verify rounds so far (this step's included) on its output; on its final output, the
+        drafts accepted per round."""
+        out.spec_verify_ct = seq.spec.num_verify_rounds + (1 if seq.spec.draft_token_ids else 0)
+        if out.finish_reason is not None:
+            out.accept_draft_tokens = seq.spec.num_accepted / out.spec_verify_ct if out.spec_verify_ct else 0.0
+
+    @staticmethod
+    def finish_verification(batch, block_manager) -> int:
+        """After the step: accepted drafts are computed K/V; clear the drafts. Returns the number of drafts."""
+        num_draft = 0
+        for seq in batch.seqs:
+            spec = seq.spec
+            if not spec.draft_token_ids:
+                continue
+            num_draft += len(spec.draft_token_ids)
+            spec.num_verify_rounds += 1
+            spec.num_drafted += len(spec.draft_token_ids)
+            spec.draft_token_ids = []
+            if not seq.is_finished:
+                seq.num_computed_tokens = seq.num_tokens - 1
+                spec.num_draft_computed = min(spec.num_draft_computed, seq.num_computed_tokens)
+                block_manager.cache_computed_blocks(seq)
+        return num_draft

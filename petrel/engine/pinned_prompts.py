@@ -1,8 +1,9 @@
 """Prompt KV blocks a context-only request left behind, pinned (ref-counted) until fetched or expired.
 
-The pins live in the engine core and are only touched by the engine loop thread. A pin holds one reference on
-each block that covers the prompt, so neither the scheduler nor the prefix cache's eviction can reuse them;
-taking the pin (a fetch) or its expiry gives the references back.
+Disaggregated serving (petrel/disagg) hands a prompt's KV from a context (prefill) instance to a decode one. The
+pins live in the engine core (`EngineCore.pinned`) and are only touched by the engine loop thread. A pin holds
+one reference on each block that covers the prompt, so neither the scheduler nor the prefix cache's eviction can
+reuse them; taking the pin (a fetch) or its expiry gives the references back.
 
 What context-only requests may hold is capped: a front reserves room for a prompt before queueing it (`reserve`,
 any thread) and keeps the reservation until the request finished; a pin counts from the moment it is made until
@@ -16,8 +17,20 @@ import threading
 import time
 from dataclasses import dataclass
 
-from petrel.disagg.params import KVTransferBusy
 from petrel.engine.block_manager import BlockManager
+
+
+class PinLimitReached(Exception):
+    """The pinned and reserved prompts are at their cap: retry later (the front reports it as KVTransferBusy)."""
+
+
+@dataclass
+class PromptHandoff:
+    """What a context-only request leaves for the instance that decodes it: the request, the token(s) it
+    sampled, and the handle that fetches its pinned prompt KV."""
+    request_id: object
+    first_gen_tokens: list[int]
+    handle: str
 
 
 @dataclass
@@ -49,8 +62,8 @@ class PinnedPrompts:
         return -(-num_tokens // self.block_manager.block_size) * self.block_manager.num_groups
 
     def reserve(self, num_tokens: int, max_prompts: int, max_blocks: int) -> "PinReservation":
-        """Room for one more context-only prompt, held until the reservation is released. KVTransferBusy when
-        the prompts pinned or reserved already hold max_prompts or would pass max_blocks; ValueError when this
+        """Room for one more context-only prompt, held until the reservation is released. PinLimitReached
+        when the prompts pinned or reserved already hold max_prompts or would pass max_blocks; ValueError when this
         prompt alone needs more than max_blocks."""
         blocks = self.prompt_blocks(num_tokens)
         if blocks > max_blocks:
@@ -59,7 +72,7 @@ class PinnedPrompts:
                              "blocks, kv_transfer_max_pinned_share)")
         with self._lock:
             if self._held_prompts >= max_prompts or self._held_blocks + blocks > max_blocks:
-                raise KVTransferBusy(
+                raise PinLimitReached(
                     f"disaggregated_params: {self._held_prompts} prompts' KV ({self._held_blocks} blocks) is pinned "
                     f"for decode instances or being prefilled to be; this server allows {max_prompts} prompts and "
                     f"{max_blocks} of its {self.block_manager.num_blocks} blocks (kv_transfer_max_pinned, "
@@ -96,6 +109,10 @@ class PinnedPrompts:
         with self._lock:
             self._add(1, pin.num_blocks)
         return handle
+
+    def hand_off(self, seq, token: int) -> PromptHandoff:
+        """A context-only sequence whose prefill is done (its first token sampled): pin its prompt's KV."""
+        return PromptHandoff(seq.request.request_id, [token], self.pin(seq.block_tables, seq.num_prompt_tokens))
 
     def take(self, handle: str) -> PinnedPrompt | None:
         """The pin (its blocks still held: call release() once they are read), or None: unknown or expired."""

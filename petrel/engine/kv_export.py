@@ -1,4 +1,5 @@
-"""Read a prompt's K/V out of the paged cache, and write one into freshly allocated blocks.
+"""A prompt's K/V out of the paged cache, and into freshly allocated blocks: what disaggregated serving moves
+between instances (petrel/disagg), read and written on the engine's side.
 
 The transferred form is block-free: one tensor [layers, 2 (key, value), tokens, kv_heads, head_dim], so the
 two instances may use different block sizes. Each layer's cache is [2, num_blocks, block_size, kv_heads,
@@ -65,3 +66,10 @@ def scatter_prompt_kv(kv_caches: list[torch.Tensor], block_table, kv: torch.Tens
         first = _first_held_position(table, kv.shape[2], block_size)   # 0 for freshly allocated blocks
         slots = _slots(table, first, kv.shape[2], block_size, cache.device)
         _flat(cache)[:, slots] = layer[:, first:].to(device=cache.device, dtype=cache.dtype)
+
+
+def write_imported_kv(runner, seq) -> None:
+    """Before a generation-only sequence's first step: the prompt KV it brought (fetched by the front) into its
+    new blocks, through each layer's table (runner.layer_tables); the request lets go of the tensor."""
+    scatter_prompt_kv(runner.kv_caches, runner.layer_tables(seq.block_tables), seq.request.imported_kv)
+    seq.request.imported_kv = None
