@@ -1,9 +1,10 @@
-"""What petrel hands back: per-step OutputChunks (one stream for every API) and the RequestOutput built from them."""
+"""What petrel hands back: per-step OutputChunks (one stream for every API) and the RequestOutput built from them
+(by petrel/request_output_builder.py, on the consumer's side)."""
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple
+from typing import Any, Callable, Literal, NamedTuple
 
 FinishReason = Literal["stop", "length", "timeout", "cancelled"]
 
@@ -54,6 +55,57 @@ class OutputChunk:
     additional_context_outputs: dict | None = None     # name -> [prompt_len, ...], in the first chunk
     additional_generation_outputs: dict | None = None  # name -> [len(output_ids), ...]
     disaggregated_params: Any = None             # a context-only request's DisaggregatedParams (its last chunk)
+
+    @property
+    def error(self) -> str | None:
+        """The message of an abort that is an error (not a cancel or a timeout), else None."""
+        if self.finish_reason != "abort":
+            return None
+        message = self.finish_details.message if self.finish_details is not None else None
+        return None if message in ("cancelled", "timeout") else message
+
+    @property
+    def completion_finish_reason(self) -> FinishReason | None:
+        """The finish reason as CompletionOutput reports it: stop | length | timeout | cancelled (an abort is a
+        timeout when it timed out, else cancelled)."""
+        if self.finish_reason != "abort":
+            return self.finish_reason
+        return "timeout" if self.finish_details is not None and self.finish_details.message == "timeout" \
+            else "cancelled"
+
+    @property
+    def completion_stop_reason(self) -> int | tuple | str | None:
+        """What stopped the sequence when it finished with 'stop': the stop string, else the stop token(s)."""
+        details = self.finish_details
+        if self.finish_reason != "stop" or details is None:
+            return None
+        return details.matched_stop if details.matched_stop is not None else details.matched_token
+
+    def logprob_entries(self, decode: Callable[[int], str] | None = None) -> list[TokenLogprobs]:
+        """This step's tokens' logprobs as the API reports them (empty when not asked for)."""
+        if self.output_top_logprobs is None:
+            return []
+        return [logprob_entry(tok, lp, rank, top, decode) for tok, lp, rank, top in
+                zip(self.output_ids, self.output_token_logprobs, self.output_token_ranks, self.output_top_logprobs)]
+
+    def prompt_logprob_entries(self, decode: Callable[[int], str] | None = None) -> list[TokenLogprobs | None] | None:
+        """The prompt's logprobs as the API reports them (None for the first position), in the chunk that has them."""
+        if self.input_token_logprobs is None:
+            return None
+        values, tokens = self.input_token_logprobs
+        return [None] + [logprob_entry(tokens[i], values[i], self.input_token_ranks[i], self.input_top_logprobs[i],
+                                       decode) for i in range(1, len(values))]
+
+
+def logprob_entry(token: int, logprob: float, rank: int, top, decode: Callable[[int], str] | None = None
+                  ) -> TokenLogprobs:
+    """The sampled token's Logprob and its top alternatives' (ranked from 1), as the API reports them; with
+    `decode`, each carries its token's text."""
+    entry = {token: Logprob(logprob, rank, decode(token) if decode else None)}
+    for r, (tid, tlp) in enumerate(top, start=1):
+        if tid not in entry:
+            entry[tid] = Logprob(tlp, r, decode(tid) if decode else None)
+    return entry
 
 
 @dataclass

@@ -65,8 +65,8 @@ def _inject(llm, where: str) -> KillSwitch:
     error = LoopKiller("injected")
     if where == "step":           # a BaseException from inside a step (core.step catches only Exception)
         return KillSwitch(llm.engine.core, "step", error)
-    if where == "dispatch":       # from _dispatch, outside the step's guard
-        return KillSwitch(llm.engine.output_processor, "process", error)
+    if where == "dispatch":       # from _dispatch (handing a step's outputs over), outside the step's guard
+        return KillSwitch(llm.engine, "_dispatch", error)
     raise AssertionError(where)
 
 
@@ -103,7 +103,7 @@ def test_requests_in_flight_and_queued_get_an_error_when_the_loop_dies(llm, wher
         for _ in streamed:
             pass
     assert time.monotonic() - t0 < 5.0
-    assert all(co.finish_reason == "cancelled" for f in (first, queued, streamed) for co in f._output.outputs)
+    assert all(co.finish_reason == "cancelled" for f in (first, queued, streamed) for co in f._builder.result().outputs)
     _assert_dead(llm)
 
 

@@ -1,4 +1,7 @@
-"""The engine loop, apart from its callers: commands in through a queue, OutputChunks out to per-request sinks."""
+"""The engine loop, apart from its callers: commands in through a queue, each step's raw EngineOutputs out to
+per-request sinks. The loop does engine work only: detokenizing, stop strings, logprob text and the API's output
+objects run on the consumer's side (petrel/request_future.py, the executor, the server), which sends a stop string it
+found back as a command (finish_sequence)."""
 from __future__ import annotations
 
 import logging
@@ -13,8 +16,8 @@ import torch
 
 from petrel.config import EngineConfig
 from petrel.engine.engine_core import EngineCore
+from petrel.engine.engine_output import EngineOutput
 from petrel.engine.grammar import GrammarCompiler
-from petrel.engine.output_processor import OutputProcessor
 from petrel.engine.sequence import EngineRequest
 from petrel.distributed.group import threads_per_rank
 from petrel.distributed.runner import start_workers
@@ -22,12 +25,23 @@ from petrel.engine.model_runner import ExecutorDied
 from petrel.model.loader import load_model, load_model_config, resolve_model
 from petrel.model.parallel import SINGLE, check_tensor_parallel
 from petrel.model.tokenizer import load_tokenizer
-from petrel.outputs import FinishDetails, OutputChunk
 
 logger = logging.getLogger("petrel")
 
-ChunkSink = Callable[[OutputChunk], None]
+OutputSink = Callable[[EngineOutput], None]   # called on the loop thread: must only hand the output over
 STEP_STALL_LIMIT = 60.0   # seconds one engine step may run before check_health stops taking it as a sign of life
+
+
+class RequestRoute:
+    """Where a request's outputs go, and which of its sequences the engine has not ended yet. add_request returns
+    it; finish_sequence takes it back, so a command can never reach a later request that reuses the id."""
+    __slots__ = ("request_id", "sink", "unfinished", "num_sequences")
+
+    def __init__(self, request_id, sink: OutputSink, params):
+        self.request_id = request_id
+        self.sink = sink
+        self.unfinished = set(range(params.n))             # loop thread only
+        self.num_sequences = max(params.n, params.num_beams)   # what a server's queue limit counts
 
 
 class LLMEngine:
@@ -45,11 +59,10 @@ class LLMEngine:
                 workers.shutdown()
             raise
         self.stats_history: deque = deque(maxlen=stats_history)   # IterationStats of recent steps
-        self.output_processor = OutputProcessor(self.tokenizer)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._sinks: dict[object, list] = {}      # request_id -> [sink, sequences not finished yet] (loop thread)
-        self._in_flight: dict = {}                 # request id added and not finished -> its sequences (any thread,
-                                                   # under the lock)
+        self._routes: dict[object, RequestRoute] = {}   # request id -> its route, from "add" to its end (loop thread)
+        self._in_flight: dict[object, RequestRoute] = {}   # request id added and not finished (any thread, under
+                                                            # the lock)
         self._in_flight_lock = threading.Lock()
         self._grammar_compiler: GrammarCompiler | None = None
         self._deadlines: dict[object, float] = {}
@@ -105,10 +118,13 @@ class LLMEngine:
         return bm.num_blocks // bm.num_groups * bm.block_size
 
     # ------------------------------------------------------------------ caller side (any thread)
-    def add_request(self, request_id, prompt_token_ids: list[int], params, sink: ChunkSink,
-                    timeout: float | None = None, cache_salt: str | None = None, **request_options) -> None:
-        """Validate (ValueError to the caller), then queue the request for the engine loop.
+    def add_request(self, request_id, prompt_token_ids: list[int], params, sink: OutputSink,
+                    timeout: float | None = None, cache_salt: str | None = None, **request_options) -> RequestRoute:
+        """Validate (ValueError to the caller), then queue the request for the engine loop; returns its route (for
+        finish_sequence).
 
+        sink: called on the loop thread with each of the request's EngineOutputs, every sequence ending with one
+        that has a finish_reason; it should only hand the output over (e.g. OutputQueue.put).
         request_options: EngineRequest fields the executor sets (client_id, logits_post_processor,
         use_batched_post_processor, priority)."""
         self._raise_if_closed()
@@ -135,13 +151,15 @@ class LLMEngine:
                                 **request_options)
         if timeout is not None:
             request.deadline = request.arrival_time + timeout
+        route = RequestRoute(request_id, sink, params)
         with self._in_flight_lock:   # queued under the lock: a loop that has closed never misses it
             if self._closed:
                 self._raise_if_closed(closed=True)
             if request_id in self._in_flight:
                 raise ValueError(f"request_id {request_id!r} is already in flight")
-            self._in_flight[request_id] = max(params.n, params.num_beams)
-            self._commands.put(("add", request, sink))
+            self._in_flight[request_id] = route
+            self._commands.put(("add", request, route))
+        return route
 
     def _raise_if_closed(self, closed: bool = False) -> None:
         """RuntimeError if the engine takes no new work: its loop died (naming why) or it was shut down."""
@@ -172,6 +190,17 @@ class LLMEngine:
     def abort_request(self, request_id, message: str = "cancelled") -> None:
         self._commands.put(("abort", request_id, message))
 
+    def finish_sequence(self, route: RequestRoute, index: int, stop_reason, request_finished: bool = False) -> None:
+        """The consumer found a stop string in sequence `index`: the loop ends it before its next step (whatever the
+        engine produced for it meanwhile, the consumer drops). request_finished: every sequence of the request has
+        ended for the consumer; the request stops counting as in flight now (its id may be used again at once: the
+        loop ends it before it takes any later command)."""
+        with self._in_flight_lock:
+            if request_finished and self._in_flight.get(route.request_id) is route:
+                del self._in_flight[route.request_id]
+            if not self._closed:
+                self._commands.put(("finish", route, index, stop_reason))
+
     def abort_all(self, message: str) -> None:
         """End every request in flight with an abort carrying `message` (e.g. a server shutting down)."""
         self._commands.put(("abort_all", message))
@@ -186,7 +215,7 @@ class LLMEngine:
     def num_unfinished_sequences(self) -> int:
         """Sequences the unfinished requests run (n, or the beam width, each): what a server's queue limit counts."""
         with self._in_flight_lock:
-            return sum(self._in_flight.values())
+            return sum(route.num_sequences for route in self._in_flight.values())
 
     def call(self, fn: Callable, timeout: float | None = 30.0):
         """Run fn(core) inside the engine loop and return its result (a health check, stats, tests)."""
@@ -288,20 +317,30 @@ class LLMEngine:
     def _handle(self, cmd) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, request, sink = cmd
-            self._sinks[request.request_id] = [sink, request.params.n]
+            _, request, route = cmd
+            self._routes[request.request_id] = route
             if request.deadline is not None:
                 self._deadlines[request.request_id] = request.deadline
-            self.output_processor.add_request(request.request_id, request.prompt_token_ids, request.params)
             self.core.add_request(request)
+        elif kind == "finish":
+            self._finish_sequence(*cmd[1:])
         elif kind == "abort":
             _, request_id, message = cmd
             self._dispatch(self.core.abort_request(request_id, message))
         elif kind == "abort_all":
-            for request_id in list(self._sinks):
+            for request_id in list(self._routes):
                 self._dispatch(self.core.abort_request(request_id, cmd[1]))
         elif kind == "call":
             cmd[1](self.core)
+
+    def _finish_sequence(self, route: RequestRoute, index: int, stop_reason) -> None:
+        """End a sequence the consumer found a stop string in, unless the engine ended it first; its sink still gets
+        the sequence's last output (a stop with nothing new), so every sink sees every sequence end."""
+        if self._routes.get(route.request_id) is not route or index not in route.unfinished:
+            return
+        self.core.finish_sequence(route.request_id, index, stop_reason)
+        self._deliver(route, EngineOutput(route.request_id, index, [], finish_reason="stop", stop_reason=stop_reason,
+                                          timestamp=time.monotonic()))
 
     def _expire_deadlines(self) -> None:
         if not self._deadlines:
@@ -310,25 +349,26 @@ class LLMEngine:
         for request_id in [r for r, t in self._deadlines.items() if t <= now]:
             self._dispatch(self.core.abort_request(request_id, "timeout"))
 
-    def _dispatch(self, outputs) -> None:
+    def _dispatch(self, outputs: list[EngineOutput]) -> None:
+        """Hand each output to its request's sink: all the loop does with a step's outputs."""
         for out in outputs:
-            chunk, matched_stop = self.output_processor.process(out)
-            if matched_stop is not None:
-                self.core.finish_sequence(out.request_id, out.index, matched_stop)
-            entry = self._sinks.get(out.request_id)
-            if entry is None:
-                continue
-            if chunk.finish_reason is not None:
-                entry[1] -= 1
-                if entry[1] == 0:
-                    del self._sinks[out.request_id]
-                    with self._in_flight_lock:
-                        self._in_flight.pop(out.request_id, None)
-                    self._deadlines.pop(out.request_id, None)
-            try:
-                entry[0](chunk)
-            except Exception:  # noqa: BLE001 - a caller's sink must not stop the engine
-                logger.exception("output sink for request %r failed", out.request_id)
+            route = self._routes.get(out.request_id)
+            if route is not None and out.index in route.unfinished:
+                self._deliver(route, out)
+
+    def _deliver(self, route: RequestRoute, out: EngineOutput) -> None:
+        if out.finish_reason is not None:
+            route.unfinished.discard(out.index)
+            if not route.unfinished:    # the request's last output: forget it
+                del self._routes[route.request_id]
+                self._deadlines.pop(route.request_id, None)
+                with self._in_flight_lock:
+                    if self._in_flight.get(route.request_id) is route:
+                        del self._in_flight[route.request_id]
+        try:
+            route.sink(out)
+        except Exception:  # noqa: BLE001 - a caller's sink must not stop the engine
+            logger.exception("output sink for request %r failed", route.request_id)
 
     def _fail_all(self, message: str) -> None:
         while True:   # requests still queued get their answer too
@@ -337,21 +377,20 @@ class LLMEngine:
             except queue.Empty:
                 break
             if cmd[0] == "add":
-                self._sinks[cmd[1].request_id] = [cmd[2], cmd[1].params.n]
+                self._routes[cmd[1].request_id] = cmd[2]
             elif cmd[0] == "call":
                 cmd[1](self.core)
-        for request_id in list(self._sinks):
+        for request_id in list(self._routes):
             try:
                 self._dispatch(self.core.abort_request(request_id, message))
-            except BaseException:  # noqa: BLE001 - a broken core or output processor: answered below instead
+            except BaseException:  # noqa: BLE001 - a broken core or dispatch: answered below instead
                 logger.exception("aborting request %r failed", request_id)
-        for request_id, (sink, _) in list(self._sinks.items()):  # queued but never added to the core, or not aborted
-            try:
-                sink(OutputChunk(request_id, -1, [], "", "abort", 0, 0, 0,
-                                 finish_details=FinishDetails("abort", message=message)))
-            except BaseException:  # noqa: BLE001 - one caller's sink must not keep the others waiting
-                logger.exception("output sink for request %r failed", request_id)
-        self._sinks.clear()
+        for route in list(self._routes.values()):  # queued but never added to the core, or not aborted
+            for index in sorted(route.unfinished):
+                try:
+                    route.sink(EngineOutput(route.request_id, index, [], finish_reason="abort", abort_message=message))
+                except BaseException:  # noqa: BLE001 - one caller's sink must not keep the others waiting
+                    logger.exception("output sink for request %r failed", route.request_id)
+        self._routes.clear()
         with self._in_flight_lock:
             self._in_flight.clear()
-        self.output_processor.requests.clear()

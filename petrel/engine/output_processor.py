@@ -1,69 +1,51 @@
-"""Engine-core outputs -> OutputChunks: detokenize, check stop strings, format logprobs, keep counts."""
+"""One request's EngineOutputs -> OutputChunks, on the consumer's side (a caller's thread, the server's event loop),
+never in the engine loop: incremental detokenization, stop strings, logprob lists, finish details.
+
+A stop string is found here, after the engine already moved on: the consumer then tells the engine loop to end that
+sequence (LLMEngine.finish_sequence) and drops whatever the engine produced for it meanwhile, so the visible output
+ends exactly where it would have had the loop found the stop string itself.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from petrel.engine.detokenizer import IncrementalDetokenizer
-from petrel.engine.sampler import TokenLogprobs
+from petrel.engine.engine_output import EngineOutput  # noqa: F401 - defined there; imported from here by older code
 from petrel.outputs import FinishDetails, OutputChunk
 
 
-@dataclass
-class EngineOutput:
-    """One sequence's result of one step, as the core reports it (plain data, could cross processes)."""
-    request_id: object
-    index: int
-    new_token_ids: list[int]
-    new_logprobs: list[TokenLogprobs] | None = None
-    prompt_logprobs: list[TokenLogprobs] | None = None   # for prompt positions 1.. (position 0 has none)
-    finish_reason: str | None = None     # 'stop' | 'length' | 'abort'
-    stop_reason: int | str | None = None
-    abort_message: str | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
-    timestamp: float = 0.0
-    scheduled_time: float | None = None  # when the request was first scheduled (monotonic)
-    cumulative_logprob: float | None = None   # beam search: the beam's sum of logprobs
-    context_logits: object = None              # [prompt_len, vocab] tensor, once, when asked for
-    generation_logits: object = None           # [len(new_token_ids), vocab] tensor, when asked for
-    additional_context_outputs: dict | None = None
-    additional_generation_outputs: dict | None = None
-    spec_verify_ct: int | None = None          # speculative decoding: verify rounds so far
-    accept_draft_tokens: float | None = None   # accepted draft tokens per verify round, on the final output
-    disaggregated_params: object = None        # a context-only request's DisaggregatedParams, on its output
+class RequestOutputProcessor:
+    """Turns one request's raw outputs into OutputChunks, in order; one instance per request, used by one consumer
+    at a time."""
 
-
-@dataclass
-class _RequestState:
-    prompt_token_ids: list[int]
-    params: object
-    detokenizers: dict[int, IncrementalDetokenizer | None] = field(default_factory=dict)
-    finished: set[int] = field(default_factory=set)
-
-
-class OutputProcessor:
-    def __init__(self, tokenizer):
+    def __init__(self, request_id, tokenizer, prompt_token_ids: list[int], params):
+        self.request_id = request_id
         self.tokenizer = tokenizer
-        self.requests: dict[object, _RequestState] = {}
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.num_sequences = params.n
+        self.finished: set[int] = set()     # sequences whose last chunk was made (later outputs of them are dropped)
+        self._detokenizers: dict[int, IncrementalDetokenizer | None] = {}
 
-    def add_request(self, request_id, prompt_token_ids: list[int], params) -> None:
-        self.requests[request_id] = _RequestState(prompt_token_ids, params)
+    @property
+    def all_finished(self) -> bool:
+        return len(self.finished) >= self.num_sequences
 
-    def _detokenizer(self, req: _RequestState, index: int) -> IncrementalDetokenizer | None:
-        if index not in req.detokenizers:
-            p = req.params
+    def _detokenizer(self, index: int) -> IncrementalDetokenizer | None:
+        if index not in self._detokenizers:
+            p = self.params
             detok = None
             if p.detokenize and self.tokenizer is not None:
-                detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens,
+                detok = IncrementalDetokenizer(self.tokenizer, self.prompt_token_ids, p.skip_special_tokens,
                                                p.stop, p.include_stop_str_in_output)
-            req.detokenizers[index] = detok
-        return req.detokenizers[index]
+            self._detokenizers[index] = detok
+        return self._detokenizers[index]
 
-    def process(self, out: EngineOutput) -> tuple[OutputChunk, str | None]:
-        """Returns the chunk, and the stop string when one matched (the caller then ends the sequence)."""
-        req = self.requests[out.request_id]
-        detokenizer = self._detokenizer(req, out.index)
+    def process(self, out: EngineOutput) -> tuple[OutputChunk | None, str | None]:
+        """(the chunk, the stop string when one matched: the caller then has the engine end the sequence).
+        (None, None) for an output of a sequence already finished here (the engine had not heard of its stop
+        string yet, or reports the end it was told)."""
+        if out.index in self.finished:
+            return None, None
+        detokenizer = self._detokenizer(out.index)
         matched = None
         text = ""
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
@@ -96,7 +78,7 @@ class OutputProcessor:
         if dropped and chunk.generation_logits is not None:
             chunk.generation_logits = chunk.generation_logits[:len(new_ids)]
         if out.prompt_logprobs is not None:
-            first = req.prompt_token_ids[:1]
+            first = self.prompt_token_ids[:1]
             chunk.input_token_logprobs = ([None] + [lp.logprob for lp in out.prompt_logprobs],
                                           first + [lp.token_id for lp in out.prompt_logprobs])
             chunk.input_top_logprobs = [None] + [lp.top for lp in out.prompt_logprobs]
@@ -107,10 +89,18 @@ class OutputProcessor:
                 matched_token=stop_reason if isinstance(stop_reason, (int, tuple)) else None,
                 matched_stop=stop_reason if isinstance(stop_reason, str) else None,
                 message=out.abort_message)
-            req.finished.add(out.index)
-            if len(req.finished) == req.params.n:
-                del self.requests[out.request_id]
+            self.finished.add(out.index)
+            self._detokenizers.pop(out.index, None)
         return chunk, matched
 
-    def request_done(self, request_id) -> None:
-        self.requests.pop(request_id, None)
+    def fail(self, message: str) -> list[OutputChunk]:
+        """End every sequence not finished yet with an abort carrying `message` (the consumer could not process
+        this request's output; the caller aborts it in the engine)."""
+        chunks = []
+        for index in range(self.num_sequences):
+            if index not in self.finished:
+                self.finished.add(index)
+                chunks.append(OutputChunk(self.request_id, index, [], "", "abort", len(self.prompt_token_ids), 0, 0,
+                                          finish_details=FinishDetails("abort", message=message)))
+        self._detokenizers.clear()
+        return chunks

@@ -12,10 +12,13 @@ executor spec:
   requests with beams also get only that final Result. Requests of different beam widths run in the same
   steps (no reconfiguration between widths).
 A malformed request gets a Response with an error (never an exception from the loop); other requests go on.
+The engine loop only queues each request's raw outputs; they become chunks and Responses on the thread that awaits
+(or counts) responses.
 """
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -25,10 +28,14 @@ import torch
 from petrel.config import EngineConfig
 from petrel.engine.block_manager import held_blocks
 from petrel.engine.llm_engine import LLMEngine
+from petrel.engine.output_processor import RequestOutputProcessor
+from petrel.engine.output_queue import OutputQueue
 from petrel.executor.types import (AdditionalOutput, ExecutorConfig, FinishReason, LogitsPostProcessorConfig,
                                    Request, RequestStage, RequestStats, Response, Result)
 from petrel.outputs import OutputChunk
 from petrel.sampling_params import SamplingParams
+
+logger = logging.getLogger("petrel")
 
 
 @dataclass
@@ -44,10 +51,11 @@ class _Sequence:
 
 
 class _RequestState:
-    def __init__(self, request_id: int, request: Request, params: SamplingParams):
+    def __init__(self, request_id: int, request: Request, params: SamplingParams, processor: RequestOutputProcessor):
         self.request_id = request_id
         self.request = request
         self.params = params
+        self.processor = processor      # its raw outputs -> chunks (token ids only: no detokenizing, no stop strings)
         self.seqs = [_Sequence() for _ in range(params.n)]
         self.context_logits = None
         self.context_outputs: dict = {}
@@ -67,7 +75,8 @@ class Executor:
         self._engine = LLMEngine(engine_config, batched_post_processor=lpp.processor_batched,
                                  stats_history=self.config.iter_stats_max_iterations)
         self._ids = itertools.count(1)
-        self._cond = threading.Condition()
+        self._outputs = OutputQueue()     # (request state, raw EngineOutput), from the engine loop
+        self._lock = threading.Lock()     # the consumer side: processing, _ready and _states
         self._ready: list[Response] = []
         self._states: dict[int, _RequestState] = {}
         self._shutdown = False
@@ -84,17 +93,18 @@ class Executor:
         request_id = next(self._ids)
         try:
             params, options = self._translate(request)
-            state = _RequestState(request_id, request, params)
-            with self._cond:
+            ids = list(request.input_token_ids)
+            state = _RequestState(request_id, request, params,
+                                  RequestOutputProcessor(request_id, self._engine.tokenizer, ids, params))
+            with self._lock:
                 self._states[request_id] = state
-            self._engine.add_request(request_id, list(request.input_token_ids), params,
-                                     lambda chunk, s=state: self._on_chunk(s, chunk),
+            self._engine.add_request(request_id, ids, params, lambda out, s=state: self._outputs.put((s, out)),
                                      cache_salt=request.cache_salt, **options)
         except (ValueError, TypeError) as exc:
-            with self._cond:
+            with self._lock:
                 self._states.pop(request_id, None)
                 self._ready.append(Response(request_id, error_msg=str(exc), client_id=request.client_id))
-                self._cond.notify_all()
+            self._outputs.wake()
         return request_id
 
     def enqueue_requests(self, requests: list[Request]) -> list[int]:
@@ -159,16 +169,24 @@ class Executor:
             raise ValueError(f"priority must be in [0, 1], got {request.priority!r}")
         return params, options
 
-    # ------------------------------------------------------------------ chunks -> responses (engine thread)
-    def _on_chunk(self, state: _RequestState, chunk: OutputChunk) -> None:
-        responses = self._responses(state, chunk)
-        if not responses:
-            return
-        with self._cond:
+    # ------------------------------------------------------------------ outputs -> responses (the caller's thread)
+    def _process_outputs(self) -> None:
+        """Turn the raw outputs queued since the last call into Responses (under self._lock, so in order)."""
+        for state, out in self._outputs.drain():
+            try:
+                chunk, _ = state.processor.process(out)
+                responses = self._responses(state, chunk) if chunk is not None else []
+            except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
+                logger.exception("processing the output of request %r failed", state.request_id)
+                self._engine.abort_request(state.request_id, "cancelled")
+                state.processor.fail(str(exc))
+                for seq in state.seqs:
+                    seq.finished = True
+                responses = [Response(state.request_id, error_msg=f"output processing failed: {exc}",
+                                      client_id=state.request.client_id)]
             self._ready.extend(responses)
             if all(s.finished for s in state.seqs):
                 self._states.pop(state.request_id, None)
-            self._cond.notify_all()
 
     def _responses(self, state: _RequestState, chunk: OutputChunk) -> list[Response]:
         req, params = state.request, state.params
@@ -177,10 +195,7 @@ class Executor:
         if chunk.additional_context_outputs:
             state.context_outputs = chunk.additional_context_outputs
         indices = range(params.n) if chunk.index < 0 else [chunk.index]
-        error = None
-        if chunk.finish_reason == "abort" and chunk.finish_details and \
-                chunk.finish_details.message not in ("cancelled", "timeout"):
-            error = chunk.finish_details.message
+        error = chunk.error
         for i in indices:
             seq = state.seqs[i]
             if seq.finished:
@@ -284,7 +299,7 @@ class Executor:
 
     def _check_known(self, ids: set) -> None:
         """An id with nothing in flight and nothing ready would be waited on forever: refuse it."""
-        with self._cond:
+        with self._lock:
             unknown = ids - set(self._states) - {r.request_id for r in self._ready}
         if unknown:
             raise ValueError(f"request ids {sorted(unknown)} are not in flight and have no responses ready "
@@ -293,21 +308,24 @@ class Executor:
     def _take(self, match, timeout: float | None, pending) -> list[Response]:
         """Wait for responses that `match`; `pending()` says whether any could still come (else return now)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while True:
+        while True:
+            seen = self._outputs.version
+            with self._lock:
+                self._process_outputs()
                 taken = [r for r in self._ready if match(r)]
                 if taken:
                     self._ready = [r for r in self._ready if not match(r)]
                     return taken
                 if self._shutdown or not pending():
                     return []
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return []
-                self._cond.wait(remaining)
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return []
+            self._outputs.wait(seen, remaining)
 
     def get_num_responses_ready(self, request_id: int | None = None) -> int:
-        with self._cond:
+        with self._lock:
+            self._process_outputs()
             return sum(1 for r in self._ready if request_id is None or r.request_id == request_id)
 
     def can_enqueue_requests(self) -> bool:
@@ -329,9 +347,9 @@ class Executor:
     def shutdown(self) -> None:
         if not self._shutdown:
             self._engine.shutdown()
-            with self._cond:
+            with self._lock:
                 self._shutdown = True
-                self._cond.notify_all()
+            self._outputs.wake()
 
     def __enter__(self) -> "Executor":
         return self

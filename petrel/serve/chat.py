@@ -18,7 +18,7 @@ from petrel.serve.params import build_sampling_params, check_prompt_chars, check
 from petrel.serve.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                                    ChatStreamChoice, ChoiceLogprobs, DeltaFunctionCall, DeltaMessage, DeltaToolCall,
                                    FunctionCall, PromptTokensDetails, ResponseMessage, ToolCall, Usage)
-from petrel.serve.streams import SSE_DONE, ServeState, new_id, outputs_or_none, sse
+from petrel.serve.streams import SSE_DONE, ServeState, merged, new_id, outputs_or_none, sse
 from petrel.serve.tool_grammar import CALL_START, any_call_grammar, named_call_grammar, named_prefill
 from petrel.serve.tool_grammar import available as tool_grammar_available
 from petrel.serve.tool_parser import ToolCallParser, parse_all
@@ -164,7 +164,6 @@ async def _stream(state: ServeState, req: ChatCompletionRequest, plan: ToolPlan,
     k = (req.top_logprobs or 0) if req.logprobs else None
     parsers = {}
     num_calls = {i: 0 for i in range(req.n)}
-    finished: set[int] = set()
 
     def chunk(choice: ChatStreamChoice) -> str:
         body = ChatCompletionChunk(id=rid, created=created, model=state.response_model(req.model), choices=[choice])
@@ -186,35 +185,29 @@ async def _stream(state: ServeState, req: ChatCompletionRequest, plan: ToolPlan,
         if plan.parse:
             parsers[i] = ToolCallParser()
             parsers[i].feed(plan.prefill)   # the prefill opens a call block: it yields nothing by itself
-    last = None
     try:
-        async for snap in future:
-            last = snap
-            for co in snap.outputs:
-                i = co.index
-                if i in finished:
-                    continue
-                done = co.finish_reason is not None
-                if plan.parse:
-                    parsed = parsers[i].feed(co.text_diff)
-                    if done:
-                        parsed += parsers[i].finish()
-                    delta = deltas(i, parsed.content, parsed.calls)
-                else:
-                    delta = DeltaMessage(content=co.text_diff or None)
-                toks = co.token_ids_diff
-                choice = ChatStreamChoice(index=i, delta=delta)
-                if k is not None and toks:
-                    choice.logprobs = ChoiceLogprobs(content=chat_logprobs(toks, co.logprobs_diff, k, state.token_text))
-                if req.return_token_ids and toks:
-                    choice.token_ids = toks
-                if delta.content is not None or delta.tool_calls or choice.logprobs or choice.token_ids:
-                    yield chunk(choice)
+        async for _, c in merged([future]):   # events straight from each step's chunks
+            i = c.index
+            done = c.finish_reason is not None
+            if plan.parse:
+                parsed = parsers[i].feed(c.text)
                 if done:
-                    finished.add(i)
-                    reason = "tool_calls" if num_calls[i] else api_finish_reason(co.finish_reason)
-                    yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(), finish_reason=reason,
-                                                 stop_reason=co.stop_reason))
+                    parsed += parsers[i].finish()
+                delta = deltas(i, parsed.content, parsed.calls)
+            else:
+                delta = DeltaMessage(content=c.text or None)
+            toks = c.output_ids
+            choice = ChatStreamChoice(index=i, delta=delta)
+            if k is not None and toks:
+                choice.logprobs = ChoiceLogprobs(content=chat_logprobs(toks, c.logprob_entries(), k, state.token_text))
+            if req.return_token_ids and toks:
+                choice.token_ids = toks
+            if delta.content is not None or delta.tool_calls or choice.logprobs or choice.token_ids:
+                yield chunk(choice)
+            if done:
+                reason = "tool_calls" if num_calls[i] else api_finish_reason(c.completion_finish_reason)
+                yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(), finish_reason=reason,
+                                             stop_reason=c.completion_stop_reason))
     except RuntimeError as exc:
         yield sse(APIError(str(exc), 500).body())
         yield SSE_DONE
@@ -223,6 +216,7 @@ async def _stream(state: ServeState, req: ChatCompletionRequest, plan: ToolPlan,
         if not future.done():
             state.metrics.aborted.inc()
             future.abort()
+    last = future.result(timeout=0)
     state.metrics.record_request(last, ["tool_calls" if num_calls[co.index] else api_finish_reason(co.finish_reason)
                                         for co in last.outputs])
     if include_usage:

@@ -132,54 +132,56 @@ async def create_completion(state: ServeState, req: CompletionRequest, request: 
 
 
 async def _stream(state: ServeState, req: CompletionRequest, prompts, futures, rid: str, created: int):
+    """SSE events built straight from each step's chunks (one event per choice that has something new)."""
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     exclude = None if include_usage else {"usage"}
     want_tokens = req.logprobs is not None or req.return_token_ids
     n = req.n
     echoed: set[int] = set()
-    finished: set[int] = set()
+    finished = [0] * len(futures)              # per prompt: choices finished
     offsets: dict[int, int] = {}
+    prompt_entries: dict[int, list] = {}       # per prompt: its logprob entries (echo), from the chunk carrying them
     final_outputs = [None] * len(futures)
 
-    def chunk(choice: CompletionChoice) -> str:
+    def event(choice: CompletionChoice) -> str:
         body = CompletionStreamResponse(id=rid, created=created, model=state.response_model(req.model), choices=[choice])
         return sse(body.model_dump(mode="json", exclude=exclude))
 
     try:
-        async for p, snap in merged(futures):
+        async for p, c in merged(futures):
             text0, ids = prompts[p]
-            for co in snap.outputs:
-                idx = p * n + co.index
-                if idx in finished:
-                    continue
-                text, toks, entries = co.text_diff, co.token_ids_diff, co.logprobs_diff
-                prompt_part = req.echo and idx not in echoed
+            idx = p * n + c.index
+            if c.input_token_logprobs is not None:
+                prompt_entries[p] = c.prompt_logprob_entries()
+            text, toks = c.text, c.output_ids
+            prompt_part = req.echo and idx not in echoed
+            if prompt_part:
+                echoed.add(idx)
+                text = text0 + text
+            done = c.finish_reason is not None
+            if not (text or (want_tokens and toks) or done or prompt_part):
+                continue
+            choice = CompletionChoice(index=idx, text=text)
+            if req.logprobs is not None:
+                all_toks = (ids if prompt_part else []) + toks
+                all_entries = ((prompt_entries.get(p) or [None] * len(ids)) if prompt_part else []) \
+                    + c.logprob_entries()
+                choice.logprobs = completion_logprobs(all_toks, all_entries, req.logprobs, state.token_text,
+                                                      offsets.get(idx, 0))
+                offsets[idx] = offsets.get(idx, 0) + sum(len(t) for t in choice.logprobs.tokens)
+            if req.return_token_ids:
+                choice.token_ids = toks
                 if prompt_part:
-                    echoed.add(idx)
-                    text = text0 + text
-                done = co.finish_reason is not None
-                if not (text or (want_tokens and toks) or done or prompt_part):
-                    continue
-                choice = CompletionChoice(index=idx, text=text)
-                if req.logprobs is not None:
-                    all_toks = (ids if prompt_part else []) + toks
-                    all_entries = ((list(snap.prompt_logprobs or [None] * len(ids)) if prompt_part else [])
-                                   + list(entries))
-                    choice.logprobs = completion_logprobs(all_toks, all_entries, req.logprobs, state.token_text,
-                                                          offsets.get(idx, 0))
-                    offsets[idx] = offsets.get(idx, 0) + sum(len(t) for t in choice.logprobs.tokens)
-                if req.return_token_ids:
-                    choice.token_ids = toks
-                    if prompt_part:
-                        choice.prompt_token_ids = ids
-                if done:
-                    finished.add(idx)
-                    choice.finish_reason = api_finish_reason(co.finish_reason)
-                    choice.stop_reason = co.stop_reason
-                yield chunk(choice)
-            if snap.finished:
-                final_outputs[p] = snap
-                state.metrics.record_request(snap, [api_finish_reason(co.finish_reason) for co in snap.outputs])
+                    choice.prompt_token_ids = ids
+            if done:
+                choice.finish_reason = api_finish_reason(c.completion_finish_reason)
+                choice.stop_reason = c.completion_stop_reason
+            yield event(choice)
+            if done:
+                finished[p] += 1
+                if finished[p] == n:   # the prompt's request is over: count it
+                    out = final_outputs[p] = futures[p].result(timeout=0)
+                    state.metrics.record_request(out, [api_finish_reason(co.finish_reason) for co in out.outputs])
     except RuntimeError as exc:
         yield sse(APIError(str(exc), 500).body())
         yield SSE_DONE

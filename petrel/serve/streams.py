@@ -7,11 +7,13 @@ import json
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from fastapi import Request
 
+from petrel.outputs import OutputChunk
 from petrel.serve.chat_template import ChatTemplate
 from petrel.serve.errors import APIError
 from petrel.serve.logprobs import TokenText
@@ -92,15 +94,25 @@ def abort_unfinished(futures) -> None:
             f.abort()
 
 
-async def merged(futures) -> AsyncIterator[tuple[int, object]]:
-    """(prompt index, RequestOutput snapshot) from several streaming futures as they arrive. Leaving the
-    loop early (client gone, error) aborts the requests that are still running."""
+async def merged(futures) -> AsyncIterator[tuple[int, OutputChunk]]:
+    """(prompt index, OutputChunk) from several streaming futures as they are processed, here on the event loop
+    (the futures keep no text or logprobs of their own: the events are built from the chunks). An engine error
+    ends the stream with RuntimeError; leaving the loop early (client gone, error) aborts the requests that are
+    still running."""
+    if len(futures) == 1:   # one request (every chat, most completions): no merging
+        try:
+            async with aclosing(_chunks(futures[0])) as chunks:
+                async for chunk in chunks:
+                    yield 0, chunk
+        finally:
+            abort_unfinished(futures)
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i, future):
         try:
-            async for snap in future:
-                queue.put_nowait((i, snap, None))
+            async for chunk in _chunks(future):
+                queue.put_nowait((i, chunk, None))
         except Exception as exc:  # noqa: BLE001 - handed to the consumer
             queue.put_nowait((i, None, exc))
             return
@@ -110,17 +122,25 @@ async def merged(futures) -> AsyncIterator[tuple[int, object]]:
     remaining = len(tasks)
     try:
         while remaining:
-            i, snap, exc = await queue.get()
+            i, chunk, exc = await queue.get()
             if exc is not None:
                 raise exc
-            if snap is None:
+            if chunk is None:
                 remaining -= 1
                 continue
-            yield i, snap
+            yield i, chunk
     finally:
         abort_unfinished(futures)
         for t in tasks:
             t.cancel()
+
+
+async def _chunks(future) -> AsyncIterator[OutputChunk]:
+    async with aclosing(future.output_chunks_async(keep_history=False)) as chunks:
+        async for chunk in chunks:
+            if chunk.error is not None:
+                raise RuntimeError(f"request {future.request_id} failed: {chunk.error}")
+            yield chunk
 
 
 async def _disconnected(request: Request) -> None:
