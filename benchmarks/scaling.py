@@ -13,7 +13,8 @@ import signal
 import sys
 
 from petrel.bench import make_w2_prompts
-from petrel.bench_serve import _free_port, run_client, start_server
+from petrel.bench.processes import free_port as _free_port
+from petrel.bench.serve import run_client, start_server
 
 
 def stop(procs) -> None:

@@ -6,6 +6,8 @@ import json
 import logging
 import sys
 
+from petrel.cli_options import parallel_arguments, parallel_options, speculative_config_json
+
 RAW = argparse.RawDescriptionHelpFormatter
 
 MAIN_EPILOG = """\
@@ -58,35 +60,6 @@ endpoints: / (chat page), /v1/models, /v1/completions, /v1/chat/completions, /to
 
 class UserError(Exception):
     """A mistake the user can fix: printed as one line, exit status 2."""
-
-
-def speculative_config_json(text: str) -> dict:
-    """argparse type of --speculative-config: a JSON object (checked when the engine starts)."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({exc.msg})") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("expected a JSON object")
-    return value
-
-
-def parallel_arguments(p) -> None:
-    """--tensor-parallel-size and --distributed-executor-backend (generate, chat, serve, bench)."""
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N",
-                   help="split the model over N ranks: this process and N-1 workers (default 1)")
-    p.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default=None,
-                   help="how the workers run: local processes (mp, the default) or Ray actors (ray; joins the "
-                        "cluster at RAY_ADDRESS when set)")
-
-
-def parallel_options(args) -> dict:
-    options = {}
-    if args.tensor_parallel_size is not None:
-        options["tensor_parallel_size"] = args.tensor_parallel_size
-    if args.distributed_executor_backend is not None:
-        options["distributed_executor_backend"] = args.distributed_executor_backend
-    return options
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:

@@ -4,14 +4,14 @@ import sys
 
 import pytest
 
-from petrel import bench_compare
+from petrel.bench import compare, flops, processes, report
 
 
 def test_run_script_collects_result_lines_and_rss():
     code = ("import json; x = bytearray(50 * 2**20); import time; time.sleep(0.5); "
             "print('progress'); print('RESULT a_w1: ' + json.dumps({'decode_tok_s': 12.5})); "
             "print('RESULT a_w2: ' + json.dumps({'output_tok_s': 80.0}))")
-    results, peak = bench_compare.run_script([sys.executable, "-c", code])
+    results, peak = processes.run_script([sys.executable, "-c", code])
     assert [r["name"] for r in results] == ["a_w1", "a_w2"]
     assert results[0]["decode_tok_s"] == 12.5 and results[1]["output_tok_s"] == 80.0
     assert peak >= 50            # the 50 MiB buffer was seen by the outside sampler
@@ -23,7 +23,7 @@ def test_peak_rss_catches_a_peak_between_samples():
     import time
     code = "import time; time.sleep(2.4); b = bytearray(300 << 20); time.sleep(0.3); del b; time.sleep(1.5)"
     proc = subprocess.Popen([sys.executable, "-c", code])
-    rss = bench_compare.TreeRSS(proc.pid, interval=1.0)
+    rss = processes.TreeRSS(proc.pid, interval=1.0)
     proc.wait()
     time.sleep(0.1)
     assert rss.stop() >= 300
@@ -31,14 +31,14 @@ def test_peak_rss_catches_a_peak_between_samples():
 
 def test_run_script_failure_is_an_error():
     with pytest.raises(RuntimeError, match="exited with 3"):
-        bench_compare.run_script([sys.executable, "-c", "import sys; sys.exit(3)"])
+        processes.run_script([sys.executable, "-c", "import sys; sys.exit(3)"])
 
 
 def test_ratio_table_puts_petrel_over_each_peer():
     rows = [{"workload": "w2", "metric": "output tok/s", "engine": "petrel", "value": 120.0, "unit": "tok/s"},
             {"workload": "w2", "metric": "output tok/s", "engine": "vllm", "value": 80.0, "unit": "tok/s"},
             {"workload": "w1", "metric": "TTFT", "engine": "hf", "value": 140.0, "unit": "ms"}]
-    table = bench_compare.ratio_table(rows, ["petrel", "hf", "vllm"])
+    table = report.ratio_table(rows, ["petrel", "hf", "vllm"])
     assert table[0] == "| workload | metric | petrel | hf | vllm | petrel / hf | petrel / vllm |"
     w2 = next(line for line in table if line.startswith("| w2"))
     assert w2.split("|")[-2].strip() == "1.50x" and w2.split("|")[-3].strip() == ""   # no hf figure, no ratio
@@ -48,12 +48,12 @@ def test_ratio_table_puts_petrel_over_each_peer():
 
 def test_w2_flops_counts_every_position_through_every_layer():
     # SmolLM2-135M: 30 layers of 3.54 M linear weights; W2 has ~18.6 k prompt and 8 k output positions
-    assert 6.0e12 < bench_compare.w2_matmul_flops() < 7.0e12
+    assert 6.0e12 < flops.w2_matmul_flops() < 7.0e12
 
 
 def test_missing_peers_are_left_out(tmp_path, capsys):
     out = tmp_path / "c.json"
-    code = bench_compare.main(["--engines", "hf,vllm,llamacpp", "--workloads", "w1", "--peers-home", str(tmp_path),
+    code = compare.main(["--engines", "hf,vllm,llamacpp", "--workloads", "w1", "--peers-home", str(tmp_path),
                                "--json", str(out)])
     doc = json.loads(out.read_text())
     assert code == 0 and doc["meta"]["engines"] == [] and doc["meta"]["missing"] == ["hf", "vllm", "llamacpp"]
@@ -63,4 +63,49 @@ def test_missing_peers_are_left_out(tmp_path, capsys):
 
 def test_unknown_engine_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="unknown engine 'sglang'"):
-        bench_compare.main(["--engines", "sglang", "--peers-home", str(tmp_path)])
+        compare.main(["--engines", "sglang", "--peers-home", str(tmp_path)])
+
+
+def test_the_default_peers_dir_is_this_checkouts_and_holds_every_peers_script(monkeypatch):
+    import subprocess
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    monkeypatch.delenv("PETREL_PEERS_DIR", raising=False)
+    peers_dir = Path(compare.build_parser().parse_args([]).peers_dir)
+    assert peers_dir == root / "benchmarks" / "peers"
+    assert (peers_dir / "setup_peers.sh").stat().st_mode & 0o100, "setup_peers.sh is not executable"
+    for script in compare.PEER_SCRIPTS.values():   # each parses its options without its engine installed
+        r = subprocess.run([sys.executable, str(peers_dir / script), "--help"], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 0 and "w4" in r.stdout and "--quick" in r.stdout, (script, r.stderr)
+
+
+def test_a_peer_runs_through_its_script_and_its_figures_reach_the_table(tmp_path):
+    """transformers as an installed peer (its venv's python is this one, its model a tiny random Llama with the
+    default model's vocabulary): `compare --quick` runs benchmarks/peers/hf_bench.py on W4 and tabulates it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from petrel.bench.workloads import QUICK
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "models" / "smollm2-135m-instruct")
+    python = tmp_path / "venv-hf" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
+    out = tmp_path / "compare.json"
+    code = compare.main(["--engines", "hf", "--workloads", "w4", "--quick", "--peers-home", str(tmp_path),
+                         "--json", str(out)])
+    doc = json.loads(out.read_text())
+    assert code == 0 and doc["meta"]["engines"] == ["hf"] and doc["meta"]["errors"] == {}
+    raw = doc["raw"]["hf_w4"]
+    assert raw["valid"] and raw["num_requests"] == QUICK.w4_num_requests
+    assert raw["output_tokens"] == raw["expected_output_tokens"] == QUICK.w4_num_requests * QUICK.w4_new_tokens
+    rows = {r["metric"]: r for r in doc["rows"] if r["engine"] == "hf" and r["workload"] == "w4"}
+    assert rows["wall"]["value"] == raw["wall_s"] > 0
+    assert rows["prompt tokens from cache"]["value"] == 0        # transformers has no prefix cache
+    assert any(line.startswith("| w4 | wall (s) | ") for line in doc["table"])
+    assert json.loads((tmp_path / "results" / "hf_w4_compare.json").read_text())["wall_s"] == raw["wall_s"]

@@ -1,21 +1,20 @@
 """Smoke test of the benchmark harness: `--quick`, petrel only, in-process, on the default model."""
 import json
-import os
-import sys
 
+import numpy as np
 import pytest
 
-
-from petrel import bench  # noqa: E402
+from petrel import bench
+from petrel.bench import report, workloads
 
 
 def test_workload_generation_matches_the_spec():
-    w2 = bench.make_w2_prompts()
+    w2 = workloads.make_w2_prompts()
     assert len(w2) == 64
-    assert [len(p) for p in w2] == bench.np.random.default_rng(0).integers(64, 513, size=64).tolist()
+    assert [len(p) for p in w2] == np.random.default_rng(0).integers(64, 513, size=64).tolist()
     assert all(100 <= t < 30000 for p in w2 for t in p)
-    assert bench.make_w2_prompts(8, 128) == [p[:128] for p in w2[:8]]
-    w4 = bench.make_w4_prompts()
+    assert workloads.make_w2_prompts(8, 128) == [p[:128] for p in w2[:8]]
+    w4 = workloads.make_w4_prompts()
     assert len(w4) == 32 and all(len(p) == 1024 + 32 for p in w4)
     assert all(p[:1024] == w4[0][:1024] for p in w4)
     assert len({tuple(p[1024:]) for p in w4}) == 32
@@ -26,7 +25,7 @@ def test_quick_petrel_only(tmp_path, capsys):
     out = tmp_path / "quick.json"
     rc = bench.main(["--quick", "--engines", "petrel", "--workloads", "w1,w2,w4", "--out", str(out)])
     assert rc == 0
-    q = bench.QUICK
+    q = workloads.QUICK
 
     # one JSON object per (engine, workload) on stdout, no ratio without the second engine
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
@@ -47,7 +46,7 @@ def test_quick_petrel_only(tmp_path, capsys):
 
     w1 = res["w1"]
     assert w1["new_tokens"] == q.w1_new_tokens and w1["num_runs"] == q.w1_runs
-    assert w1["prompt_tokens"] == len(bench.W1_REFERENCE_IDS)
+    assert w1["prompt_tokens"] == len(workloads.W1_REFERENCE_IDS)
     for run in w1["runs"]:
         assert run["new_tokens"] == q.w1_new_tokens and run["finish_reason"] == "length"
         assert run["cached_prompt_tokens"] == 0
@@ -58,7 +57,7 @@ def test_quick_petrel_only(tmp_path, capsys):
     w2 = res["w2"]
     assert w2["num_requests"] == q.w2_num_requests and w2["new_tokens"] == q.w2_new_tokens
     assert w2["output_tokens"] == w2["expected_output_tokens"] == q.w2_num_requests * q.w2_new_tokens
-    assert w2["prompt_tokens"] == sum(len(p) for p in bench.make_w2_prompts(q.w2_num_requests, q.w2_max_prompt_len))
+    assert w2["prompt_tokens"] == sum(len(p) for p in workloads.make_w2_prompts(q.w2_num_requests, q.w2_max_prompt_len))
     assert w2["wall_s"] > 0
     assert w2["output_tok_s"] == pytest.approx(w2["output_tokens"] / w2["wall_s"])
     assert w2["total_tok_s"] == pytest.approx((w2["prompt_tokens"] + w2["output_tokens"]) / w2["wall_s"])
@@ -74,8 +73,8 @@ def test_quick_petrel_only(tmp_path, capsys):
 def test_ratio_is_withheld_when_a_figure_does_not_count():
     good = {"engine": "hf-transformers", "valid": True, "output_tok_s": 10.0}
     bad = {"engine": "petrel", "valid": False, "output_tok_s": 20.0}
-    r = bench._ratio("w2", "output_tok_s", bad, good)
+    r = report.ratio("w2", "output_tok_s", bad, good)
     assert r["value"] is None and "does not count" in r["note"] and "petrel" in r["note"]
-    ok = bench._ratio("w2", "output_tok_s", dict(bad, valid=True), good)
+    ok = report.ratio("w2", "output_tok_s", dict(bad, valid=True), good)
     assert ok["value"] == pytest.approx(2.0)
-    assert bench._count_problems([4, 4, 3], 4) and not bench._count_problems([4, 4], 4)
+    assert report.count_problems([4, 4, 3], 4) and not report.count_problems([4, 4], 4)

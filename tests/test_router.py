@@ -19,7 +19,8 @@ import pytest
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
-from petrel.bench_serve import _free_port, start_server
+from petrel.bench.processes import free_port as _free_port
+from petrel.bench.serve import start_server
 from petrel.route import Router, add_arguments, build_router_app
 from petrel.serve.app import build_app
 from petrel.serve.errors import APIError

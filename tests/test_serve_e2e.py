@@ -496,7 +496,7 @@ def test_metrics_count_requests(server, client):
 
 def test_w3_client_smoke(server):
     from petrel.bench import make_w2_prompts
-    from petrel.bench_serve import run_client
+    from petrel.bench.serve import run_client
     result = asyncio.run(run_client(server.url, MODEL, make_w2_prompts(3, 40), max_tokens=4, concurrency=2))
     assert result["valid"] and result["output_tokens"] == 12 and result["ttft_p50_s"] > 0
 

@@ -9,7 +9,7 @@ import multiprocessing.connection
 import pickle
 
 from petrel.distributed.group import collective_timeout, free_port, join_group, leave_group, local_rank_device
-from petrel.distributed.runner import Workers
+from petrel.distributed.workers import Workers
 from petrel.distributed.worker import WorkerSpec, run_process_worker
 from petrel.engine.model_runner import ExecutorDied, ForwardPlan
 

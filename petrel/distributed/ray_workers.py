@@ -13,7 +13,7 @@ import os
 import torch
 
 from petrel.distributed.group import collective_timeout, free_port, join_group, leave_group
-from petrel.distributed.runner import Workers
+from petrel.distributed.workers import Workers
 from petrel.distributed.worker import Worker, WorkerSpec
 from petrel.engine.model_runner import ExecutorDied, ForwardPlan
 

@@ -1,13 +1,39 @@
 """`petrel route`: a prefix- and load-aware OpenAI-compatible front over several petrel servers, or (with
---prefill and --decode) the front of a disaggregated pair."""
-from petrel.route.disagg import build_disagg_app
-from petrel.route.router import DEFAULT_BACKEND_TIMEOUT, Backend, Router, build_router_app, prefix_of
-from petrel.serve.limits import DEFAULT_MAX_REQUEST_BYTES
+--prefill and --decode) the front of a disaggregated pair.
 
+The router's classes are imported when first used (`from petrel.route import Router`), so that `petrel --help`
+and the command's options do not import the router's web stack before it runs."""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+# public name -> the module that defines it
+_EXPORTS = {"Backend": "petrel.route.router", "Router": "petrel.route.router",
+            "build_router_app": "petrel.route.router", "prefix_of": "petrel.route.router",
+            "build_disagg_app": "petrel.route.disagg"}
 __all__ = ["Backend", "Router", "build_router_app", "build_disagg_app", "prefix_of", "add_arguments", "run"]
 
 
+def __getattr__(name: str):
+    """Import a public name's module on first use, and keep the name here so later lookups are plain ones."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'petrel.route' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+if TYPE_CHECKING:   # for type checkers and editors only
+    from petrel.route.disagg import build_disagg_app
+    from petrel.route.router import Backend, Router, build_router_app, prefix_of
+
+
 def add_arguments(p):
+    """The options of `petrel route` on parser `p`; returns `p`."""
+    from petrel.route.router import DEFAULT_BACKEND_TIMEOUT
+    from petrel.serve.limits import DEFAULT_MAX_REQUEST_BYTES
     p.add_argument("--backends", nargs="+", metavar="URL",
                    help="the petrel servers to spread requests over, e.g. http://10.0.0.2:8000 http://10.0.0.3:8000")
     p.add_argument("--prefill", metavar="URL", help="disaggregated serving: the server that prefills (with --decode)")
@@ -36,6 +62,8 @@ def run(args) -> int:
 
     import uvicorn
 
+    from petrel.route.disagg import build_disagg_app
+    from petrel.route.router import Router, build_router_app
     from petrel.serve.connections import (DEFAULT_HEADER_TIMEOUT, ConnectionGuard, default_max_connections,
                                           guarded_config, raise_open_file_limit)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -14,13 +14,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import uvicorn
 
-from petrel.cli import parallel_arguments, parallel_options, speculative_config_json
+from petrel.cli_options import parallel_arguments, parallel_options, speculative_config_json
 from petrel.serve.connections import (DEFAULT_HEADER_TIMEOUT, ConnectionGuard, default_max_connections,
                                       guarded_config, raise_open_file_limit)
 from petrel.serve.limits import DEFAULT_BODY_TIMEOUT
 
 # A server's step budget: a burst of requests gets its first tokens a few prompts at a time instead of a 2048-token
-# step at a time. W3 (16 streams, bench/peers/serve_client.py): 2048 -> 512 tokens moved TTFT p50 4.94 -> 2.10 s,
+# step at a time. W3 (16 streams, the peers' serve client then): 2048 -> 512 tokens moved TTFT p50 4.94 -> 2.10 s,
 # p99 8.25 -> 6.73 s at the same throughput (150.6 -> 153.7 tok/s); offline W2 prefers 2048 (180 vs 169 tok/s).
 SERVE_MAX_NUM_BATCHED_TOKENS = 512
 

@@ -1,4 +1,4 @@
-"""`petrel bench serve`: W3 (online serving) of bench/WORKLOADS.md against any OpenAI-compatible server.
+"""`petrel bench serve`: W3 (online serving) against any OpenAI-compatible server.
 
     petrel bench serve                                   # starts `petrel serve` on 127.0.0.1, runs W3, stops it
     petrel bench serve --url http://127.0.0.1:8000 --model NAME      # a server already running (petrel or a peer)
@@ -20,7 +20,6 @@ import asyncio
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,21 +27,13 @@ import time
 
 import httpx
 
-from petrel.bench import make_w2_prompts
-
-W3_CONCURRENCY, W3_NEW_TOKENS = 16, 128
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    k = (len(values) - 1) * q / 100
-    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+from petrel.bench.processes import free_port
+from petrel.bench.report import percentile, plot_sweep
+from petrel.bench.workloads import W3_CONCURRENCY, W3_NEW_TOKENS, make_w2_prompts
 
 
 async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> dict:
+    """One streamed completion: when it was sent, when its first and last text arrived, the tokens it reported."""
     t_send = time.perf_counter()
     t_first = t_last = None
     tokens = None
@@ -67,6 +58,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> dict:
 
 async def run_client(base_url: str, model: str | None, prompts: list[list[int]], max_tokens: int,
                      concurrency: int, timeout: float = 600.0) -> dict:
+    """W3 at one client concurrency against `base_url`: the run's figures, valid only if every count is right."""
     url = f"{base_url}/v1/completions"
 
     def body(prompt, n):
@@ -95,19 +87,14 @@ async def run_client(base_url: str, model: str | None, prompts: list[list[int]],
     out_tokens = sum(c or 0 for c in counts)
     prompt_tokens = sum(len(p) for p in prompts)
     return {"workload": "w3", "requests": len(results), "concurrency": concurrency, "max_tokens": max_tokens,
-            "valid": not bad, "problems": [f"{len(bad)} requests did not report {max_tokens} tokens: {bad[:5]}"] if bad else [],
+            "valid": not bad,
+            "problems": [f"{len(bad)} requests did not report {max_tokens} tokens: {bad[:5]}"] if bad else [],
             "wall_s": wall, "output_tokens": out_tokens, "output_tok_s": out_tokens / wall,
             "total_tok_s": (out_tokens + prompt_tokens) / wall,
             "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
             "ttft_mean_s": statistics.fmean(ttft) if ttft else None,
             "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
             "e2e_p50_s": percentile([r["t_last"] - r["t_send"] for r in results if r["t_last"]], 50)}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(port: int, extra_args: list[str], command: str = "serve", timeout: float = 300) -> subprocess.Popen:
@@ -130,33 +117,6 @@ def start_server(port: int, extra_args: list[str], command: str = "serve", timeo
     raise RuntimeError(f"petrel {command} did not become healthy in {timeout:.0f} s")
 
 
-def plot_sweep(results: list[dict], path: str, title: str = "petrel bench serve") -> None:
-    """Output tok/s, and TTFT / TPOT (p50 and p99), against client concurrency; written as an image."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise SystemExit("--plot needs matplotlib: pip install matplotlib") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    xs = [r["concurrency"] for r in results]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    ax1.plot(xs, [r["output_tok_s"] for r in results], marker="o")
-    ax1.set(xlabel="client concurrency", ylabel="output tokens/s", title="throughput")
-    for key, label, style in [("ttft_p50_s", "TTFT p50", "o-"), ("ttft_p99_s", "TTFT p99", "o--"),
-                              ("tpot_p50_s", "TPOT p50", "s-"), ("tpot_p99_s", "TPOT p99", "s--")]:
-        ax2.plot(xs, [r[key] for r in results], style, label=label)
-    ax2.set(xlabel="client concurrency", ylabel="seconds", title="latency", yscale="log")
-    ax2.legend()
-    for ax in (ax1, ax2):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(xs, [str(x) for x in xs])
-        ax.grid(alpha=0.3)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="petrel bench serve", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -174,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`petrel bench serve [options]`: 0 when every run's figures count, 1 otherwise."""
     args = build_parser().parse_args(argv)
     try:
         levels = [int(x) for x in args.sweep.split(",")] if args.sweep else [args.concurrency]
@@ -190,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     try:
         if url is None:
-            port = _free_port()
+            port = free_port()
             proc = start_server(port, args.server_args)
             url = f"http://127.0.0.1:{port}"
         for level in levels:
