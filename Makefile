@@ -8,7 +8,8 @@ PROMPT ?= Write a haiku about a petrel, the seabird.
 
 .PHONY: run test install bench stress clean
 
-$(VENV)/.installed: pyproject.toml
+# reinstalled when the build changes: `pip install -e .` compiles the C kernels (setup.py)
+$(VENV)/.installed: pyproject.toml setup.py $(wildcard petrel/model/*.c petrel/model/*.h)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0          # the CPU wheel; a plain `torch` would pull a CUDA build
 	$(PY) -m pip install -q -e '.[test]'

@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
 #include "simd.h"
 #include "thread_pool.h"
 
@@ -357,23 +358,17 @@ void silu_and_mul(const float *x, int64_t T, int64_t I, float *out, int nthreads
     for_rows(silu_and_mul_rows, &a, T, T * I, nthreads);
 }
 
-/* A projection's weight [N][K]: float32 rows (bits 32, data only), or quant_kernels.c's codes (bits 4 or 8) with
- * their float32 scale and min per group of 2^gshift (mins may be NULL). */
-typedef struct { const void *data; const float *scale, *mins; int32_t bits, gshift; } weight;
-
-/* quant_kernels.c */
-void quant_gemv(int bits, const float *x, int64_t M, int64_t K, const void *codes, const float *scale,
-                const float *mins, int gshift, float *y, int64_t N, int nthreads);
-void quant_gemm(int bits, const float *x, int64_t M, int64_t K, const void *codes, const float *scale,
-                const float *mins, int gshift, float *y, int64_t N, int nthreads);
+/* the weight type and quant_kernels.c's products: kernels.h */
 #define QUANT_GEMV_MAX_ROWS 12      /* quantization.GEMV_MAX_ROWS: beyond, dequantized tiles (quant_gemm) win */
 
-/* y[M][N] = x[M][K] @ W^T for either kind of weight */
-static void product(const float *x, int64_t M, int64_t K, const weight *w, float *y, int64_t N, int nthreads) {
-    if (w->bits == 32) f32_gemv(x, M, K, (const float *)w->data, y, N, nthreads);
-    else if (M <= QUANT_GEMV_MAX_ROWS)
-        quant_gemv(w->bits, x, M, K, w->data, w->scale, w->mins, w->gshift, y, N, nthreads);
-    else quant_gemm(w->bits, x, M, K, w->data, w->scale, w->mins, w->gshift, y, N, nthreads);
+/* y[M][N] = x[M][K] @ W^T for either kind of weight; 0, or KERNEL_OUT_OF_MEMORY (quantized products' scratch) */
+static int product(const float *x, int64_t M, int64_t K, const weight *w, float *y, int64_t N, int nthreads) {
+    if (w->bits == 32) {
+        f32_gemv(x, M, K, (const float *)w->data, y, N, nthreads);
+        return 0;
+    }
+    if (M <= QUANT_GEMV_MAX_ROWS) return quant_gemv(w->bits, x, M, K, w->data, w->scale, w->mins, w->gshift, y, N, nthreads);
+    return quant_gemm(w->bits, x, M, K, w->data, w->scale, w->mins, w->gshift, y, N, nthreads);
 }
 
 /* One Llama decoder layer for T decode rows (one new token per sequence), all in this call:
@@ -381,21 +376,23 @@ static void product(const float *x, int64_t M, int64_t K, const weight *w, float
  *   x' = x + o(a); x_out = x' + down(silu(gate) * up)(norm2(x'))
  * the same kernels as the separate calls (so the same results), without the ~15 torch and ctypes dispatches a
  * layer that otherwise cost more than the arithmetic at one row. Weights [out][in], no biases; qkv rows are q (NH
- * heads), k, v (KVH heads each); cos, sin [T][D]; slots [T] the cache slot of each row's new K/V. */
-void decode_layer(const float *x, float *x_out, int64_t T, int64_t H, const float *norm1, const float *norm2,
-                  float eps, const weight *w_qkv, const weight *w_o, const weight *w_gate_up, const weight *w_down,
-                  int64_t I, int64_t NH, int64_t KVH, int64_t D, const float *cos_t, const float *sin_t,
-                  float *key_cache, float *value_cache, const int64_t *slots, const int64_t *tables,
-                  int64_t max_blocks, const int64_t *context_lens, int64_t bs, int64_t window, float scale,
-                  int nthreads) {
+ * heads), k, v (KVH heads each); cos, sin [T][D]; slots [T] the cache slot of each row's new K/V.
+ * Returns 0, or KERNEL_OUT_OF_MEMORY when scratch memory (its own or a quantized product's) could not be had. */
+int decode_layer(const float *x, float *x_out, int64_t T, int64_t H, const float *norm1, const float *norm2,
+                 float eps, const weight *w_qkv, const weight *w_o, const weight *w_gate_up, const weight *w_down,
+                 int64_t I, int64_t NH, int64_t KVH, int64_t D, const float *cos_t, const float *sin_t,
+                 float *key_cache, float *value_cache, const int64_t *slots, const int64_t *tables,
+                 int64_t max_blocks, const int64_t *context_lens, int64_t bs, int64_t window, float scale,
+                 int nthreads) {
     const int64_t QKV = (NH + 2 * KVH) * D, QK = (NH + KVH) * D, ROW = KVH * D;
     float *h = malloc(sizeof(float) * T * (H + QKV + QK + NH * D + 3 * I + H));
-    if (!h) return;
+    if (!h) return KERNEL_OUT_OF_MEMORY;
+    int status;
     pool_enter();
     float *qkv = h + T * H, *qk = qkv + T * QKV, *attn = qk + T * QK, *gate_up = attn + T * NH * D;
     float *act = gate_up + T * 2 * I, *y = act + T * I;
     rms_norm(x, T, H, H, norm1, eps, h, nthreads);
-    product(h, T, H, w_qkv, qkv, QKV, nthreads);
+    if ((status = product(h, T, H, w_qkv, qkv, QKV, nthreads))) goto done;
     rotary(qkv, T, NH + KVH, D, QKV, cos_t, sin_t, qk, nthreads);
     for (int64_t t = 0; t < T; t++) {
         memcpy(key_cache + slots[t] * ROW, qk + t * QK + NH * D, sizeof(float) * ROW);
@@ -403,35 +400,41 @@ void decode_layer(const float *x, float *x_out, int64_t T, int64_t H, const floa
     }
     paged_decode_attention(qk, QK, key_cache, value_cache, tables, max_blocks, context_lens, T, NH, KVH, D, bs,
                            window, scale, attn, nthreads);
-    product(attn, T, NH * D, w_o, y, H, nthreads);
+    if ((status = product(attn, T, NH * D, w_o, y, H, nthreads))) goto done;
     for (int64_t i = 0; i < T * H; i++) x_out[i] = x[i] + y[i];
     rms_norm(x_out, T, H, H, norm2, eps, h, nthreads);
-    product(h, T, H, w_gate_up, gate_up, 2 * I, nthreads);
+    if ((status = product(h, T, H, w_gate_up, gate_up, 2 * I, nthreads))) goto done;
     silu_and_mul(gate_up, T, I, act, nthreads);
-    product(act, T, I, w_down, y, H, nthreads);
+    if ((status = product(act, T, I, w_down, y, H, nthreads))) goto done;
     for (int64_t i = 0; i < T * H; i++) x_out[i] += y[i];
+done:
     pool_exit();
     free(h);
+    return status;
 }
 
 /* The decoder stack of a decode-only step: decode_layer for each of L layers in turn (x -> x_out), one call for
  * the whole model instead of one per layer from Python. Per layer l: norms norm1[l], norm2[l]; weights
  * weights[4 l .. 4 l + 3] (qkv, o, gate_up, down); its cache key_caches[l], value_caches[l]; windows[l]. All layers
- * share the slots, block tables and context lengths (one KV block table per sequence). */
-void decode_layers(int64_t L, const float *x, float *x_out, int64_t T, int64_t H, const float *const *norm1,
-                   const float *const *norm2, float eps, const weight *weights, int64_t I, int64_t NH, int64_t KVH,
-                   int64_t D, const float *cos_t, const float *sin_t, float *const *key_caches,
-                   float *const *value_caches, const int64_t *slots, const int64_t *tables, int64_t max_blocks,
-                   const int64_t *context_lens, int64_t bs, const int64_t *windows, float scale, int nthreads) {
+ * share the slots, block tables and context lengths (one KV block table per sequence). Returns 0, or
+ * KERNEL_OUT_OF_MEMORY (then stops at that layer). */
+int decode_layers(int64_t L, const float *x, float *x_out, int64_t T, int64_t H, const float *const *norm1,
+                  const float *const *norm2, float eps, const weight *weights, int64_t I, int64_t NH, int64_t KVH,
+                  int64_t D, const float *cos_t, const float *sin_t, float *const *key_caches,
+                  float *const *value_caches, const int64_t *slots, const int64_t *tables, int64_t max_blocks,
+                  const int64_t *context_lens, int64_t bs, const int64_t *windows, float scale, int nthreads) {
     float *spare = malloc(sizeof(float) * T * H);
-    if (!spare) return;
+    if (!spare) return KERNEL_OUT_OF_MEMORY;
     const float *in = x;
-    for (int64_t l = 0; l < L; l++) {
+    int status = 0;
+    for (int64_t l = 0; l < L && status == 0; l++) {
         float *out = (L - 1 - l) % 2 == 0 ? x_out : spare;     /* alternate, ending in x_out */
-        decode_layer(in, out, T, H, norm1[l], norm2[l], eps, &weights[4 * l], &weights[4 * l + 1],
-                     &weights[4 * l + 2], &weights[4 * l + 3], I, NH, KVH, D, cos_t, sin_t, key_caches[l],
-                     value_caches[l], slots, tables, max_blocks, context_lens, bs, windows[l], scale, nthreads);
+        status = decode_layer(in, out, T, H, norm1[l], norm2[l], eps, &weights[4 * l], &weights[4 * l + 1],
+                              &weights[4 * l + 2], &weights[4 * l + 3], I, NH, KVH, D, cos_t, sin_t, key_caches[l],
+                              value_caches[l], slots, tables, max_blocks, context_lens, bs, windows[l], scale,
+                              nthreads);
         in = out;
     }
     free(spare);
+    return status;
 }

@@ -16,27 +16,13 @@ import torch
 from petrel.model import native, quant_kernels
 from petrel.model.quantization import GEMM_MAX_ROWS as QUANT_GEMM_MAX_ROWS, QuantizedWeight
 
-_P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-SIGNATURES = {"f32_gemv": [_P, _I64, _I64, _P, _P, _I64, _I32],
-              "paged_decode_attention": [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32,
-                                         _P, _I32],
-              "rms_norm": [_P, _I64, _I64, _I64, _P, _F32, _P, _I32],
-              "rotary": [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _I32],
-              "silu_and_mul": [_P, _I64, _I64, _P, _I32],
-              "decode_layer": [_P, _P, _I64, _I64, _P, _P, _F32, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _P,
-                               _P, _P, _P, _I64, _P, _I64, _I64, _F32, _I32],
-              "paged_prefill_attention": [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _P,
-                                          _P, _I32],
-              "prefill_attention_workspace": ([_I64, _I64, _I64, _I64, _I64], _I64),
-              "f32_gemm": [_P, _I64, _I64, _P, _P, _I64, _P, _I32],
-              "f32_gemm_workspace": ([_I64, _I32], _I64),
-              "decode_layers": [_I64, _P, _P, _I64, _I64, _P, _P, _F32, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P,
-                                _P, _P, _I64, _P, _I64, _P, _F32, _I32]}
+_P = ctypes.c_void_p
 
 
 class Weight(ctypes.Structure):
-    """A projection's weight as decode_layer reads it (dense_kernels.c's `weight`): float32 rows (bits 32), or a
-    QuantizedWeight's codes, scales and mins (bits 4 or 8, groups of 2**gshift), products by quant_kernels.c."""
+    """A projection's weight as decode_layer reads it (kernels.h's `weight`, field for field): float32 rows (bits
+    32), or a QuantizedWeight's codes, scales and mins (bits 4 or 8, groups of 2**gshift), products by
+    quant_kernels.c."""
     _fields_ = [("data", _P), ("scale", _P), ("mins", _P), ("bits", ctypes.c_int32), ("gshift", ctypes.c_int32)]
 
 
@@ -60,7 +46,7 @@ _MAX_PREFILL_HEAD_DIM = 256         # MAX_D in prefill_attention.c
 
 
 def library() -> ctypes.CDLL | None:
-    return native.load("PETREL_DENSE_KERNELS", "float32 decode kernels", SIGNATURES)
+    return native.load("PETREL_DENSE_KERNELS", "float32 decode kernels")
 
 
 def _is_cpu_f32(*tensors: torch.Tensor) -> bool:
@@ -237,12 +223,13 @@ def decode_layer(x: torch.Tensor, layer: LayerParts, cos: torch.Tensor, sin: tor
     w_qkv, w_o, w_gate_up, w_down = (ctypes.byref(w) for w in described)
     block_tables, context_lens = block_tables.contiguous(), context_lens.contiguous()
     out = torch.empty_like(x)
-    lib.decode_layer(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], layer.norms[0].data_ptr(),
-                     layer.norms[1].data_ptr(), layer.eps, w_qkv, w_o, w_gate_up, w_down, layer.weights[3].shape[1],
-                     num_heads, num_kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(), kv_cache[0].data_ptr(),
-                     kv_cache[1].data_ptr(), slots.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
-                     context_lens.data_ptr(), kv_cache.shape[2], layer.sliding_window or 0, layer.scale,
-                     torch.get_num_threads())
+    if lib.decode_layer(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], layer.norms[0].data_ptr(),
+                        layer.norms[1].data_ptr(), layer.eps, w_qkv, w_o, w_gate_up, w_down,
+                        layer.weights[3].shape[1], num_heads, num_kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
+                        kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), slots.data_ptr(), block_tables.data_ptr(),
+                        block_tables.shape[1], context_lens.data_ptr(), kv_cache.shape[2], layer.sliding_window or 0,
+                        layer.scale, torch.get_num_threads()):
+        raise native.out_of_memory("decode_layer")
     return out
 
 
@@ -287,10 +274,11 @@ class DecoderStack:
             return None
         block_tables, context_lens = block_tables.contiguous(), context_lens.contiguous()
         out = torch.empty_like(x)
-        self.lib.decode_layers(len(self.windows), x.data_ptr(), out.data_ptr(), num_tokens, x.shape[1], self.norm1,
-                               self.norm2, first.eps, self.weights, first.weights[3].shape[1], num_heads,
-                               num_kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(), self.key_caches,
-                               self.value_caches, slots.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
-                               context_lens.data_ptr(), self.kv_caches[0].shape[2], self.windows, first.scale,
-                               torch.get_num_threads())
+        if self.lib.decode_layers(len(self.windows), x.data_ptr(), out.data_ptr(), num_tokens, x.shape[1],
+                                  self.norm1, self.norm2, first.eps, self.weights, first.weights[3].shape[1],
+                                  num_heads, num_kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(), self.key_caches,
+                                  self.value_caches, slots.data_ptr(), block_tables.data_ptr(),
+                                  block_tables.shape[1], context_lens.data_ptr(), self.kv_caches[0].shape[2],
+                                  self.windows, first.scale, torch.get_num_threads()):
+            raise native.out_of_memory("decode_layers")
         return out

@@ -11,6 +11,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kernels.h"
 #include "thread_pool.h"
 
 #define MR 14

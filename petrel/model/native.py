@@ -1,34 +1,46 @@
-"""Build and load petrel's small C kernels for x86-64 CPUs (AVX2 + FMA; AVX-512 where the CPU has it).
+"""Find and load petrel's C kernels for x86-64 CPUs (AVX2 + FMA; AVX-512 where the CPU has it).
 
-The kernel files (SOURCES: the float32 kernels, the quantized products and the threads they share out their work
-over) are plain C with no torch headers: they build with the system C compiler in about a second (a torch C++
-extension takes a minute on two cores) into one library, once per source text and compiler, in petrel's cache;
-ctypes loads it and drops the GIL during each call.
+The kernel files (kernel_build.SOURCES: the float32 kernels, the quantized products and the threads they share out
+their work over) are plain C with no torch headers, built by kernel_build into one library. Where it comes from:
+  1. the library `pip install` built into the package (petrel/model/_kernels<EXT_SUFFIX>), when it was built from
+     the sources beside it (it records their digest; an editable install whose C files changed since is stale);
+  2. otherwise, the fallback: built on first use with the system C compiler (about a second) into petrel's cache,
+     once per source text and compiler.
+ctypes loads it (dropping the GIL during each call) and takes every function's argument and result types from
+kernels.h, the one declaration the C files are compiled against.
 
-load() returns None where the kernels cannot run: not x86-64 with AVX2 and FMA, no C compiler, a failed build, or
-the caller's environment switch set to 0. Every caller then has a plain-torch path that computes the same thing.
+load() returns None where the kernels cannot run: not x86-64 with AVX2 and FMA, no installed library and no C
+compiler, a failed build, or the caller's environment switch set to 0. Every caller then has a plain-torch path
+that computes the same thing; one WARNING says what is lost, unless PETREL_REQUIRE_KERNELS=1 (CI), which makes it
+an error instead.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
 import hashlib
+import importlib.machinery
 import logging
 import os
-import shutil
-import subprocess
-import sysconfig
+import platform
+import re
 import threading
 
 import torch
 
+from petrel.model import kernel_build
 from petrel.model.cache import petrel_cache_dir
 
 logger = logging.getLogger("petrel")
 
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-pthread", "-shared", "-fPIC"]
-SOURCES = ("dense_kernels.c", "prefill_attention.c", "quant_kernels.c", "gemm_avx512.c", "thread_pool.c", "thread_pool.h",
-           "simd.h")
+REQUIRE_SWITCH = "PETREL_REQUIRE_KERNELS"
+LOST = ("float32 decode (few-row products, paged attention, whole decoder layers in one call), quantized-weight "
+        "products and the AVX-512 prefill product run in torch instead: the same results, about half the decode "
+        "speed (W1 roughly halves)")
+
+
+class KernelsUnavailable(RuntimeError):
+    """PETREL_REQUIRE_KERNELS=1, and petrel's C kernels cannot run here."""
 
 
 @functools.cache
@@ -51,60 +63,117 @@ def cpu_has_avx512() -> bool:
             and torch.backends.cpu.get_cpu_capability() == "AVX512" and "avx512f" in _cpu_flags())
 
 
-def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), sysconfig.get_config_var("CC"), "cc", "gcc"):
-        if name and shutil.which(name.split()[0]):
-            return name.split()[0]
-    return None
+_C_TYPES = {"int": ctypes.c_int, "int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64, "float": ctypes.c_float,
+            "void": None}
+_PROTOTYPE = re.compile(r"([A-Za-z_][\w\s*]*?)\s*\b(\w+)\s*\(([^()]*)\)\s*;")
+
+
+def _c_type(declaration: str):
+    """The ctypes type of a parameter or result declaration (its name, if any, left off)."""
+    if "*" in declaration:
+        return ctypes.c_char_p if declaration.split("*")[0].split() == ["const", "char"] else ctypes.c_void_p
+    words = [w for w in declaration.split() if w != "const"]
+    return _C_TYPES[words[0]]
+
+
+def declarations(header: str | None = None) -> dict[str, tuple[list, type | None]]:
+    """{function: (ctypes argument types, result type)} of every prototype in kernels.h (or the given text)."""
+    if header is None:
+        with open(os.path.join(kernel_build.DIRECTORY, kernel_build.HEADER)) as f:
+            header = f.read()
+    text = re.sub(r"/\*.*?\*/", " ", header, flags=re.S)
+    text = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    text = re.sub(r"typedef\s+struct\s*\{.*?\}\s*\w+\s*;", " ", text, flags=re.S)
+    found = {}
+    for result, name, params in _PROTOTYPE.findall(text):
+        params = [p.strip() for p in params.split(",")]
+        argtypes = [] if params == ["void"] else [_c_type(p) for p in params]
+        found[name] = (argtypes, _c_type(result))
+    return found
+
+
+def installed_library() -> str | None:
+    """The path of the library `pip install` built into the package, or None."""
+    base = os.path.join(kernel_build.DIRECTORY, kernel_build.INSTALLED_NAME.rsplit(".", 1)[1])
+    return next((base + s for s in importlib.machinery.EXTENSION_SUFFIXES if os.path.isfile(base + s)), None)
+
+
+def _open(path: str) -> ctypes.CDLL:
+    """The library at path with every declared function's types set (AttributeError if one is missing)."""
+    lib = ctypes.CDLL(path)
+    for name, (argtypes, restype) in declarations().items():
+        function = getattr(lib, name)
+        function.argtypes, function.restype = argtypes, restype
+    return lib
+
+
+def find_library() -> tuple[ctypes.CDLL | None, str]:
+    """(the library, where it came from) or (None, why it cannot run here); builds into the cache when needed."""
+    if not kernel_build.is_x86_64():
+        return None, f"they are x86-64 code and this machine is {platform.machine()}"
+    if not cpu_has_avx2_fma():
+        return None, "this CPU has no AVX2 and FMA"
+    digest = kernel_build.source_digest()
+    if (path := installed_library()) is not None:
+        try:
+            lib = _open(path)
+            built_from = lib.kernels_source_digest().decode()
+        except (OSError, AttributeError) as exc:
+            logger.info("the installed kernels (%s) cannot be used: %s", path, exc)
+        else:
+            if built_from == digest:
+                return lib, path
+            logger.info("the installed kernels (%s) were built from other sources: building these", path)
+    compiler = kernel_build.find_compiler()
+    if compiler is None:
+        return None, ("no C compiler ($CC, cc or gcc on PATH) and no library built at install from these "
+                      "sources; install gcc and reinstall petrel, or set CC")
+    key = hashlib.sha256(f"{compiler} {digest}".encode()).hexdigest()[:16]
+    path = os.path.join(petrel_cache_dir("kernels"), f"petrel_kernels_{key}.so")
+    try:
+        if not os.path.isfile(path):
+            logger.info("building petrel's kernels into %s", path)
+            kernel_build.build(path, compiler)
+        return _open(path), path
+    except (kernel_build.BuildError, OSError, AttributeError) as exc:
+        return None, f"the build failed: {exc}"
+
+
+@functools.cache
+def _library() -> tuple[ctypes.CDLL | None, str]:
+    """find_library() once per process; the WARNING of what is lost, once, where there is none."""
+    lib, where = find_library()
+    if lib is None and os.environ.get(REQUIRE_SWITCH) != "1":
+        logger.warning("petrel's C kernels are off (%s): %s.", where, LOST)
+    elif lib is not None:
+        logger.info("petrel's C kernels: %s", where)
+    return lib, where
 
 
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}    # by switch
 
 
-def load(switch: str, what: str, signatures: dict[str, list]) -> ctypes.CDLL | None:
-    """The kernels' library (built on first use, then kept in this process), or None where it cannot run here.
-
-    switch: the caller's environment variable that turns its kernels off when "0"; what: what falls back, for the
-    log; signatures: the caller's exported functions' ctypes argument types (they return void), or (argument
-    types, result type)."""
+def load(switch: str, what: str) -> ctypes.CDLL | None:
+    """The kernels' library (found or built on first use, then kept in this process), or None where it cannot run
+    here. switch: the caller's environment variable that turns its kernels off when "0"; what: what falls back,
+    for the log. Raises KernelsUnavailable instead of returning None under PETREL_REQUIRE_KERNELS=1 (unless the
+    caller's switch turned them off)."""
     if switch not in _loaded:
         with _lock:
             if switch not in _loaded:
-                lib = None if os.environ.get(switch, "1") == "0" else _library()
-                if lib is None:
-                    logger.info("%s run with torch (slower)", what)
-                for name, types in signatures.items() if lib is not None else ():
-                    argtypes, restype = types if isinstance(types, tuple) else (types, None)
-                    getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, restype
+                if os.environ.get(switch, "1") == "0":
+                    logger.info("%s run with torch (%s=0)", what, switch)
+                    lib = None
+                else:
+                    lib, where = _library()
+                    if lib is None and os.environ.get(REQUIRE_SWITCH) == "1":
+                        raise KernelsUnavailable(f"{REQUIRE_SWITCH}=1, but petrel's C kernels cannot run here: "
+                                                 f"{where}")
                 _loaded[switch] = lib
     return _loaded[switch]
 
 
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    """SOURCES built into one shared library (or found built in the cache) and loaded, or None."""
-    if not cpu_has_avx2_fma():
-        return None
-    compiler = _compiler()
-    if compiler is None:
-        logger.info("no C compiler for petrel's kernels")
-        return None
-    paths = [os.path.join(os.path.dirname(__file__), name) for name in SOURCES]
-    digest = hashlib.sha256(" ".join([compiler, *FLAGS]).encode())
-    for source in paths:
-        with open(source, "rb") as f:
-            digest.update(f.read())
-    path = os.path.join(petrel_cache_dir("kernels"), f"petrel_kernels_{digest.hexdigest()[:16]}.so")
-    try:
-        if not os.path.isfile(path):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{path}.tmp{os.getpid()}"
-            c_files = [p for p in paths if p.endswith(".c")]
-            subprocess.run([compiler, *FLAGS, *c_files, "-o", tmp, "-lm"], check=True, capture_output=True, timeout=120)
-            os.replace(tmp, path)
-        return ctypes.CDLL(path)
-    except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", b"") or b""
-        logger.warning("could not build petrel's kernels (%s %s)", exc, detail.decode(errors="replace")[-500:])
-        return None
+def out_of_memory(kernel: str) -> MemoryError:
+    """The error for a kernel that returned KERNEL_OUT_OF_MEMORY (kernels.h): its output was not written."""
+    return MemoryError(f"petrel's {kernel} kernel could not allocate its scratch memory")

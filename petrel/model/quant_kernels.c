@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
 #include "simd.h"
 #include "thread_pool.h"
 
@@ -214,12 +215,13 @@ static void gemv_part(void *args, int t, int T) {
     }
 }
 
-/* y[M][N] = x[M][K] @ W^T, the activations rounded to int16 per 32 first (see quantize_activations) */
-void quant_gemv(int bits, const float *x, int64_t M, int64_t K, const void *codes, const float *scale,
-                const float *mins, int gshift, float *y, int64_t N, int nthreads) {
+/* y[M][N] = x[M][K] @ W^T, the activations rounded to int16 per 32 first (see quantize_activations); 0, or
+ * KERNEL_OUT_OF_MEMORY when there is no memory for the rounded activations (y is then not written) */
+int quant_gemv(int bits, const float *x, int64_t M, int64_t K, const void *codes, const float *scale,
+               const float *mins, int gshift, float *y, int64_t N, int nthreads) {
     const int64_t B = K / 32, G = num_groups(bits, K, gshift);
     int16_t *q = malloc(sizeof(int16_t) * M * K + sizeof(float) * M * (2 * B + B + 4 * B + G));
-    if (!q) return;
+    if (!q) return KERNEL_OUT_OF_MEMORY;
     float *sum16 = (float *)(q + M * K), *d = sum16 + M * 2 * B, *dd = d + M * B, *sums = dd + M * 4 * B;
     quantize_activations(x, M * K, q, d, sum16);
     for (int64_t m = 0; m < M && mins; m++)              /* x's sum over each weight group, from the 16-sums */
@@ -236,6 +238,7 @@ void quant_gemv(int bits, const float *x, int64_t M, int64_t K, const void *code
     gemv_args args = {&a, bits, M, K, codes, scale, mins, gshift, y, N};
     parallel_run(gemv_part, &args, nthreads);
     free(q);
+    return 0;
 }
 
 typedef struct {
@@ -271,10 +274,6 @@ void quant_dequant(int bits, int64_t K, const void *codes, const float *scale, c
     parallel_run(dequant_part, &a, nthreads);
 }
 
-/* dense_kernels.c: y[m][n0 + j] = x[m] . tile[j] for a float32 tile of `rows` weight rows */
-void f32_tile_product(const float *x, int64_t M, int64_t K, const float *tile, int64_t rows, float *y, int64_t N,
-                      int64_t n0);
-
 #define TILE 12
 typedef struct {
     int bits; const float *x; int64_t M, K; const void *codes; const float *scale, *mins; int gshift; float *y;
@@ -294,16 +293,16 @@ static void gemm_part(void *args, int t, int T) {
 }
 
 /* y[M][N] = x[M][K] @ W^T for more rows than quant_gemv's: each thread dequantizes TILE weight rows into a float32
- * tile that stays in cache while every row of x passes over it (float32 products, the weight read once) */
-void quant_gemm(int bits, const float *x, int64_t M, int64_t K, const void *codes, const float *scale,
-                const float *mins, int gshift, float *y, int64_t N, int nthreads) {
+ * tile that stays in cache while every row of x passes over it (float32 products, the weight read once); 0, or
+ * KERNEL_OUT_OF_MEMORY (y then not written) */
+int quant_gemm(int bits, const float *x, int64_t M, int64_t K, const void *codes, const float *scale,
+               const float *mins, int gshift, float *y, int64_t N, int nthreads) {
     const int T = nthreads < 1 ? 1 : nthreads;
     float *tiles = malloc(sizeof(float) * TILE * K * T);
-    if (!tiles) {          /* no memory for the tiles: the few-row kernel gives the same products, slower */
-        quant_gemv(bits, x, M, K, codes, scale, mins, gshift, y, N, nthreads);
-        return;
-    }
+    if (!tiles)            /* no memory for the tiles: the few-row kernel, slower (and its own status) */
+        return quant_gemv(bits, x, M, K, codes, scale, mins, gshift, y, N, nthreads);
     gemm_args a = {bits, x, M, K, codes, scale, mins, gshift, y, N, tiles};
     parallel_run(gemm_part, &a, T);
     free(tiles);
+    return 0;
 }

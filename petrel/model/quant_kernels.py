@@ -10,15 +10,10 @@ import torch
 
 from petrel.model import native
 
-_P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-SIGNATURES = {"quant_gemv": [_I32, _P, _I64, _I64, _P, _P, _P, _I32, _P, _I64, _I32],
-              "quant_gemm": [_I32, _P, _I64, _I64, _P, _P, _P, _I32, _P, _I64, _I32],
-              "quant_dequant": [_I32, _I64, _P, _P, _P, _I32, _P, _I64, _I64, _I32]}
-
 
 def library() -> ctypes.CDLL | None:
-    """The loaded kernels, built on first use; None where they cannot run here."""
-    return native.load("PETREL_QUANT_KERNELS", "quantized layers", SIGNATURES)
+    """The loaded kernels (see native.load); None where they cannot run here."""
+    return native.load("PETREL_QUANT_KERNELS", "quantized layers")
 
 
 def gemv(lib, bits: int, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None,
@@ -26,8 +21,9 @@ def gemv(lib, bits: int, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tens
     """x [M, K] float32 contiguous -> [M, n] float32 (few rows: each weight read once per four rows)."""
     m, k = x.shape
     y = torch.empty(m, n, dtype=torch.float32)
-    lib.quant_gemv(bits, x.data_ptr(), m, k, codes.data_ptr(), scale.data_ptr(),
-                   None if mins is None else mins.data_ptr(), gshift, y.data_ptr(), n, torch.get_num_threads())
+    if lib.quant_gemv(bits, x.data_ptr(), m, k, codes.data_ptr(), scale.data_ptr(),
+                      None if mins is None else mins.data_ptr(), gshift, y.data_ptr(), n, torch.get_num_threads()):
+        raise native.out_of_memory("quant_gemv")
     return y
 
 
@@ -37,8 +33,9 @@ def gemm(lib, bits: int, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tens
     float32 tile that every row of x passes over while it is in cache)."""
     m, k = x.shape
     y = torch.empty(m, n, dtype=torch.float32)
-    lib.quant_gemm(bits, x.data_ptr(), m, k, codes.data_ptr(), scale.data_ptr(),
-                   None if mins is None else mins.data_ptr(), gshift, y.data_ptr(), n, torch.get_num_threads())
+    if lib.quant_gemm(bits, x.data_ptr(), m, k, codes.data_ptr(), scale.data_ptr(),
+                      None if mins is None else mins.data_ptr(), gshift, y.data_ptr(), n, torch.get_num_threads()):
+        raise native.out_of_memory("quant_gemm")
     return y
 
 

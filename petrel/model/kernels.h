@@ -1,0 +1,70 @@
+/* The functions petrel's kernel library exports, declared once: every kernel file includes this header, so the
+ * compiler checks each definition against it, and petrel/model/native.py reads it to give ctypes each function's
+ * argument and result types (tests/test_native_kernels.py checks the Python call sites against it).
+ *
+ * native.py's reader takes plain prototypes only: one declaration per function, parameters of the types
+ * int, int32_t, int64_t, float or pointers (any pointer is a void pointer to ctypes); results void, int, int64_t or
+ * const char *. A function returning `int` returns a status: 0, or KERNEL_OUT_OF_MEMORY when its scratch memory
+ * could not be allocated (its output then holds nothing meaningful and the caller raises MemoryError). */
+#pragma once
+#include <stdint.h>
+
+#define KERNEL_OUT_OF_MEMORY 1
+
+/* A projection's weight [N][K] (dense_kernels.Weight mirrors it, field for field): float32 rows (bits 32, data
+ * only), or quant_kernels.c's codes (bits 4 or 8) with their float32 scale and min per group of 2^gshift (mins may
+ * be NULL). */
+typedef struct {
+    const void *data;
+    const float *scale;
+    const float *mins;
+    int32_t bits;
+    int32_t gshift;
+} weight;
+
+/* dense_kernels.c */
+void f32_gemv(const float *x, int64_t M, int64_t K, const float *W, float *y, int64_t N, int nthreads);
+void f32_tile_product(const float *x, int64_t M, int64_t K, const float *tile, int64_t rows, float *y, int64_t N,
+                      int64_t n0);
+void paged_decode_attention(const float *q, int64_t q_stride, const float *key_cache, const float *value_cache,
+                            const int64_t *tables, int64_t max_blocks, const int64_t *context_lens,
+                            int64_t S, int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t window,
+                            float scale, float *out, int nthreads);
+void rms_norm(const float *x, int64_t T, int64_t H, int64_t stride, const float *w, float eps, float *out,
+              int nthreads);
+void rotary(const float *x, int64_t T, int64_t heads, int64_t D, int64_t stride, const float *cos_t,
+            const float *sin_t, float *out, int nthreads);
+void silu_and_mul(const float *x, int64_t T, int64_t I, float *out, int nthreads);
+int decode_layer(const float *x, float *x_out, int64_t T, int64_t H, const float *norm1, const float *norm2,
+                 float eps, const weight *w_qkv, const weight *w_o, const weight *w_gate_up, const weight *w_down,
+                 int64_t I, int64_t NH, int64_t KVH, int64_t D, const float *cos_t, const float *sin_t,
+                 float *key_cache, float *value_cache, const int64_t *slots, const int64_t *tables,
+                 int64_t max_blocks, const int64_t *context_lens, int64_t bs, int64_t window, float scale,
+                 int nthreads);
+int decode_layers(int64_t L, const float *x, float *x_out, int64_t T, int64_t H, const float *const *norm1,
+                  const float *const *norm2, float eps, const weight *weights, int64_t I, int64_t NH, int64_t KVH,
+                  int64_t D, const float *cos_t, const float *sin_t, float *const *key_caches,
+                  float *const *value_caches, const int64_t *slots, const int64_t *tables, int64_t max_blocks,
+                  const int64_t *context_lens, int64_t bs, const int64_t *windows, float scale, int nthreads);
+
+/* prefill_attention.c */
+int64_t prefill_attention_workspace(int64_t n, int64_t p0, int64_t window, int64_t KVH, int64_t D);
+void paged_prefill_attention(const float *q, int64_t q_stride, const float *key_cache, const float *value_cache,
+                             const int64_t *table, int64_t n, int64_t p0, int64_t H, int64_t KVH, int64_t D,
+                             int64_t bs, int64_t window, float scale, float *out, float *workspace, int nthreads);
+
+/* gemm_avx512.c */
+int64_t f32_gemm_workspace(int64_t K, int nthreads);
+void f32_gemm(const float *x, int64_t M, int64_t K, const float *W, float *y, int64_t N, float *workspace,
+              int nthreads);
+
+/* quant_kernels.c */
+int quant_gemv(int bits, const float *x, int64_t M, int64_t K, const void *codes, const float *scale,
+               const float *mins, int gshift, float *y, int64_t N, int nthreads);
+int quant_gemm(int bits, const float *x, int64_t M, int64_t K, const void *codes, const float *scale,
+               const float *mins, int gshift, float *y, int64_t N, int nthreads);
+void quant_dequant(int bits, int64_t K, const void *codes, const float *scale, const float *mins, int gshift,
+                   float *out, int64_t n0, int64_t n1, int nthreads);
+
+/* build_info.c */
+const char *kernels_source_digest(void);
