@@ -234,7 +234,7 @@ class Sampler:
             sorted_x, order = x.sort(dim=1, descending=True)
             probs = sorted_x.softmax(dim=1)
             before = probs.cumsum(dim=1) - probs      # mass of strictly better tokens
-            drop = before > top_ps.unsqueeze(1)
+            drop = (before > top_ps.unsqueeze(1)) & (top_ps < 1.0).unsqueeze(1)   # top_p 1: keep all (mass may round past 1)
             sorted_x = sorted_x.masked_fill(drop, float("-inf"))
             x = torch.empty_like(x).scatter_(1, order, sorted_x)
         min_ps = torch.tensor([p.min_p for p in params], device=x.device)

@@ -87,8 +87,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
-        seq.beam_candidates = None       # a beam recomputes its next-token candidates with its KV
-        seq.num_draft_computed = 0       # a draft model recomputes its K/V too
+        seq.beam.candidates = None       # a beam recomputes its next-token candidates with its KV
+        seq.spec.num_draft_computed = 0  # a draft model recomputes its K/V too
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         batch.preempted.append(seq)
@@ -107,7 +107,7 @@ class Scheduler:
             if n == 0:      # a beam that has its candidates and waits for its other beams
                 i += 1
                 continue
-            lookahead = min(seq.num_lookahead, budget - n) if n == seq.num_tokens - seq.num_computed_tokens == 1 else 0
+            lookahead = min(seq.spec.num_lookahead, budget - n) if n == seq.num_tokens - seq.num_computed_tokens == 1 else 0
             if lookahead > 0 and bm.allocate_slots(seq, n + lookahead):   # room for draft tokens to verify
                 scheduled.append((seq, n + lookahead))
                 budget -= n + lookahead
@@ -124,8 +124,12 @@ class Scheduler:
                 i += 1
 
         running_loras = {s.request.lora_int_id for s in self.running} - {0} if self.max_loras else set()
+        committed = sum(_width(s) for s in self.running)   # running sequences, and the forks they will make
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
             seq = self.waiting[0]           # a waiting sequence holds no blocks
+            width = _width(seq)
+            if self.running and committed + width > self.max_num_seqs:
+                break                       # its n sequences (or beams) would run past max_num_seqs
             lora = seq.request.lora_int_id
             if lora and self.max_loras and lora not in running_loras and len(running_loras) >= self.max_loras:
                 break                       # every LoRA slot is taken by running adapters: wait for one to finish
@@ -150,6 +154,7 @@ class Scheduler:
             self.prefix_hit_tokens += seq.num_cached_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            committed += width
             scheduled.append((seq, n))
             budget -= n
 
@@ -165,3 +170,11 @@ class Scheduler:
         batch.block_copies = bm.take_pending_copies()
         return batch
 
+
+def _width(seq: Sequence) -> int:
+    """Sequences admitting `seq` will run: a request's first sequence forks into n (or its beams) once its prompt
+    is done, and max_num_seqs counts them all. A request wider than max_num_seqs still runs when nothing else does."""
+    req = seq.request
+    if len(req.seqs) <= 1 and seq.num_output_tokens == 0:
+        return req.params.num_beams if req.params.use_beam_search else req.params.n
+    return 1
