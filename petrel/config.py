@@ -1,6 +1,9 @@
 """EngineConfig: every engine option in one place, validated once at start-up, defaults that work on a laptop."""
 from __future__ import annotations
 
+import functools
+import types
+import typing
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
@@ -9,6 +12,7 @@ TORCH_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": tor
            "float16": torch.float16, "fp16": torch.float16}
 
 
+DEVICES = ("cpu", "cuda")
 SPECULATIVE_METHODS = ("ngram", "draft_model", "self")
 KV_TRANSFER_ROLES = ("prefill", "decode", "both")
 EXECUTOR_BACKENDS = ("mp", "ray")
@@ -107,6 +111,10 @@ class EngineConfig:
         return cls(**kwargs)
 
     def __post_init__(self):
+        check_field_types(self)
+        if self.device.split(":")[0] not in DEVICES or not _device_index_ok(self.device):
+            raise ValueError(f"device must be one of {list(DEVICES)} (cuda may name its index, cuda:1), "
+                             f"got {self.device!r}")
         if self.dtype not in TORCH_DTYPES:
             raise ValueError(f"dtype must be one of {sorted(TORCH_DTYPES)}, got {self.dtype!r}")
         for name in ("block_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens"):
@@ -180,6 +188,53 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return TORCH_DTYPES[self.dtype]
+
+
+def check_field_types(config) -> None:
+    """TypeError naming the first field whose value is not of its annotated type (an int is a float too; a bool
+    is no int): `seed="abc"` or `enable_prefix_caching="no"` are refused, not carried into the engine."""
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if not _matches(value, _type_hints(type(config))[f.name]):
+            raise TypeError(f"{f.name} must be {_describe(_type_hints(type(config))[f.name])}, got {value!r}")
+
+
+@functools.cache
+def _type_hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def _matches(value, hint) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, arg) for arg in args)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if origin is list:
+        return isinstance(value, (list, tuple)) and all(_matches(v, args[0]) for v in value)
+    if origin is dict:
+        return isinstance(value, dict)
+    return isinstance(value, origin or hint)
+
+
+def _describe(hint) -> str:
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in args)
+    if hint is type(None):
+        return "None"
+    return getattr(hint, "__name__", str(hint))
+
+
+def _device_index_ok(device: str) -> bool:
+    kind, sep, index = device.partition(":")
+    return not sep or (kind == "cuda" and index.isdigit())
 
 
 def parse_endpoint(endpoint, name: str) -> str:

@@ -69,10 +69,9 @@ def test_greedy_batch_equals_plain_decoding(spec_llm, prompts, plain):
     assert all(o.outputs[0].accept_draft_tokens is not None for o in outputs)
 
 
-def test_guided_json_stop_strings_logprobs_and_n_with_drafts(llm, spec_llm, prompts):
-    method, sllm = spec_llm
-    if method != "ngram":
-        pytest.skip("one method is enough for the feature mix; the tiny-model tests cover the others")
+@pytest.mark.parametrize("spec_llm", ["ngram"], indirect=True)   # one method is enough for the feature mix; the
+def test_guided_json_stop_strings_logprobs_and_n_with_drafts(llm, spec_llm, prompts):   # tiny-model tests cover all
+    _, sllm = spec_llm
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array",
               "items": {"type": "string"}, "maxItems": 3}}, "required": ["name", "tags"]}
     cases = [
@@ -98,10 +97,9 @@ def test_guided_json_stop_strings_logprobs_and_n_with_drafts(llm, spec_llm, prom
             json.loads(got[0].outputs[0].text)
 
 
+@pytest.mark.parametrize("spec_llm", ["ngram"], indirect=True)   # streaming is method-independent
 def test_streamed_diffs_concatenate_with_several_tokens_per_step(spec_llm, prompts, plain):
-    method, llm = spec_llm
-    if method != "ngram":
-        pytest.skip("streaming is method-independent")
+    _, llm = spec_llm
     text, ids, steps = "", [], 0
     for partial in llm.generate_async(prompts[0], GREEDY, streaming=True):
         text += partial.outputs[0].text_diff
