@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PROMPT ?= Write a haiku about a petrel, the seabird.
 
-.PHONY: run test install bench stress clean
+.PHONY: run test lint install bench stress clean
 
 # reinstalled when the build changes: `pip install -e .` compiles the C kernels (setup.py)
 $(VENV)/.installed: pyproject.toml setup.py $(wildcard petrel/model/*.c petrel/model/*.h)
@@ -30,6 +30,10 @@ run: install
 
 test: install $(VENV)/.installed-test-model
 	$(PY) -m pytest -q --durations=25 tests
+
+lint: install              # ruff: the lint rules and the formatting ([tool.ruff] in pyproject.toml)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 stress: install             # minutes: 500 concurrent streams, a 2,000-request fault soak, slowloris, bombs (tests/stress)
 	$(PY) -m tests.stress.run

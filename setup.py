@@ -5,6 +5,7 @@ The kernels are plain C loaded with ctypes, not a Python extension module: the o
 petrel/model/kernel_build.py (the same compiler, flags and sources as the first-use build that native.py falls back
 on) into petrel/model/_kernels<EXT_SUFFIX>. The extension is optional: with no C compiler, or not on x86-64, the
 install goes on without it and petrel runs its torch paths (native.py logs a WARNING naming what is lost)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -36,15 +37,20 @@ class BuildKernels(build_ext):
         try:
             kernel_build.build(output)
         except kernel_build.BuildError as exc:
-            raise CompileError(f"petrel's C kernels were not built ({exc}); petrel will build them on first use "
-                               "where a compiler is found, or run with torch (slower)") from exc
+            raise CompileError(
+                f"petrel's C kernels were not built ({exc}); petrel will build them on first use "
+                "where a compiler is found, or run with torch (slower)"
+            ) from exc
 
 
 setup(
-    ext_modules=[Extension(kernel_build.INSTALLED_NAME,
-                           sources=[os.path.join("petrel", "model", name) for name in kernel_build.SOURCES
-                                    if name.endswith(".c")],
-                           depends=[os.path.join("petrel", "model", name) for name in kernel_build.SOURCES],
-                           optional=True)],
+    ext_modules=[
+        Extension(
+            kernel_build.INSTALLED_NAME,
+            sources=[os.path.join("petrel", "model", name) for name in kernel_build.SOURCES if name.endswith(".c")],
+            depends=[os.path.join("petrel", "model", name) for name in kernel_build.SOURCES],
+            optional=True,
+        )
+    ],
     cmdclass={"build_ext": BuildKernels},
 )

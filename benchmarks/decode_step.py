@@ -9,6 +9,7 @@ Prints min and median ms per step for each batch size, timed on the main thread 
 the engine runs its steps: a thread's first parallel work gives it a thread team of its own, see
 petrel/model/thread_pool.c).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,7 +55,7 @@ def main() -> None:
 
             def step():
                 with torch.inference_mode():
-                    ids, positions, meta = runner.prepare(step_batch)
+                    ids, positions, meta = runner.build_inputs(runner.spans(step_batch))
                     return runner.model.compute_logits(runner.model(ids, positions, runner.kv_caches, meta))
 
             def timed(where: str) -> None:
@@ -65,8 +66,11 @@ def main() -> None:
                     t0 = time.perf_counter()
                     step()
                     times.append((time.perf_counter() - t0) * 1e3)
-                print(f"batch {batch}, context {args.context}, {where} thread: min {min(times):.1f} ms, "
-                      f"median {statistics.median(times):.1f} ms per decode step", flush=True)
+                print(
+                    f"batch {batch}, context {args.context}, {where} thread: min {min(times):.1f} ms, "
+                    f"median {statistics.median(times):.1f} ms per decode step",
+                    flush=True,
+                )
 
             for where in args.thread.split(","):
                 if where == "main":

@@ -13,6 +13,7 @@ layer shape's product at that many rows, torch's F.linear against petrel's AVX-5
 GFLOP/s; attention of one layer over a whole prompt of that many tokens, torch's SDPA (causal) against petrel's
 paged prefill kernel. Best of several passes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,7 +27,7 @@ from petrel.model import dense_kernels
 from petrel.model.attention import _decode_attention
 from petrel.model.layers import RotaryEmbedding
 
-LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]   # qkv, o, gate_up, down (out x in)
+LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down (out x in)
 
 
 def best_ms(fn, passes: int = 5, inner: int = 1) -> float:
@@ -73,13 +74,13 @@ def attention(seq_list: list[int]) -> None:
         cache = torch.randn(2, sum(blocks) + 1, bs, kv_heads, dim, generator=g)
         order = torch.randperm(sum(blocks), generator=g) + 1
         q = torch.randn(s, heads, dim, generator=g)
-        groups, start = [], 0
+        groups = []
         for lo in range(0, s, 16):
             idx = list(range(lo, min(lo + 16, s)))
             width = max(blocks[i] for i in idx)
             tables = torch.zeros(len(idx), width, dtype=torch.int64)
             for r, i in enumerate(idx):
-                tables[r, :blocks[i]] = order[sum(blocks[:i]):sum(blocks[:i]) + blocks[i]]
+                tables[r, : blocks[i]] = order[sum(blocks[:i]) : sum(blocks[:i]) + blocks[i]]
             lens_t = torch.tensor([lens[i] for i in idx])
             mask = torch.arange(width * bs).unsqueeze(0) < lens_t.unsqueeze(1)
             groups.append((slice(lo, lo + len(idx)), tables, lens_t, mask))
@@ -103,10 +104,14 @@ def small_ops() -> None:
     gate_up = torch.randn(1, 3072)
     cases = {
         "RMS norm [1, 576]": (lambda: F.rms_norm(x, (576,), w, 1e-5), lambda: dense_kernels.rms_norm(x, w, 1e-5)),
-        "rotary [1, 12, 64]": (lambda: qk * cos + torch.cat((-qk[..., 32:], qk[..., :32]), -1) * sin,
-                               lambda: dense_kernels.rotary(qk, cos, sin)),
-        "SiLU and multiply [1, 3072]": (lambda: F.silu(gate_up[:, :1536]) * gate_up[:, 1536:],
-                                        lambda: dense_kernels.silu_and_mul(gate_up)),
+        "rotary [1, 12, 64]": (
+            lambda: qk * cos + torch.cat((-qk[..., 32:], qk[..., :32]), -1) * sin,
+            lambda: dense_kernels.rotary(qk, cos, sin),
+        ),
+        "SiLU and multiply [1, 3072]": (
+            lambda: F.silu(gate_up[:, :1536]) * gate_up[:, 1536:],
+            lambda: dense_kernels.silu_and_mul(gate_up),
+        ),
     }
     print("\nsmall ops at one row, microseconds per call:\n| op | torch | petrel kernel |\n| --- | ---: | ---: |")
     for name, (t_fn, k_fn) in cases.items():
@@ -137,10 +142,15 @@ def prefill(rows_list: list[int], prompts: list[int]) -> None:
         table = torch.randperm(blocks) + 1
         q = torch.randn(n, heads, dim)
         k, v = (cache[i][table].view(-1, kv_heads, dim)[:n].transpose(0, 1).unsqueeze(0) for i in (0, 1))
-        t = best_ms(lambda: F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k, v, is_causal=True,
-                                                           scale=0.125, enable_gqa=True), 5, 5)
+        t = best_ms(
+            lambda: F.scaled_dot_product_attention(
+                q.transpose(0, 1).unsqueeze(0), k, v, is_causal=True, scale=0.125, enable_gqa=True
+            ),
+            5,
+            5,
+        )
         kern = best_ms(lambda: dense_kernels.prefill_attention(q, cache[0], cache[1], table, 0, 0.125, None), 5, 5)
-        flop = 2 * 2 * heads * dim * n * (n + 1) / 2          # scores and values over the causal half
+        flop = 2 * 2 * heads * dim * n * (n + 1) / 2  # scores and values over the causal half
         print(f"| {n} | {t:.2f} | {kern:.2f} | {t / kern:.2f}x | {flop / kern / 1e6:.0f} |")
 
 
@@ -156,7 +166,7 @@ def main() -> None:
     if dense_kernels.library() is None:
         raise SystemExit("petrel's float32 kernels cannot run here (no AVX2/FMA or no C compiler)")
     print(f"torch {torch.__version__}, {args.threads} threads")
-    numbers = lambda text: [int(v) for v in text.split(",") if v]          # noqa: E731
+    numbers = lambda text: [int(v) for v in text.split(",") if v]  # noqa: E731
     products(numbers(args.rows))
     attention(numbers(args.seqs))
     small_ops()

@@ -4,6 +4,7 @@ process, prefix caching off (every run computes its prompt).
 
     python benchmarks/disagg.py [--lengths 128,512,2048] [--max-tokens 32]
 """
+
 import argparse
 import statistics
 import time
@@ -25,7 +26,9 @@ for n in map(int, args.lengths.split(",")):
     for r in range(args.repeats):
         ids = [prefill.tokenizer(" " + words[(i * 7 + r * 3) % len(words)])["input_ids"][0] for i in range(n)]
         t0 = time.perf_counter()
-        ctx = prefill.generate(ids, sp, use_tqdm=False, disaggregated_params=DisaggregatedParams(request_type="context_only"))
+        ctx = prefill.generate(
+            ids, sp, use_tqdm=False, disaggregated_params=DisaggregatedParams(request_type="context_only")
+        )
         dp = DisaggregatedParams(**{**ctx.disaggregated_params.to_dict(), "request_type": "generation_only"})
         out = decode.generate(ids, sp, use_tqdm=False, disaggregated_params=dp)
         split = time.perf_counter() - t0
@@ -36,7 +39,9 @@ for n in map(int, args.lengths.split(",")):
         rows.append((out.kv_transfer.num_bytes, out.kv_transfer.seconds, split, one, same))
     b = rows[0][0]
     ms = statistics.median(x[1] for x in rows) * 1e3
-    print(f"{n:>7} {b:>11,} {ms:>12.1f} {b / ms / 1e3:>7.0f} {statistics.median(x[2] for x in rows):>8.2f} "
-          f"{statistics.median(x[3] for x in rows):>7.2f} {str(all(x[4] for x in rows)):>5}")
+    print(
+        f"{n:>7} {b:>11,} {ms:>12.1f} {b / ms / 1e3:>7.0f} {statistics.median(x[2] for x in rows):>8.2f} "
+        f"{statistics.median(x[3] for x in rows):>7.2f} {str(all(x[4] for x in rows)):>5}"
+    )
 prefill.shutdown()
 decode.shutdown()

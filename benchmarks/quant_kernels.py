@@ -9,6 +9,7 @@ torch._weight_int8pack_mm (int8, a scale per row); aten._weight_int4pack_mm_for_
 torchao's CPU int4 layout calls); petrel's quant_kernels.c (4-bit Q4_1 layout and 8-bit Q8_0 layout, and for many
 rows a dequantized tile + torch GEMM).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,9 +36,12 @@ def best_ms(fn, weights, passes: int) -> float:
 
 def kernels(n: int, k: int):
     """name -> (make one weight, product of x [M, k] with it)."""
+
     def q4():
         codes = torch.randint(0, 256, (n, k // 32, 16), dtype=torch.uint8)
-        return QuantizedWeight(codes, torch.rand(n, k // 32) * 0.01, -torch.rand(n, k // 32) * 0.08, 4, 5, (n, k), "Q4_1")
+        return QuantizedWeight(
+            codes, torch.rand(n, k // 32) * 0.01, -torch.rand(n, k // 32) * 0.08, 4, 5, (n, k), "Q4_1"
+        )
 
     def q8():
         codes = torch.randint(-127, 128, (n, k), dtype=torch.int8)
@@ -51,8 +55,10 @@ def kernels(n: int, k: int):
         "fp32": (lambda: torch.randn(n, k), lambda x, w: torch.nn.functional.linear(x, w)),
         "bf16": (lambda: torch.randn(n, k).bfloat16(), lambda x, w: torch.nn.functional.linear(x.bfloat16(), w)),
         "fp16": (lambda: torch.randn(n, k).half(), lambda x, w: torch.nn.functional.linear(x.half(), w)),
-        "torch int8pack": (lambda: (torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n)),
-                           lambda x, w: torch._weight_int8pack_mm(x, w[0], w[1])),
+        "torch int8pack": (
+            lambda: (torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n)),
+            lambda x, w: torch._weight_int8pack_mm(x, w[0], w[1]),
+        ),
         "torch int4pack": (int4pack, lambda x, w: torch.ops.aten._weight_int4pack_mm_for_cpu(x, w[0], 32, w[1])),
         "petrel 4-bit": (q4, lambda x, w: w.matmul(x)),
         "petrel 8-bit": (q8, lambda x, w: w.matmul(x)),
@@ -68,8 +74,10 @@ def main() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
-    print(f"threads {args.threads}; ms per call; petrel's kernels: register GEMV up to {GEMV_MAX_ROWS} rows, "
-          f"dequantized tile + GEMM beyond\n")
+    print(
+        f"threads {args.threads}; ms per call; petrel's kernels: register GEMV up to {GEMV_MAX_ROWS} rows, "
+        f"dequantized tile + GEMM beyond\n"
+    )
     names = list(kernels(1, 32)) if args.kernels is None else args.kernels.split(",")
     print("| shape | rows | " + " | ".join(names) + " |")
     print("|---|---|" + "---|" * len(names))
@@ -81,8 +89,10 @@ def main() -> None:
             weights = [make() for _ in range(copies)]
             for m in rows:
                 x = torch.randn(m, k)
-                slow = name.startswith("torch int") and m > 1   # seconds per pass: one pass is enough
-                table[m][name] = best_ms(lambda w: product(x, w), weights if not slow else weights[:4], 1 if slow else 3)
+                slow = name.startswith("torch int") and m > 1  # seconds per pass: one pass is enough
+                table[m][name] = best_ms(
+                    lambda w: product(x, w), weights if not slow else weights[:4], 1 if slow else 3
+                )
             del weights
         for m in rows:
             print(f"| {n}x{k} | {m} | " + " | ".join(f"{table[m][name]:.3f}" for name in names) + " |", flush=True)

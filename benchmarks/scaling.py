@@ -5,6 +5,7 @@ the cores between them (`--num-threads cores/N` each).
 
     python benchmarks/scaling.py [--replicas 2] [--num-prompts 64] [--out FILE.json]
 """
+
 import argparse
 import asyncio
 import json
@@ -52,13 +53,18 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cores = os.cpu_count() or 2
-    prompts = make_w2_prompts()[:args.num_prompts]
-    runs = [measure("one server", 1, cores, prompts, args.max_tokens),
-            measure(f"router over {args.replicas}", args.replicas, max(1, cores // args.replicas), prompts,
-                    args.max_tokens)]
+    prompts = make_w2_prompts()[: args.num_prompts]
+    runs = [
+        measure("one server", 1, cores, prompts, args.max_tokens),
+        measure(
+            f"router over {args.replicas}", args.replicas, max(1, cores // args.replicas), prompts, args.max_tokens
+        ),
+    ]
     ratio = runs[1]["output_tok_s"] / runs[0]["output_tok_s"]
-    print(f"output tok/s: one server {runs[0]['output_tok_s']:.1f}, {args.replicas} data-parallel servers "
-          f"{runs[1]['output_tok_s']:.1f} ({ratio:.2f}x)")
+    print(
+        f"output tok/s: one server {runs[0]['output_tok_s']:.1f}, {args.replicas} data-parallel servers "
+        f"{runs[1]['output_tok_s']:.1f} ({ratio:.2f}x)"
+    )
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"runs": runs, "ratio": ratio, "cores": cores}, f, indent=1)

@@ -11,6 +11,7 @@ Reported per workload: output tokens, wall seconds, output tokens/s, speedup ove
 draft tokens verified and accepted (acceptance rate) and accepted tokens per verify round. Greedy outputs
 must be identical to 'none' token for token; a configuration that differs is marked invalid.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,7 +41,7 @@ METHODS = {
     "none": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
     "self": {"method": "self", "num_speculative_tokens": 2, "draft_num_layers": 20},
-    "draft_model": {"method": "draft_model", "num_speculative_tokens": 4},   # the default model drafts for itself
+    "draft_model": {"method": "draft_model", "num_speculative_tokens": 4},  # the default model drafts for itself
 }
 
 
@@ -48,11 +49,12 @@ def run_config(name: str, spec: dict | None, w1_tokens: int, edit_texts: list[st
     from petrel import LLM, SamplingParams
     from petrel.bench import W1_USER_MESSAGE
     from petrel.model.loader import default_model_path
+
     if spec is not None and spec["method"] == "draft_model":
         spec = dict(spec, draft_model=default_model_path())
     llm = LLM(speculative_config=spec)
     try:
-        llm.generate("Hello", SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)   # warm-up
+        llm.generate("Hello", SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)  # warm-up
         w1_prompt = llm.apply_chat_template([{"role": "user", "content": W1_USER_MESSAGE}])
         w1 = _measure(llm, [w1_prompt], SamplingParams(temperature=0, max_tokens=w1_tokens, ignore_eos=True))
         edits = [llm.apply_chat_template([{"role": "user", "content": EDIT_INSTRUCTION + t}]) for t in edit_texts]
@@ -75,10 +77,16 @@ def _measure(llm, prompts: list[str], params) -> dict:
     after = llm.engine.call(lambda core: (core.num_draft_tokens, core.num_accepted_tokens))
     drafted, accepted = after[0] - before[0], after[1] - before[1]
     n = sum(len(t) for t in tokens)
-    return {"output_tokens": n, "wall_s": round(wall, 3), "output_tok_s": round(n / wall, 2),
-            "draft_tokens": drafted, "accepted_tokens": accepted,
-            "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
-            "accepted_per_round": round(accepted / rounds, 3) if rounds else None, "token_ids": tokens}
+    return {
+        "output_tokens": n,
+        "wall_s": round(wall, 3),
+        "output_tok_s": round(n / wall, 2),
+        "draft_tokens": drafted,
+        "accepted_tokens": accepted,
+        "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
+        "accepted_per_round": round(accepted / rounds, 3) if rounds else None,
+        "token_ids": tokens,
+    }
 
 
 def main(argv=None) -> int:
@@ -104,11 +112,21 @@ def main(argv=None) -> int:
         for wl in ("w1", "edit"):
             m = r[wl]
             same = m["token_ids"] == base[wl]["token_ids"]
-            rows.append({"method": r["method"], "workload": wl, "valid": same,
-                         "output_tokens": m["output_tokens"], "wall_s": m["wall_s"], "output_tok_s": m["output_tok_s"],
-                         "speedup": round(m["output_tok_s"] / base[wl]["output_tok_s"], 3) if same else None,
-                         "acceptance_rate": m["acceptance_rate"], "accepted_per_round": m["accepted_per_round"],
-                         "draft_tokens": m["draft_tokens"], "accepted_tokens": m["accepted_tokens"]})
+            rows.append(
+                {
+                    "method": r["method"],
+                    "workload": wl,
+                    "valid": same,
+                    "output_tokens": m["output_tokens"],
+                    "wall_s": m["wall_s"],
+                    "output_tok_s": m["output_tok_s"],
+                    "speedup": round(m["output_tok_s"] / base[wl]["output_tok_s"], 3) if same else None,
+                    "acceptance_rate": m["acceptance_rate"],
+                    "accepted_per_round": m["accepted_per_round"],
+                    "draft_tokens": m["draft_tokens"],
+                    "accepted_tokens": m["accepted_tokens"],
+                }
+            )
     for row in rows:
         print(json.dumps(row))
     print("\n| method | workload | output tok/s | speedup | acceptance | accepted / round |", file=sys.stderr)
@@ -117,13 +135,20 @@ def main(argv=None) -> int:
         sp = f"{row['speedup']:.2f}x" if row["speedup"] else ("INVALID" if not row["valid"] else "-")
         acc = f"{row['acceptance_rate']:.0%}" if row["acceptance_rate"] is not None else "-"
         per = f"{row['accepted_per_round']:.2f}" if row["accepted_per_round"] is not None else "-"
-        print(f"| {row['method']} | {row['workload']} | {row['output_tok_s']:.1f} | {sp} | {acc} | {per} |",
-              file=sys.stderr)
+        print(
+            f"| {row['method']} | {row['workload']} | {row['output_tok_s']:.1f} | {sp} | {acc} | {per} |",
+            file=sys.stderr,
+        )
     if args.out:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        doc = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "machine": platform.platform(),
-               "dtype": "float32", "command": "python benchmarks/spec_decode.py " + " ".join(argv or sys.argv[1:]),
-               "rows": rows}
+        doc = {
+            "date": time.strftime("%Y-%m-%d"),
+            "commit": commit,
+            "machine": platform.platform(),
+            "dtype": "float32",
+            "command": "python benchmarks/spec_decode.py " + " ".join(argv or sys.argv[1:]),
+            "rows": rows,
+        }
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)
     return 0 if all(r["valid"] for r in rows) else 1

@@ -6,6 +6,7 @@ number of tokens: the difference is the cost of guided decoding (grammar masks e
 
     python benchmarks/w2_guided.py [--quick] [--out results.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,12 +18,21 @@ from petrel.bench import make_w2_prompts
 
 SCHEMA = {
     "type": "object",
-    "properties": {"records": {"type": "array", "minItems": 64, "items": {
-        "type": "object",
-        "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99999},
-                       "name": {"type": "string", "maxLength": 24},
-                       "tags": {"type": "array", "maxItems": 3, "items": {"enum": ["red", "green", "blue"]}}},
-        "required": ["id", "name", "tags"]}}},
+    "properties": {
+        "records": {
+            "type": "array",
+            "minItems": 64,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "integer", "minimum": 0, "maximum": 99999},
+                    "name": {"type": "string", "maxLength": 24},
+                    "tags": {"type": "array", "maxItems": 3, "items": {"enum": ["red", "green", "blue"]}},
+                },
+                "required": ["id", "name", "tags"],
+            },
+        }
+    },
     "required": ["records"],
 }
 
@@ -34,9 +44,13 @@ def run(llm: LLM, prompts: list[list[int]], new_tokens: int, guided: GuidedDecod
     outs = llm.generate(prompts, params, use_tqdm=False, cache_salt="guided" if guided else "plain")
     wall = time.perf_counter() - t0
     counts = [len(o.outputs[0].token_ids) for o in outs]
-    result = {"wall_s": round(wall, 2), "output_tokens": sum(counts),
-              "output_tok_s": round(sum(counts) / wall, 1), "all_full_length": all(c == new_tokens for c in counts)}
-    if guided is not None:   # every output is a valid prefix of the schema's JSON: it starts the object
+    result = {
+        "wall_s": round(wall, 2),
+        "output_tokens": sum(counts),
+        "output_tok_s": round(sum(counts) / wall, 1),
+        "all_full_length": all(c == new_tokens for c in counts),
+    }
+    if guided is not None:  # every output is a valid prefix of the schema's JSON: it starts the object
         result["outputs_start_with"] = sorted({o.outputs[0].text.lstrip()[:12] for o in outs})[:3]
     return result
 
@@ -50,12 +64,20 @@ def main() -> None:
     prompts = make_w2_prompts(num)
     llm = LLM()
     guided = GuidedDecodingParams(json=SCHEMA)
-    llm.generate(prompts[0][:32], SamplingParams(max_tokens=4, guided_decoding=guided), use_tqdm=False)   # warm up + compile
+    llm.generate(
+        prompts[0][:32], SamplingParams(max_tokens=4, guided_decoding=guided), use_tqdm=False
+    )  # warm up + compile
     plain = run(llm, prompts, new_tokens, None)
     constrained = run(llm, prompts, new_tokens, guided)
-    report = {"workload": "w2 + json schema", "dtype": llm.config.dtype, "requests": num, "new_tokens": new_tokens,
-              "unconstrained": plain, "json_schema": constrained,
-              "ratio_constrained_over_unconstrained": round(constrained["output_tok_s"] / plain["output_tok_s"], 3)}
+    report = {
+        "workload": "w2 + json schema",
+        "dtype": llm.config.dtype,
+        "requests": num,
+        "new_tokens": new_tokens,
+        "unconstrained": plain,
+        "json_schema": constrained,
+        "ratio_constrained_over_unconstrained": round(constrained["output_tok_s"] / plain["output_tok_s"], 3),
+    }
     print(json.dumps(report, indent=2))
     if args.out:
         with open(args.out, "w") as f:

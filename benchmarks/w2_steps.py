@@ -4,6 +4,7 @@ chunks (with the decodes running alongside them). The figures behind "where the 
 
     python benchmarks/w2_steps.py [--max-num-batched-tokens 2048] [--kv-cache-memory-gib 4]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,7 +20,7 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--kv-cache-memory-gib", type=float, default=4)
     args = ap.parse_args()
-    steps: list[tuple[float, int, int]] = []     # seconds, decode rows, prefill tokens
+    steps: list[tuple[float, int, int]] = []  # seconds, decode rows, prefill tokens
     execute = ModelRunner.execute
 
     def timed_execute(self, batch):
@@ -30,9 +31,10 @@ def main() -> None:
         return out
 
     ModelRunner.execute = timed_execute
-    llm = LLM(kv_cache_memory=int(args.kv_cache_memory_gib * (1 << 30)),
-              max_num_batched_tokens=args.max_num_batched_tokens)
-    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)       # warm-up
+    llm = LLM(
+        kv_cache_memory=int(args.kv_cache_memory_gib * (1 << 30)), max_num_batched_tokens=args.max_num_batched_tokens
+    )
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     steps.clear()
     params = SamplingParams(max_tokens=128, min_tokens=128, ignore_eos=True, temperature=0)
     t0 = time.perf_counter()
@@ -41,12 +43,16 @@ def main() -> None:
     decode = [s for s in steps if s[2] == 0]
     mixed = [s for s in steps if s[2] > 0]
     print(f"W2 wall {wall:.2f} s, {64 * 128 / wall:.1f} output tok/s; {sum(s[0] for s in steps):.2f} s in model steps")
-    print(f"decode-only steps: {len(decode)}, {sum(s[0] for s in decode):.2f} s, "
-          f"{sum(s[0] for s in decode) / max(1, len(decode)) * 1e3:.1f} ms each, "
-          f"{sum(s[1] for s in decode) / max(1, len(decode)):.1f} rows on average")
-    print(f"steps with prefill: {len(mixed)}, {sum(s[0] for s in mixed):.2f} s for {sum(s[2] for s in mixed)} "
-          f"prompt tokens ({sum(s[0] for s in mixed) / max(1, sum(s[2] for s in mixed)) * 1e3:.2f} ms a token, "
-          "decodes alongside included)")
+    print(
+        f"decode-only steps: {len(decode)}, {sum(s[0] for s in decode):.2f} s, "
+        f"{sum(s[0] for s in decode) / max(1, len(decode)) * 1e3:.1f} ms each, "
+        f"{sum(s[1] for s in decode) / max(1, len(decode)):.1f} rows on average"
+    )
+    print(
+        f"steps with prefill: {len(mixed)}, {sum(s[0] for s in mixed):.2f} s for {sum(s[2] for s in mixed)} "
+        f"prompt tokens ({sum(s[0] for s in mixed) / max(1, sum(s[2] for s in mixed)) * 1e3:.2f} ms a token, "
+        "decodes alongside included)"
+    )
     llm.shutdown()
 
 

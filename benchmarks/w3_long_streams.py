@@ -10,19 +10,20 @@ Any option of `petrel bench serve` overrides the ones below; options after `--` 
 KV cache that holds all 64 streams whole, 64 x (512 + 1,024) tokens of SmolLM2-135M in float32 = 4.5 GB, so no
 stream is preempted).
 """
+
 import sys
 
 from petrel.bench.serve import main
 
 WORKLOAD = ["--concurrency", "64", "--num-prompts", "64", "--max-tokens", "1024"]
-SERVER = ["--kv-cache-memory", str(5 * 1024 ** 3), "--max-num-seqs", "64"]
+SERVER = ["--kv-cache-memory", str(5 * 1024**3), "--max-num-seqs", "64"]
 
 
 def arguments(argv: list[str]) -> list[str]:
     """WORKLOAD, then the caller's options (later ones win), then `--` and the server's options."""
     if "--" in argv:
         at = argv.index("--")
-        return WORKLOAD + argv[:at] + ["--"] + SERVER + argv[at + 1:]
+        return WORKLOAD + argv[:at] + ["--"] + SERVER + argv[at + 1 :]
     return WORKLOAD + argv + ["--"] + SERVER
 
 

@@ -1,4 +1,5 @@
 """W3 against `petrel serve`: the same as `petrel bench serve` (kept so the commands in BENCHMARKS.md still run)."""
+
 import sys
 
 from petrel.bench.serve import main

@@ -3,6 +3,7 @@
 The public names below are imported when first used (`from petrel import LLM`, `petrel.SamplingParams`), not when
 `petrel` is: importing a light module such as petrel.engine.scheduler or petrel.serve.protocol first runs this file,
 and must not pull in torch, the model code or the server with it."""
+
 from __future__ import annotations
 
 import importlib
@@ -27,9 +28,22 @@ _EXPORTS = {
     "LoRARequest": "petrel.lora",
     "DisaggregatedParams": "petrel.disagg",
 }
-__all__ = ["LLM", "RequestFuture", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput",
-           "Logprob", "OutputChunk", "FinishDetails", "RequestPerfMetrics", "TextGenerationRequest",
-           "GuidedDecodingParams", "LoRARequest", "DisaggregatedParams"]
+__all__ = [
+    "LLM",
+    "RequestFuture",
+    "SamplingParams",
+    "EngineConfig",
+    "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
+    "OutputChunk",
+    "FinishDetails",
+    "RequestPerfMetrics",
+    "TextGenerationRequest",
+    "GuidedDecodingParams",
+    "LoRARequest",
+    "DisaggregatedParams",
+]
 
 
 def __getattr__(name: str):
@@ -46,13 +60,12 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))
 
 
-if TYPE_CHECKING:   # for type checkers and editors only: the same names, imported eagerly
+if TYPE_CHECKING:  # for type checkers and editors only: the same names, imported eagerly
     from petrel.config import EngineConfig
     from petrel.disagg import DisaggregatedParams
     from petrel.guided_decoding import GuidedDecodingParams
     from petrel.llm import LLM, RequestFuture
     from petrel.lora import LoRARequest
-    from petrel.outputs import (CompletionOutput, FinishDetails, Logprob, OutputChunk, RequestOutput,
-                                RequestPerfMetrics)
+    from petrel.outputs import CompletionOutput, FinishDetails, Logprob, OutputChunk, RequestOutput, RequestPerfMetrics
     from petrel.sampling_params import SamplingParams
     from petrel.text_request import TextGenerationRequest

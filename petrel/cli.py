@@ -1,4 +1,5 @@
 """petrel generate | chat | serve | route | bench"""
+
 from __future__ import annotations
 
 import argparse
@@ -63,14 +64,25 @@ class UserError(Exception):
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="GGUF file, Hugging Face directory or hub id (default: SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--model", default=None, help="GGUF file, Hugging Face directory or hub id (default: SmolLM2-135M-Instruct)"
+    )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--quantization", default=None, choices=["none", "int8", "gguf"],
-                   help="weights kept quantized: int8 per row (any model) or the GGUF's own blocks (default: none)")
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=["none", "int8", "gguf"],
+        help="weights kept quantized: int8 per row (any model) or the GGUF's own blocks (default: none)",
+    )
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
     p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--speculative-config", type=speculative_config_json, default=None, metavar="JSON",
-                   help='speculative decoding, e.g. \'{"method": "ngram"}\' (see `petrel serve --help`)')
+    p.add_argument(
+        "--speculative-config",
+        type=speculative_config_json,
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, e.g. \'{"method": "ngram"}\' (see `petrel serve --help`)',
+    )
     parallel_arguments(p)
     p.add_argument("-v", "--verbose", action="store_true", help="log engine INFO messages to stderr")
 
@@ -85,6 +97,7 @@ def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
 
 def _make_llm(args):
     from petrel import LLM
+
     options = {"dtype": args.dtype}
     if args.quantization:
         options["quantization"] = args.quantization
@@ -100,8 +113,10 @@ def _make_llm(args):
 
 def _params(args):
     from petrel import SamplingParams
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.seed)
+
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+    )
 
 
 def _stream(llm, prompt, params) -> str:
@@ -116,6 +131,7 @@ def _stream(llm, prompt, params) -> str:
 
 
 # ------------------------------------------------------------------------------------------- generate
+
 
 def parse_prompts(text: str, source: str = "input") -> list[str]:
     """Prompts from a file's text: JSONL objects with a "prompt" string when the first non-blank character
@@ -174,14 +190,27 @@ def cmd_generate(args) -> int:
                     prompt = llm.apply_chat_template([{"role": "user", "content": prompt}])
                 _stream(llm, prompt, _params(args))
                 return 0
-            inputs = ([llm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
-                      if args.chat_template else prompts)
+            inputs = (
+                [llm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+                if args.chat_template
+                else prompts
+            )
             results = llm.generate(inputs, _params(args), use_tqdm=True)
             sink = out or sys.stdout
             for prompt, result in zip(prompts, results):
                 o = result.outputs[0]
-                sink.write(json.dumps({"prompt": prompt, "text": o.text, "finish_reason": o.finish_reason,
-                                       "num_tokens": len(o.token_ids)}, ensure_ascii=False) + "\n")
+                sink.write(
+                    json.dumps(
+                        {
+                            "prompt": prompt,
+                            "text": o.text,
+                            "finish_reason": o.finish_reason,
+                            "num_tokens": len(o.token_ids),
+                        },
+                        ensure_ascii=False,
+                    )
+                    + "\n"
+                )
             sink.flush()
     finally:
         if out is not None:
@@ -190,6 +219,7 @@ def cmd_generate(args) -> int:
 
 
 # ------------------------------------------------------------------------------------------- chat
+
 
 def read_message(read=input) -> str | None:
     """One chat message: a line, continued while it ends in a backslash. None at end of input."""
@@ -212,8 +242,11 @@ def cmd_chat(args) -> int:
     with _make_llm(args) as llm:
         system = [{"role": "system", "content": args.system}] if args.system else []
         messages = list(system)
-        print("petrel chat: /reset clears the conversation, /exit (or an empty line, Ctrl-D) quits; "
-              "end a line with \\ to continue it.", file=sys.stderr)
+        print(
+            "petrel chat: /reset clears the conversation, /exit (or an empty line, Ctrl-D) quits; "
+            "end a line with \\ to continue it.",
+            file=sys.stderr,
+        )
         while True:
             try:
                 text = read_message()
@@ -235,7 +268,7 @@ def cmd_chat(args) -> int:
                 print("\n(interrupted)", file=sys.stderr)
                 messages.pop()
                 continue
-            except ValueError as exc:   # e.g. the conversation outgrew the context: say so and go on
+            except ValueError as exc:  # e.g. the conversation outgrew the context: say so and go on
                 print(f"petrel: error: {exc}", file=sys.stderr)
                 messages.pop()
                 continue
@@ -245,6 +278,7 @@ def cmd_chat(args) -> int:
 
 def cmd_bench(argv: list[str]) -> int:
     from petrel import bench
+
     return bench.main(argv)
 
 
@@ -266,43 +300,85 @@ disaggregated serving (prefill on one server, decode on another; both share a se
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="petrel", formatter_class=RAW, epilog=MAIN_EPILOG,
-                                     description="petrel: a fast LLM inference engine with an OpenAI-compatible server.")
+    parser = argparse.ArgumentParser(
+        prog="petrel",
+        formatter_class=RAW,
+        epilog=MAIN_EPILOG,
+        description="petrel: a fast LLM inference engine with an OpenAI-compatible server.",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    gen = sub.add_parser("generate", help="complete one prompt (streamed), or a file of prompts (JSONL out)",
-                         description="Complete one prompt, streaming the text to the terminal, or a file of "
-                                     "prompts as one batch, writing JSON lines.",
-                         formatter_class=RAW, epilog=GENERATE_EPILOG)
+    gen = sub.add_parser(
+        "generate",
+        help="complete one prompt (streamed), or a file of prompts (JSONL out)",
+        description="Complete one prompt, streaming the text to the terminal, or a file of "
+        "prompts as one batch, writing JSON lines.",
+        formatter_class=RAW,
+        epilog=GENERATE_EPILOG,
+    )
     gen.add_argument("prompt", nargs="?", default=None, help="the prompt (or use --input)")
-    gen.add_argument("-i", "--input", metavar="FILE", default=None,
-                     help="prompts from FILE (- for stdin): one per line, or JSONL with a \"prompt\" field")
-    gen.add_argument("-o", "--output", metavar="FILE", default=None,
-                     help="with --input: write the JSONL results to FILE (default: stdout)")
-    gen.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=True,
-                     help="wrap each prompt as a user message in the model's chat template (default on)")
+    gen.add_argument(
+        "-i",
+        "--input",
+        metavar="FILE",
+        default=None,
+        help='prompts from FILE (- for stdin): one per line, or JSONL with a "prompt" field',
+    )
+    gen.add_argument(
+        "-o",
+        "--output",
+        metavar="FILE",
+        default=None,
+        help="with --input: write the JSONL results to FILE (default: stdout)",
+    )
+    gen.add_argument(
+        "--chat-template",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="wrap each prompt as a user message in the model's chat template (default on)",
+    )
     _engine_args(gen)
     _sampling_args(gen, 256)
-    chat = sub.add_parser("chat", help="an interactive chat in the terminal",
-                          description="Chat with the model in the terminal; the conversation is kept until /reset.",
-                          formatter_class=RAW, epilog=CHAT_EPILOG)
+    chat = sub.add_parser(
+        "chat",
+        help="an interactive chat in the terminal",
+        description="Chat with the model in the terminal; the conversation is kept until /reset.",
+        formatter_class=RAW,
+        epilog=CHAT_EPILOG,
+    )
     chat.add_argument("--system", default=None, help="a system message")
     _engine_args(chat)
     _sampling_args(chat, 512)
-    sub.add_parser("bench", help="benchmarks: latency (W1), throughput (W2), prefix (W4) against transformers, "
-                                 "serve (W3 against any server, --sweep, --plot), compare (petrel and every installed "
-                                 "peer on W1-W4 in one run); see `petrel bench --help`")
+    sub.add_parser(
+        "bench",
+        help="benchmarks: latency (W1), throughput (W2), prefix (W4) against transformers, "
+        "serve (W3 against any server, --sweep, --plot), compare (petrel and every installed "
+        "peer on W1-W4 in one run); see `petrel bench --help`",
+    )
     from petrel.serve.server import add_arguments as serve_arguments
-    serve_arguments(sub.add_parser("serve", help="an OpenAI-compatible HTTP server with a chat page at /",
-                                   description="Serve the model over an OpenAI-compatible HTTP API, with a "
-                                               "chat page for the browser at /.",
-                                   formatter_class=RAW, epilog=SERVE_EPILOG))
+
+    serve_arguments(
+        sub.add_parser(
+            "serve",
+            help="an OpenAI-compatible HTTP server with a chat page at /",
+            description="Serve the model over an OpenAI-compatible HTTP API, with a chat page for the browser at /.",
+            formatter_class=RAW,
+            epilog=SERVE_EPILOG,
+        )
+    )
     from petrel.route import add_arguments as route_arguments
-    route_arguments(sub.add_parser("route", help="one OpenAI-compatible front over several petrel servers",
-                                   description="Spread requests over several `petrel serve` backends: requests "
-                                               "sharing a prompt prefix go to the same backend (its prefix cache), "
-                                               "load evens out, a dead backend is skipped and its unanswered "
-                                               "requests are retried on another.",
-                                   formatter_class=RAW, epilog=ROUTE_EPILOG))
+
+    route_arguments(
+        sub.add_parser(
+            "route",
+            help="one OpenAI-compatible front over several petrel servers",
+            description="Spread requests over several `petrel serve` backends: requests "
+            "sharing a prompt prefix go to the same backend (its prefix cache), "
+            "load evens out, a dead backend is skipped and its unanswered "
+            "requests are retried on another.",
+            formatter_class=RAW,
+            epilog=ROUTE_EPILOG,
+        )
+    )
     return parser
 
 
@@ -316,9 +392,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":
             from petrel.serve.server import run as cmd_serve
+
             return cmd_serve(args)
         if args.command == "route":
             from petrel.route import run as cmd_route
+
             return cmd_route(args)
         return cmd_generate(args) if args.command == "generate" else cmd_chat(args)
     except (UserError, ValueError) as exc:

@@ -1,6 +1,7 @@
 """Command-line options that more than one command takes: `petrel generate | chat` (petrel/cli.py), `petrel serve`
 (petrel/serve/server.py) and `petrel bench` (petrel/bench/) define them from here, so each command's
 module depends on this one and none on another command's."""
+
 from __future__ import annotations
 
 import argparse
@@ -29,11 +30,21 @@ def speculative_config_json(text: str) -> dict:
 
 def parallel_arguments(p) -> None:
     """--tensor-parallel-size and --distributed-executor-backend (generate, chat, serve, bench)."""
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N",
-                   help="split the model over N ranks: this process and N-1 workers (default 1)")
-    p.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default=None,
-                   help="how the workers run: local processes (mp, the default) or Ray actors (ray; joins the "
-                        "cluster at RAY_ADDRESS when set)")
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=None,
+        metavar="N",
+        help="split the model over N ranks: this process and N-1 workers (default 1)",
+    )
+    p.add_argument(
+        "--distributed-executor-backend",
+        choices=["mp", "ray"],
+        default=None,
+        help="how the workers run: local processes (mp, the default) or Ray actors (ray; joins the "
+        "cluster at RAY_ADDRESS when set)",
+    )
 
 
 def parallel_options(args) -> dict:

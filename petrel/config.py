@@ -1,4 +1,5 @@
 """EngineConfig: every engine option in one place, validated once at start-up, defaults that work on a laptop."""
+
 from __future__ import annotations
 
 import functools
@@ -8,8 +9,14 @@ from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
-TORCH_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
+TORCH_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 DEVICES = ("cpu", "cuda")
@@ -28,15 +35,16 @@ class SpeculativeConfig:
     with its own paged KV cache (same block tables as the target).
     method 'self': the target's first draft_num_layers layers, its final norm and LM head draft (early exit).
     """
+
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     draft_model: str | None = None
-    draft_num_layers: int | None = None   # 'self': None means a quarter of the target's layers
+    draft_num_layers: int | None = None  # 'self': None means a quarter of the target's layers
 
     @classmethod
-    def coerce(cls, value) -> "SpeculativeConfig | None":
+    def coerce(cls, value) -> SpeculativeConfig | None:
         """A SpeculativeConfig from itself, a dict (the CLI's JSON) or None."""
         if value is None or isinstance(value, cls):
             return value
@@ -50,17 +58,32 @@ class SpeculativeConfig:
 
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative_config.method must be one of {list(SPECULATIVE_METHODS)}, got {self.method!r}")
+            raise ValueError(
+                f"speculative_config.method must be one of {list(SPECULATIVE_METHODS)}, got {self.method!r}"
+            )
         if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
-            raise ValueError(f"speculative_config.num_speculative_tokens must be 1..16, got {self.num_speculative_tokens!r}")
-        if not (isinstance(self.prompt_lookup_min, int) and isinstance(self.prompt_lookup_max, int)
-                and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max):
-            raise ValueError("speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
-                             f"{self.prompt_lookup_min!r}, {self.prompt_lookup_max!r}")
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens must be 1..16, got {self.num_speculative_tokens!r}"
+            )
+        if not (
+            isinstance(self.prompt_lookup_min, int)
+            and isinstance(self.prompt_lookup_max, int)
+            and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max
+        ):
+            raise ValueError(
+                "speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                f"{self.prompt_lookup_min!r}, {self.prompt_lookup_max!r}"
+            )
         if self.method == "draft_model" and not self.draft_model:
-            raise ValueError("speculative_config.draft_model (a model path or hub id) is needed for method 'draft_model'")
-        if self.draft_num_layers is not None and (not isinstance(self.draft_num_layers, int) or self.draft_num_layers < 1):
-            raise ValueError(f"speculative_config.draft_num_layers must be a positive integer, got {self.draft_num_layers!r}")
+            raise ValueError(
+                "speculative_config.draft_model (a model path or hub id) is needed for method 'draft_model'"
+            )
+        if self.draft_num_layers is not None and (
+            not isinstance(self.draft_num_layers, int) or self.draft_num_layers < 1
+        ):
+            raise ValueError(
+                f"speculative_config.draft_num_layers must be a positive integer, got {self.draft_num_layers!r}"
+            )
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -68,42 +91,44 @@ class SpeculativeConfig:
 
 @dataclass
 class EngineConfig:
-    model: str | None = None              # None: the default model (SmolLM2-135M-Instruct GGUF)
-    tokenizer: str | None = None          # another tokenizer directory or hub id
+    model: str | None = None  # None: the default model (SmolLM2-135M-Instruct GGUF)
+    tokenizer: str | None = None  # another tokenizer directory or hub id
     dtype: str = "float32"
     device: str = "cpu"
-    max_model_len: int | None = None      # None: the model's context length (capped by the KV cache unless every
-                                          # layer has one sliding window: its blocks behind it are given back)
+    max_model_len: int | None = None  # None: the model's context length (capped by the KV cache unless every
+    # layer has one sliding window: its blocks behind it are given back)
     block_size: int = 16
-    kv_cache_memory: int = 2 * 1024 ** 3  # bytes for the paged KV cache
+    kv_cache_memory: int = 2 * 1024**3  # bytes for the paged KV cache
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    kv_cache_hash_seed: str = ""          # combined with each request's cache_salt in the root block hash
+    kv_cache_hash_seed: str = ""  # combined with each request's cache_salt in the root block hash
     seed: int = 0
-    num_threads: int | None = None        # torch intra-op threads (None: torch's default)
+    num_threads: int | None = None  # torch intra-op threads (None: torch's default)
     speculative_config: SpeculativeConfig | dict | None = None
-    enable_lora: bool = False             # LoRA adapter slots on the model's projections (LLM.generate(lora_request=...))
-    max_loras: int = 4                    # adapters resident at once; distinct adapters running at once at most
-    max_lora_rank: int = 16               # largest adapter rank accepted
+    enable_lora: bool = False  # LoRA adapter slots on the model's projections (LLM.generate(lora_request=...))
+    max_loras: int = 4  # adapters resident at once; distinct adapters running at once at most
+    max_lora_rank: int = 16  # largest adapter rank accepted
     # disaggregated serving (petrel/disagg), off unless kv_transfer_role is set: 'prefill' answers context_only
     # requests and serves their KV, 'decode' answers generation_only ones by fetching it, 'both' does both
     kv_transfer_role: str | None = None
-    kv_transfer_host: str = "127.0.0.1"   # where a prefill role's KV transfer server listens
-    kv_transfer_port: int = 0             # 0: a port the OS picks
-    kv_transfer_timeout: float = 60.0     # seconds a pinned prompt KV waits to be fetched; also a fetch's deadline
-    kv_transfer_peers: list[str] | None = None   # decode: the prefill instances' "host:port" it may fetch from
-    kv_transfer_secret: str | None = field(default=None, repr=False)   # shared by the instances: authenticates a fetch
-    kv_transfer_max_pinned: int = 64      # prefill: context_only prompts pinned (or prefilling to be) at once
-    kv_transfer_max_pinned_share: float = 0.25   # prefill: the most of the KV cache's blocks they may hold
-    kv_transfer_max_fetches: int = 4      # decode (petrel serve): KV fetches at once; more get 429
-    quantization: str | None = None       # None/'none': weights dequantized to dtype; 'int8': int8 per row; 'gguf': GGUF blocks kept
-    tensor_parallel_size: int = 1         # ranks the model is split over (kv_cache_memory is per rank)
-    distributed_executor_backend: str = "mp"   # with tensor_parallel_size > 1: 'mp' (local processes) or 'ray'
+    kv_transfer_host: str = "127.0.0.1"  # where a prefill role's KV transfer server listens
+    kv_transfer_port: int = 0  # 0: a port the OS picks
+    kv_transfer_timeout: float = 60.0  # seconds a pinned prompt KV waits to be fetched; also a fetch's deadline
+    kv_transfer_peers: list[str] | None = None  # decode: the prefill instances' "host:port" it may fetch from
+    kv_transfer_secret: str | None = field(default=None, repr=False)  # shared by the instances: authenticates a fetch
+    kv_transfer_max_pinned: int = 64  # prefill: context_only prompts pinned (or prefilling to be) at once
+    kv_transfer_max_pinned_share: float = 0.25  # prefill: the most of the KV cache's blocks they may hold
+    kv_transfer_max_fetches: int = 4  # decode (petrel serve): KV fetches at once; more get 429
+    quantization: str | None = (
+        None  # None/'none': weights dequantized to dtype; 'int8': int8 per row; 'gguf': GGUF blocks kept
+    )
+    tensor_parallel_size: int = 1  # ranks the model is split over (kv_cache_memory is per rank)
+    distributed_executor_backend: str = "mp"  # with tensor_parallel_size > 1: 'mp' (local processes) or 'ray'
 
     @classmethod
-    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+    def from_kwargs(cls, **kwargs) -> EngineConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
@@ -113,8 +138,9 @@ class EngineConfig:
     def __post_init__(self):
         check_field_types(self)
         if self.device.split(":")[0] not in DEVICES or not _device_index_ok(self.device):
-            raise ValueError(f"device must be one of {list(DEVICES)} (cuda may name its index, cuda:1), "
-                             f"got {self.device!r}")
+            raise ValueError(
+                f"device must be one of {list(DEVICES)} (cuda may name its index, cuda:1), got {self.device!r}"
+            )
         if self.dtype not in TORCH_DTYPES:
             raise ValueError(f"dtype must be one of {sorted(TORCH_DTYPES)}, got {self.dtype!r}")
         for name in ("block_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens"):
@@ -134,21 +160,30 @@ class EngineConfig:
             raise ValueError(f"kv_transfer_timeout must be > 0 seconds, got {self.kv_transfer_timeout!r}")
         self._check_kv_transfer()
         from petrel.model.quantization import QUANTIZATION_METHODS
+
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
-            raise ValueError(f"quantization must be one of {list(QUANTIZATION_METHODS)} or None, got {self.quantization!r}")
+            raise ValueError(
+                f"quantization must be one of {list(QUANTIZATION_METHODS)} or None, got {self.quantization!r}"
+            )
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads!r}")
         size = self.tensor_parallel_size
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
-            raise ValueError(f"distributed_executor_backend must be one of {list(EXECUTOR_BACKENDS)}, "
-                             f"got {self.distributed_executor_backend!r}")
+            raise ValueError(
+                f"distributed_executor_backend must be one of {list(EXECUTOR_BACKENDS)}, "
+                f"got {self.distributed_executor_backend!r}"
+            )
         if size > 1 and self.enable_lora:
-            raise ValueError(f"enable_lora is not supported with tensor_parallel_size={size} (LoRA runs in one process)")
+            raise ValueError(
+                f"enable_lora is not supported with tensor_parallel_size={size} (LoRA runs in one process)"
+            )
         if size > 1 and self.quantization not in (None, "none"):
-            raise ValueError(f"quantization {self.quantization!r} is not supported with tensor_parallel_size={size} "
-                             "(quantized weights are not split over ranks)")
+            raise ValueError(
+                f"quantization {self.quantization!r} is not supported with tensor_parallel_size={size} "
+                "(quantized weights are not split over ranks)"
+            )
 
     def _check_kv_transfer(self) -> None:
         """A role needs a secret, and a decode role the peers it may fetch from: nothing is open by default."""
@@ -168,12 +203,16 @@ class EngineConfig:
         if role is None:
             return
         if not isinstance(self.kv_transfer_secret, str) or not self.kv_transfer_secret:
-            raise ValueError(f"kv_transfer_role {role!r} needs kv_transfer_secret, the secret every prefill and "
-                             "decode instance shares (petrel serve --kv-transfer-secret, $PETREL_KV_TRANSFER_SECRET "
-                             "or --api-key)")
+            raise ValueError(
+                f"kv_transfer_role {role!r} needs kv_transfer_secret, the secret every prefill and "
+                "decode instance shares (petrel serve --kv-transfer-secret, $PETREL_KV_TRANSFER_SECRET "
+                "or --api-key)"
+            )
         if role in ("decode", "both") and not self.kv_transfer_peers:
-            raise ValueError(f"kv_transfer_role {role!r} needs kv_transfer_peers, the prefill instances' KV transfer "
-                             "servers (host:port) it may fetch from (petrel serve --kv-transfer-peers)")
+            raise ValueError(
+                f"kv_transfer_role {role!r} needs kv_transfer_peers, the prefill instances' KV transfer "
+                "servers (host:port) it may fetch from (petrel serve --kv-transfer-peers)"
+            )
 
     @property
     def serves_kv(self) -> bool:

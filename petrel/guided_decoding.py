@@ -1,6 +1,7 @@
 """GuidedDecodingParams: constrain a request's output to a JSON schema, any JSON, a regex, an EBNF grammar,
 a list of choices, or an xgrammar structural tag. Exactly one of them per request.
 GuidedDecodingLimits: how large a constraint the grammar compiler takes."""
+
 from __future__ import annotations
 
 import json
@@ -15,15 +16,15 @@ KINDS = ("json", "json_object", "regex", "grammar", "choice", "structural_tag")
 
 @dataclass(frozen=True)
 class GuidedDecodingParams:
-    json: dict | str | None = None            # a JSON schema (dict or JSON text), or a pydantic model class
-    json_object: bool = False                 # any JSON object
+    json: dict | str | None = None  # a JSON schema (dict or JSON text), or a pydantic model class
+    json_object: bool = False  # any JSON object
     regex: str | None = None
-    grammar: str | None = None                # EBNF (GBNF-style, root rule `root`)
-    choice: list[str] | None = None           # the output is exactly one of these strings
+    grammar: str | None = None  # EBNF (GBNF-style, root rule `root`)
+    choice: list[str] | None = None  # the output is exactly one of these strings
     structural_tag: dict | str | None = None  # xgrammar structural tag (dict or JSON text)
-    any_whitespace: bool = True               # JSON: allow any whitespace between tokens
-    json_prefix: str = ""                     # JSON: literal text the output has before the JSON ...
-    json_suffix: str = ""                     # ... and after it (e.g. a tool call's closing tag)
+    any_whitespace: bool = True  # JSON: allow any whitespace between tokens
+    json_prefix: str = ""  # JSON: literal text the output has before the JSON ...
+    json_suffix: str = ""  # ... and after it (e.g. a tool call's closing tag)
 
     def __post_init__(self):
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -73,12 +74,12 @@ def _schema_text(schema: Any) -> str:
             raise ValueError(f"guided_decoding.json is not valid JSON: {exc}") from None
         except RecursionError:
             raise ValueError("guided_decoding.json is nested too deeply to parse") from None
-    elif hasattr(schema, "model_json_schema"):     # a pydantic model class
+    elif hasattr(schema, "model_json_schema"):  # a pydantic model class
         schema = schema.model_json_schema()
     if not isinstance(schema, dict):
         raise ValueError(f"guided_decoding.json must be a JSON schema object, got {type(schema).__name__}")
     try:
-        return json.dumps(schema)     # key order kept: properties are generated in the schema's order
+        return json.dumps(schema)  # key order kept: properties are generated in the schema's order
     except RecursionError:
         raise ValueError("guided_decoding.json is nested too deeply to serialize") from None
 
@@ -98,13 +99,14 @@ class GuidedDecodingLimits:
       regex    16 KiB of `[a-z]+N` alternatives: ~0.9 s (26 KiB: 1.5 s)
       grammar  128 KiB of chained rules: ~3 s (242 KiB: 8.9 s); a forced call over 50 tools is ~100 KiB, 0.1 s
     """
-    max_choices: int = 4096               # strings in a choice list
-    max_choice_bytes: int = 64 * KIB      # their UTF-8 bytes together
-    max_schema_bytes: int = 64 * KIB      # a JSON schema (or structural tag) as compact JSON text
-    max_schema_depth: int = 128           # objects and arrays nested inside each other in it
+
+    max_choices: int = 4096  # strings in a choice list
+    max_choice_bytes: int = 64 * KIB  # their UTF-8 bytes together
+    max_schema_bytes: int = 64 * KIB  # a JSON schema (or structural tag) as compact JSON text
+    max_schema_depth: int = 128  # objects and arrays nested inside each other in it
     max_regex_bytes: int = 16 * KIB
-    max_regex_repeats: int = 100_000      # a regex's pieces once repeat counts are multiplied out (see regex_size)
-    max_grammar_bytes: int = 128 * KIB    # EBNF text (a forced tool call's grammar counts too)
+    max_regex_repeats: int = 100_000  # a regex's pieces once repeat counts are multiplied out (see regex_size)
+    max_grammar_bytes: int = 128 * KIB  # EBNF text (a forced tool call's grammar counts too)
 
     def __post_init__(self):
         for name, value in vars(self).items():
@@ -121,11 +123,15 @@ class GuidedDecodingLimits:
             limit = self.max_regex_bytes if kind == "regex" else self.max_grammar_bytes
             self._at_most(kind, "bytes", len(getattr(params, kind).encode()), limit)
             if kind == "regex":
-                self._at_most(kind, "pieces with its repeat counts multiplied out", regex_size(params.regex),
-                              self.max_regex_repeats)
+                self._at_most(
+                    kind,
+                    "pieces with its repeat counts multiplied out",
+                    regex_size(params.regex),
+                    self.max_regex_repeats,
+                )
         elif kind in ("json", "structural_tag"):
             given = getattr(params, kind)
-            if isinstance(given, str):     # scanned before it is parsed: a parse could recurse too deeply
+            if isinstance(given, str):  # scanned before it is parsed: a parse could recurse too deeply
                 self._at_most(kind, "levels of nesting", json_depth(given), self.max_schema_depth)
             text = params.schema_text() if kind == "json" else params.spec
             self._at_most(kind, "bytes", len(text.encode()), self.max_schema_bytes)
@@ -134,8 +140,10 @@ class GuidedDecodingLimits:
     @staticmethod
     def _at_most(kind: str, unit: str, value: int, limit: int) -> None:
         if value > limit:
-            raise ValueError(f"guided_decoding.{kind} has {value} {unit}; at most {limit} are accepted "
-                             "(compile time grows faster than a constraint's size)")
+            raise ValueError(
+                f"guided_decoding.{kind} has {value} {unit}; at most {limit} are accepted "
+                "(compile time grows faster than a constraint's size)"
+            )
 
 
 def regex_size(pattern: str) -> int:
@@ -155,7 +163,7 @@ _REPEATS = {"MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"}
 
 def _pieces(items, depth: int) -> int:
     """Pieces of a parsed (sub)pattern, repeats multiplied out (an unbounded repeat compiles to a loop: its minimum)."""
-    if depth > 100:                  # nested this deeply: count it as too large
+    if depth > 100:  # nested this deeply: count it as too large
         return 1 << 62
     total = 0
     for op, arg in items:
@@ -167,9 +175,9 @@ def _pieces(items, depth: int) -> int:
             total += _pieces(arg[-1], depth + 1)
         elif name == "ATOMIC_GROUP":
             total += _pieces(arg, depth + 1)
-        elif name == "BRANCH":                 # (None, [alternatives])
+        elif name == "BRANCH":  # (None, [alternatives])
             total += sum(_pieces(branch, depth + 1) for branch in arg[1])
-        elif name == "GROUPREF_EXISTS":        # (group, yes, no or None)
+        elif name == "GROUPREF_EXISTS":  # (group, yes, no or None)
             total += sum(_pieces(branch, depth + 1) for branch in arg[1:] if branch is not None)
         elif name in ("ASSERT", "ASSERT_NOT"):
             total += _pieces(arg[1], depth + 1)
@@ -187,5 +195,5 @@ def json_depth(text: str) -> int:
     return deepest
 
 
-_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"')    # JSON string literals (their brackets are text, not nesting)
+_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"')  # JSON string literals (their brackets are text, not nesting)
 _BRACKETS = re.compile(r"[\[\]{}]")

@@ -4,6 +4,7 @@ glibc keeps what a large allocation frees: once a big buffer has been freed its 
 ones come from the heap, which shrinks only from its top. After work that allocated and freed a lot at once (a
 huge request body, a large grammar handed over from a compile worker), malloc_trim gives that memory back.
 """
+
 from __future__ import annotations
 
 import ctypes

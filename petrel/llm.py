@@ -1,11 +1,13 @@
 """The LLM API: generate, generate_async (a RequestFuture you can wait on, await, or iterate), chat."""
+
 from __future__ import annotations
 
 import itertools
 import os
 import threading
 import time
-from typing import Any, Sequence as Seq
+from collections.abc import Sequence as Seq
+from typing import Any
 
 from petrel.config import EngineConfig
 from petrel.disagg import DisaggregatedParams
@@ -29,9 +31,9 @@ class LLM:
     def __init__(self, model: str | None = None, tokenizer: str | None = None, **engine_options: Any):
         self.config = EngineConfig.from_kwargs(model=model, tokenizer=tokenizer, **engine_options)
         self._engine = LLMEngine(self.config)
-        self._decode_token = cached_token_decoder(self._engine.tokenizer)   # logprob text, shared by requests
+        self._decode_token = cached_token_decoder(self._engine.tokenizer)  # logprob text, shared by requests
         self._ids = itertools.count()
-        self._kv_server = None     # a prefill role's KV transfer server (kv_transfer_role): serves pinned prompts
+        self._kv_server = None  # a prefill role's KV transfer server (kv_transfer_role): serves pinned prompts
         if self.config.serves_kv:
             self._kv_server = self._start_kv_server()
 
@@ -59,13 +61,28 @@ class LLM:
     def model_names(self) -> list[str]:
         """Names a request may use for the loaded model."""
         source = self._engine.source
-        return list(dict.fromkeys(n for n in (source.name, os.path.basename(source.path),
-                                              os.path.splitext(os.path.basename(source.path))[0]) if n))
+        return list(
+            dict.fromkeys(
+                n
+                for n in (
+                    source.name,
+                    os.path.basename(source.path),
+                    os.path.splitext(os.path.basename(source.path))[0],
+                )
+                if n
+            )
+        )
 
-    def generate_async(self, prompt: PromptType | TextGenerationRequest, sampling_params: SamplingParams | None = None,
-                       streaming: bool = False, timeout: float | None = None,
-                       cache_salt: str | None = None, lora_request: LoRARequest | None = None,
-                       disaggregated_params: DisaggregatedParams | None = None) -> RequestFuture:
+    def generate_async(
+        self,
+        prompt: PromptType | TextGenerationRequest,
+        sampling_params: SamplingParams | None = None,
+        streaming: bool = False,
+        timeout: float | None = None,
+        cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
+        disaggregated_params: DisaggregatedParams | None = None,
+    ) -> RequestFuture:
         """Queue one request and return its future at once. `timeout` (seconds) ends it with finish_reason 'timeout'.
         `prompt` may be a TextGenerationRequest (its request_id, sampling_params and cache_salt are then used).
         `lora_request` runs it with that LoRA adapter (the engine needs enable_lora=True).
@@ -73,10 +90,18 @@ class LLM:
         'prefill') prefills, samples one token and returns the DisaggregatedParams a "generation_only" request on
         another instance (role 'decode') needs; that one fetches the prompt's KV here, from one of its
         kv_transfer_peers, before it is queued. KVTransferBusy: no room to pin the prompt now."""
-        return self._prepare(prompt, sampling_params, cache_salt, lora_request, disaggregated_params)(streaming, timeout)
+        return self._prepare(prompt, sampling_params, cache_salt, lora_request, disaggregated_params)(
+            streaming, timeout
+        )
 
-    def _prepare(self, prompt, sampling_params: SamplingParams | None, cache_salt: str | None,
-                 lora_request: LoRARequest | None = None, disaggregated_params: DisaggregatedParams | None = None):
+    def _prepare(
+        self,
+        prompt,
+        sampling_params: SamplingParams | None,
+        cache_salt: str | None,
+        lora_request: LoRARequest | None = None,
+        disaggregated_params: DisaggregatedParams | None = None,
+    ):
         """Tokenize and check one prompt now; return submit(streaming, timeout) -> RequestFuture that queues it."""
         request_id = None
         if isinstance(prompt, TextGenerationRequest):
@@ -89,25 +114,44 @@ class LLM:
             text, ids = self._tokenize(prompt)
         dp = disagg.coerce(disaggregated_params)
         if dp is not None and self.config.tensor_parallel_size > 1:
-            raise ValueError(f"disaggregated_params is not supported with tensor_parallel_size="
-                             f"{self.config.tensor_parallel_size} (the KV cache is split over ranks)")
+            raise ValueError(
+                f"disaggregated_params is not supported with tensor_parallel_size="
+                f"{self.config.tensor_parallel_size} (the KV cache is split over ranks)"
+            )
         if dp is not None:
             disagg.check(dp, params, ids, self._engine, self.config)
 
         def submit(streaming: bool, timeout: float | None) -> RequestFuture:
             arrival = _now()
             options, kv_stats = disagg.request_options(dp, ids, self._engine.model_config, self.config)
-            future = RequestFuture(next(self._ids) if request_id is None else request_id, text, ids, params,
-                                   streaming, self._engine, self._decode_token, arrival)
+            future = RequestFuture(
+                next(self._ids) if request_id is None else request_id,
+                text,
+                ids,
+                params,
+                streaming,
+                self._engine,
+                self._decode_token,
+                arrival,
+            )
             future._builder.kv_transfer = kv_stats
             if lora_request is not None:
                 options["lora_request"] = lora_request
             self._add(future, ids, params, timeout, cache_salt, options, dp)
             return future
+
         return submit
 
-    def _add(self, future: RequestFuture, ids: list[int], params: SamplingParams, timeout: float | None,
-             cache_salt: str | None, options: dict, dp: DisaggregatedParams | None) -> None:
+    def _add(
+        self,
+        future: RequestFuture,
+        ids: list[int],
+        params: SamplingParams,
+        timeout: float | None,
+        cache_salt: str | None,
+        options: dict,
+        dp: DisaggregatedParams | None,
+    ) -> None:
         """Queue the future's request; a context-only one holds room for its pin until it finished
         (KVTransferBusy, queueing nothing, when the pinned prompts are at their cap)."""
         reservation = disagg.reserve_pin(dp, ids, self._engine.core.pinned, self.config)
@@ -116,32 +160,39 @@ class LLM:
             future._builder.kv_endpoint = self.kv_transfer_endpoint
             sink = reservation.until_finished(sink)
         try:
-            future._route = self._engine.add_request(future.request_id, ids, params, sink, timeout, cache_salt,
-                                                     **options)
+            future._route = self._engine.add_request(
+                future.request_id, ids, params, sink, timeout, cache_salt, **options
+            )
         except BaseException:
             if reservation is not None:
                 reservation.release()
             raise
 
-    def generate(self, prompts: PromptType | TextGenerationRequest | Seq[PromptType | TextGenerationRequest],
-                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True, timeout: float | None = None,
-                 cache_salt: str | None = None,
-                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
-                 disaggregated_params: DisaggregatedParams | Seq[DisaggregatedParams | None] | None = None,
-                 ) -> RequestOutput | list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptType | TextGenerationRequest | Seq[PromptType | TextGenerationRequest],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        timeout: float | None = None,
+        cache_salt: str | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+        disaggregated_params: DisaggregatedParams | Seq[DisaggregatedParams | None] | None = None,
+    ) -> RequestOutput | list[RequestOutput]:
         """Generate for one prompt (returns one RequestOutput) or many (a list, in input order). Every prompt is
         tokenized and checked before any is queued; if queueing one fails, those already queued are aborted.
         lora_request: one LoRA adapter for every prompt, or a list with one entry (or None) per prompt; the same for
         disaggregated_params (see generate_async)."""
         single = isinstance(prompts, (str, dict, TextGenerationRequest)) or (
-            isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts))
+            isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts)
+        )
         batch = [prompts] if single else list(prompts)
         params_list = _per_prompt(sampling_params, "sampling_params", len(batch))
         loras = _per_prompt(lora_request, "lora_request", len(batch))
         disaggs = _per_prompt(disaggregated_params, "disaggregated_params", len(batch))
-        submits = [self._prepare(p, params, cache_salt, lora, dp)
-                   for p, params, lora, dp in zip(batch, params_list, loras, disaggs)]
+        submits = [
+            self._prepare(p, params, cache_salt, lora, dp)
+            for p, params, lora, dp in zip(batch, params_list, loras, disaggs)
+        ]
         futures = []
         try:
             for submit in submits:
@@ -159,6 +210,7 @@ class LLM:
         bar = None
         if progress:
             from tqdm.auto import tqdm
+
             bar = tqdm(total=len(futures), desc="Processed prompts", unit="req")
         arrived = threading.Event()
         for f in futures:
@@ -180,16 +232,22 @@ class LLM:
                 bar.close()
         return [f.result() for f in futures]
 
-    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template_kwargs: dict | None = None) -> RequestOutput | list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> RequestOutput | list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them) and generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs) for c in conversations]
         return self.generate(prompts if len(prompts) > 1 else prompts[0], sampling_params, use_tqdm=use_tqdm)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            chat_template_kwargs: dict | None = None) -> dict:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None
+    ) -> dict:
         return chat_prompt(self.tokenizer, messages, add_generation_prompt, chat_template_kwargs)
 
     def get_latest_iteration_stats(self):
@@ -197,9 +255,15 @@ class LLM:
 
     def _start_kv_server(self):
         from petrel.disagg.kv_transfer import KVTransferServer
+
         try:
-            return KVTransferServer(self._engine, self.config.kv_transfer_secret, self.config.kv_transfer_host,
-                                    self.config.kv_transfer_port, self.config.kv_transfer_timeout)
+            return KVTransferServer(
+                self._engine,
+                self.config.kv_transfer_secret,
+                self.config.kv_transfer_host,
+                self.config.kv_transfer_port,
+                self.config.kv_transfer_timeout,
+            )
         except BaseException:
             self._engine.shutdown()
             raise
@@ -215,7 +279,7 @@ class LLM:
             self._kv_server.close()
         self._engine.shutdown()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -1,4 +1,5 @@
 """LoRARequest: which LoRA adapter a request runs with (vLLM's names)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ class LoRARequest:
 
     lora_int_id identifies the adapter (>= 1, unique per adapter): it keys the engine's adapter cache and slots,
     and goes into the prefix-cache root hash, so two adapters never share KV blocks."""
+
     lora_name: str
     lora_int_id: int
     lora_path: str

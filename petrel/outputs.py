@@ -1,10 +1,12 @@
 """What petrel hands back: per-step OutputChunks (one stream for every API) and the RequestOutput built from them
 (by petrel/request_output_builder.py, on the consumer's side)."""
+
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 FinishReason = Literal["stop", "length", "timeout", "cancelled"]
 
@@ -21,19 +23,21 @@ TokenLogprobs = dict[int, Logprob]
 @dataclass
 class FinishDetails:
     """Why a sequence ended, in full: the matched stop token or string, or an abort's message."""
+
     type: Literal["stop", "length", "abort"]
-    matched_token: int | tuple[int, ...] | None = None   # a stop token id, or a multi-token stop word
+    matched_token: int | tuple[int, ...] | None = None  # a stop token id, or a multi-token stop word
     matched_stop: str | None = None
-    message: str | None = None       # for aborts: 'cancelled' or 'timeout' or an error text
+    message: str | None = None  # for aborts: 'cancelled' or 'timeout' or an error text
 
 
 @dataclass
 class OutputChunk:
     """One step of one sequence's output: the gateway spec's fields plus what identifies the sequence."""
+
     request_id: Any
-    index: int                                   # sequence index within the request
+    index: int  # sequence index within the request
     output_ids: list[int]
-    text: str                                    # text released this step (held back while a stop string may match)
+    text: str  # text released this step (held back while a stop string may match)
     finish_reason: Literal["stop", "length", "abort"] | None
     prompt_tokens: int
     completion_tokens: int
@@ -47,14 +51,14 @@ class OutputChunk:
     output_top_logprobs: list[list[tuple[int, float]]] | None = None
     output_token_ranks: list[int] | None = None  # rank of each sampled token (1 = most likely)
     input_token_ranks: list[int | None] | None = None
-    timestamp: float = 0.0                       # monotonic time the step ended
-    scheduled_time: float | None = None          # monotonic time the request was first scheduled
-    cumulative_logprob: float | None = None      # beam search: the beam's score (sum of logprobs)
-    context_logits: Any = None                   # [prompt_len, vocab], in the first chunk, when asked for
-    generation_logits: Any = None                # [len(output_ids), vocab], when asked for
-    additional_context_outputs: dict | None = None     # name -> [prompt_len, ...], in the first chunk
+    timestamp: float = 0.0  # monotonic time the step ended
+    scheduled_time: float | None = None  # monotonic time the request was first scheduled
+    cumulative_logprob: float | None = None  # beam search: the beam's score (sum of logprobs)
+    context_logits: Any = None  # [prompt_len, vocab], in the first chunk, when asked for
+    generation_logits: Any = None  # [len(output_ids), vocab], when asked for
+    additional_context_outputs: dict | None = None  # name -> [prompt_len, ...], in the first chunk
     additional_generation_outputs: dict | None = None  # name -> [len(output_ids), ...]
-    disaggregated_params: Any = None             # a context-only request's DisaggregatedParams (its last chunk)
+    disaggregated_params: Any = None  # a context-only request's DisaggregatedParams (its last chunk)
 
     @property
     def error(self) -> str | None:
@@ -70,8 +74,9 @@ class OutputChunk:
         timeout when it timed out, else cancelled)."""
         if self.finish_reason != "abort":
             return self.finish_reason
-        return "timeout" if self.finish_details is not None and self.finish_details.message == "timeout" \
-            else "cancelled"
+        return (
+            "timeout" if self.finish_details is not None and self.finish_details.message == "timeout" else "cancelled"
+        )
 
     @property
     def completion_stop_reason(self) -> int | tuple | str | None:
@@ -85,20 +90,27 @@ class OutputChunk:
         """This step's tokens' logprobs as the API reports them (empty when not asked for)."""
         if self.output_top_logprobs is None:
             return []
-        return [logprob_entry(tok, lp, rank, top, decode) for tok, lp, rank, top in
-                zip(self.output_ids, self.output_token_logprobs, self.output_token_ranks, self.output_top_logprobs)]
+        return [
+            logprob_entry(tok, lp, rank, top, decode)
+            for tok, lp, rank, top in zip(
+                self.output_ids, self.output_token_logprobs, self.output_token_ranks, self.output_top_logprobs
+            )
+        ]
 
     def prompt_logprob_entries(self, decode: Callable[[int], str] | None = None) -> list[TokenLogprobs | None] | None:
         """The prompt's logprobs as the API reports them (None for the first position), in the chunk that has them."""
         if self.input_token_logprobs is None:
             return None
         values, tokens = self.input_token_logprobs
-        return [None] + [logprob_entry(tokens[i], values[i], self.input_token_ranks[i], self.input_top_logprobs[i],
-                                       decode) for i in range(1, len(values))]
+        return [None] + [
+            logprob_entry(tokens[i], values[i], self.input_token_ranks[i], self.input_top_logprobs[i], decode)
+            for i in range(1, len(values))
+        ]
 
 
-def logprob_entry(token: int, logprob: float, rank: int, top, decode: Callable[[int], str] | None = None
-                  ) -> TokenLogprobs:
+def logprob_entry(
+    token: int, logprob: float, rank: int, top, decode: Callable[[int], str] | None = None
+) -> TokenLogprobs:
     """The sampled token's Logprob and its top alternatives' (ranked from 1), as the API reports them; with
     `decode`, each carries its token's text."""
     entry = {token: Logprob(logprob, rank, decode(token) if decode else None)}
@@ -155,8 +167,8 @@ class CompletionOutput:
     additional_generation_outputs: dict | None = None
     disaggregated_params: Any = None
     request_perf_metrics: RequestPerfMetrics | None = None
-    spec_verify_ct: int | None = None          # speculative decoding: verify rounds so far
-    accept_draft_tokens: float | None = None   # accepted draft tokens per verify round, once finished
+    spec_verify_ct: int | None = None  # speculative decoding: verify rounds so far
+    accept_draft_tokens: float | None = None  # accepted draft tokens per verify round, once finished
     # where the previous streamed snapshot ended, for the *_diff properties
     _last_text_len: int = field(default=0, repr=False)
     _last_token_len: int = field(default=0, repr=False)
@@ -167,15 +179,15 @@ class CompletionOutput:
 
     @property
     def text_diff(self) -> str:
-        return self.text[self._last_text_len:]
+        return self.text[self._last_text_len :]
 
     @property
     def token_ids_diff(self) -> list[int]:
-        return self.token_ids[self._last_token_len:]
+        return self.token_ids[self._last_token_len :]
 
     @property
     def logprobs_diff(self) -> list[TokenLogprobs]:
-        return (self.logprobs or [])[self._last_token_len:]
+        return (self.logprobs or [])[self._last_token_len :]
 
     @property
     def finished(self) -> bool:
@@ -192,11 +204,11 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     context_logits: Any = None
-    disaggregated_params: Any = None       # context-only: where the decode instance fetches the prompt's KV
+    disaggregated_params: Any = None  # context-only: where the decode instance fetches the prompt's KV
     request_perf_metrics: RequestPerfMetrics | None = None
-    kv_transfer: Any = None                # generation-only: petrel.disagg.KVTransferStats of the KV fetch
+    kv_transfer: Any = None  # generation-only: petrel.disagg.KVTransferStats of the KV fetch
 
-    def snapshot(self) -> "RequestOutput":
+    def snapshot(self) -> RequestOutput:
         """A copy that later steps do not change (lists copied, tensors shared)."""
         snap = copy.copy(self)
         snap.outputs = []

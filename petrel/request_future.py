@@ -6,6 +6,7 @@ formatting logprobs) and into RequestOutputs, in its own thread or event loop. A
 command to the loop (LLMEngine.finish_sequence). So a future's output is processed while something waits on it; a
 stop string in a request nobody waits on is found when someone does (the visible output is the same).
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,18 +31,33 @@ def cached_token_decoder(tokenizer, size: int = 1 << 16):
 class RequestFuture:
     """The handle of one request: ``result(timeout)``, ``await``, ``for partial in f``, ``async for``, ``abort()``."""
 
-    def __init__(self, request_id, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 streaming: bool, engine, decode_token=None, arrival_time: float = 0.0):
+    def __init__(
+        self,
+        request_id,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        streaming: bool,
+        engine,
+        decode_token=None,
+        arrival_time: float = 0.0,
+    ):
         self.request_id = request_id
         self.streaming = streaming
         self._engine = engine
         self._params = params
-        self._outputs = OutputQueue()        # filled by the engine loop: the request's raw EngineOutputs
+        self._outputs = OutputQueue()  # filled by the engine loop: the request's raw EngineOutputs
         self._processor = RequestOutputProcessor(request_id, engine.tokenizer, prompt_token_ids, params)
-        self._builder = RequestOutputBuilder(request_id, prompt, list(prompt_token_ids), params,
-                                             decode_token or cached_token_decoder(engine.tokenizer), arrival_time)
-        self._lock = threading.Lock()        # one consumer processes at a time, so outputs are processed in order
-        self._route = None                   # the engine's handle of the request, once queued
+        self._builder = RequestOutputBuilder(
+            request_id,
+            prompt,
+            list(prompt_token_ids),
+            params,
+            decode_token or cached_token_decoder(engine.tokenizer),
+            arrival_time,
+        )
+        self._lock = threading.Lock()  # one consumer processes at a time, so outputs are processed in order
+        self._route = None  # the engine's handle of the request, once queued
 
     # ------------------------------------------------------------------ the engine loop's side
     def _on_output(self, out) -> None:

@@ -6,6 +6,7 @@ StreamedCompletionOutputs: their `*_diff` properties read what the update added,
 `logprobs` and the generation outputs read the history up to that update when first asked for. So updates are
 built without copying, and an update never changes after later steps. The final result copies once.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -18,9 +19,10 @@ from petrel.outputs import CompletionOutput, OutputChunk, RequestOutput, Request
 
 class HistoryMark(NamedTuple):
     """How far a sequence's history reached at one update."""
+
     tokens: int = 0
-    pieces: int = 0           # text pieces
-    logit_chunks: int = 0     # chunks of generation logits
+    pieces: int = 0  # text pieces
+    logit_chunks: int = 0  # chunks of generation logits
     extra_chunks: tuple = ()  # (name, chunks) of each additional generation output
 
 
@@ -33,7 +35,7 @@ class _Rows:
     def __init__(self):
         self._pending: list = []
         self._whole = None
-        self._row_ends: list[int] = []    # rows in total after each chunk
+        self._row_ends: list[int] = []  # rows in total after each chunk
 
     def __len__(self) -> int:
         return len(self._row_ends)
@@ -48,6 +50,7 @@ class _Rows:
             return None
         if self._pending:
             import torch
+
             self._whole = torch.cat(([self._whole] if self._whole is not None else []) + self._pending)
             self._pending = []
         end = self._row_ends[chunks - 1]
@@ -59,7 +62,7 @@ class SequenceHistory:
 
     def __init__(self, index: int):
         self.index = index
-        self.keep = True     # False: token ids and counts only (a consumer that builds its own view of the chunks)
+        self.keep = True  # False: token ids and counts only (a consumer that builds its own view of the chunks)
         self.token_ids: list[int] = []
         self.text_pieces: list[str] = []
         self.logprobs: list[TokenLogprobs] | None = None
@@ -83,7 +86,7 @@ class SequenceHistory:
         if n < self._joined_pieces:
             return "".join(self.text_pieces[:n])
         if n > self._joined_pieces:
-            self._joined += "".join(self.text_pieces[self._joined_pieces:n])
+            self._joined += "".join(self.text_pieces[self._joined_pieces : n])
             self._joined_pieces = n
         return self._joined
 
@@ -104,6 +107,7 @@ class SequenceHistory:
 
 def _viewed(name: str, read: Callable):
     """A CompletionOutput field a streamed update reads from its history when first used (then kept; settable)."""
+
     def get(self):
         values = self.__dict__
         if name not in values:
@@ -112,6 +116,7 @@ def _viewed(name: str, read: Callable):
 
     def set(self, value) -> None:
         self.__dict__[name] = value
+
     return property(get, set)
 
 
@@ -119,20 +124,19 @@ class StreamedCompletionOutput(CompletionOutput):
     """One streamed update of a sequence: a CompletionOutput whose cumulative fields are read from the sequence's
     history up to this update when first used, and whose *_diff properties are what this update added."""
 
-    def __init__(self, *args, **kwargs):   # as a plain CompletionOutput (dataclasses.replace, copies)
+    def __init__(self, *args, **kwargs):  # as a plain CompletionOutput (dataclasses.replace, copies)
         self._history = None
         super().__init__(*args, **kwargs)
 
     @classmethod
     def view(cls, history: SequenceHistory, since: HistoryMark, upto: HistoryMark, **fields):
         self = cls.__new__(cls)
-        self.__dict__.update(fields, _history=history, _since=since, _upto=upto, _last_text_len=0,
-                             _last_token_len=0)
+        self.__dict__.update(fields, _history=history, _since=since, _upto=upto, _last_text_len=0, _last_token_len=0)
         return self
 
     text = _viewed("text", lambda h, m: h.text(m.pieces))
-    token_ids = _viewed("token_ids", lambda h, m: h.token_ids[:m.tokens])
-    logprobs = _viewed("logprobs", lambda h, m: None if h.logprobs is None else h.logprobs[:m.tokens])
+    token_ids = _viewed("token_ids", lambda h, m: h.token_ids[: m.tokens])
+    logprobs = _viewed("logprobs", lambda h, m: None if h.logprobs is None else h.logprobs[: m.tokens])
     generation_logits = _viewed("generation_logits", lambda h, m: h.logits.upto(m.logit_chunks))
     additional_generation_outputs = _viewed("additional_generation_outputs", lambda h, m: h.generation_outputs(m))
 
@@ -150,20 +154,27 @@ class StreamedCompletionOutput(CompletionOutput):
     def token_ids_diff(self) -> list[int]:
         if self._history is None:
             return CompletionOutput.token_ids_diff.fget(self)
-        return self._history.token_ids[self._since.tokens:self._upto.tokens]
+        return self._history.token_ids[self._since.tokens : self._upto.tokens]
 
     @property
     def logprobs_diff(self) -> list[TokenLogprobs]:
         if self._history is None:
             return CompletionOutput.logprobs_diff.fget(self)
-        return (self._history.logprobs or [])[self._since.tokens:self._upto.tokens]
+        return (self._history.logprobs or [])[self._since.tokens : self._upto.tokens]
 
 
 class RequestOutputBuilder:
     """One request's chunks, applied in order, and the RequestOutputs read from them."""
 
-    def __init__(self, request_id, prompt: str | None, prompt_token_ids: list[int], params,
-                 decode_token: Callable[[int], str], arrival_time: float = 0.0):
+    def __init__(
+        self,
+        request_id,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params,
+        decode_token: Callable[[int], str],
+        arrival_time: float = 0.0,
+    ):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -175,11 +186,11 @@ class RequestOutputBuilder:
         self.prompt_logprobs: list[TokenLogprobs | None] | None = None
         self.context_logits = None
         self.disaggregated_params = None
-        self.kv_transfer = None          # generation-only: the KV fetch's KVTransferStats
-        self.kv_endpoint: str | None = None   # context-only: this instance's KV transfer server
-        self.error: str | None = None    # an abort's message when it is an error
+        self.kv_transfer = None  # generation-only: the KV fetch's KVTransferStats
+        self.kv_endpoint: str | None = None  # context-only: this instance's KV transfer server
+        self.error: str | None = None  # an abort's message when it is an error
         self.finished = False
-        self.version = 0                 # chunks applied
+        self.version = 0  # chunks applied
 
     def drop_history(self) -> None:
         """Keep token ids and counts only from now on (no text, logprobs or logits): for a consumer that streams
@@ -198,7 +209,7 @@ class RequestOutputBuilder:
         self.num_cached_tokens = max(self.num_cached_tokens, chunk.cached_tokens)
         if chunk.context_logits is not None:
             self.context_logits = chunk.context_logits
-        if chunk.disaggregated_params is not None:    # the engine's PromptHandoff, in the API's terms
+        if chunk.disaggregated_params is not None:  # the engine's PromptHandoff, in the API's terms
             self.disaggregated_params = context_params(chunk.disaggregated_params, self.kv_endpoint)
         if chunk.additional_context_outputs:
             for s in self.sequences:
@@ -229,7 +240,7 @@ class RequestOutputBuilder:
                 seq.logprobs += chunk.logprob_entries(self.decode_token)
             for lp in chunk.output_token_logprobs:
                 seq.cumulative_logprob += lp
-        if chunk.cumulative_logprob is not None:      # beam search: the beam's own score
+        if chunk.cumulative_logprob is not None:  # beam search: the beam's own score
             seq.cumulative_logprob = chunk.cumulative_logprob
         if chunk.spec_verify_ct is not None:
             seq.spec_verify_ct = chunk.spec_verify_ct
@@ -251,33 +262,56 @@ class RequestOutputBuilder:
         marks = [seq.mark() for seq in self.sequences]
         since = since or [_START] * len(marks)
         metrics = self._metrics_copy()
-        outputs = [StreamedCompletionOutput.view(seq, a, b, **self._sequence_fields(seq, metrics))
-                   for seq, a, b in zip(self.sequences, since, marks)]
+        outputs = [
+            StreamedCompletionOutput.view(seq, a, b, **self._sequence_fields(seq, metrics))
+            for seq, a, b in zip(self.sequences, since, marks)
+        ]
         return self._request_output(outputs, metrics), marks
 
     def result(self) -> RequestOutput:
         """The output so far as plain lists and tensors of its own (the final result, once finished)."""
         metrics = self._metrics_copy()
-        outputs = [CompletionOutput(text=seq.text(), token_ids=list(seq.token_ids),
-                                    logprobs=None if seq.logprobs is None else list(seq.logprobs),
-                                    generation_logits=seq.logits.upto(len(seq.logits)),
-                                    additional_generation_outputs=seq.generation_outputs(),
-                                    **self._sequence_fields(seq, metrics))
-                   for seq in self.sequences]
+        outputs = [
+            CompletionOutput(
+                text=seq.text(),
+                token_ids=list(seq.token_ids),
+                logprobs=None if seq.logprobs is None else list(seq.logprobs),
+                generation_logits=seq.logits.upto(len(seq.logits)),
+                additional_generation_outputs=seq.generation_outputs(),
+                **self._sequence_fields(seq, metrics),
+            )
+            for seq in self.sequences
+        ]
         return self._request_output(outputs, metrics)
 
     def _metrics_copy(self) -> RequestPerfMetrics | None:
         return replace(self.metrics) if self.params.return_perf_metrics else None
 
     def _sequence_fields(self, seq: SequenceHistory, metrics: RequestPerfMetrics | None) -> dict:
-        return {"index": seq.index, "cumulative_logprob": seq.cumulative_logprob,
-                "prompt_logprobs": self.prompt_logprobs, "finish_reason": seq.finish_reason,
-                "stop_reason": seq.stop_reason, "additional_context_outputs": seq.additional_context_outputs,
-                "disaggregated_params": self.disaggregated_params, "request_perf_metrics": metrics,
-                "spec_verify_ct": seq.spec_verify_ct, "accept_draft_tokens": seq.accept_draft_tokens}
+        return {
+            "index": seq.index,
+            "cumulative_logprob": seq.cumulative_logprob,
+            "prompt_logprobs": self.prompt_logprobs,
+            "finish_reason": seq.finish_reason,
+            "stop_reason": seq.stop_reason,
+            "additional_context_outputs": seq.additional_context_outputs,
+            "disaggregated_params": self.disaggregated_params,
+            "request_perf_metrics": metrics,
+            "spec_verify_ct": seq.spec_verify_ct,
+            "accept_draft_tokens": seq.accept_draft_tokens,
+        }
 
     def _request_output(self, outputs: list[CompletionOutput], metrics: RequestPerfMetrics | None) -> RequestOutput:
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, finished=self.finished,
-                             num_cached_tokens=self.num_cached_tokens, prompt_logprobs=self.prompt_logprobs,
-                             context_logits=self.context_logits, disaggregated_params=self.disaggregated_params,
-                             request_perf_metrics=metrics, kv_transfer=self.kv_transfer)
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            outputs,
+            finished=self.finished,
+            num_cached_tokens=self.num_cached_tokens,
+            prompt_logprobs=self.prompt_logprobs,
+            context_logits=self.context_logits,
+            disaggregated_params=self.disaggregated_params,
+            request_perf_metrics=metrics,
+            kv_transfer=self.kv_transfer,
+        )

@@ -1,19 +1,27 @@
 """SamplingParams: how to pick tokens and when to stop, validated once (ValueError names the field)."""
+
 from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from petrel.guided_decoding import GuidedDecodingParams
 
-ADDITIONAL_OUTPUTS = ("hidden_states",)   # model outputs a request may ask for besides logits
+ADDITIONAL_OUTPUTS = ("hidden_states",)  # model outputs a request may ask for besides logits
 # a temperature below this samples as greedy: dividing logits by it would overflow float32 (1e-45 made every
 # logit -inf or nan, and the draw picked token 0)
 GREEDY_TEMPERATURE = 1e-5
-_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-                 "length_penalty")
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "length_penalty",
+)
 
 
 @dataclass
@@ -22,7 +30,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     temperature: float = 1.0
-    top_k: int = 0                 # 0 or -1: all tokens
+    top_k: int = 0  # 0 or -1: all tokens
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
@@ -34,26 +42,26 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    logprobs: int | None = None    # top-k alternatives per generated token (the sampled one is always included)
+    logprobs: int | None = None  # top-k alternatives per generated token (the sampled one is always included)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     return_perf_metrics: bool = False
     logits_processors: list[Callable] | None = field(default=None, repr=False)
-    bad_words: list[str] | None = None            # strings never generated (tokenized by the LLM front)
-    bad_words_token_ids: list[list[int]] | None = None   # token sequences whose last token is banned after the rest
+    bad_words: list[str] | None = None  # strings never generated (tokenized by the LLM front)
+    bad_words_token_ids: list[list[int]] | None = None  # token sequences whose last token is banned after the rest
     stop_token_sequences: list[list[int]] | None = None  # multi-token stop words (ids)
     # beam search: keep `beam_width` (or best_of) beams, return the best `n`
     use_beam_search: bool = False
     beam_width: int | None = None
     best_of: int | None = None
     length_penalty: float = 1.0
-    early_stopping: bool | str = False   # True: stop at beam_width finished; False: when no beam can win; 'never'
+    early_stopping: bool | str = False  # True: stop at beam_width finished; False: when no beam can win; 'never'
     # extra outputs
     return_context_logits: bool = False
     return_generation_logits: bool = False
-    additional_model_outputs: list[str] | None = None   # 'hidden_states' (final normed) for context and generation
+    additional_model_outputs: list[str] | None = None  # 'hidden_states' (final normed) for context and generation
     guided_decoding: GuidedDecodingParams | None = None  # constrain the output (JSON schema, regex, grammar, ...)
 
     def __post_init__(self):
@@ -79,8 +87,7 @@ class SamplingParams:
     @property
     def needs_context_outputs(self) -> bool:
         """Outputs of every prompt position are asked for (so no prompt token may come from the cache)."""
-        return (self.prompt_logprobs is not None or self.return_context_logits
-                or bool(self.additional_model_outputs))
+        return self.prompt_logprobs is not None or self.return_context_logits or bool(self.additional_model_outputs)
 
     @property
     def greedy(self) -> bool:
@@ -134,7 +141,9 @@ class SamplingParams:
             bad("bad_words", "must be non-empty strings")
         unknown = [o for o in self.additional_model_outputs if o not in ADDITIONAL_OUTPUTS]
         if unknown:
-            raise ValueError(f"additional_model_outputs has unknown names {unknown}; available: {list(ADDITIONAL_OUTPUTS)}")
+            raise ValueError(
+                f"additional_model_outputs has unknown names {unknown}; available: {list(ADDITIONAL_OUTPUTS)}"
+            )
         if self.guided_decoding is not None and not isinstance(self.guided_decoding, GuidedDecodingParams):
             bad("guided_decoding", "must be a GuidedDecodingParams")
         if self.use_beam_search:
@@ -161,18 +170,24 @@ class SamplingParams:
         if self.stop:
             bad("stop", "is not supported with beam search (use stop_token_ids or stop_token_sequences)")
         if not self.greedy and self.temperature != 1.0:
-            bad("temperature", "has no meaning for beam search (beams follow the log-probabilities); leave it at 0 or 1")
+            bad(
+                "temperature", "has no meaning for beam search (beams follow the log-probabilities); leave it at 0 or 1"
+            )
         if self.top_p != 1.0 or self.top_k not in (0, 1) or self.min_p != 0.0:
             raise ValueError("top_p, top_k and min_p do not apply to beam search: leave them at their defaults")
 
     def validate_for_model(self, vocab_size: int) -> None:
         """The limits that depend on the model: token ids and counts of tokens within its vocabulary."""
         if self.top_k > vocab_size:
-            raise ValueError(f"top_k must be <= the vocabulary size ({vocab_size}), got {self.top_k} "
-                             "(0 or -1 keeps every token)")
+            raise ValueError(
+                f"top_k must be <= the vocabulary size ({vocab_size}), got {self.top_k} (0 or -1 keeps every token)"
+            )
         words = [t for w in self.bad_words_token_ids + self.stop_token_sequences for t in w]
-        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias or {})),
-                          ("bad_words/stop words", words)):
+        for name, ids in (
+            ("stop_token_ids", self.stop_token_ids),
+            ("logit_bias", list(self.logit_bias or {})),
+            ("bad_words/stop words", words),
+        ):
             bad = [t for t in ids if t >= vocab_size]
             if bad:
                 raise ValueError(f"{name} has token ids outside the vocabulary (size {vocab_size}): {bad[:5]}")

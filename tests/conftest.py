@@ -1,4 +1,5 @@
 """Shared fixtures: one engine on the real default model for the end-to-end tests (loading takes seconds)."""
+
 from __future__ import annotations
 
 import os
@@ -10,6 +11,7 @@ import torch
 @pytest.fixture(scope="session")
 def llm():
     from petrel import LLM
+
     engine = LLM()
     yield engine
     engine.shutdown()
@@ -25,6 +27,7 @@ def load_hf_gguf(path: str, tokenizer: bool = False):
 
     import gguf
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     folder, name = os.path.dirname(path), os.path.basename(path)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(gguf, "GGUFReader", functools.lru_cache(maxsize=1)(gguf.GGUFReader))
@@ -37,6 +40,7 @@ def load_hf_gguf(path: str, tokenizer: bool = False):
 def hf_model():
     """The transformers oracle: the same GGUF, dequantized by transformers' own loader."""
     from petrel.model.loader import default_model_path
+
     return load_hf_gguf(default_model_path())[0]
 
 
@@ -49,4 +53,5 @@ def tiny(tmp_path_factory):
     """tiny(kv_heads=4, tied=False, rope_scaling=None, seed=0, head_dim=None) -> Tiny (transformers + petrel models)."""
     pytest.importorskip("transformers")
     from tiny_llama import tiny_factory
+
     return tiny_factory(tmp_path_factory)

@@ -1,9 +1,11 @@
 """Beam search on the tiny random Llama: the engine's beams against transformers' beam search, greedy
 equivalence at width 1, KV sharing under preemption, and mixed beam widths in one batch."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from tiny_llama import _tokens
 
 from petrel.config import EngineConfig
 from petrel.engine.beam_search import BeamSearch
@@ -11,7 +13,6 @@ from petrel.engine.engine_core import EngineCore
 from petrel.engine.model_runner import kv_bytes_per_block
 from petrel.engine.sequence import EngineRequest
 from petrel.sampling_params import SamplingParams
-from tiny_llama import _tokens
 
 
 def run_engine(t, requests: list[tuple[list[int], SamplingParams, tuple]], **config) -> tuple[dict, EngineCore]:
@@ -27,7 +28,7 @@ def run_engine(t, requests: list[tuple[list[int], SamplingParams, tuple]], **con
             break
         for out in core.step():
             seen = results[out.request_id].get(out.index)
-            if seen is not None:      # a sampled sequence streams token by token; beams arrive whole, once
+            if seen is not None:  # a sampled sequence streams token by token; beams arrive whole, once
                 assert not requests[out.request_id][1].use_beam_search, "two outputs for one beam"
                 assert seen.finish_reason is None, "output after finish"
                 out.new_token_ids = seen.new_token_ids + out.new_token_ids
@@ -40,20 +41,36 @@ def run_engine(t, requests: list[tuple[list[int], SamplingParams, tuple]], **con
 
 def hf_beams(t, prompt, width, n, max_tokens, eos, length_penalty, early_stopping):
     with torch.no_grad():
-        out = t.hf.generate(torch.tensor([prompt]), num_beams=width, num_return_sequences=n, do_sample=False,
-                            max_new_tokens=max_tokens, eos_token_id=list(eos) or None, pad_token_id=0,
-                            length_penalty=length_penalty, early_stopping=early_stopping,
-                            output_scores=True, return_dict_in_generate=True)
+        out = t.hf.generate(
+            torch.tensor([prompt]),
+            num_beams=width,
+            num_return_sequences=n,
+            do_sample=False,
+            max_new_tokens=max_tokens,
+            eos_token_id=list(eos) or None,
+            pad_token_id=0,
+            length_penalty=length_penalty,
+            early_stopping=early_stopping,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
     beams = []
-    for row in out.sequences[:, len(prompt):].tolist():
-        cut = next((i + 1 for i, tok in enumerate(row) if tok in eos), len(row))   # transformers pads after EOS
+    for row in out.sequences[:, len(prompt) :].tolist():
+        cut = next((i + 1 for i, tok in enumerate(row) if tok in eos), len(row))  # transformers pads after EOS
         beams.append(row[:cut])
     return beams, out.sequences_scores.tolist()
 
 
 def beam_params(width, n, max_tokens, length_penalty=1.0, early_stopping=False, **kw):
-    return SamplingParams(use_beam_search=True, beam_width=width, n=n, max_tokens=max_tokens,
-                          length_penalty=length_penalty, early_stopping=early_stopping, **kw)
+    return SamplingParams(
+        use_beam_search=True,
+        beam_width=width,
+        n=n,
+        max_tokens=max_tokens,
+        length_penalty=length_penalty,
+        early_stopping=early_stopping,
+        **kw,
+    )
 
 
 # eos 151 and 218 are tokens this tiny model likes, so hypotheses do end early
@@ -64,7 +81,7 @@ def test_beams_match_transformers(tiny, eos, length_penalty, early_stopping):
     prompts = [_tokens(5 + s, 100 + s) for s in range(4)]
     width, n, max_tokens = 3, 3, 8
     params = beam_params(width, n, max_tokens, length_penalty, early_stopping)
-    results, _ = run_engine(t, [(p, params, eos) for p in prompts])   # all four prompts batched together
+    results, _ = run_engine(t, [(p, params, eos) for p in prompts])  # all four prompts batched together
     for i, prompt in enumerate(prompts):
         expected, scores = hf_beams(t, prompt, width, n, max_tokens, eos, length_penalty, early_stopping)
         got = [results[i][k].new_token_ids for k in range(n)]
@@ -102,10 +119,11 @@ def test_beams_survive_preemption_and_share_blocks(tiny):
 
 def test_forked_beams_share_prompt_blocks(tiny):
     t = tiny(2, False)
-    core = EngineCore(EngineConfig(block_size=4, kv_cache_memory=64 * kv_bytes_per_block(t.cfg, 4, torch.float32)),
-                      t.model, t.cfg)
+    core = EngineCore(
+        EngineConfig(block_size=4, kv_cache_memory=64 * kv_bytes_per_block(t.cfg, 4, torch.float32)), t.model, t.cfg
+    )
     core.add_request(EngineRequest(0, _tokens(16, 3), beam_params(4, 4, 20), eos_token_ids=()))
-    core.step()   # prefill: 4 full prompt blocks, the first token's candidates, 4 beams forked
+    core.step()  # prefill: 4 full prompt blocks, the first token's candidates, 4 beams forked
     core.step()
     beams = [s for s in core.requests[0].seqs if not s.is_finished]
     assert len(beams) == 4
@@ -116,8 +134,12 @@ def test_forked_beams_share_prompt_blocks(tiny):
 
 def test_mixed_beam_widths_run_in_one_batch(tiny):
     t = tiny(2, True)
-    reqs = [(_tokens(7, 1), beam_params(2, 2, 9), ()), (_tokens(12, 2), beam_params(4, 3, 9), ()),
-            (_tokens(5, 3), SamplingParams(temperature=0.0, max_tokens=9), ()), (_tokens(8, 4), beam_params(3, 1, 9), ())]
+    reqs = [
+        (_tokens(7, 1), beam_params(2, 2, 9), ()),
+        (_tokens(12, 2), beam_params(4, 3, 9), ()),
+        (_tokens(5, 3), SamplingParams(temperature=0.0, max_tokens=9), ()),
+        (_tokens(8, 4), beam_params(3, 1, 9), ()),
+    ]
     together, core = run_engine(t, reqs)
     for i, req in enumerate(reqs):
         alone, _ = run_engine(t, [req])
@@ -162,16 +184,17 @@ def test_stop_token_sequences_end_beams(tiny):
             stopped = out.new_token_ids[-1] == 218
             ended += stopped
             assert (out.finish_reason, out.stop_reason) == (("stop", (218,)) if stopped else ("length", None))
-    assert ended > 0          # (before beams took the one stop check, stop_token_sequences did not end them)
+    assert ended > 0  # (before beams took the one stop check, stop_token_sequences did not end them)
 
     free, _ = run_engine(t, [(prompts[0], beam_params(width, n, max_tokens), ())])
-    word = free[0][0].new_token_ids[2:4]      # a pair the best beam produces when nothing stops it
-    results, _ = run_engine(t, [(p, beam_params(width, n, max_tokens, stop_token_sequences=[word]), ())
-                                for p in prompts])
+    word = free[0][0].new_token_ids[2:4]  # a pair the best beam produces when nothing stops it
+    results, _ = run_engine(
+        t, [(p, beam_params(width, n, max_tokens, stop_token_sequences=[word]), ()) for p in prompts]
+    )
     outputs = [results[i][k] for i in range(len(prompts)) for k in range(n)]
     for out in outputs:
         ids = out.new_token_ids
-        inside = [j for j in range(len(ids) - 1) if ids[j:j + 2] == word]
+        inside = [j for j in range(len(ids) - 1) if ids[j : j + 2] == word]
         assert inside in ([], [len(ids) - 2]), (ids, word)
         assert (out.stop_reason == tuple(word)) == (inside == [len(ids) - 2])
     assert any(out.stop_reason == tuple(word) for out in outputs)

@@ -1,4 +1,5 @@
 """`petrel bench compare`: the pieces that do not need the peers installed (the run itself is a benchmark)."""
+
 import json
 import sys
 
@@ -8,19 +9,22 @@ from petrel.bench import compare, flops, processes, report
 
 
 def test_run_script_collects_result_lines_and_rss():
-    code = ("import json; x = bytearray(50 * 2**20); import time; time.sleep(0.5); "
-            "print('progress'); print('RESULT a_w1: ' + json.dumps({'decode_tok_s': 12.5})); "
-            "print('RESULT a_w2: ' + json.dumps({'output_tok_s': 80.0}))")
+    code = (
+        "import json; x = bytearray(50 * 2**20); import time; time.sleep(0.5); "
+        "print('progress'); print('RESULT a_w1: ' + json.dumps({'decode_tok_s': 12.5})); "
+        "print('RESULT a_w2: ' + json.dumps({'output_tok_s': 80.0}))"
+    )
     results, peak = processes.run_script([sys.executable, "-c", code])
     assert [r["name"] for r in results] == ["a_w1", "a_w2"]
     assert results[0]["decode_tok_s"] == 12.5 and results[1]["output_tok_s"] == 80.0
-    assert peak >= 50            # the 50 MiB buffer was seen by the outside sampler
+    assert peak >= 50  # the 50 MiB buffer was seen by the outside sampler
 
 
 def test_peak_rss_catches_a_peak_between_samples():
     """A child that holds 300 MB for 0.3 s between two samples a second apart: its high-water mark still counts."""
     import subprocess
     import time
+
     code = "import time; time.sleep(2.4); b = bytearray(300 << 20); time.sleep(0.3); del b; time.sleep(1.5)"
     proc = subprocess.Popen([sys.executable, "-c", code])
     rss = processes.TreeRSS(proc.pid, interval=1.0)
@@ -35,13 +39,15 @@ def test_run_script_failure_is_an_error():
 
 
 def test_ratio_table_puts_petrel_over_each_peer():
-    rows = [{"workload": "w2", "metric": "output tok/s", "engine": "petrel", "value": 120.0, "unit": "tok/s"},
-            {"workload": "w2", "metric": "output tok/s", "engine": "vllm", "value": 80.0, "unit": "tok/s"},
-            {"workload": "w1", "metric": "TTFT", "engine": "hf", "value": 140.0, "unit": "ms"}]
+    rows = [
+        {"workload": "w2", "metric": "output tok/s", "engine": "petrel", "value": 120.0, "unit": "tok/s"},
+        {"workload": "w2", "metric": "output tok/s", "engine": "vllm", "value": 80.0, "unit": "tok/s"},
+        {"workload": "w1", "metric": "TTFT", "engine": "hf", "value": 140.0, "unit": "ms"},
+    ]
     table = report.ratio_table(rows, ["petrel", "hf", "vllm"])
     assert table[0] == "| workload | metric | petrel | hf | vllm | petrel / hf | petrel / vllm |"
     w2 = next(line for line in table if line.startswith("| w2"))
-    assert w2.split("|")[-2].strip() == "1.50x" and w2.split("|")[-3].strip() == ""   # no hf figure, no ratio
+    assert w2.split("|")[-2].strip() == "1.50x" and w2.split("|")[-3].strip() == ""  # no hf figure, no ratio
     w1 = next(line for line in table if line.startswith("| w1"))
     assert "140" in w1 and "x" not in w1.split("|")[-2]
 
@@ -53,8 +59,9 @@ def test_w2_flops_counts_every_position_through_every_layer():
 
 def test_missing_peers_are_left_out(tmp_path, capsys):
     out = tmp_path / "c.json"
-    code = compare.main(["--engines", "hf,vllm,llamacpp", "--workloads", "w1", "--peers-home", str(tmp_path),
-                               "--json", str(out)])
+    code = compare.main(
+        ["--engines", "hf,vllm,llamacpp", "--workloads", "w1", "--peers-home", str(tmp_path), "--json", str(out)]
+    )
     doc = json.loads(out.read_text())
     assert code == 0 and doc["meta"]["engines"] == [] and doc["meta"]["missing"] == ["hf", "vllm", "llamacpp"]
     assert doc["meta"]["matmul_peak_gflops"] > 1
@@ -69,14 +76,16 @@ def test_unknown_engine_is_refused(tmp_path):
 def test_the_default_peers_dir_is_this_checkouts_and_holds_every_peers_script(monkeypatch):
     import subprocess
     from pathlib import Path
+
     root = Path(__file__).resolve().parent.parent
     monkeypatch.delenv("PETREL_PEERS_DIR", raising=False)
     peers_dir = Path(compare.build_parser().parse_args([]).peers_dir)
     assert peers_dir == root / "benchmarks" / "peers"
     assert (peers_dir / "setup_peers.sh").stat().st_mode & 0o100, "setup_peers.sh is not executable"
-    for script in compare.PEER_SCRIPTS.values():   # each parses its options without its engine installed
-        r = subprocess.run([sys.executable, str(peers_dir / script), "--help"], capture_output=True, text=True,
-                           timeout=60)
+    for script in compare.PEER_SCRIPTS.values():  # each parses its options without its engine installed
+        r = subprocess.run(
+            [sys.executable, str(peers_dir / script), "--help"], capture_output=True, text=True, timeout=60
+        )
         assert r.returncode == 0 and "w4" in r.stdout and "--quick" in r.stdout, (script, r.stderr)
 
 
@@ -87,18 +96,29 @@ def test_a_peer_runs_through_its_script_and_its_figures_reach_the_table(tmp_path
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from petrel.bench.workloads import QUICK
+
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
-                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=True,
+    )
     LlamaForCausalLM(config).save_pretrained(tmp_path / "models" / "smollm2-135m-instruct")
     python = tmp_path / "venv-hf" / "bin" / "python"
     python.parent.mkdir(parents=True)
     python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
     python.chmod(0o755)
     out = tmp_path / "compare.json"
-    code = compare.main(["--engines", "hf", "--workloads", "w4", "--quick", "--peers-home", str(tmp_path),
-                         "--json", str(out)])
+    code = compare.main(
+        ["--engines", "hf", "--workloads", "w4", "--quick", "--peers-home", str(tmp_path), "--json", str(out)]
+    )
     doc = json.loads(out.read_text())
     assert code == 0 and doc["meta"]["engines"] == ["hf"] and doc["meta"]["errors"] == {}
     raw = doc["raw"]["hf_w4"]
@@ -106,6 +126,6 @@ def test_a_peer_runs_through_its_script_and_its_figures_reach_the_table(tmp_path
     assert raw["output_tokens"] == raw["expected_output_tokens"] == QUICK.w4_num_requests * QUICK.w4_new_tokens
     rows = {r["metric"]: r for r in doc["rows"] if r["engine"] == "hf" and r["workload"] == "w4"}
     assert rows["wall"]["value"] == raw["wall_s"] > 0
-    assert rows["prompt tokens from cache"]["value"] == 0        # transformers has no prefix cache
+    assert rows["prompt tokens from cache"]["value"] == 0  # transformers has no prefix cache
     assert any(line.startswith("| w4 | wall (s) | ") for line in doc["table"])
     assert json.loads((tmp_path / "results" / "hf_w4_compare.json").read_text())["wall_s"] == raw["wall_s"]

@@ -1,4 +1,5 @@
 """Smoke test of the benchmark harness: `--quick`, petrel only, in-process, on the default model."""
+
 import json
 
 import numpy as np

@@ -2,6 +2,7 @@
 
 Every test calls ``check_integrity()`` (and a stricter local check) after each operation.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -17,8 +18,12 @@ _ids = itertools.count()
 
 
 def make_seq(tokens, *, salt=None, prompt_logprobs=None, index=0):
-    req = EngineRequest(f"req-{next(_ids)}", list(tokens),
-                        SamplingParams(max_tokens=16, prompt_logprobs=prompt_logprobs), cache_salt=salt)
+    req = EngineRequest(
+        f"req-{next(_ids)}",
+        list(tokens),
+        SamplingParams(max_tokens=16, prompt_logprobs=prompt_logprobs),
+        cache_salt=salt,
+    )
     seq = Sequence(req, index, req.prompt_token_ids, len(req.prompt_token_ids))
     req.seqs.append(seq)
     return seq
@@ -55,6 +60,7 @@ def prompt(start: int, length: int) -> list[int]:
 
 # ---------------------------------------------------------------------------- construction and counts
 
+
 def test_rejects_empty_pool():
     with pytest.raises(ValueError):
         BlockManager(0, BS)
@@ -75,7 +81,7 @@ def test_allocation_counts_and_ref_counts():
     seq = make_seq(prompt(1, 10))
     assert bm.allocate_slots(seq, 10)
     check(bm, seq)
-    assert len(seq.block_table) == 3                     # ceil(10 / 4)
+    assert len(seq.block_table) == 3  # ceil(10 / 4)
     assert len(set(seq.block_table)) == 3
     assert all(bm.ref_counts[b] == 1 for b in seq.block_table)
     assert bm.num_free_blocks == 5 and bm.num_used_blocks == 3
@@ -89,7 +95,7 @@ def test_allocation_counts_and_ref_counts():
     bm.free(seq)
     check(bm, other)
     assert seq.block_table == [] and seq.num_computed_tokens == 0
-    assert bm.num_free_blocks == 6 and bm.num_cached_blocks == 0   # caching off: nothing is kept
+    assert bm.num_free_blocks == 6 and bm.num_cached_blocks == 0  # caching off: nothing is kept
     bm.free(other)
     check(bm)
     assert bm.num_free_blocks == 8 and bm.num_used_blocks == 0
@@ -101,7 +107,7 @@ def test_incremental_allocation_only_adds_blocks_at_boundaries():
     run_prefill(bm, seq)
     check(bm, seq)
     assert len(seq.block_table) == 1
-    for expected_blocks in (2, 2, 2, 2, 3):             # tokens 5..9
+    for expected_blocks in (2, 2, 2, 2, 3):  # tokens 5..9
         seq.token_ids.append(1000 + seq.num_tokens)
         run_prefill(bm, seq, 1)
         check(bm, seq)
@@ -123,17 +129,18 @@ def test_free_keeps_full_computed_blocks_cached():
     seq = make_seq(prompt(1, 10))
     run_prefill(bm, seq)
     check(bm, seq)
-    assert len(seq.block_hashes) == 2                       # only full blocks are hashed
+    assert len(seq.block_hashes) == 2  # only full blocks are hashed
     assert sum(1 for b in seq.block_table if b in bm.block_hash) == 2
-    assert seq.block_table[2] not in bm.block_hash          # the partial block is never published
+    assert seq.block_table[2] not in bm.block_hash  # the partial block is never published
     bm.free(seq)
     check(bm)
     assert bm.num_cached_blocks == 2
-    assert bm.num_free_blocks == 8                          # cached blocks still count as allocatable
+    assert bm.num_free_blocks == 8  # cached blocks still count as allocatable
     assert bm.num_used_blocks == 0
 
 
 # ---------------------------------------------------------------------------- prefix hits
+
 
 def test_prefix_hit_while_first_sequence_still_running():
     bm = BlockManager(16, BS)
@@ -167,7 +174,7 @@ def test_prefix_hit_from_cached_blocks_after_free():
     check(bm, b)
     assert b.block_table == a_blocks[:2]
     assert b.num_cached_tokens == 8 and b.num_computed_tokens == 8
-    assert bm.num_cached_blocks == 0                 # taken back out of the evictable set
+    assert bm.num_cached_blocks == 0  # taken back out of the evictable set
     assert all(bm.ref_counts[x] == 1 for x in b.block_table)
     assert bm.num_free_blocks == 14
 
@@ -175,7 +182,7 @@ def test_prefix_hit_from_cached_blocks_after_free():
 def test_partial_prefix_hit_stops_at_first_difference():
     bm = BlockManager(16, BS)
     a = make_seq(prompt(1, 13))
-    run_prefill(bm, a)                               # publishes 3 full blocks
+    run_prefill(bm, a)  # publishes 3 full blocks
     toks = a.token_ids[:8] + [999, 998, 997, 996, 995]
     b = make_seq(toks)
     bm.match_prefix(b)
@@ -190,12 +197,12 @@ def test_match_never_covers_the_whole_prompt(length, expected_hit):
     toks = prompt(1, length)
     a = make_seq(toks)
     run_prefill(bm, a)
-    assert len(a.block_hashes) == length // BS       # every full block is published
+    assert len(a.block_hashes) == length // BS  # every full block is published
     b = make_seq(toks)
     bm.match_prefix(b)
     check(bm, a, b)
     assert b.num_computed_tokens == expected_hit
-    assert b.num_tokens - b.num_computed_tokens >= 1    # a token is left to compute
+    assert b.num_tokens - b.num_computed_tokens >= 1  # a token is left to compute
 
 
 def test_hash_chain_same_tokens_different_parent_is_not_a_hit():
@@ -229,7 +236,7 @@ def test_token_equality_check_rejects_a_hash_collision():
     a = make_seq(prompt(1, 9))
     run_prefill(bm, a)
     b = make_seq(prompt(50, 9))
-    bm.match_prefix(b)                               # computes b's hashes, no hit
+    bm.match_prefix(b)  # computes b's hashes, no hit
     assert b.block_table == []
     # forge a collision: b's first-block hash now points at a's first block (different tokens)
     bm.hash_to_block[b.block_hashes[0]] = a.block_table[0]
@@ -248,7 +255,7 @@ def test_token_equality_check_after_block_tokens_tampered():
     b = make_seq(prompt(1, 9))
     bm.match_prefix(b)
     check(bm, a, b)
-    assert b.block_table == a.block_table[:1]        # stops at the block whose tokens differ
+    assert b.block_table == a.block_table[:1]  # stops at the block whose tokens differ
     assert b.num_computed_tokens == 4
 
 
@@ -265,7 +272,7 @@ def test_same_content_computed_twice_keeps_the_first():
     assert all(x not in bm.block_hash for x in b.block_table)
     bm.free(b)
     check(bm, a)
-    assert bm.num_cached_blocks == 0                 # b's duplicates were never published: plain free
+    assert bm.num_cached_blocks == 0  # b's duplicates were never published: plain free
     bm.free(a)
     check(bm)
     assert bm.num_cached_blocks == 2
@@ -298,6 +305,7 @@ def test_prompt_logprobs_request_skips_the_prefix_cache():
 
 
 # ---------------------------------------------------------------------------- isolation
+
 
 def test_cache_salt_isolation():
     bm = BlockManager(32, BS)
@@ -342,7 +350,7 @@ def test_hash_seed_isolation():
         run_prefill(bm, s)
         return s.block_hashes
 
-    assert hashes("x") == hashes("x")               # deterministic for one seed
+    assert hashes("x") == hashes("x")  # deterministic for one seed
     assert hashes("x") != hashes("y")
     hx, hy = hashes("x"), hashes("y")
     assert not set(hx) & set(hy)
@@ -356,6 +364,7 @@ def test_hash_seed_isolation():
 
 # ---------------------------------------------------------------------------- LRU eviction
 
+
 def test_lru_eviction_least_recently_released_first_and_tail_before_head():
     bm = BlockManager(6, BS)
     a = make_seq(prompt(1, 8))
@@ -363,7 +372,7 @@ def test_lru_eviction_least_recently_released_first_and_tail_before_head():
     run_prefill(bm, a)
     run_prefill(bm, b)
     a_blocks, b_blocks = list(a.block_table), list(b.block_table)
-    bm.free(a)          # released first: least recently used
+    bm.free(a)  # released first: least recently used
     bm.free(b)
     check(bm)
     assert list(bm.evictable) == [a_blocks[1], a_blocks[0], b_blocks[1], b_blocks[0]]
@@ -412,7 +421,7 @@ def test_a_hit_refreshes_recency():
     bm.free(a2)
     check(bm)
     assert list(bm.evictable) == [b_block, a_block]
-    c = make_seq(prompt(500, 12))          # 3 blocks: 2 free, then b's (LRU) block
+    c = make_seq(prompt(500, 12))  # 3 blocks: 2 free, then b's (LRU) block
     assert bm.allocate_slots(c, 12)
     check(bm, c)
     assert b_block in c.block_table and a_block not in c.block_table
@@ -430,7 +439,7 @@ def test_free_blocks_are_used_before_cached_ones():
     b = make_seq(prompt(100, 8))
     assert bm.allocate_slots(b, 8)
     check(bm, b)
-    assert bm.num_cached_blocks == 2                   # a's blocks were not evicted
+    assert bm.num_cached_blocks == 2  # a's blocks were not evicted
     assert not set(a_blocks) & set(b.block_table)
     a2 = make_seq(prompt(1, 9))
     bm.match_prefix(a2)
@@ -438,6 +447,7 @@ def test_free_blocks_are_used_before_cached_ones():
 
 
 # ---------------------------------------------------------------------------- fork and copy-on-write
+
 
 def fork(bm, parent):
     child = Sequence(parent.request, len(parent.request.seqs), parent.token_ids, parent.num_prompt_tokens)
@@ -529,7 +539,7 @@ def test_fork_with_three_children_copies_for_all_but_the_last_writer():
 def test_copy_on_write_fails_cleanly_without_a_free_block():
     bm = BlockManager(2, BS)
     parent = make_seq(prompt(1, 6))
-    run_prefill(bm, parent)                       # both blocks used
+    run_prefill(bm, parent)  # both blocks used
     child = fork(bm, parent)
     parent.token_ids.append(7)
     before = (list(bm.ref_counts), list(parent.block_table), list(bm.free_blocks), list(bm.evictable))
@@ -541,23 +551,36 @@ def test_copy_on_write_fails_cleanly_without_a_free_block():
 
 # ---------------------------------------------------------------------------- running out
 
+
 def test_allocate_slots_returns_false_and_changes_nothing():
     bm = BlockManager(4, BS)
     a = make_seq(prompt(1, 12))
     run_prefill(bm, a)
     b_seed = make_seq(prompt(200, 4))
     run_prefill(bm, b_seed)
-    bm.free(b_seed)                                # one cached block left
+    bm.free(b_seed)  # one cached block left
     check(bm, a)
     assert bm.num_free_blocks == 1
 
-    b = make_seq(prompt(100, 8))                   # needs 2
-    state = (list(bm.ref_counts), list(bm.free_blocks), list(bm.evictable), dict(bm.hash_to_block),
-             dict(bm.block_hash), dict(bm.block_tokens))
+    b = make_seq(prompt(100, 8))  # needs 2
+    state = (
+        list(bm.ref_counts),
+        list(bm.free_blocks),
+        list(bm.evictable),
+        dict(bm.hash_to_block),
+        dict(bm.block_hash),
+        dict(bm.block_tokens),
+    )
     assert not bm.allocate_slots(b, 8)
     assert b.block_table == [] and b.num_computed_tokens == 0
-    assert (list(bm.ref_counts), list(bm.free_blocks), list(bm.evictable), dict(bm.hash_to_block),
-            dict(bm.block_hash), dict(bm.block_tokens)) == state
+    assert (
+        list(bm.ref_counts),
+        list(bm.free_blocks),
+        list(bm.evictable),
+        dict(bm.hash_to_block),
+        dict(bm.block_hash),
+        dict(bm.block_tokens),
+    ) == state
     check(bm, a)
     # exactly what is left still fits
     assert bm.allocate_slots(b, 4)
@@ -573,14 +596,14 @@ def test_admission_watermark():
     bm = BlockManager(10, BS, watermark=0.2)
     assert bm.watermark_blocks == 2
     a = make_seq(prompt(1, 28))
-    run_prefill(bm, a)                             # 7 blocks, 3 left
+    run_prefill(bm, a)  # 7 blocks, 3 left
     assert bm.num_free_blocks == 3
 
-    b = make_seq(prompt(100, 8))                   # 2 blocks: 3 - 2 reserved < 2
+    b = make_seq(prompt(100, 8))  # 2 blocks: 3 - 2 reserved < 2
     assert not bm.allocate_slots(b, 8, admitting=True)
     check(bm, a)
     assert b.block_table == [] and bm.num_free_blocks == 3
-    assert bm.allocate_slots(make_seq(prompt(200, 4)), 4, admitting=True)   # 1 block fits above the mark
+    assert bm.allocate_slots(make_seq(prompt(200, 4)), 4, admitting=True)  # 1 block fits above the mark
     assert bm.num_free_blocks == 2
     assert not bm.allocate_slots(b, 4, admitting=True)
     # a running sequence may dig into the reserve
@@ -595,6 +618,7 @@ def test_default_watermark_is_zero_for_tiny_pools():
 
 
 # ---------------------------------------------------------------------------- reset
+
 
 def test_reset_prefix_cache():
     bm = BlockManager(16, BS)

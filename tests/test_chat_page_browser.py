@@ -4,6 +4,7 @@ aborts that request. Skipped where Chromium, chromedriver or selenium are missin
 
 PETREL_SCREENSHOT=docs/chat-page.png python -m pytest tests/test_chat_page_browser.py  # also saves a screenshot
 """
+
 from __future__ import annotations
 
 import os
@@ -34,8 +35,9 @@ def browser():
     webdriver = pytest.importorskip("selenium.webdriver")
     from selenium.webdriver.chrome.options import Options
     from selenium.webdriver.chrome.service import Service
+
     chrome, driver_path = _browser_paths()
-    os.environ.setdefault("SE_OFFLINE", "true")     # never let Selenium Manager reach for the network
+    os.environ.setdefault("SE_OFFLINE", "true")  # never let Selenium Manager reach for the network
     options = Options()
     options.binary_location = chrome
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1000,800"):
@@ -63,6 +65,7 @@ def _wait(condition, timeout: float = 120.0, what: str = "the page"):
 
 def _set(browser, element_id: str, value: str) -> None:
     from selenium.webdriver.common.by import By
+
     field = browser.find_element(By.ID, element_id)
     field.clear()
     field.send_keys(value)
@@ -70,15 +73,19 @@ def _set(browser, element_id: str, value: str) -> None:
 
 def _last_reply(browser) -> tuple[str, str]:
     from selenium.webdriver.common.by import By
+
     replies = browser.find_elements(By.CSS_SELECTOR, ".msg.assistant")
     if not replies:
         return "", ""
-    return (replies[-1].find_element(By.CSS_SELECTOR, ".text").text,
-            replies[-1].find_element(By.CSS_SELECTOR, ".stats").text)
+    return (
+        replies[-1].find_element(By.CSS_SELECTOR, ".text").text,
+        replies[-1].find_element(By.CSS_SELECTOR, ".stats").text,
+    )
 
 
 def test_type_send_stream_and_stop(browser, page_server, llm):
     from selenium.webdriver.common.by import By
+
     browser.get(page_server.url + "/")
     browser.execute_script("localStorage.clear()")
     browser.get(page_server.url + "/")

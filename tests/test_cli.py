@@ -1,4 +1,5 @@
 """The `petrel` command line: help texts, friendly errors, prompt files, chat input."""
+
 from __future__ import annotations
 
 import json
@@ -15,18 +16,29 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def petrel(*args, stdin: str | None = None, timeout: float = 120):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "petrel.cli", *args], input=stdin, capture_output=True,
-                          text=True, timeout=timeout, env=env, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "petrel.cli", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
+    )
 
 
 # ------------------------------------------------------------------------------------------- help
 
-@pytest.mark.parametrize("command, expected", [
-    ((), ["generate", "chat", "serve", "bench", "examples:", "petrel generate --input"]),
-    (("generate",), ["--input", "--output", "examples:", "JSONL", "finish_reason"]),
-    (("chat",), ["/reset", "/exit", "examples:", "continues"]),
-    (("serve",), ["--api-key", "examples:", "chat page"]),
-])
+
+@pytest.mark.parametrize(
+    "command, expected",
+    [
+        ((), ["generate", "chat", "serve", "bench", "examples:", "petrel generate --input"]),
+        (("generate",), ["--input", "--output", "examples:", "JSONL", "finish_reason"]),
+        (("chat",), ["/reset", "/exit", "examples:", "continues"]),
+        (("serve",), ["--api-key", "examples:", "chat page"]),
+    ],
+)
 def test_help_has_a_description_and_examples(command, expected):
     r = petrel(*command, "--help")
     assert r.returncode == 0, r.stderr
@@ -36,6 +48,7 @@ def test_help_has_a_description_and_examples(command, expected):
 
 # ------------------------------------------------------------------------------------------- errors
 
+
 def test_missing_model_is_one_clear_line(tmp_path):
     missing = tmp_path / "no-such-model.gguf"
     r = petrel("generate", "hi", "--model", str(missing))
@@ -44,14 +57,17 @@ def test_missing_model_is_one_clear_line(tmp_path):
     assert r.stderr.startswith("petrel: error:") and str(missing) in r.stderr
 
 
-@pytest.mark.parametrize("args, message", [
-    (("generate", "--input", "/no/such/prompts.txt"), "cannot read /no/such/prompts.txt"),
-    (("generate",), "give a prompt, or --input FILE"),
-    (("generate", "hi", "--input", "x.txt"), "not both"),
-    (("serve", "--chat-template", "not-a-file-nor-a-template"), "--chat-template"),
-    (("serve", "--speculative-config", "{method: ngram}"), "--speculative-config: not valid JSON"),
-    (("generate", "hi", "--speculative-config", '{"method": "medusa"}'), "speculative_config.method"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("generate", "--input", "/no/such/prompts.txt"), "cannot read /no/such/prompts.txt"),
+        (("generate",), "give a prompt, or --input FILE"),
+        (("generate", "hi", "--input", "x.txt"), "not both"),
+        (("serve", "--chat-template", "not-a-file-nor-a-template"), "--chat-template"),
+        (("serve", "--speculative-config", "{method: ngram}"), "--speculative-config: not valid JSON"),
+        (("generate", "hi", "--speculative-config", '{"method": "medusa"}'), "speculative_config.method"),
+    ],
+)
 def test_user_mistakes_exit_2_without_a_traceback(args, message):
     r = petrel(*args)
     assert r.returncode == 2, r.stderr
@@ -60,6 +76,7 @@ def test_user_mistakes_exit_2_without_a_traceback(args, message):
 
 
 # ------------------------------------------------------------------------------------------- prompt files
+
 
 def test_plain_text_is_one_prompt_per_line():
     assert parse_prompts("Hello\n\n  The sky is  \r\nlast") == ["Hello", "  The sky is  ", "last"]
@@ -71,18 +88,22 @@ def test_jsonl_is_detected_by_a_leading_brace():
     assert parse_prompts('not json {"prompt": "x"}') == ['not json {"prompt": "x"}']
 
 
-@pytest.mark.parametrize("text, message", [
-    ('{"prompt": "a"}\n{oops', "line 2: not valid JSON"),
-    ('{"text": "a"}', 'line 1: expected an object with a "prompt" string'),
-    ('{"prompt": 3}', "line 1"),
-    ("\n  \n", "no prompts"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('{"prompt": "a"}\n{oops', "line 2: not valid JSON"),
+        ('{"text": "a"}', 'line 1: expected an object with a "prompt" string'),
+        ('{"prompt": 3}', "line 1"),
+        ("\n  \n", "no prompts"),
+    ],
+)
 def test_bad_prompt_files_name_the_line(text, message):
     with pytest.raises(ValueError, match=message):
         parse_prompts(text, "prompts.jsonl")
 
 
 # ------------------------------------------------------------------------------------------- chat input
+
 
 def test_chat_lines_ending_in_a_backslash_continue():
     lines = iter(["first \\", "second\\", "third", "next"])
@@ -91,10 +112,12 @@ def test_chat_lines_ending_in_a_backslash_continue():
 
     def eof(_prompt):
         raise EOFError
+
     assert read_message(eof) is None
 
 
 # ------------------------------------------------------------------------------------------- end to end
+
 
 @pytest.mark.e2e
 def test_generate_input_file_writes_jsonl(tmp_path):
@@ -118,8 +141,10 @@ def test_generate_input_file_writes_jsonl(tmp_path):
 
 def test_serve_takes_a_smaller_step_budget_unless_told():
     import argparse
+
     from petrel.config import EngineConfig
     from petrel.serve.server import SERVE_MAX_NUM_BATCHED_TOKENS, add_arguments, engine_options
+
     parse = add_arguments(argparse.ArgumentParser()).parse_args
     assert SERVE_MAX_NUM_BATCHED_TOKENS < EngineConfig.max_num_batched_tokens
     assert engine_options(parse([]))["max_num_batched_tokens"] == SERVE_MAX_NUM_BATCHED_TOKENS

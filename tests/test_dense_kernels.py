@@ -4,6 +4,7 @@ The few-row product must equal x @ W^T, and paged decode attention must equal th
 masked SDPA, itself checked against transformers in test_model_tiny) for GQA/MHA, head sizes up to 256, partial
 last blocks, padded block tables, scrambled blocks and sliding windows. The engine-level tests of test_model_tiny
 run with the kernels on and off."""
+
 from __future__ import annotations
 
 import math
@@ -15,8 +16,9 @@ from petrel.model import dense_kernels, native
 from petrel.model.attention import _decode_attention
 from petrel.model.layers import Linear, RMSNorm, RotaryEmbedding, silu_and_mul
 
-pytestmark = pytest.mark.skipif(dense_kernels.library() is None,
-                                reason="petrel's float32 kernels cannot run here (no AVX2/FMA or no C compiler)")
+pytestmark = pytest.mark.skipif(
+    dense_kernels.library() is None, reason="petrel's float32 kernels cannot run here (no AVX2/FMA or no C compiler)"
+)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16, 70])
@@ -35,7 +37,7 @@ def test_linear_layer_uses_the_kernel_with_bias_and_falls_back():
     x = torch.randn(3, 64)
     torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), atol=1e-4, rtol=1e-5)
     assert dense_kernels.linear(torch.randn(dense_kernels.GEMV_MAX_ROWS + 1, 64), layer.weight) is None  # many rows
-    assert dense_kernels.linear(torch.randn(2, 24), torch.randn(5, 24)) is None          # K not a multiple of 16
+    assert dense_kernels.linear(torch.randn(2, 24), torch.randn(5, 24)) is None  # K not a multiple of 16
     assert dense_kernels.linear(torch.randn(2, 64).double(), layer.weight.double()) is None
 
 
@@ -43,7 +45,7 @@ needs_avx512 = pytest.mark.skipif(not native.cpu_has_avx512(), reason="no AVX-51
 
 
 @needs_avx512
-@pytest.mark.parametrize("rows", [257, 14 * 30, 1000])      # whole blocks of 14 rows, and a tail of 6 or 6 + 8
+@pytest.mark.parametrize("rows", [257, 14 * 30, 1000])  # whole blocks of 14 rows, and a tail of 6 or 6 + 8
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (33, 1000), (7, 64), (48, 1)])
 def test_many_row_product_equals_matmul(rows, out_features, in_features):
     g = torch.Generator().manual_seed(rows + out_features)
@@ -52,7 +54,7 @@ def test_many_row_product_equals_matmul(rows, out_features, in_features):
     got = dense_kernels.gemm(x, w)
     assert got is not None and got.shape == (rows, out_features)
     torch.testing.assert_close(got, x @ w.t(), atol=1e-4, rtol=1e-4)
-    x_strided = torch.randn(rows, 2 * in_features, generator=g)[:, ::2]     # taken as a contiguous copy
+    x_strided = torch.randn(rows, 2 * in_features, generator=g)[:, ::2]  # taken as a contiguous copy
     torch.testing.assert_close(dense_kernels.gemm(x_strided, w), x_strided @ w.t(), atol=1e-4, rtol=1e-4)
 
 
@@ -76,7 +78,7 @@ def _paged_case(num_seqs, heads, kv_heads, head_dim, block_size, lens, seed):
     num_blocks = sum(blocks_needed) + 5
     cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g)
     order = torch.randperm(num_blocks, generator=g).tolist()
-    width = max(blocks_needed) + 1                     # one padding column past the longest sequence
+    width = max(blocks_needed) + 1  # one padding column past the longest sequence
     tables = torch.zeros(num_seqs, width, dtype=torch.int64)
     for s, n in enumerate(blocks_needed):
         tables[s, :n] = torch.tensor([order.pop() for _ in range(n)])
@@ -84,22 +86,26 @@ def _paged_case(num_seqs, heads, kv_heads, head_dim, block_size, lens, seed):
     return q, cache, tables, torch.tensor(lens, dtype=torch.int64)
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,window", [
-    (9, 3, 64, 16, None),      # SmolLM2's shape
-    (4, 1, 256, 16, None),     # Gemma 3 270M's
-    (4, 1, 256, 16, 20),       # ... with a local layer's window
-    (8, 8, 40, 4, None),       # MHA, head_dim not a multiple of 16
-    (6, 2, 32, 1, 7),          # one token a block
-    (12, 4, 64, 32, None),
-])
-@pytest.mark.parametrize("many", [False, True], ids=["few-seqs", "many-seqs"])   # work split by head / by sequence
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,block_size,window",
+    [
+        (9, 3, 64, 16, None),  # SmolLM2's shape
+        (4, 1, 256, 16, None),  # Gemma 3 270M's
+        (4, 1, 256, 16, 20),  # ... with a local layer's window
+        (8, 8, 40, 4, None),  # MHA, head_dim not a multiple of 16
+        (6, 2, 32, 1, 7),  # one token a block
+        (12, 4, 64, 32, None),
+    ],
+)
+@pytest.mark.parametrize("many", [False, True], ids=["few-seqs", "many-seqs"])  # work split by head / by sequence
 def test_paged_decode_attention_equals_torch_path(heads, kv_heads, head_dim, block_size, window, many):
     lens = [1, 5, block_size, block_size + 1, 3 * block_size - 1, 70, 133] * (3 if many else 1)
-    q, cache, tables, lens_t = _paged_case(len(lens), heads, kv_heads, head_dim, block_size, lens,
-                                           seed=heads + head_dim)
-    if many:            # queries as the model hands them over: a slice of each row of a wider (q, k) tensor
+    q, cache, tables, lens_t = _paged_case(
+        len(lens), heads, kv_heads, head_dim, block_size, lens, seed=heads + head_dim
+    )
+    if many:  # queries as the model hands them over: a slice of each row of a wider (q, k) tensor
         q = torch.cat([q, torch.randn(len(lens), kv_heads, head_dim)], dim=1)[:, :heads]
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     got = dense_kernels.decode_attention(q, cache[0], cache[1], tables, lens_t, scale, window)
     assert got is not None
     span = torch.arange(tables.shape[1] * block_size).unsqueeze(0)
@@ -115,13 +121,13 @@ def test_decode_attention_never_reads_behind_the_window_or_past_the_context():
     must not matter: filling them with NaN leaves the result unchanged."""
     block_size, window, lens = 4, 8, [30, 9, 17]
     q, cache, tables, lens_t = _paged_case(3, 4, 2, 32, block_size, lens, seed=3)
-    used = {b for s, n in enumerate(lens) for b in tables[s, :math.ceil(n / block_size)].tolist()}
+    used = {b for s, n in enumerate(lens) for b in tables[s, : math.ceil(n / block_size)].tolist()}
     spare = next(b for b in range(cache.shape[1]) if b not in used)
     unseen = [spare]
     for s, n in enumerate(lens):
         held = math.ceil(n / block_size)
         tables[s, held:] = spare
-        unseen += tables[s, :(n - window) // block_size].tolist()
+        unseen += tables[s, : (n - window) // block_size].tolist()
     clean = dense_kernels.decode_attention(q, cache[0], cache[1], tables, lens_t, 0.2, window)
     cache[:, unseen] = float("nan")
     got = dense_kernels.decode_attention(q, cache[0], cache[1], tables, lens_t, 0.2, window)
@@ -131,10 +137,14 @@ def test_decode_attention_never_reads_behind_the_window_or_past_the_context():
 
 def test_decode_attention_declines_what_it_does_not_cover():
     q, cache, tables, lens_t = _paged_case(2, 4, 2, 32, 4, [5, 9], seed=4)
-    assert dense_kernels.decode_attention(q.bfloat16(), cache[0].bfloat16(), cache[1].bfloat16(), tables, lens_t,
-                                          1.0, None) is None
+    assert (
+        dense_kernels.decode_attention(
+            q.bfloat16(), cache[0].bfloat16(), cache[1].bfloat16(), tables, lens_t, 1.0, None
+        )
+        is None
+    )
     assert dense_kernels.decode_attention(q, cache[0], cache[1], tables.int(), lens_t, 1.0, None) is None
-    q12, cache12, tables12, lens12 = _paged_case(2, 4, 2, 12, 4, [5, 9], seed=5)      # head_dim not a multiple of 8
+    q12, cache12, tables12, lens12 = _paged_case(2, 4, 2, 12, 4, [5, 9], seed=5)  # head_dim not a multiple of 8
     assert dense_kernels.decode_attention(q12, cache12[0], cache12[1], tables12, lens12, 1.0, None) is None
 
 
@@ -152,31 +162,33 @@ def _prefill_reference(q, cache, table, first_pos, scale, window):
     kv_heads, ctx = cache.shape[3], first_pos + n
     k, v = (cache[i][table].reshape(-1, kv_heads, head_dim)[:ctx].double() for i in (0, 1))
     k, v = (t.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1) for t in (k, v))
-    scores = (q.double().transpose(0, 1) @ k.transpose(1, 2)) * scale           # [heads, n, ctx]
+    scores = (q.double().transpose(0, 1) @ k.transpose(1, 2)) * scale  # [heads, n, ctx]
     q_pos, k_pos = torch.arange(first_pos, ctx).unsqueeze(1), torch.arange(ctx).unsqueeze(0)
     visible = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)
     return (scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v).transpose(0, 1).float()
 
 
-@pytest.mark.parametrize("n,first_pos,heads,kv_heads,head_dim,block_size,window", [
-    (290, 0, 9, 3, 64, 16, None),       # SmolLM2's shape, a whole prompt
-    (37, 100, 9, 3, 64, 16, None),      # a chunk after a cached prefix
-    (1, 50, 9, 3, 64, 16, None),        # one token
-    (40, 5, 4, 1, 256, 16, None),       # Gemma 3 270M's heads
-    (50, 30, 4, 1, 256, 16, 20),        # ... a local layer's window, reaching behind the chunk
-    (130, 0, 8, 2, 64, 16, 64),         # a window inside one fresh prompt
-    (13, 0, 8, 8, 32, 4, None),         # MHA
-    (9, 11, 6, 2, 16, 1, 7),            # one token a block
-])
+@pytest.mark.parametrize(
+    "n,first_pos,heads,kv_heads,head_dim,block_size,window",
+    [
+        (290, 0, 9, 3, 64, 16, None),  # SmolLM2's shape, a whole prompt
+        (37, 100, 9, 3, 64, 16, None),  # a chunk after a cached prefix
+        (1, 50, 9, 3, 64, 16, None),  # one token
+        (40, 5, 4, 1, 256, 16, None),  # Gemma 3 270M's heads
+        (50, 30, 4, 1, 256, 16, 20),  # ... a local layer's window, reaching behind the chunk
+        (130, 0, 8, 2, 64, 16, 64),  # a window inside one fresh prompt
+        (13, 0, 8, 8, 32, 4, None),  # MHA
+        (9, 11, 6, 2, 16, 1, 7),  # one token a block
+    ],
+)
 def test_paged_prefill_attention_equals_masked_softmax(n, first_pos, heads, kv_heads, head_dim, block_size, window):
     q, cache, table = _prefill_case(n, first_pos, heads, kv_heads, head_dim, block_size, seed=n + head_dim)
-    if n > 1:       # queries as the model hands them over: a slice of each row of a wider (q, k) tensor
+    if n > 1:  # queries as the model hands them over: a slice of each row of a wider (q, k) tensor
         q = torch.cat([q, torch.randn(n, kv_heads, head_dim)], dim=1)[:, :heads]
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     got = dense_kernels.prefill_attention(q, cache[0], cache[1], table, first_pos, scale, window)
     assert got is not None
-    torch.testing.assert_close(got, _prefill_reference(q, cache, table, first_pos, scale, window),
-                               atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(got, _prefill_reference(q, cache, table, first_pos, scale, window), atol=2e-5, rtol=1e-4)
 
 
 def test_prefill_attention_never_reads_behind_the_window_or_past_the_context():
@@ -184,30 +196,32 @@ def test_prefill_attention_never_reads_behind_the_window_or_past_the_context():
     q, cache, table = _prefill_case(n, first_pos, 4, 2, 32, block_size, seed=7)
     clean = dense_kernels.prefill_attention(q, cache[0], cache[1], table, first_pos, 0.2, window)
     unused = [b for b in range(cache.shape[1]) if b not in table.tolist()]
-    behind = table[:(first_pos - window + 1) // block_size].tolist()      # wholly behind the first query's window
+    behind = table[: (first_pos - window + 1) // block_size].tolist()  # wholly behind the first query's window
     cache[:, unused + behind] = float("nan")
-    end = first_pos + n                                                    # slots of the last block past the context
+    end = first_pos + n  # slots of the last block past the context
     if end % block_size:
-        cache[:, table[-1], end % block_size:] = float("nan")
+        cache[:, table[-1], end % block_size :] = float("nan")
     got = dense_kernels.prefill_attention(q, cache[0], cache[1], table, first_pos, 0.2, window)
     assert len(behind) >= 4 and not got.isnan().any()
     torch.testing.assert_close(got, clean)
 
 
 def test_prefill_attention_declines_what_it_does_not_cover():
-    q, cache, table = _prefill_case(5, 0, 4, 2, 40, 4, seed=8)          # head_dim not a multiple of 16
+    q, cache, table = _prefill_case(5, 0, 4, 2, 40, 4, seed=8)  # head_dim not a multiple of 16
     assert dense_kernels.prefill_attention(q, cache[0], cache[1], table, 0, 1.0, None) is None
     q, cache, table = _prefill_case(5, 0, 4, 2, 32, 4, seed=9)
-    assert dense_kernels.prefill_attention(q.bfloat16(), cache[0].bfloat16(), cache[1].bfloat16(), table, 0, 1.0,
-                                           None) is None
+    assert (
+        dense_kernels.prefill_attention(q.bfloat16(), cache[0].bfloat16(), cache[1].bfloat16(), table, 0, 1.0, None)
+        is None
+    )
     assert dense_kernels.prefill_attention(q, cache[0], cache[1], table.int(), 0, 1.0, None) is None
 
 
-@pytest.mark.parametrize("rows", [1, 3, 700])          # 700 x 576 rows run on several threads
+@pytest.mark.parametrize("rows", [1, 3, 700])  # 700 x 576 rows run on several threads
 def test_rms_norm_equals_torch(rows):
     g = torch.Generator().manual_seed(rows)
     wide = torch.randn(rows, 600, generator=g) * 3
-    x = wide[:, :576]                                   # rows 600 floats apart
+    x = wide[:, :576]  # rows 600 floats apart
     w = torch.randn(576, generator=g)
     got = dense_kernels.rms_norm(x, w, 1e-5)
     expected = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w
@@ -222,7 +236,7 @@ def test_rotary_equals_torch(rows, head_dim):
     rope = RotaryEmbedding(head_dim, 4096, 10_000.0)
     g = torch.Generator().manual_seed(head_dim)
     qkv = torch.randn(rows, 15 * head_dim, generator=g)
-    qk = qkv[:, :12 * head_dim].view(rows, 12, head_dim)   # queries and keys of a fused qkv row, as the model has them
+    qk = qkv[:, : 12 * head_dim].view(rows, 12, head_dim)  # queries and keys of a fused qkv row, as the model has them
     cos, sin = rope.for_positions(torch.randint(0, 4096, (rows,), generator=g), torch.float32)
     got = dense_kernels.rotary(qk, cos, sin)
     half = head_dim // 2
@@ -232,7 +246,7 @@ def test_rotary_equals_torch(rows, head_dim):
 
 @pytest.mark.parametrize("rows", [1, 4, 300])
 def test_silu_and_mul_equals_torch(rows):
-    x = torch.randn(rows, 2 * 1536, generator=torch.Generator().manual_seed(rows)) * 8   # large |x|: exp's range
+    x = torch.randn(rows, 2 * 1536, generator=torch.Generator().manual_seed(rows)) * 8  # large |x|: exp's range
     x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -88.5])
     gate, up = x.chunk(2, dim=-1)
     torch.testing.assert_close(dense_kernels.silu_and_mul(x), torch.nn.functional.silu(gate) * up, atol=1e-5, rtol=1e-5)

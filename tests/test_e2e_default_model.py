@@ -1,4 +1,5 @@
 """End to end on the real default model (SmolLM2-135M-Instruct), with transformers as the oracle."""
+
 from __future__ import annotations
 
 import asyncio
@@ -45,13 +46,19 @@ def hf_greedy(llm, hf_model):
             logits[..., eos] = float("-inf")
     refs = []
     for i, (p, c) in enumerate(zip(prompts, candidates)):
-        greedy = logits[i, len(p) - 1: len(p) - 1 + 64].argmax(dim=-1).tolist()
+        greedy = logits[i, len(p) - 1 : len(p) - 1 + 64].argmax(dim=-1).tolist()
         if len(c) != 64 or greedy != list(c):
             ids = torch.tensor([p])
             with torch.inference_mode():
-                out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=64,
-                                        min_new_tokens=64, do_sample=False, pad_token_id=2)
-            greedy = out[0, ids.shape[1]:].tolist()
+                out = hf_model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=64,
+                    min_new_tokens=64,
+                    do_sample=False,
+                    pad_token_id=2,
+                )
+            greedy = out[0, ids.shape[1] :].tolist()
         refs.append(greedy)
     return refs
 
@@ -85,6 +92,7 @@ def test_preemption_gives_the_same_outputs(hf_greedy):
     # 40 blocks of 16 tokens for 8 sequences of up to ~140 tokens (~70 blocks): preemption is forced
     from petrel.engine.model_runner import kv_bytes_per_block
     from petrel.model.loader import load_model_config, resolve_model
+
     per_block = kv_bytes_per_block(load_model_config(resolve_model(None)), 16, torch.float32)
     small = LLM(max_num_seqs=8, block_size=16, kv_cache_memory=40 * per_block)
     try:
@@ -107,8 +115,11 @@ def test_n4_with_seed_is_reproducible(llm):
     assert [o.token_ids for o in first.outputs] == [o.token_ids for o in second.outputs]
     assert len({tuple(o.token_ids) for o in first.outputs}) > 1, "4 seeded samples should not all be equal"
     # the same seeded request inside a busy batch samples the same tokens
-    busy = llm.generate(["Tell me a joke about cats.", "Another prompt entirely"], [params, SamplingParams(max_tokens=20)],
-                        use_tqdm=False)
+    busy = llm.generate(
+        ["Tell me a joke about cats.", "Another prompt entirely"],
+        [params, SamplingParams(max_tokens=20)],
+        use_tqdm=False,
+    )
     assert [o.token_ids for o in busy[0].outputs] == [o.token_ids for o in first.outputs]
 
 
@@ -118,10 +129,11 @@ def test_stop_strings_cut_the_text(llm):
     assert " 9" in full.text, full.text
     cut = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, stop=[" 9"])).outputs[0]
     assert cut.finish_reason == "stop" and cut.stop_reason == " 9"
-    assert cut.text == full.text[:full.text.index(" 9")]
-    kept = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, stop=[" 9"],
-                                               include_stop_str_in_output=True)).outputs[0]
-    assert kept.text == full.text[:full.text.index(" 9") + 2]
+    assert cut.text == full.text[: full.text.index(" 9")]
+    kept = llm.generate(
+        prompt, SamplingParams(temperature=0, max_tokens=30, stop=[" 9"], include_stop_str_in_output=True)
+    ).outputs[0]
+    assert kept.text == full.text[: full.text.index(" 9") + 2]
 
 
 def test_stop_token_ids(llm):
@@ -130,16 +142,18 @@ def test_stop_token_ids(llm):
     stop_tok = full.token_ids[5]
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_tok])).outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop_tok
-    assert out.token_ids == full.token_ids[:full.token_ids.index(stop_tok) + 1]
+    assert out.token_ids == full.token_ids[: full.token_ids.index(stop_tok) + 1]
 
 
 def _forcing(token_ids):
     """A logits processor that makes the model emit exactly these tokens, then EOS."""
+
     def force(output_ids, logits):
         want = token_ids[len(output_ids)] if len(output_ids) < len(token_ids) else 2
         forced = torch.full_like(logits, float("-inf"))
         forced[want] = 0.0
         return forced
+
     return force
 
 
@@ -183,9 +197,12 @@ def test_cold_and_warm_cache_same_greedy_tokens(llm):
 
 def test_abort_returns_blocks(llm):
     baseline = free_blocks(llm)
-    future = llm.generate_async("Write a very long essay about the ocean.",
-                                SamplingParams(temperature=0, max_tokens=400, ignore_eos=True), streaming=True)
-    for i, partial in enumerate(future):
+    future = llm.generate_async(
+        "Write a very long essay about the ocean.",
+        SamplingParams(temperature=0, max_tokens=400, ignore_eos=True),
+        streaming=True,
+    )
+    for i, _ in enumerate(future):
         if i == 3:
             future.abort()
     out = future.result(timeout=30)
@@ -216,6 +233,7 @@ def test_await_and_async_for(llm):
         future = llm.generate_async("Hi there", SamplingParams(temperature=0, max_tokens=8), streaming=True)
         diffs = [p.outputs[0].token_ids_diff async for p in future]
         return awaited, diffs
+
     awaited, diffs = asyncio.run(run())
     assert sum(diffs, []) == awaited.outputs[0].token_ids
     assert len(diffs) > 1
@@ -226,6 +244,7 @@ def test_concurrent_threads_batch_together(llm):
 
     def worker(i):
         results[i] = llm.generate_async(PROMPTS[i], SamplingParams(temperature=0, max_tokens=16)).result(60)
+
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
     for t in threads:
         t.start()
@@ -247,9 +266,9 @@ def test_logprobs_match_transformers(llm, hf_model):
     assert len(co.logprobs) == 8
     total = 0.0
     for i, (tok, entry) in enumerate(zip(co.token_ids, co.logprobs)):
-        assert entry[tok].rank == 1                      # greedy picks the top token
+        assert entry[tok].rank == 1  # greedy picks the top token
         assert entry[tok].logprob == pytest.approx(ref[n - 1 + i, tok].item(), abs=1e-3)
-        assert len(entry) == 5                            # sampled token is among the top 5
+        assert len(entry) == 5  # sampled token is among the top 5
         ranks = sorted(lp.rank for lp in entry.values())
         assert ranks == [1, 2, 3, 4, 5]
         total += entry[tok].logprob
@@ -271,11 +290,20 @@ def test_perf_metrics(llm):
     assert llm.generate("Hello", SamplingParams(max_tokens=2)).outputs[0].request_perf_metrics is None
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
-    (dict(n=0), "n"), (dict(max_tokens=0), "max_tokens"), (dict(top_k=-3), "top_k"),
-    (dict(min_p=2.0), "min_p"), (dict(logprobs=-1), "logprobs"), (dict(min_tokens=5, max_tokens=2), "min_tokens"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(n=0), "n"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(top_k=-3), "top_k"),
+        (dict(min_p=2.0), "min_p"),
+        (dict(logprobs=-1), "logprobs"),
+        (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+    ],
+)
 def test_invalid_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
@@ -290,15 +318,16 @@ def test_bad_requests_raise_and_engine_goes_on(llm):
     with pytest.raises(ValueError, match="empty"):
         llm.generate({"prompt_token_ids": []}, SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match="vocabulary"):
-        llm.generate([1, 2, 10 ** 7], SamplingParams(max_tokens=4))
+        llm.generate([1, 2, 10**7], SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match="stop_token_ids"):
-        llm.generate("hi", SamplingParams(max_tokens=4, stop_token_ids=[10 ** 7]))
+        llm.generate("hi", SamplingParams(max_tokens=4, stop_token_ids=[10**7]))
     assert llm.generate("Still alive?", SamplingParams(max_tokens=4, ignore_eos=True)).outputs[0].length == 4
     assert free_blocks(llm) == baseline
 
 
 def test_chat_applies_template(llm):
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(temperature=0, max_tokens=20))
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0, max_tokens=20)
+    )
     assert "<|im_start|>assistant" in out.prompt
     assert "Paris" in out.outputs[0].text

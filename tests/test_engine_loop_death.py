@@ -5,6 +5,7 @@ the server answers /health with 503 and requests with a 5xx JSON error.
 Runs the loop on the tiny random Llama (the default tokenizer beside it). Every wait has its own timeout, so a
 regression fails instead of hanging the suite.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -16,7 +17,7 @@ import pytest
 
 from petrel import LLM, SamplingParams
 
-WAIT = 10.0                       # seconds any single wait may take before the test fails
+WAIT = 10.0  # seconds any single wait may take before the test fails
 CAUSE = "the engine loop has stopped: LoopKiller: injected"
 LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
 
@@ -29,6 +30,7 @@ class LoopKiller(BaseException):
 def tokenizer_dir(tmp_path_factory):
     from petrel.model.loader import resolve_model
     from petrel.model.tokenizer import load_tokenizer
+
     path = tmp_path_factory.mktemp("tokenizer")
     load_tokenizer(resolve_model(None)).save_pretrained(path)
     return str(path)
@@ -63,9 +65,9 @@ class KillSwitch:
 
 def _inject(llm, where: str) -> KillSwitch:
     error = LoopKiller("injected")
-    if where == "step":           # a BaseException from inside a step (core.step catches only Exception)
+    if where == "step":  # a BaseException from inside a step (core.step catches only Exception)
         return KillSwitch(llm.engine.core, "step", error)
-    if where == "dispatch":       # from _dispatch (handing a step's outputs over), outside the step's guard
+    if where == "dispatch":  # from _dispatch (handing a step's outputs over), outside the step's guard
         return KillSwitch(llm.engine, "_dispatch", error)
     raise AssertionError(where)
 
@@ -77,9 +79,11 @@ def _assert_dead(llm) -> None:
     assert not engine._thread.is_alive()
     with pytest.raises(RuntimeError, match=CAUSE):
         engine.check_health()
-    for submit in (lambda: llm.generate([5, 6, 7], SamplingParams(max_tokens=2), use_tqdm=False),
-                   lambda: llm.generate_async([5, 6, 7], SamplingParams(max_tokens=2)),
-                   lambda: engine.call(lambda core: None, timeout=None)):
+    for submit in (
+        lambda: llm.generate([5, 6, 7], SamplingParams(max_tokens=2), use_tqdm=False),
+        lambda: llm.generate_async([5, 6, 7], SamplingParams(max_tokens=2)),
+        lambda: engine.call(lambda core: None, timeout=None),
+    ):
         t0 = time.monotonic()
         with pytest.raises(RuntimeError, match=CAUSE):
             submit()
@@ -89,10 +93,10 @@ def _assert_dead(llm) -> None:
 
 @pytest.mark.parametrize("where", ["step", "dispatch"])
 def test_requests_in_flight_and_queued_get_an_error_when_the_loop_dies(llm, where):
-    first = llm.generate_async([5, 6, 7], LONG)                      # in the core when the loop dies
+    first = llm.generate_async([5, 6, 7], LONG)  # in the core when the loop dies
     switch = _inject(llm, where)
     switch.wait_entered()
-    queued = llm.generate_async([8, 9], LONG)                        # a command the dead loop never took
+    queued = llm.generate_async([8, 9], LONG)  # a command the dead loop never took
     streamed = llm.generate_async([10, 11], LONG, streaming=True)
     switch.fire()
     t0 = time.monotonic()
@@ -118,6 +122,7 @@ def test_an_awaited_request_gets_an_error_when_the_loop_dies(llm):
         with pytest.raises(RuntimeError, match=CAUSE):
             async for _ in llm.generate_async([8, 9], LONG, streaming=True):
                 pass
+
     asyncio.run(main())
     _assert_dead(llm)
 
@@ -126,10 +131,11 @@ def test_a_plain_exception_from_handling_a_command_kills_the_loop_cleanly(llm):
     """An Exception escaping _handle (here: the core refusing a request it was handed) is outside the step's guard:
     the loop dies, and the request in flight as well as the one that broke it get an error."""
     first = llm.generate_async([5, 6, 7], LONG)
-    llm.engine.call(lambda core: None, timeout=WAIT)     # a round trip: `first` is in the core now
+    llm.engine.call(lambda core: None, timeout=WAIT)  # a round trip: `first` is in the core now
 
     def refuse(request):
         raise KeyError("bad request")
+
     llm.engine.core.add_request = refuse
     breaking = llm.generate_async([8, 9], LONG)
     for future in (first, breaking):
@@ -141,7 +147,9 @@ def test_a_plain_exception_from_handling_a_command_kills_the_loop_cleanly(llm):
 
 def test_the_server_answers_503_and_5xx_after_the_loop_dies(llm):
     from fastapi.testclient import TestClient
+
     from petrel.serve.app import build_app
+
     client = TestClient(build_app(llm, health_timeout=2.0))
     assert client.get("/health").status_code == 200
     body = {"prompt": [5, 6, 7], "max_tokens": 200, "temperature": 0, "ignore_eos": True}
@@ -156,8 +164,10 @@ def test_the_server_answers_503_and_5xx_after_the_loop_dies(llm):
             answers[name] = (r.status_code, r.json())
 
     switch = _inject(llm, "step")
-    threads = [threading.Thread(target=post, args=("plain",), daemon=True),
-               threading.Thread(target=post, args=("stream",), kwargs={"stream": True}, daemon=True)]
+    threads = [
+        threading.Thread(target=post, args=("plain",), daemon=True),
+        threading.Thread(target=post, args=("stream",), kwargs={"stream": True}, daemon=True),
+    ]
     for t in threads:
         t.start()
     switch.wait_entered()

@@ -12,6 +12,7 @@ executor Responses, server events) runs on the consumer's side, and a long strea
 
 Runs on the tiny random Llama (the default tokenizer beside it).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -36,6 +37,7 @@ LONG = dict(temperature=0, ignore_eos=True)
 def tokenizer_dir(tmp_path_factory):
     from petrel.model.loader import resolve_model
     from petrel.model.tokenizer import load_tokenizer
+
     path = tmp_path_factory.mktemp("tokenizer")
     load_tokenizer(resolve_model(None)).save_pretrained(path)
     return str(path)
@@ -53,16 +55,22 @@ class ThreadLog:
 
     def __init__(self, monkeypatch, tokenizer):
         self.threads: dict[str, set[str]] = {}
-        for owner, name in [(RequestOutputProcessor, "process"), (RequestOutputBuilder, "apply"),
-                            (RequestOutputBuilder, "partial"), (RequestOutputBuilder, "result"),
-                            (tokenizer, "decode")]:
-            monkeypatch.setattr(owner, name, self._wrap(f"{getattr(owner, '__name__', 'tokenizer')}.{name}",
-                                                        getattr(owner, name)))
+        for owner, name in [
+            (RequestOutputProcessor, "process"),
+            (RequestOutputBuilder, "apply"),
+            (RequestOutputBuilder, "partial"),
+            (RequestOutputBuilder, "result"),
+            (tokenizer, "decode"),
+        ]:
+            monkeypatch.setattr(
+                owner, name, self._wrap(f"{getattr(owner, '__name__', 'tokenizer')}.{name}", getattr(owner, name))
+            )
 
     def _wrap(self, label: str, fn):
         def recorded(*args, **kwargs):
             self.threads.setdefault(label, set()).add(threading.current_thread().name)
             return fn(*args, **kwargs)
+
         return recorded
 
     def check(self, *expected: str) -> None:
@@ -75,7 +83,7 @@ class ThreadLog:
 def _stop_inside(text: str) -> tuple[str, str]:
     """A stop string from the middle of `text` and the text a request stopping at it shows."""
     for start in range(len(text) // 2, len(text) - 2):
-        stop = text[start:start + 2]
+        stop = text[start : start + 2]
         at = text.find(stop)
         if at > 0 and stop.strip() and "\ufffd" not in stop:
             return stop, text[:at]
@@ -90,24 +98,29 @@ def test_the_engine_thread_does_no_front_end_work(llm, monkeypatch):
     out = llm.generate([5, 6, 7], params, use_tqdm=False)
     assert [co.finish_reason for co in out.outputs] == ["stop", "stop"]
     assert out.outputs[0].logprobs[0][out.outputs[0].token_ids[0]].decoded_token is not None
-    for partial in llm.generate_async([5, 6, 7], params, streaming=True):
-        pass
+    partial = list(llm.generate_async([5, 6, 7], params, streaming=True))[-1]
     assert partial.finished and partial.outputs[1].text == out.outputs[1].text
 
     async def stream():
         return [p.outputs[0].text_diff async for p in llm.generate_async([5, 6, 7], params, streaming=True)]
+
     assert "".join(asyncio.run(stream())) == out.outputs[0].text
-    log.check("RequestOutputProcessor.process", "RequestOutputBuilder.apply", "RequestOutputBuilder.partial",
-              "RequestOutputBuilder.result", "tokenizer.decode")
+    log.check(
+        "RequestOutputProcessor.process",
+        "RequestOutputBuilder.apply",
+        "RequestOutputBuilder.partial",
+        "RequestOutputBuilder.result",
+        "tokenizer.decode",
+    )
 
 
-def test_the_server_and_the_executor_do_their_output_work_off_the_engine_thread(llm, tiny, tokenizer_dir,
-                                                                                 monkeypatch):
+def test_the_server_and_the_executor_do_their_output_work_off_the_engine_thread(llm, tiny, tokenizer_dir, monkeypatch):
     from fastapi.testclient import TestClient
 
     from petrel.config import EngineConfig
     from petrel.executor import Executor, Request
     from petrel.serve.app import build_app
+
     log = ThreadLog(monkeypatch, llm.tokenizer)
     client = TestClient(build_app(llm))
     body = {"prompt": [5, 6, 7], "max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 2}
@@ -117,8 +130,9 @@ def test_the_server_and_the_executor_do_their_output_work_off_the_engine_thread(
     assert client.post("/v1/completions", json=body).status_code == 200
     log.check("RequestOutputProcessor.process", "tokenizer.decode")
 
-    with Executor(EngineConfig.from_kwargs(model=tiny(2, False).path, tokenizer=tokenizer_dir,
-                                           kv_cache_memory=1 << 20)) as ex:
+    with Executor(
+        EngineConfig.from_kwargs(model=tiny(2, False).path, tokenizer=tokenizer_dir, kv_cache_memory=1 << 20)
+    ) as ex:
         rid = ex.enqueue_request(Request([5, 6, 7], 8, streaming=True))
         got = []
         while not (got and got[-1].result.is_final):
@@ -132,10 +146,11 @@ def test_a_stop_string_found_by_the_consumer_ends_the_engine_sequence(llm):
     stop, shown = _stop_inside(plain.text)
     baseline = free_blocks(llm)
     params = SamplingParams(max_tokens=60, stop=[stop], **LONG)
-    eager = llm.generate(TextGenerationRequest("stop-1", prompt=[9, 10, 11], sampling_params=params),
-                         use_tqdm=False).outputs[0]
+    eager = llm.generate(
+        TextGenerationRequest("stop-1", prompt=[9, 10, 11], sampling_params=params), use_tqdm=False
+    ).outputs[0]
     assert (eager.text, eager.finish_reason, eager.stop_reason) == (shown, "stop", stop)
-    assert eager.token_ids == plain.token_ids[:len(eager.token_ids)] and len(eager.token_ids) < 60
+    assert eager.token_ids == plain.token_ids[: len(eager.token_ids)] and len(eager.token_ids) < 60
     # the same id at once: the request stopped counting as in flight when its consumer saw the stop
     again = llm.generate(TextGenerationRequest("stop-1", prompt=[9, 10, 11], sampling_params=params), use_tqdm=False)
     assert again.outputs[0].token_ids == eager.token_ids
@@ -149,8 +164,12 @@ def test_a_stop_string_found_by_the_consumer_ends_the_engine_sequence(llm):
         time.sleep(0.01)
     assert llm.engine.num_unfinished_requests == 0
     late = lazy.result(timeout=30).outputs[0]
-    assert (late.text, late.token_ids, late.finish_reason, late.stop_reason) == \
-        (eager.text, eager.token_ids, "stop", stop)
+    assert (late.text, late.token_ids, late.finish_reason, late.stop_reason) == (
+        eager.text,
+        eager.token_ids,
+        "stop",
+        stop,
+    )
     assert free_blocks(llm) == baseline
 
 
@@ -183,7 +202,7 @@ def test_streamed_updates_are_views_not_copies(llm):
     updates = []
     for update in future:
         updates.append(update)
-        time.sleep(0.002)     # a consumer a little slower than the engine: some updates cover several steps
+        time.sleep(0.002)  # a consumer a little slower than the engine: some updates cover several steps
     final = future.result()
     co = final.outputs[0]
     assert len(co.token_ids) == n and isinstance(updates[0].outputs[0], StreamedCompletionOutput)
@@ -232,10 +251,11 @@ def test_a_finished_stream_keeps_no_chunks(llm):
     assert llm.engine.call(lambda core: len(core.requests)) == 0
     assert llm.engine._routes == {} and llm.engine.num_unfinished_requests == 0
 
-    async def server_style():   # the server's streams: the future keeps the token ids, no text or logprobs
+    async def server_style():  # the server's streams: the future keeps the token ids, no text or logprobs
         future = llm.generate_async([15, 16], params, streaming=True)
         text = "".join([c.text async for c in future.output_chunks_async(keep_history=False)])
         return future, text
+
     future, text = asyncio.run(server_style())
     result = future.result(timeout=0).outputs[0]
     assert len(result.token_ids) == 50 and text and result.text == "" and result.logprobs is None

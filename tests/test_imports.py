@@ -7,6 +7,7 @@ in a fresh interpreter, which must not have imported torch (or the web stack) af
 manager, the detokenizer and the protocol models are tested and used without a model, and `import petrel` loads
 nothing until a public name is used.
 """
+
 from __future__ import annotations
 
 import ast
@@ -22,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 # ------------------------------------------------------------------------------------------- the import graph
+
 
 def modules_of(package_dir: Path) -> dict[str, Path]:
     """Every module of the package at `package_dir`, by dotted name (a package by its own name)."""
@@ -48,13 +50,12 @@ def _imports(tree: ast.AST, module: str, is_package: bool, modules: dict) -> lis
                 found.extend((alias.name, child.lineno) for alias in child.names)
             elif isinstance(child, ast.ImportFrom):
                 base = child.module or ""
-                if child.level:   # relative: from the module's package, one level up per extra dot
+                if child.level:  # relative: from the module's package, one level up per extra dot
                     package = module.split(".") if is_package else module.split(".")[:-1]
-                    package = package[:len(package) - (child.level - 1)]
+                    package = package[: len(package) - (child.level - 1)]
                     base = ".".join(package + ([base] if base else []))
                 for alias in child.names:
-                    found.append((f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base,
-                                  child.lineno))
+                    found.append((f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base, child.lineno))
             visit(ast.iter_child_nodes(child))
 
     visit(ast.iter_child_nodes(tree))
@@ -67,8 +68,7 @@ def import_graph(package_dir: Path) -> dict[str, dict[str, int]]:
     graph = {}
     for name, path in modules.items():
         edges: dict[str, int] = {}
-        for target, line in _imports(ast.parse(path.read_text(), str(path)), name, path.name == "__init__.py",
-                                     modules):
+        for target, line in _imports(ast.parse(path.read_text(), str(path)), name, path.name == "__init__.py", modules):
             edges.setdefault(target, line)
         graph[name] = edges
     return graph
@@ -118,8 +118,9 @@ def describe(component: list[str], graph: dict[str, dict[str, int]], package_dir
     lines = []
     for module in component:
         path = modules_of(package_dir)[module].relative_to(package_dir.parent)
-        lines += [f"  {path}:{line} imports {target}" for target, line in sorted(graph[module].items())
-                  if target in component]
+        lines += [
+            f"  {path}:{line} imports {target}" for target, line in sorted(graph[module].items()) if target in component
+        ]
     return "\n".join(lines)
 
 
@@ -127,8 +128,10 @@ def test_petrel_has_no_import_cycles():
     graph = import_graph(ROOT / "petrel")
     assert len(graph) > 50 and sum(map(len, graph.values())) > 100, "the walker found too little to be right"
     cycles = import_cycles(graph)
-    assert not cycles, "import cycles (break each by moving what both sides need into a module of its own):\n" + \
-        "\n".join(describe(c, graph, ROOT / "petrel") for c in cycles)
+    assert not cycles, (
+        "import cycles (break each by moving what both sides need into a module of its own):\n"
+        + "\n".join(describe(c, graph, ROOT / "petrel") for c in cycles)
+    )
 
 
 def test_the_cycle_check_finds_cycles_through_functions_and_relative_imports(tmp_path):
@@ -156,6 +159,7 @@ def test_the_cycle_check_finds_cycles_through_functions_and_relative_imports(tmp
 
 # ------------------------------------------------------------------------------------------- light modules
 
+
 def imported_after(code: str) -> dict:
     """Run `code` in a fresh interpreter; which heavy packages and petrel modules it had imported at the end."""
     probe = code + textwrap.dedent("""
@@ -169,13 +173,25 @@ def imported_after(code: str) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("module", ["petrel", "petrel.engine.scheduler", "petrel.engine.block_manager",
-                                    "petrel.engine.detokenizer", "petrel.serve.protocol", "petrel.serve",
-                                    "petrel.route", "petrel.cli", "petrel.bench", "petrel.distributed"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "petrel",
+        "petrel.engine.scheduler",
+        "petrel.engine.block_manager",
+        "petrel.engine.detokenizer",
+        "petrel.serve.protocol",
+        "petrel.serve",
+        "petrel.route",
+        "petrel.cli",
+        "petrel.bench",
+        "petrel.distributed",
+    ],
+)
 def test_light_modules_do_not_import_torch(module):
     after = imported_after(f"import {module}\n")
     assert "torch" not in after["heavy"] and "transformers" not in after["heavy"], after
-    if module != "petrel.serve.protocol":   # pydantic only: no web framework either
+    if module != "petrel.serve.protocol":  # pydantic only: no web framework either
         assert "fastapi" not in after["heavy"], after
 
 
@@ -183,7 +199,7 @@ def test_import_petrel_loads_nothing_until_a_name_is_used():
     after = imported_after("import petrel\nassert petrel.__version__\n")
     assert after["petrel"] == ["petrel"] and after["heavy"] == []
     after = imported_after("from petrel import SamplingParams\nSamplingParams(max_tokens=4)\n")
-    assert "torch" not in after["heavy"]            # sampling parameters need no model
+    assert "torch" not in after["heavy"]  # sampling parameters need no model
     after = imported_after("from petrel import LLM\n")
     assert "torch" in after["heavy"] and "petrel.llm" in after["petrel"]
 
@@ -192,10 +208,23 @@ def test_every_public_name_of_petrel_is_the_object_its_module_defines():
     import importlib
 
     import petrel
-    assert set(petrel.__all__) == {"LLM", "RequestFuture", "SamplingParams", "EngineConfig", "RequestOutput",
-                                   "CompletionOutput", "Logprob", "OutputChunk", "FinishDetails",
-                                   "RequestPerfMetrics", "TextGenerationRequest", "GuidedDecodingParams",
-                                   "LoRARequest", "DisaggregatedParams"}
+
+    assert set(petrel.__all__) == {
+        "LLM",
+        "RequestFuture",
+        "SamplingParams",
+        "EngineConfig",
+        "RequestOutput",
+        "CompletionOutput",
+        "Logprob",
+        "OutputChunk",
+        "FinishDetails",
+        "RequestPerfMetrics",
+        "TextGenerationRequest",
+        "GuidedDecodingParams",
+        "LoRARequest",
+        "DisaggregatedParams",
+    }
     for name in petrel.__all__:
         module = importlib.import_module(petrel._EXPORTS[name])
         assert getattr(petrel, name) is getattr(module, name), name
@@ -204,7 +233,7 @@ def test_every_public_name_of_petrel_is_the_object_its_module_defines():
     exec("from petrel import *", namespace)
     assert set(petrel.__all__) <= set(namespace)
     with pytest.raises(AttributeError, match="no attribute 'NoSuchThing'"):
-        petrel.NoSuchThing   # noqa: B018
+        petrel.NoSuchThing  # noqa: B018
 
 
 def test_the_packages_lazy_names_resolve():
@@ -216,6 +245,7 @@ def test_the_packages_lazy_names_resolve():
     from petrel.bench import in_process, runners, workloads
     from petrel.route import disagg, router
     from petrel.serve import app
+
     assert petrel.serve.build_app is app.build_app
     for name in ("Backend", "Router", "build_router_app", "prefix_of"):
         assert getattr(petrel.route, name) is getattr(router, name)
@@ -224,7 +254,7 @@ def test_the_packages_lazy_names_resolve():
     assert petrel.bench.PetrelRunner is runners.PetrelRunner and petrel.bench.run_w1 is in_process.run_w1
     for package in (petrel.serve, petrel.route, petrel.bench):
         with pytest.raises(AttributeError):
-            package.no_such_name   # noqa: B018
+            package.no_such_name  # noqa: B018
 
 
 def test_the_workloads_the_peers_import_need_only_numpy():

@@ -1,4 +1,5 @@
 """Corrupt or truncated model files give a clear ValueError naming the file, never a crash."""
+
 from __future__ import annotations
 
 import json
@@ -15,7 +16,7 @@ def _load(path):
 
 
 def test_truncated_and_garbage_gguf(tmp_path):
-    data = open(default_model_path(), "rb").read(8 * 1024 * 1024)   # the header and a few tensors, cut short
+    data = open(default_model_path(), "rb").read(8 * 1024 * 1024)  # the header and a few tensors, cut short
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(data)
     garbage = tmp_path / "garbage.gguf"
@@ -26,9 +27,18 @@ def test_truncated_and_garbage_gguf(tmp_path):
 
 
 def test_corrupt_safetensors(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size": 16, "intermediate_size": 32,
-        "num_hidden_layers": 1, "num_attention_heads": 2}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "vocab_size": 32,
+                "hidden_size": 16,
+                "intermediate_size": 32,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+            }
+        )
+    )
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{broken json header}")
     with pytest.raises(ValueError, match="could not read the model at .*corrupt"):
         _load(tmp_path)

@@ -2,6 +2,7 @@
 
 Adapters target q/k/v/o/gate/up/down (mapped onto petrel's fused qkv_proj and gate_up_proj slices) with random
 non-zero lora_B, so each adapter changes the outputs."""
+
 from __future__ import annotations
 
 import copy
@@ -23,6 +24,7 @@ ATOL = 1e-4
 def tokenizer_dir(tmp_path_factory):
     from petrel.model.loader import resolve_model
     from petrel.model.tokenizer import load_tokenizer
+
     path = tmp_path_factory.mktemp("tokenizer")
     load_tokenizer(resolve_model(None)).save_pretrained(path)
     return str(path)
@@ -30,8 +32,9 @@ def tokenizer_dir(tmp_path_factory):
 
 def make_adapter(hf, path, seed: int, rank: int = 8, alpha: int = 16, **config):
     """Save a PEFT LoRA adapter of `hf` (random A and B) to path; return the merged transformers model."""
-    model = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=TARGETS,
-                                                                    lora_dropout=0.0, **config))
+    model = peft.get_peft_model(
+        copy.deepcopy(hf), peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=TARGETS, lora_dropout=0.0, **config)
+    )
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -68,26 +71,28 @@ def hf_greedy(model, ids: list[int], n: int = 8) -> list[int]:
     with torch.no_grad():
         for _ in range(n):
             tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
-    return tokens[len(ids):]
+    return tokens[len(ids) :]
 
 
 def test_logits_match_merged_peft_model(setup):
     """Prefill (context logits) and paged decode (generation logits) equal peft's merged model within 1e-4."""
     _, _, refs, lora1, lora2, _ = setup
     with _llm(setup) as llm:
-        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, return_context_logits=True,
-                                return_generation_logits=True)
+        params = SamplingParams(
+            temperature=0, max_tokens=6, ignore_eos=True, return_context_logits=True, return_generation_logits=True
+        )
         ids = prompt(0)
         for lora, key in ((lora1, 1), (lora2, 2), (None, None)):
             out = llm.generate(ids, params, use_tqdm=False, lora_request=lora)
             tokens = out.outputs[0].token_ids
             with torch.no_grad():
                 ref = refs[key](torch.tensor([ids + tokens])).logits[0].float()
-            torch.testing.assert_close(out.context_logits, ref[:len(ids)], atol=ATOL, rtol=ATOL)
-            torch.testing.assert_close(out.outputs[0].generation_logits, ref[len(ids) - 1:len(ids) + len(tokens) - 1],
-                                       atol=ATOL, rtol=ATOL)
+            torch.testing.assert_close(out.context_logits, ref[: len(ids)], atol=ATOL, rtol=ATOL)
+            torch.testing.assert_close(
+                out.outputs[0].generation_logits, ref[len(ids) - 1 : len(ids) + len(tokens) - 1], atol=ATOL, rtol=ATOL
+            )
         base = refs[None](torch.tensor([ids])).logits[0]
-        assert (refs[1](torch.tensor([ids])).logits[0] - base).abs().max() > 1e-2    # the adapters do change outputs
+        assert (refs[1](torch.tensor([ids])).logits[0] - base).abs().max() > 1e-2  # the adapters do change outputs
 
 
 def test_mixed_batch_matches_solo_and_hf(setup):
@@ -103,7 +108,7 @@ def test_mixed_batch_matches_solo_and_hf(setup):
         set_mapping = manager.mapping.set
         manager.mapping.set = lambda slots, device: seen.append(set(slots)) or set_mapping(slots, device)
         together = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
-        assert {-1, 0, 1} in seen          # one forward held adapter 1, adapter 2 and base-model tokens
+        assert {-1, 0, 1} in seen  # one forward held adapter 1, adapter 2 and base-model tokens
         mixed = llm.engine.call(lambda core: core.lora_manager.num_loads)
         solo = [llm.generate(p, GREEDY, use_tqdm=False, lora_request=lr) for p, lr in zip(prompts, loras)]
         # decode steps while another prompt prefills, in one forward: staggered async requests
@@ -157,9 +162,13 @@ def test_bad_adapters_are_clear_value_errors(setup, tmp_path):
         with pytest.raises(ValueError, match="adapter_config.json"):
             llm.generate(p, GREEDY, use_tqdm=False, lora_request=LoRARequest("x", 9, str(tmp_path / "missing")))
         config = json.loads((root / "a1" / "adapter_config.json").read_text())
-        cases = {"fan_in_fan_out": dict(fan_in_fan_out=True), "use_dora": dict(use_dora=True),
-                 "lm_head": dict(target_modules=TARGETS + ["lm_head"]), "max_lora_rank": dict(r=32),
-                 "bias": dict(bias="all")}
+        cases = {
+            "fan_in_fan_out": dict(fan_in_fan_out=True),
+            "use_dora": dict(use_dora=True),
+            "lm_head": dict(target_modules=TARGETS + ["lm_head"]),
+            "max_lora_rank": dict(r=32),
+            "bias": dict(bias="all"),
+        }
         for i, (match, change) in enumerate(cases.items()):
             bad = tmp_path / f"bad{i}"
             bad.mkdir()
@@ -168,7 +177,7 @@ def test_bad_adapters_are_clear_value_errors(setup, tmp_path):
             with pytest.raises(ValueError, match=match):
                 llm.generate(p, GREEDY, use_tqdm=False, lora_request=LoRARequest("bad", 10 + i, str(bad)))
         with pytest.raises(ValueError, match="already used"):
-            llm.generate(p, GREEDY, use_tqdm=False, lora_request=lora1)   # loads it
+            llm.generate(p, GREEDY, use_tqdm=False, lora_request=lora1)  # loads it
             llm.generate(p, GREEDY, use_tqdm=False, lora_request=LoRARequest("other", 1, str(tmp_path / "bad0")))
         with pytest.raises(ValueError, match="lora_int_id"):
             LoRARequest("x", 0, str(root / "a1"))
@@ -187,6 +196,7 @@ def test_lora_request_without_enable_lora(setup):
 
 def test_engine_options_validated():
     from petrel import EngineConfig
+
     for name in ("max_loras", "max_lora_rank"):
         with pytest.raises(ValueError, match=name):
             EngineConfig(**{name: 0})
@@ -196,15 +206,19 @@ def test_engine_options_validated():
 def test_serve_lora_modules(setup):
     """The OpenAI `model` field picks an adapter; /v1/models lists the base model and the adapters."""
     from fastapi.testclient import TestClient
+
     from petrel.serve.app import build_app
+
     t, _, _, lora1, lora2, _ = setup
     with _llm(setup) as llm:
         with pytest.raises(ValueError, match="adapter_config.json"):
             build_app(llm, "base", lora_modules={"nope": "/nonexistent/adapter"})
         app = build_app(llm, "base", lora_modules={"a1": lora1.lora_path, "a2": lora2.lora_path})
         p = prompt(70)
-        expected = {name: llm.generate(p, GREEDY, use_tqdm=False, lora_request=lr).outputs[0].text
-                    for name, lr in (("base", None), ("a1", lora1), ("a2", lora2))}
+        expected = {
+            name: llm.generate(p, GREEDY, use_tqdm=False, lora_request=lr).outputs[0].text
+            for name, lr in (("base", None), ("a1", lora1), ("a2", lora2))
+        }
         assert len(set(expected.values())) == 3
         with TestClient(app) as client:
             models = client.get("/v1/models").json()["data"]
@@ -216,20 +230,33 @@ def test_serve_lora_modules(setup):
                 assert r.status_code == 200, r.text
                 assert r.json()["model"] == name
                 assert r.json()["choices"][0]["text"] == expected[name]
-            chat = client.post("/v1/chat/completions", json={"model": "a3", "max_tokens": 4,
-                                                             "messages": [{"role": "user", "content": "x"}]})
+            chat = client.post(
+                "/v1/chat/completions",
+                json={"model": "a3", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]},
+            )
             assert chat.status_code == 404, chat.text
         # a chat template whose ids fit the tiny model's 256-token vocabulary: chat picks the adapter too
-        chat_app = build_app(llm, "base", chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}",
-                             lora_modules={"a1": lora1.lora_path})
+        chat_app = build_app(
+            llm,
+            "base",
+            chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}",
+            lora_modules={"a1": lora1.lora_path},
+        )
         ids = llm.tokenizer("a,b,x", add_special_tokens=False)["input_ids"]
         assert max(ids) < 256
         with TestClient(chat_app) as client:
             for name, lr in (("a1", lora1), ("base", None)):
                 want = llm.generate(ids, GREEDY, use_tqdm=False, lora_request=lr).outputs[0].text
-                chat = client.post("/v1/chat/completions", json={
-                    "model": name, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
-                    "messages": [{"role": "user", "content": "a,b,x"}]})
+                chat = client.post(
+                    "/v1/chat/completions",
+                    json={
+                        "model": name,
+                        "max_tokens": 8,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                        "messages": [{"role": "user", "content": "a,b,x"}],
+                    },
+                )
                 assert chat.status_code == 200, chat.text
                 assert chat.json()["model"] == name
                 assert chat.json()["choices"][0]["message"]["content"] == want
@@ -239,7 +266,9 @@ def test_serve_lora_modules(setup):
 
 def test_serve_lora_arguments():
     import argparse
+
     from petrel.serve.server import add_arguments, engine_options, lora_modules
+
     parse = add_arguments(argparse.ArgumentParser()).parse_args
     args = parse(["--enable-lora", "--max-loras", "2", "--lora-modules", "a=/x", "b=/y"])
     assert lora_modules(args) == {"a": "/x", "b": "/y"}
@@ -250,13 +279,15 @@ def test_serve_lora_arguments():
         lora_modules(parse(["--enable-lora", "--lora-modules", "a"]))
 
 
-@pytest.mark.parametrize("spec", [{"method": "ngram"}, {"method": "self", "draft_num_layers": 1}], ids=["ngram", "self"])
+@pytest.mark.parametrize(
+    "spec", [{"method": "ngram"}, {"method": "self", "draft_num_layers": 1}], ids=["ngram", "self"]
+)
 def test_speculative_decoding_with_adapters(setup, spec):
     """Drafts verified in the adapter's forward: greedy tokens unchanged (the 'self' draft runs the base model's
     first layers, which only lowers acceptance)."""
     _, _, refs, lora1, lora2, _ = setup
     with _llm(setup, speculative_config=spec) as llm:
-        prompts = [prompt(80 + i, 12) * 2 for i in range(3)]     # repeats: the n-gram proposer finds drafts
+        prompts = [prompt(80 + i, 12) * 2 for i in range(3)]  # repeats: the n-gram proposer finds drafts
         loras = [lora1, None, lora2]
         outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
         for p, lr, out in zip(prompts, loras, outs):
@@ -268,7 +299,8 @@ def test_parallel_sampling_keeps_the_adapter(setup):
     _, _, refs, lora1, _, _ = setup
     with _llm(setup) as llm:
         p = prompt(90)
-        out = llm.generate(p, SamplingParams(n=3, temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False,
-                           lora_request=lora1)
+        out = llm.generate(
+            p, SamplingParams(n=3, temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False, lora_request=lora1
+        )
         expected = hf_greedy(refs[1], p)
         assert [co.token_ids for co in out.outputs] == [expected] * 3

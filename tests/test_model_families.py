@@ -1,10 +1,12 @@
 """Model families beyond Llama, each on a tiny random-weight model checked against transformers.
 
 For every family a tiny model (vocab 256, hidden 64, 2 layers unless a variant says otherwise, 4 heads, 2 KV
-heads) is built with transformers, its weights re-drawn (norms not all ones, biases not all zeros), saved as safetensors and loaded through
-petrel's loader. Then: (a) prefill logits equal transformers', (b) step-by-step paged decode equals
-transformers, (c) chunked prefill equals one shot, (d) the whole engine's greedy tokens equal `hf.generate`.
+heads) is built with transformers, its weights re-drawn (norms not all ones, biases not all zeros), saved as
+safetensors and loaded through petrel's loader. Then: (a) prefill logits equal transformers', (b) step-by-step
+paged decode equals transformers, (c) chunked prefill equals one shot, (d) the whole engine's greedy tokens equal
+`hf.generate`.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -12,14 +14,24 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from petrel.engine.model_runner import kv_bytes_per_block  # noqa: E402
-from petrel.model.loader import _GGUF_NAMES, hf_weights, load_model, resolve_model  # noqa: E402
-
 from test_model_tiny import PagedDriver, _engine_generate, _hf_generate, assert_close  # noqa: E402
 from tiny_llama import VOCAB, Tiny, _tokens, redraw_weights  # noqa: E402
 
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+from petrel.engine.model_runner import kv_bytes_per_block  # noqa: E402
+from petrel.model.loader import _GGUF_NAMES, hf_weights, load_model, resolve_model  # noqa: E402
+
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 # family id -> (transformers config class name, model class name, config overrides)
 FAMILIES = {
@@ -31,8 +43,11 @@ FAMILIES = {
     # a window of 8 keys under sequences of up to 30 tokens in blocks of 4
     "mistral-sw": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8)),
     # layer 0 full, layer 1 windowed (max_window_layers), a window of 6 that is not a multiple of the block size
-    "qwen2-sw": ("Qwen2Config", "Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=6,
-                                                          max_window_layers=1)),
+    "qwen2-sw": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(use_sliding_window=True, sliding_window=6, max_window_layers=1),
+    ),
     # checkpoint with fused qkv_proj and gate_up_proj; Phi-3-mini-4k's config has a sliding window too
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0)),
     "phi3-sw": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0, sliding_window=8, tie_word_embeddings=True)),
@@ -40,23 +55,45 @@ FAMILIES = {
 # Gemma 3 (tests/test_gemma3.py has its own checks): 4 layers, sliding / full alternating with a window of 8,
 # head_dim 32 (wider than hidden / heads), an attention scale from query_pre_attn_scalar that is not head_dim,
 # different rotary bases on local and global layers
-GEMMA3 = dict(num_hidden_layers=4, head_dim=32, pad_token_id=0, sliding_window=8, query_pre_attn_scalar=24,
-              layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-                               "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}})
-FAMILIES.update({
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", GEMMA3),
-    # global layers with linear rope scaling (Gemma 3 4B and up), a final logit soft-cap, an untied head
-    "gemma3-scaled": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
-        **GEMMA3, "final_logit_softcapping": 5.0, "tie_word_embeddings": False,
-        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-                            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0}}}),
-    # what llama.cpp assumes of a gemma3 GGUF: every 6th layer global, the attention scale from head_dim
-    "gemma3-gguf": ("Gemma3TextConfig", "Gemma3ForCausalLM",
-                    {**GEMMA3, "num_hidden_layers": 6, "layer_types": None, "query_pre_attn_scalar": 32}),
-})
-VARIANT_IDS = [name for name in FAMILIES if name != "gemma3-gguf"]   # prefill and decode run on every variant
-FAMILY_IDS = ["qwen2", "qwen3", "mistral-sw", "phi3", "gemma3", "gemma3-scaled"]   # for the slower tests
+GEMMA3 = dict(
+    num_hidden_layers=4,
+    head_dim=32,
+    pad_token_id=0,
+    sliding_window=8,
+    query_pre_attn_scalar=24,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+    },
+)
+FAMILIES.update(
+    {
+        "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", GEMMA3),
+        # global layers with linear rope scaling (Gemma 3 4B and up), a final logit soft-cap, an untied head
+        "gemma3-scaled": (
+            "Gemma3TextConfig",
+            "Gemma3ForCausalLM",
+            {
+                **GEMMA3,
+                "final_logit_softcapping": 5.0,
+                "tie_word_embeddings": False,
+                "rope_parameters": {
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                    "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+                },
+            },
+        ),
+        # what llama.cpp assumes of a gemma3 GGUF: every 6th layer global, the attention scale from head_dim
+        "gemma3-gguf": (
+            "Gemma3TextConfig",
+            "Gemma3ForCausalLM",
+            {**GEMMA3, "num_hidden_layers": 6, "layer_types": None, "query_pre_attn_scalar": 32},
+        ),
+    }
+)
+VARIANT_IDS = [name for name in FAMILIES if name != "gemma3-gguf"]  # prefill and decode run on every variant
+FAMILY_IDS = ["qwen2", "qwen3", "mistral-sw", "phi3", "gemma3", "gemma3-scaled"]  # for the slower tests
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +104,7 @@ def family(tmp_path_factory):
         if (name, seed) not in cache:
             config_cls, model_cls, overrides = FAMILIES[name]
             config = getattr(transformers, config_cls)(**{**COMMON, **overrides})
-            config._attn_implementation = "eager"   # a reference independent of petrel's SDPA calls
+            config._attn_implementation = "eager"  # a reference independent of petrel's SDPA calls
             torch.manual_seed(seed)
             hf = getattr(transformers, model_cls)(config)
             redraw_weights(hf, seed)
@@ -91,7 +128,7 @@ def test_qwen2_loads_qkv_bias(family):
         hf_attn = t.hf.model.layers[1].self_attn
         expected = torch.cat([hf_attn.q_proj.bias, hf_attn.k_proj.bias, hf_attn.v_proj.bias])
         torch.testing.assert_close(attn.qkv_proj.bias, expected, atol=0, rtol=0)
-        assert expected.abs().min() > 0    # re-drawn, so a lost bias would show in the logits
+        assert expected.abs().min() > 0  # re-drawn, so a lost bias would show in the logits
 
 
 def test_qwen3_loads_qk_norm(family):
@@ -103,8 +140,8 @@ def test_qwen3_loads_qk_norm(family):
         for mine, theirs in ((attn.q_norm, hf_attn.q_norm), (attn.k_norm, hf_attn.k_norm)):
             assert mine.weight.shape == (32,)
             torch.testing.assert_close(mine.weight, theirs.weight, atol=0, rtol=0)
-            assert not torch.allclose(mine.weight, torch.ones(32), atol=0.05)   # re-drawn: a skipped norm shows
-    biased = family("qwen3-bias")      # Qwen3's attention_bias puts a bias on o_proj too
+            assert not torch.allclose(mine.weight, torch.ones(32), atol=0.05)  # re-drawn: a skipped norm shows
+    biased = family("qwen3-bias")  # Qwen3's attention_bias puts a bias on o_proj too
     assert biased.cfg.attention_bias and biased.model.model.layers[0].self_attn.o_proj.bias is not None
 
 
@@ -128,7 +165,7 @@ def test_partial_rotary_is_refused(tmp_path):
 def test_sliding_window_config(family):
     assert family("mistral-sw").cfg.sliding_windows == [8, 8]
     assert family("qwen2-sw").cfg.sliding_windows == [None, 6]
-    assert family("qwen2").cfg.sliding_windows == []      # Qwen2.5 checkpoints: use_sliding_window false
+    assert family("qwen2").cfg.sliding_windows == []  # Qwen2.5 checkpoints: use_sliding_window false
     assert family("phi3-sw").cfg.sliding_windows == [8, 8]
     mistral = family("mistral-sw").model.model.layers
     assert [layer.self_attn.sliding_window for layer in mistral] == [8, 8]
@@ -151,7 +188,7 @@ def test_sliding_window_matters(family, name):
         for a, w in zip(layers, windows):
             a.sliding_window = w
     window = max(w for w in windows if w)
-    assert_close(unwindowed[:window], ref[:window], "within the window")   # no difference before it fills
+    assert_close(unwindowed[:window], ref[:window], "within the window")  # no difference before it fills
     assert (unwindowed[window:] - ref[window:]).abs().max() > 0.1
     drv = PagedDriver(t)
     assert_close(drv.run_chunks(drv.new_seq(tokens), [12, 9] + [1] * 9), ref, "windowed")
@@ -159,11 +196,12 @@ def test_sliding_window_matters(family, name):
 
 # ---------------------------------------------------------------- (a) prefill
 
+
 @pytest.mark.parametrize("name", VARIANT_IDS)
 def test_prefill_matches_transformers(family, name):
     t = family(name)
     drv = PagedDriver(t, block_size=4)
-    prompts = [_tokens(23, 1), _tokens(9, 2), _tokens(1, 3)]   # mid-block ends, and a one-token prompt
+    prompts = [_tokens(23, 1), _tokens(9, 2), _tokens(1, 3)]  # mid-block ends, and a one-token prompt
     seqs = [drv.new_seq(p) for p in prompts]
     outs = drv.step([(s, s.num_tokens) for s in seqs])
     for p, out in zip(prompts, outs):
@@ -171,6 +209,7 @@ def test_prefill_matches_transformers(family, name):
 
 
 # ---------------------------------------------------------------- (b) decode through the paged cache
+
 
 @pytest.mark.parametrize("name", VARIANT_IDS)
 def test_step_by_step_decode_matches_transformers(family, name):
@@ -181,7 +220,7 @@ def test_step_by_step_decode_matches_transformers(family, name):
     a, b = drv.new_seq(tokens), drv.new_seq(other)
     got_a, got_b = drv.step([(a, 6), (b, 5)])
     got_a, got_b = [got_a], [got_b]
-    for i in range(24):               # a decodes to the end; b decodes next to it while it lasts
+    for _ in range(24):  # a decodes to the end; b decodes next to it while it lasts
         work = [(a, 1)] + ([(b, 1)] if b.num_computed_tokens < b.num_tokens else [])
         outs = drv.step(work)
         got_a.append(outs[0])
@@ -192,6 +231,7 @@ def test_step_by_step_decode_matches_transformers(family, name):
 
 
 # ---------------------------------------------------------------- (c) chunked prefill
+
 
 @pytest.mark.parametrize("name", FAMILY_IDS)
 def test_chunked_prefill_matches_one_shot(family, name):
@@ -208,6 +248,7 @@ def test_chunked_prefill_matches_one_shot(family, name):
 
 # ---------------------------------------------------------------- (d) the whole engine, greedy
 
+
 @pytest.mark.parametrize("name", FAMILY_IDS)
 def test_engine_greedy_matches_transformers_generate(family, name):
     t = family(name)
@@ -215,7 +256,7 @@ def test_engine_greedy_matches_transformers_generate(family, name):
     prompts = [_tokens(21, 61), shared + _tokens(5, 62), shared]
     blocks = 64 * kv_bytes_per_block(t.cfg, 4, torch.float32)
     results, core = _engine_generate(t, prompts, 16, block_size=4, max_num_batched_tokens=16, kv_cache_memory=blocks)
-    assert core.scheduler.prefix_hit_tokens == 8    # the third prompt reused the second one's two blocks
+    assert core.scheduler.prefix_hit_tokens == 8  # the third prompt reused the second one's two blocks
     for i, p in enumerate(prompts):
         expected = _hf_generate(t, p, 16)
         assert results[f"req{i}"] == expected, f"{name} prompt {i}: petrel {results[f'req{i}']} != {expected}"
@@ -223,8 +264,17 @@ def test_engine_greedy_matches_transformers_generate(family, name):
 
 # ---------------------------------------------------------------- GGUF files of the Qwen families
 
-def _write_gguf(t: Tiny, arch: str, path: str, names: dict = _GGUF_NAMES, tokenizer_model: str = "gpt2",
-                rope_theta: float | None = None, sliding_window: int | None = None, convert=None) -> None:
+
+def _write_gguf(
+    t: Tiny,
+    arch: str,
+    path: str,
+    names: dict = _GGUF_NAMES,
+    tokenizer_model: str = "gpt2",
+    rope_theta: float | None = None,
+    sliding_window: int | None = None,
+    convert=None,
+) -> None:
     """The tiny model as llama.cpp lays it out (float32 tensors, llama.cpp names; no q/k permutation for qwen).
     names: llama.cpp name -> Hugging Face name; convert(hf_name, array) -> the array as the file stores it."""
     gguf = pytest.importorskip("gguf")
@@ -270,8 +320,11 @@ def test_gguf_qwen_matches_transformers(family, tmp_path, name, arch):
     _write_gguf(t, arch, path)
     model, cfg = load_model(resolve_model(path), torch.float32, "cpu")
     assert cfg.architecture == t.cfg.architecture and cfg.head_dim == t.cfg.head_dim
-    assert (cfg.qkv_bias, cfg.qk_norm, cfg.tie_word_embeddings) == (t.cfg.qkv_bias, t.cfg.qk_norm,
-                                                                    t.cfg.tie_word_embeddings)
+    assert (cfg.qkv_bias, cfg.qk_norm, cfg.tie_word_embeddings) == (
+        t.cfg.qkv_bias,
+        t.cfg.qk_norm,
+        t.cfg.tie_word_embeddings,
+    )
     g = Tiny(t.hf, model, cfg, path)
     tokens = _tokens(19, 70)
     drv = PagedDriver(g)

@@ -5,6 +5,7 @@ petrel's own loader. Petrel's model is then driven through the paged KV cache ex
 (ModelRunner.prepare builds the flat batch and the attention metadata) and every logit row is compared to
 transformers' full-sequence forward pass, which is the ground truth for every position (causal model).
 """
+
 from __future__ import annotations
 
 import copy
@@ -15,6 +16,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from tiny_llama import ATOL, LLAMA3_ROPE, RTOL, VARIANT_IDS, VARIANTS, VOCAB, Tiny, _tokens  # noqa: E402
+
 from petrel.config import EngineConfig  # noqa: E402
 from petrel.engine.engine_core import EngineCore  # noqa: E402
 from petrel.engine.model_runner import ModelRunner, kv_bytes_per_block  # noqa: E402
@@ -22,8 +25,6 @@ from petrel.engine.scheduler import ScheduledBatch  # noqa: E402
 from petrel.engine.sequence import EngineRequest, Sequence  # noqa: E402
 from petrel.model import dense_kernels  # noqa: E402
 from petrel.sampling_params import SamplingParams  # noqa: E402
-
-from tiny_llama import ATOL, LLAMA3_ROPE, RTOL, VARIANT_IDS, VARIANTS, VOCAB, Tiny, _tokens  # noqa: E402
 
 
 class PagedDriver:
@@ -52,10 +53,10 @@ class PagedDriver:
             needed = -(-(seq.num_computed_tokens + n) // bs) - len(seq.block_table)
             for _ in range(max(needed, 0)):
                 seq.block_table.append(self.free.pop())
-        order = sorted(range(len(work)), key=lambda i: work[i][1] != 1)   # decodes first, as the scheduler does
+        order = sorted(range(len(work)), key=lambda i: work[i][1] != 1)  # decodes first, as the scheduler does
         batch = ScheduledBatch(seqs=[work[i][0] for i in order], num_new_tokens=[work[i][1] for i in order])
         with torch.inference_mode():
-            input_ids, positions, meta = self.runner.prepare(batch)
+            input_ids, positions, meta = self.runner.build_inputs(self.runner.spans(batch))
             hidden = self.runner.model(input_ids, positions, self.runner.kv_caches, meta)
             logits = self.runner.model.compute_logits(hidden)
         assert logits.shape == (batch.num_tokens, VOCAB)
@@ -63,7 +64,7 @@ class PagedDriver:
         row = 0
         for i in order:
             seq, n = work[i]
-            out[i] = logits[row:row + n]
+            out[i] = logits[row : row + n]
             row += n
             seq.num_computed_tokens += n
         return out
@@ -89,6 +90,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str = ""):
 
 # ---------------------------------------------------------------- 1. prefill
 
+
 @pytest.mark.parametrize("kv_heads,tied", VARIANTS, ids=VARIANT_IDS)
 def test_loader_config_and_weights(tiny, kv_heads, tied):
     t = tiny(kv_heads, tied)
@@ -101,8 +103,12 @@ def test_loader_config_and_weights(tiny, kv_heads, tied):
     for i in range(2):
         a = f"model.layers.{i}.self_attn."
         qkv = t.model.state_dict()[a + "qkv_proj.weight"]
-        torch.testing.assert_close(qkv, torch.cat([hf_sd[a + "q_proj.weight"], hf_sd[a + "k_proj.weight"],
-                                                   hf_sd[a + "v_proj.weight"]]), atol=0, rtol=0)
+        torch.testing.assert_close(
+            qkv,
+            torch.cat([hf_sd[a + "q_proj.weight"], hf_sd[a + "k_proj.weight"], hf_sd[a + "v_proj.weight"]]),
+            atol=0,
+            rtol=0,
+        )
     torch.testing.assert_close(t.model.lm_head.weight, t.hf.lm_head.weight, atol=0, rtol=0)
 
 
@@ -110,7 +116,7 @@ def test_loader_config_and_weights(tiny, kv_heads, tied):
 def test_prefill_matches_transformers(tiny, kv_heads, tied):
     t = tiny(kv_heads, tied)
     drv = PagedDriver(t, block_size=4)
-    a, b, c = _tokens(23, 1), _tokens(9, 2), _tokens(16, 3)   # 23 and 9 end mid-block, 16 fills 4 blocks
+    a, b, c = _tokens(23, 1), _tokens(9, 2), _tokens(16, 3)  # 23 and 9 end mid-block, 16 fills 4 blocks
     alone = drv.run_chunks(drv.new_seq(a), [len(a)])
     assert_close(alone, t.hf_logits(a), "single prefill")
     # several prompts prefilled in one flat batch
@@ -141,11 +147,12 @@ def test_explicit_head_dim(tiny):
 
 # ---------------------------------------------------------------- 2. decode through the paged cache
 
+
 @pytest.mark.parametrize("kv_heads,tied", VARIANTS, ids=VARIANT_IDS)
 def test_step_by_step_decode_matches_transformers(tiny, kv_heads, tied, kernels):
     t = tiny(kv_heads, tied)
     drv = PagedDriver(t, block_size=4)
-    tokens = _tokens(26, 10)            # 7 prompt tokens, then 19 one-token steps: 7 blocks of 4
+    tokens = _tokens(26, 10)  # 7 prompt tokens, then 19 one-token steps: 7 blocks of 4
     seq = drv.new_seq(tokens)
     logits = drv.run_chunks(seq, [7] + [1] * 19)
     assert len(seq.block_table) == 7
@@ -156,11 +163,17 @@ def quantized_copy(t: Tiny, fmt: str) -> SimpleNamespace:
     """The tiny model with every layer's projections quantized: int8 per row, or GGUF Q4_1 blocks (gguf's own
     quantizer) kept as 4-bit codes."""
     import gguf
+
     from petrel.model.quantization import QuantizedLinear, QuantizedWeight
+
     model = copy.deepcopy(t.model)
     for layer in model.model.layers:
-        for owner, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"), (layer.mlp, "gate_up_proj"),
-                            (layer.mlp, "down_proj")):
+        for owner, name in (
+            (layer.self_attn, "qkv_proj"),
+            (layer.self_attn, "o_proj"),
+            (layer.mlp, "gate_up_proj"),
+            (layer.mlp, "down_proj"),
+        ):
             weight = getattr(owner, name).weight.detach()
             if fmt == "int8":
                 qweight = QuantizedWeight.int8_per_channel(weight)
@@ -180,6 +193,7 @@ def test_decode_layer_in_one_call_equals_separate_calls(tiny, kv_heads, weights,
     if dense_kernels.library() is None:
         pytest.skip("petrel's float32 kernels cannot run here (no AVX2/FMA or no C compiler)")
     from petrel.model.llama import LlamaDecoderLayer, LlamaForCausalLM
+
     t = tiny(kv_heads, False) if weights == "float32" else quantized_copy(tiny(kv_heads, False), weights)
     prompts = [_tokens(9, 70), _tokens(14, 71), _tokens(5, 72)]
 
@@ -188,7 +202,7 @@ def test_decode_layer_in_one_call_equals_separate_calls(tiny, kv_heads, weights,
         seqs = [drv.new_seq(p) for p in prompts]
         drv.step([(s, len(s.token_ids)) for s in seqs])
         rows = []
-        for i in range(6):                      # decode-only steps, three sequences each
+        for i in range(6):  # decode-only steps, three sequences each
             for s in seqs:
                 s.token_ids.append(100 + i)
             rows += drv.step([(s, 1) for s in seqs])
@@ -201,6 +215,7 @@ def test_decode_layer_in_one_call_equals_separate_calls(tiny, kv_heads, weights,
             out = original(self, *args)
             taken.append(out is not None)
             return out
+
         return counting
 
     stack_taken, layer_taken = [], []
@@ -225,13 +240,20 @@ def test_decode_matches_transformers_kv_cache_generation(tiny, kernels):
     prompt = _tokens(6, 11)
     steps = 14
     with torch.no_grad():
-        ref = t.hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=steps, min_new_tokens=steps,
-                            output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-    ref_tokens = ref.sequences[0, len(prompt):].tolist()
-    ref_logits = torch.cat(ref.logits).float()     # [steps, vocab], one row per generated token
+        ref = t.hf.generate(
+            torch.tensor([prompt]),
+            do_sample=False,
+            max_new_tokens=steps,
+            min_new_tokens=steps,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    ref_tokens = ref.sequences[0, len(prompt) :].tolist()
+    ref_logits = torch.cat(ref.logits).float()  # [steps, vocab], one row per generated token
     seq = drv.new_seq(prompt)
 
-    def greedy(row: torch.Tensor) -> int:   # min_new_tokens: transformers never picks eos here
+    def greedy(row: torch.Tensor) -> int:  # min_new_tokens: transformers never picks eos here
         row = row[-1].clone()
         row[2] = float("-inf")
         return int(row.argmax())
@@ -241,7 +263,7 @@ def test_decode_matches_transformers_kv_cache_generation(tiny, kernels):
         seq.token_ids.append(greedy(got_logits[-1]))
         got_logits.append(drv.step([(seq, 1)])[0])
     seq.token_ids.append(greedy(got_logits[-1]))
-    assert seq.token_ids[len(prompt):] == ref_tokens
+    assert seq.token_ids[len(prompt) :] == ref_tokens
     # output_logits are the raw logits, before transformers' logits processors
     assert_close(torch.cat(got_logits), ref_logits, "decode vs transformers generate")
 
@@ -259,13 +281,13 @@ def test_mixed_batch_matches_each_sequence_alone(tiny, kv_heads, kernels):
         for (s, _), out in zip(work, drv.step(work)):
             got[id(s)].append(out)
 
-    step([(a, 10)])                       # A prefills alone
-    step([(a, 1), (b, 13)])               # A decodes while B prefills
-    step([(a, 1), (b, 1), (c, 5)])        # two decodes of different table widths + C's first chunk
-    step([(c, 4), (b, 1), (a, 1)])        # C's second chunk listed first: the batch puts decodes first
-    for _ in range(4):                    # three decodes of three different lengths
+    step([(a, 10)])  # A prefills alone
+    step([(a, 1), (b, 13)])  # A decodes while B prefills
+    step([(a, 1), (b, 1), (c, 5)])  # two decodes of different table widths + C's first chunk
+    step([(c, 4), (b, 1), (a, 1)])  # C's second chunk listed first: the batch puts decodes first
+    for _ in range(4):  # three decodes of three different lengths
         step([(a, 1), (b, 1), (c, 1)])
-    step([(b, 1), (a, 1)])                # C finished; A and B go on
+    step([(b, 1), (a, 1)])  # C finished; A and B go on
     for _ in range(12):
         step([(a, 1)])
     for s, tokens in ((a, a_tokens), (b, b_tokens), (c, c_tokens)):
@@ -280,8 +302,12 @@ def test_mixed_batch_matches_each_sequence_alone(tiny, kv_heads, kernels):
 
 # ---------------------------------------------------------------- 3. chunked prefill
 
-@pytest.mark.parametrize("chunks", [[8, 12, 9], [5, 7, 17], [6, 1, 22], [14, 15]],
-                         ids=["aligned", "unaligned", "one-token-chunk", "two-chunks"])
+
+@pytest.mark.parametrize(
+    "chunks",
+    [[8, 12, 9], [5, 7, 17], [6, 1, 22], [14, 15]],
+    ids=["aligned", "unaligned", "one-token-chunk", "two-chunks"],
+)
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
 def test_chunked_prefill_matches_one_shot(tiny, kv_heads, chunks):
     t = tiny(kv_heads, False)
@@ -311,15 +337,16 @@ def test_chunked_prefill_next_to_other_work(tiny):
 
 # ---------------------------------------------------------------- 4. Llama 3 rope scaling
 
+
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
 def test_llama3_rope_scaling_matches_transformers(tiny, kv_heads):
     t = tiny(kv_heads, False, LLAMA3_ROPE)
     assert t.cfg.rope_scaling is not None and t.cfg.rope_scaling["rope_type"] == "llama3"
     assert t.cfg.rope_scaling["factor"] == 8.0 and t.cfg.rope_scaling["original_max_position_embeddings"] == 64
-    tokens = _tokens(150, 50)          # well past the original 64 positions
+    tokens = _tokens(150, 50)  # well past the original 64 positions
     drv = PagedDriver(t, block_size=4)
     seq = drv.new_seq(tokens)
-    logits = drv.run_chunks(seq, [100, 37] + [1] * 13)    # prefill, a chunk, decodes at positions 137..149
+    logits = drv.run_chunks(seq, [100, 37] + [1] * 13)  # prefill, a chunk, decodes at positions 137..149
     ref = t.hf_logits(tokens)
     assert_close(logits, ref, "llama3 rope")
     # the scaling matters: the same weights without it give different logits
@@ -331,11 +358,18 @@ def test_llama3_rope_scaling_matches_transformers(tiny, kv_heads):
 
 # ---------------------------------------------------------------- 5. the whole engine, greedy
 
+
 def _engine_generate(t: Tiny, prompts: list[list[int]], max_tokens: int, **engine_kwargs) -> tuple[dict, EngineCore]:
     core = EngineCore(EngineConfig(dtype="float32", device="cpu", **engine_kwargs), t.model, t.cfg)
     for i, p in enumerate(prompts):
-        core.add_request(EngineRequest(f"req{i}", list(p), SamplingParams(temperature=0.0, max_tokens=max_tokens),
-                                       eos_token_ids=tuple(t.cfg.eos_token_ids)))
+        core.add_request(
+            EngineRequest(
+                f"req{i}",
+                list(p),
+                SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                eos_token_ids=tuple(t.cfg.eos_token_ids),
+            )
+        )
     results = {f"req{i}": [] for i in range(len(prompts))}
     finish = {}
     for _ in range(1000):
@@ -353,13 +387,19 @@ def _engine_generate(t: Tiny, prompts: list[list[int]], max_tokens: int, **engin
 
 def _hf_generate(t: Tiny, prompt: list[int], max_tokens: int) -> list[int]:
     with torch.no_grad():
-        out = t.hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_tokens,
-                            eos_token_id=t.cfg.eos_token_ids, pad_token_id=0,
-                            output_logits=True, return_dict_in_generate=True)
+        out = t.hf.generate(
+            torch.tensor([prompt]),
+            do_sample=False,
+            max_new_tokens=max_tokens,
+            eos_token_id=t.cfg.eos_token_ids,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
     # precondition: no near-ties, so float rounding cannot flip a greedy choice
     top2 = torch.cat(out.logits).topk(2, dim=-1).values
     assert float((top2[:, 0] - top2[:, 1]).min()) > 10 * ATOL, "reference has a near-tie: pick another seed"
-    return out.sequences[0, len(prompt):].tolist()
+    return out.sequences[0, len(prompt) :].tolist()
 
 
 _hf_greedy_cache: dict = {}
@@ -378,11 +418,15 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
 
 
-@pytest.mark.parametrize("engine_kwargs,expect_preemption", [
-    (dict(block_size=4, max_num_batched_tokens=16), False),   # chunked prefill mixed with decodes
-    (dict(block_size=4, max_num_batched_tokens=2048), False), # all prompts in one step
-    (dict(block_size=4, max_num_batched_tokens=16, max_num_seqs=3), True),  # tight memory: recomputation
-], ids=["chunked", "one-shot", "preempting"])
+@pytest.mark.parametrize(
+    "engine_kwargs,expect_preemption",
+    [
+        (dict(block_size=4, max_num_batched_tokens=16), False),  # chunked prefill mixed with decodes
+        (dict(block_size=4, max_num_batched_tokens=2048), False),  # all prompts in one step
+        (dict(block_size=4, max_num_batched_tokens=16, max_num_seqs=3), True),  # tight memory: recomputation
+    ],
+    ids=["chunked", "one-shot", "preempting"],
+)
 def test_engine_greedy_matches_transformers_generate(tiny, engine_kwargs, expect_preemption):
     t = tiny(2, False)
     shared = _tokens(9, 60)
@@ -396,8 +440,8 @@ def test_engine_greedy_matches_transformers_generate(tiny, engine_kwargs, expect
     blocks = 12 if expect_preemption else 64
     results, core = _engine_generate(t, prompts, max_tokens, kv_cache_memory=blocks * per_block, **engine_kwargs)
     assert core.block_manager.num_blocks == blocks
-    if engine_kwargs["max_num_batched_tokens"] == 16:   # the third prompt reused the second one's blocks
-        hits = core.scheduler.prefix_hit_tokens           # (recomputation after preemption may reuse more)
+    if engine_kwargs["max_num_batched_tokens"] == 16:  # the third prompt reused the second one's blocks
+        hits = core.scheduler.prefix_hit_tokens  # (recomputation after preemption may reuse more)
         assert hits >= 8 if expect_preemption else hits == 8
     if expect_preemption:
         assert core.scheduler.num_preemptions > 0

@@ -6,6 +6,7 @@ the declared number of arguments and checks the status of the kernels that retur
 by `pip install` is used when built from the current sources (then nothing is compiled), else the first-use build;
 a kernel whose scratch allocation fails reports it; with no compiler petrel runs with torch, the same tokens, after
 one WARNING naming what is lost, and PETREL_REQUIRE_KERNELS=1 (CI) makes that an error at startup."""
+
 from __future__ import annotations
 
 import ast
@@ -27,8 +28,9 @@ from petrel import SamplingParams
 from petrel.model import dense_kernels, kernel_build, native, quant_kernels
 
 MODEL_DIR = kernel_build.DIRECTORY
-needs_kernels = pytest.mark.skipif(dense_kernels.library() is None,
-                                   reason="petrel's kernels cannot run here (no AVX2/FMA or no C compiler)")
+needs_kernels = pytest.mark.skipif(
+    dense_kernels.library() is None, reason="petrel's kernels cannot run here (no AVX2/FMA or no C compiler)"
+)
 
 
 def _read(name: str) -> str:
@@ -44,11 +46,14 @@ def test_every_exported_c_function_is_declared_in_a_header():
     defined = set()
     for name in kernel_build.SOURCES:
         if name.endswith(".c"):
-            defined |= set(re.findall(r"^(?!static\b)(?:const\s+)?\w+\s+\**(\w+)\s*\([^;{]*\)\s*\{",
-                                      _read(name), flags=re.M | re.S))
+            defined |= set(
+                re.findall(
+                    r"^(?!static\b)(?:const\s+)?\w+\s+\**(\w+)\s*\([^;{]*\)\s*\{", _read(name), flags=re.M | re.S
+                )
+            )
     assert {"decode_layers", "quant_gemv", "f32_gemm", "parallel_run", "kernels_source_digest"} <= defined
     assert defined - declared - helpers == set()
-    assert declared - defined == set()          # nor a declaration without its definition
+    assert declared - defined == set()  # nor a declaration without its definition
 
 
 def test_header_declarations_parse_to_ctypes_types():
@@ -61,8 +66,11 @@ def test_header_declarations_parse_to_ctypes_types():
         const char *g(void);
         int64_t h(int32_t a);""")
     P = ctypes.c_void_p
-    assert parsed == {"f": ([P, ctypes.c_int64, ctypes.c_float, P, ctypes.c_int], ctypes.c_int),
-                      "g": ([], ctypes.c_char_p), "h": ([ctypes.c_int32], ctypes.c_int64)}
+    assert parsed == {
+        "f": ([P, ctypes.c_int64, ctypes.c_float, P, ctypes.c_int], ctypes.c_int),
+        "g": ([], ctypes.c_char_p),
+        "h": ([ctypes.c_int32], ctypes.c_int64),
+    }
 
 
 def _kernel_calls():
@@ -71,9 +79,11 @@ def _kernel_calls():
         tree = ast.parse(open(module.__file__).read())
         parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
         for node in ast.walk(tree):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and (getattr(node.func.value, "id", None) == "lib"
-                         or getattr(node.func.value, "attr", None) == "lib")):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and (getattr(node.func.value, "id", None) == "lib" or getattr(node.func.value, "attr", None) == "lib")
+            ):
                 yield os.path.basename(module.__file__), node.func.attr, node, parents[node]
 
 
@@ -86,19 +96,22 @@ def test_python_call_sites_match_the_header():
         where = f"{module}:{call.lineno} {name}"
         assert name in declared, f"{where}: not declared in kernels.h"
         assert not call.keywords and not any(isinstance(a, ast.Starred) for a in call.args), where
-        assert len(call.args) == len(declared[name][0]), f"{where}: {len(call.args)} arguments, " \
-                                                         f"kernels.h declares {len(declared[name][0])}"
+        assert len(call.args) == len(declared[name][0]), (
+            f"{where}: {len(call.args)} arguments, kernels.h declares {len(declared[name][0])}"
+        )
         if declared[name][1] is ctypes.c_int:
             assert isinstance(parent, ast.If) and parent.test is call, f"{where}: its status is not checked"
             assert isinstance(parent.body[0], ast.Raise), where
         called.add(name)
-    assert called == set(declared) - {"f32_tile_product", "kernels_source_digest"}   # those two: C / native only
+    assert called == set(declared) - {"f32_tile_product", "kernels_source_digest"}  # those two: C / native only
 
 
 def test_weight_struct_matches_the_header():
     body = re.search(r"typedef\s+struct\s*\{(.*?)\}\s*weight\s*;", _read("kernels.h"), flags=re.S).group(1)
-    fields = [(m.group(3), ctypes.c_void_p if m.group(2) else {"int32_t": ctypes.c_int32}[m.group(1)])
-              for m in re.finditer(r"^\s*(?:const\s+)?(\w+)\s*(\*?)\s*(\w+);", body, flags=re.M)]
+    fields = [
+        (m.group(3), ctypes.c_void_p if m.group(2) else {"int32_t": ctypes.c_int32}[m.group(1)])
+        for m in re.finditer(r"^\s*(?:const\s+)?(\w+)\s*(\*?)\s*(\w+);", body, flags=re.M)
+    ]
     assert fields == dense_kernels.Weight._fields_
     assert ctypes.sizeof(dense_kernels.Weight) == 32
 
@@ -106,7 +119,7 @@ def test_weight_struct_matches_the_header():
 @needs_kernels
 def test_loaded_functions_carry_the_declared_types():
     lib = dense_kernels.library()
-    assert lib is quant_kernels.library()          # one library for both
+    assert lib is quant_kernels.library()  # one library for both
     for name, (argtypes, restype) in native.declarations().items():
         assert getattr(lib, name).argtypes == argtypes and getattr(lib, name).restype == restype, name
     assert lib.kernels_source_digest().decode() == kernel_build.source_digest()
@@ -116,12 +129,70 @@ def test_loaded_functions_carry_the_declared_types():
 def test_failed_scratch_allocation_is_reported():
     """Sizes past any address space: the kernels' malloc fails before anything is read, and they say so."""
     lib, huge = dense_kernels.library(), 1 << 44
-    oom = 1                                        # KERNEL_OUT_OF_MEMORY
+    oom = 1  # KERNEL_OUT_OF_MEMORY
     assert lib.quant_gemv(4, None, huge, 64, None, None, None, 5, None, 16, 1) == oom
-    assert lib.decode_layer(None, None, huge, 64, None, None, 1e-6, None, None, None, None, 128, 4, 4, 16,
-                            None, None, None, None, None, None, 1, None, 16, 0, 1.0, 1) == oom
-    assert lib.decode_layers(2, None, None, huge, 64, None, None, 1e-6, None, 128, 4, 4, 16, None, None, None,
-                             None, None, None, 1, None, 16, None, 1.0, 1) == oom
+    assert (
+        lib.decode_layer(
+            None,
+            None,
+            huge,
+            64,
+            None,
+            None,
+            1e-6,
+            None,
+            None,
+            None,
+            None,
+            128,
+            4,
+            4,
+            16,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            1,
+            None,
+            16,
+            0,
+            1.0,
+            1,
+        )
+        == oom
+    )
+    assert (
+        lib.decode_layers(
+            2,
+            None,
+            None,
+            huge,
+            64,
+            None,
+            None,
+            1e-6,
+            None,
+            128,
+            4,
+            4,
+            16,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            1,
+            None,
+            16,
+            None,
+            1.0,
+            1,
+        )
+        == oom
+    )
     # ... and the wrappers raise instead of returning an unwritten output
     failing = SimpleNamespace(quant_gemv=lambda *args: oom, quant_gemm=lambda *args: oom)
     x, codes, scale = torch.randn(2, 64), torch.zeros(16, 2, 16, dtype=torch.uint8), torch.ones(16, 2)
@@ -132,13 +203,13 @@ def test_failed_scratch_allocation_is_reported():
 
 def test_require_switch_turns_missing_kernels_into_an_error(monkeypatch, caplog):
     monkeypatch.setattr(native, "find_library", lambda: (None, "no C compiler (for this test)"))
-    monkeypatch.setattr(native, "_library", functools.cache(native._library.__wrapped__))   # a fresh cache
+    monkeypatch.setattr(native, "_library", functools.cache(native._library.__wrapped__))  # a fresh cache
     monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.delenv("PETREL_DENSE_KERNELS", raising=False)
     monkeypatch.setenv("PETREL_REQUIRE_KERNELS", "1")
     with pytest.raises(native.KernelsUnavailable, match="PETREL_REQUIRE_KERNELS=1.*no C compiler"):
         dense_kernels.library()
-    monkeypatch.setenv("PETREL_DENSE_KERNELS", "0")       # turned off on purpose: no error
+    monkeypatch.setenv("PETREL_DENSE_KERNELS", "0")  # turned off on purpose: no error
     assert dense_kernels.library() is None
     monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setattr(native, "_library", functools.cache(native._library.__wrapped__))
@@ -147,13 +218,13 @@ def test_require_switch_turns_missing_kernels_into_an_error(monkeypatch, caplog)
     with caplog.at_level(logging.WARNING, logger="petrel"):
         assert dense_kernels.library() is None and quant_kernels.library() is None
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1            # one for the process, whichever kernels ask
+    assert len(warnings) == 1  # one for the process, whichever kernels ask
     assert "no C compiler" in warnings[0].getMessage() and "W1 roughly halves" in warnings[0].getMessage()
 
 
 @needs_kernels
 def test_installed_library_is_used_when_current_and_rebuilt_when_stale(tmp_path, monkeypatch):
-    installed = native._library()[1]               # this process's library: built from these sources too
+    installed = native._library()[1]  # this process's library: built from these sources too
     builds = []
 
     def no_build(output, compiler=None, **kwargs):
@@ -212,9 +283,13 @@ def test_installed_kernels_mean_nothing_is_compiled(tmp_path):
         if os.environ.get("PETREL_REQUIRE_KERNELS") == "1":
             pytest.fail("PETREL_REQUIRE_KERNELS=1, but pip install built no kernels from these sources")
         pytest.skip("no kernels built by pip install from these sources (pip install -e . builds them)")
-    proc = _run(tmp_path, "from petrel.model import dense_kernels, native, quant_kernels\n"
-                          "assert dense_kernels.library() is not None and quant_kernels.library() is not None\n"
-                          "print(native._library()[1])", {"PETREL_REQUIRE_KERNELS": "1"})
+    proc = _run(
+        tmp_path,
+        "from petrel.model import dense_kernels, native, quant_kernels\n"
+        "assert dense_kernels.library() is not None and quant_kernels.library() is not None\n"
+        "print(native._library()[1])",
+        {"PETREL_REQUIRE_KERNELS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == _current_installed_library()
     assert not os.path.exists(tmp_path / "cache" / "kernels")
@@ -240,5 +315,7 @@ def test_without_a_compiler_petrel_runs_with_torch_and_says_so(tmp_path, llm):
 
     proc = _run(tmp_path, RUN_DEFAULT_MODEL, {**no_compiler, "PETREL_REQUIRE_KERNELS": "1"})
     assert proc.returncode != 0 and "started" not in proc.stdout
-    assert "KernelsUnavailable: PETREL_REQUIRE_KERNELS=1, but petrel's C kernels cannot run here: no C compiler" \
+    assert (
+        "KernelsUnavailable: PETREL_REQUIRE_KERNELS=1, but petrel's C kernels cannot run here: no C compiler"
         in proc.stderr
+    )

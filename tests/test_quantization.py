@@ -2,6 +2,7 @@
 QuantizedLinear against the dequantized product (AVX2 kernels and the torch fallback, few rows and many), int8 and
 LoRA on the tiny Llama against transformers, and the real default model's greedy tokens, GGUF blocks kept vs
 dequantized."""
+
 from __future__ import annotations
 
 import copy
@@ -28,7 +29,7 @@ def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.nda
     n = rows * cols // elems
     blocks = rng.integers(0, 256, (n, size), dtype=np.uint8)
     for offset in F16_FIELDS.get(type_name, (0,)):
-        blocks[:, offset:offset + 2] = rng.uniform(1e-3, 2e-2, (n, 1)).astype(np.float16).view(np.uint8)
+        blocks[:, offset : offset + 2] = rng.uniform(1e-3, 2e-2, (n, 1)).astype(np.float16).view(np.uint8)
     return blocks.reshape(rows, -1)
 
 
@@ -64,7 +65,7 @@ def rounded_activations(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(blocks * inverse).double() * d.double()).reshape(x.shape)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 7, 40, 300])       # the few-row kernel, 12-row float tiles, torch's GEMM
+@pytest.mark.parametrize("rows", [1, 3, 7, 40, 300])  # the few-row kernel, 12-row float tiles, torch's GEMM
 @pytest.mark.parametrize("fmt", [*sorted(READERS), "int8"])
 def test_quantized_linear_matches_dequantized_product(fmt, rows, backend):
     """QuantizedLinear computes the dequantized weight's product: exactly (up to float summation order) on the torch
@@ -75,7 +76,7 @@ def test_quantized_linear_matches_dequantized_product(fmt, rows, backend):
         dense = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(1))
         weight = QuantizedWeight.int8_per_channel(dense)
         w = weight.dequantize()
-        assert (w - dense).abs().max() <= dense.abs().amax(dim=1).max() / 254 + 1e-6   # half a step at most
+        assert (w - dense).abs().max() <= dense.abs().amax(dim=1).max() / 254 + 1e-6  # half a step at most
     else:
         raw = random_blocks(fmt, out_features, in_features)
         weight = QuantizedWeight.from_gguf(fmt, raw, out_features, in_features)
@@ -93,15 +94,17 @@ def test_quantized_linear_matches_dequantized_product(fmt, rows, backend):
     assert got.shape == (rows, out_features) and got.dtype == torch.float32 and got.is_contiguous()
     scale = exact.abs().max().item()
     assert (got.double() - expected).abs().max().item() <= 1e-5 * scale + 1e-5
-    assert (got.double() - exact).abs().max().item() <= 1e-4 * scale     # what rounding the activations costs
+    assert (got.double() - exact).abs().max().item() <= 1e-4 * scale  # what rounding the activations costs
     assert layer(x.bfloat16()).dtype == torch.bfloat16
 
 
 def test_mixed_formats_fuse_exactly():
     """A fused projection whose shards came in different formats (Q4_K + Q6_K + Q8_0, as in Q4_K_M files) is held
     as 8-bit codes in the smallest group; its weights equal the shards' own."""
-    parts = [QuantizedWeight.from_gguf(t, random_blocks(t, 32, 256, seed=i), 32, 256)
-             for i, t in enumerate(["Q4_K", "Q6_K", "Q8_0"])]
+    parts = [
+        QuantizedWeight.from_gguf(t, random_blocks(t, 32, 256, seed=i), 32, 256)
+        for i, t in enumerate(["Q4_K", "Q6_K", "Q8_0"])
+    ]
     fused = QuantizedWeight.concat(parts)
     assert fused.bits == 8 and fused.group_size == 16 and fused.shape == (96, 256)
     assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
@@ -113,6 +116,7 @@ def test_quantization_option_is_validated(tiny):
     with pytest.raises(ValueError, match="quantization"):
         EngineConfig(quantization="int4")
     from petrel.model.loader import load_model, resolve_model
+
     with pytest.raises(ValueError, match="quantization 'gguf'"):
         load_model(resolve_model(tiny(2, False).path), torch.float32, "cpu", "gguf")
 
@@ -134,39 +138,52 @@ def test_int8_logits_and_lora_match_transformers_on_dequantized_weights(tiny, tm
     few-row kernels' rounding of the activations is what test_quantized_linear_matches_dequantized_product checks."""
     monkeypatch.setattr(quantization, "GEMV_MAX_ROWS", 0)
     from test_lora import hf_greedy, make_adapter, prompt
+
     from petrel.model.loader import resolve_model
     from petrel.model.tokenizer import load_tokenizer
+
     t = tiny(2, tied)
     ref = _int8_reference(t.hf)
     merged = make_adapter(ref, tmp_path / "adapter", seed=3)
     load_tokenizer(resolve_model(None)).save_pretrained(tmp_path / "tok")
-    llm = LLM(t.path, tokenizer=str(tmp_path / "tok"), kv_cache_memory=1 << 20, quantization="int8",
-              enable_lora=True)
+    llm = LLM(t.path, tokenizer=str(tmp_path / "tok"), kv_cache_memory=1 << 20, quantization="int8", enable_lora=True)
     try:
         model = llm.engine.core.runner.model
         assert isinstance(model.model.layers[0].mlp.down_proj.base, QuantizedLinear)
         assert (model.lm_head.qweight is model.model.embed_tokens.qweight) == tied
-        params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, return_context_logits=True,
-                                return_generation_logits=True)
+        params = SamplingParams(
+            temperature=0, max_tokens=5, ignore_eos=True, return_context_logits=True, return_generation_logits=True
+        )
         ids = prompt(4)
         for lora, oracle in ((None, ref), (LoRARequest("a", 1, str(tmp_path / "adapter")), merged)):
             out = llm.generate(ids, params, use_tqdm=False, lora_request=lora)
             tokens = out.outputs[0].token_ids
             with torch.no_grad():
                 expected = oracle(torch.tensor([ids + tokens])).logits[0].float()
-            torch.testing.assert_close(out.context_logits, expected[:len(ids)], atol=1e-3, rtol=1e-3)
-            torch.testing.assert_close(out.outputs[0].generation_logits,
-                                       expected[len(ids) - 1:len(ids) + len(tokens) - 1], atol=1e-3, rtol=1e-3)
-        prompts = [prompt(10 + i, 5 + i) for i in range(16)]    # decode batches past the GEMV's row limit
+            torch.testing.assert_close(out.context_logits, expected[: len(ids)], atol=1e-3, rtol=1e-3)
+            torch.testing.assert_close(
+                out.outputs[0].generation_logits,
+                expected[len(ids) - 1 : len(ids) + len(tokens) - 1],
+                atol=1e-3,
+                rtol=1e-3,
+            )
+        prompts = [prompt(10 + i, 5 + i) for i in range(16)]  # decode batches past the GEMV's row limit
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(ref, p, 4) for p in prompts]
     finally:
         llm.shutdown()
 
 
-PROMPTS = ["The capital of France is", "Write a short poem about the sea.", "def fibonacci(n):",
-           "Explain photosynthesis in simple terms.", "List three colors:", "Once upon a time,",
-           "The quick brown fox", "What is 12 times 7?"]
+PROMPTS = [
+    "The capital of France is",
+    "Write a short poem about the sea.",
+    "def fibonacci(n):",
+    "Explain photosynthesis in simple terms.",
+    "List three colors:",
+    "Once upon a time,",
+    "The quick brown fox",
+    "What is 12 times 7?",
+]
 
 
 @pytest.mark.e2e
@@ -186,14 +203,23 @@ def test_default_model_gguf_blocks_agree_with_dequantized(llm):
     agree, worst = 0, 0.0
     for out in outs:
         prompt, tokens = list(out.prompt_token_ids), list(out.outputs[0].token_ids)
-        exact = llm.generate([prompt + tokens[:-1]], SamplingParams(max_tokens=1, return_context_logits=True),
-                             use_tqdm=False)[0].context_logits[len(prompt) - 1:]
+        exact = llm.generate(
+            [prompt + tokens[:-1]], SamplingParams(max_tokens=1, return_context_logits=True), use_tqdm=False
+        )[0].context_logits[len(prompt) - 1 :]
         native = out.outputs[0].generation_logits
         assert native.shape == exact.shape == (64, model.config.vocab_size)
         agree += int((native.argmax(-1) == exact.argmax(-1)).sum())
-        worst = max(worst, (native.log_softmax(-1) - exact.log_softmax(-1)).gather(1, exact.argmax(-1, keepdim=True))
-                    .abs().max().item())
-    print(f"gguf-native vs dequantized: top-1 agreement {agree}/{64 * len(PROMPTS)}, "
-          f"largest logprob change of the exact top token {worst:.3f}")
-    assert agree >= 0.99 * 64 * len(PROMPTS)       # measured: 512 / 512, 0.002
+        worst = max(
+            worst,
+            (native.log_softmax(-1) - exact.log_softmax(-1))
+            .gather(1, exact.argmax(-1, keepdim=True))
+            .abs()
+            .max()
+            .item(),
+        )
+    print(
+        f"gguf-native vs dequantized: top-1 agreement {agree}/{64 * len(PROMPTS)}, "
+        f"largest logprob change of the exact top token {worst:.3f}"
+    )
+    assert agree >= 0.99 * 64 * len(PROMPTS)  # measured: 512 / 512, 0.002
     assert worst < 0.05

@@ -6,6 +6,7 @@ suite stays short (`--quick` for benchmarks) or a free port when 8000 is taken; 
 `make run` / `make test` are the README's set-up commands: CI itself runs `make test` (.ci/run), so they are
 only checked to exist as Makefile targets here.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,10 +31,12 @@ SHELL = [code for lang, code in BLOCKS if lang == ""]
 # a command that would run for minutes gets the smoke size of the same command (a repeated option: the last wins).
 # Only that each command runs is checked here; what they compute is tested in-process elsewhere: `petrel bench`
 # on w1,w2,w4 in tests/test_bench_smoke.py, the serve sweep's JSON and plot in tests/test_serve_e2e.py
-SMALLER = {"petrel generate": ["--max-tokens", "16"],
-           "petrel bench": ["--quick", "--engines", "petrel", "--workloads", "w4"],
-           "petrel bench serve": ["--quick", "--num-prompts", "4", "--max-tokens", "4"],
-           "petrel bench compare": ["--engines", "petrel", "--workloads", "startup"]}
+SMALLER = {
+    "petrel generate": ["--max-tokens", "16"],
+    "petrel bench": ["--quick", "--engines", "petrel", "--workloads", "w4"],
+    "petrel bench serve": ["--quick", "--num-prompts", "4", "--max-tokens", "4"],
+    "petrel bench compare": ["--engines", "petrel", "--workloads", "startup"],
+}
 
 
 def _commands(block: str) -> list[str]:
@@ -85,9 +88,13 @@ def test_terminal_commands_run(tmp_path):
     for line in _commands(block):
         args = shlex.split(line)
         assert args[0] == "petrel", line
-        sub = " ".join(args[:3]) if args[1:2] == ["bench"] and len(args) > 2 and not args[2].startswith("-") else " ".join(args[:2])
+        sub = (
+            " ".join(args[:3])
+            if args[1:2] == ["bench"] and len(args) > 2 and not args[2].startswith("-")
+            else " ".join(args[:2])
+        )
         if sub == "petrel serve":
-            continue                     # long-running: test_serve_examples_run starts it
+            continue  # long-running: test_serve_examples_run starts it
         if sub in ("petrel bench latency", "petrel bench throughput", "petrel bench prefix"):
             args += ["--quick"]
         else:
@@ -112,8 +119,9 @@ def test_serve_examples_run(tmp_path):
     commands = _commands(serve_block)
     port = _port()
     serve = shlex.split(commands[0].replace("8000", str(port)))
-    proc = subprocess.Popen([sys.executable, "-m", "petrel.cli", *serve[1:]], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "petrel.cli", *serve[1:]], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     try:
         deadline = time.monotonic() + 180
         while True:
@@ -149,6 +157,7 @@ def test_the_configuration_table_lists_every_engine_option():
     from dataclasses import fields
 
     from petrel.config import EngineConfig
-    table = README[README.index("### Configuration"):README.index("## Layout")]
+
+    table = README[README.index("### Configuration") : README.index("## Layout")]
     documented = set(re.findall(r"^\| `(\w+)` \|", table, flags=re.M))
     assert documented == {f.name for f in fields(EngineConfig)}

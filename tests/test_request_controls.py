@@ -1,17 +1,18 @@
 """Request controls and extra outputs on the tiny random Llama, against transformers where there is an oracle:
 bad words and stop words as token ids, logits post-processors (per request and batched), context and
 generation logits, and final hidden states."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from tiny_llama import ATOL, RTOL, _tokens
 
 from petrel.config import EngineConfig
 from petrel.engine.engine_core import EngineCore
 from petrel.engine.model_runner import kv_bytes_per_block
 from petrel.engine.sequence import EngineRequest
 from petrel.sampling_params import SamplingParams
-from tiny_llama import ATOL, RTOL, _tokens
 
 
 def make_core(t, batched=None, **config) -> EngineCore:
@@ -60,10 +61,13 @@ def test_stop_word_token_sequence(tiny):
     free = greedy(t, prompt, max_tokens=10)
     word = free[3:5]
     core = make_core(t)
-    core.add_request(EngineRequest("r", prompt, SamplingParams(temperature=0.0, max_tokens=10,
-                                                                stop_token_sequences=[[3, 3, 3], word])))
+    core.add_request(
+        EngineRequest(
+            "r", prompt, SamplingParams(temperature=0.0, max_tokens=10, stop_token_sequences=[[3, 3, 3], word])
+        )
+    )
     outs = drain(core)[("r", 0)]
-    assert tokens_of(outs) == free[:5]                    # stops right after the word, which stays in the output
+    assert tokens_of(outs) == free[:5]  # stops right after the word, which stays in the output
     assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == tuple(word)
 
 
@@ -71,6 +75,7 @@ def _ban(token):
     def fn(request_id, logits, beam_tokens, client_id):
         logits[..., token] = float("-inf")
         return logits
+
     return fn
 
 
@@ -83,13 +88,17 @@ def test_logits_post_processor_bans_and_sees_its_request(tiny):
     def spy(request_id, logits, beam_tokens, client_id):
         seen.append((request_id, client_id, list(beam_tokens[0]), tuple(logits.shape)))
         return _ban(free[0])(request_id, logits, beam_tokens, client_id)
+
     core = make_core(t)
-    core.add_request(EngineRequest("r", prompt, SamplingParams(temperature=0.0, max_tokens=4),
-                                   client_id=7, logits_post_processor=spy))
+    core.add_request(
+        EngineRequest(
+            "r", prompt, SamplingParams(temperature=0.0, max_tokens=4), client_id=7, logits_post_processor=spy
+        )
+    )
     out = tokens_of(drain(core)[("r", 0)])
     assert free[0] not in out
     assert seen[0] == ("r", 7, prompt, (1, t.cfg.vocab_size))
-    assert seen[1][2] == prompt + out[:1]                  # beam_tokens: the whole sequence so far
+    assert seen[1][2] == prompt + out[:1]  # beam_tokens: the whole sequence so far
 
 
 def test_batched_post_processor_equals_per_request(tiny):
@@ -99,6 +108,7 @@ def test_batched_post_processor_equals_per_request(tiny):
 
     def per_request(request_id, logits, beam_tokens, client_id):
         return logits + bias * (client_id + 1) - 0.1 * len(beam_tokens[0])
+
     calls = []
 
     def batched(request_ids, logits_list, beam_tokens_list, client_ids):
@@ -112,19 +122,25 @@ def test_batched_post_processor_equals_per_request(tiny):
             core.add_request(EngineRequest(i, p, SamplingParams(temperature=0.0, max_tokens=6), client_id=i, **kw))
         outs = drain(core)
         return [tokens_of(outs[(i, 0)]) for i in range(len(prompts))]
+
     one_by_one = run(logits_post_processor=per_request)
     together = run(use_batched_post_processor=True)
     assert together == one_by_one
-    assert together != [greedy(t, p, max_tokens=6) for p in prompts]   # the processor did change something
-    assert max(len(c) for c in calls) == len(prompts)                    # one call for the whole step
+    assert together != [greedy(t, p, max_tokens=6) for p in prompts]  # the processor did change something
+    assert max(len(c) for c in calls) == len(prompts)  # one call for the whole step
 
 
 def test_context_and_generation_logits_match_transformers(tiny):
     t = tiny(4, False)
     prompt = _tokens(11, 14)
-    core = make_core(t, max_num_batched_tokens=4)     # the prompt is prefilled in 3 chunks
-    params = SamplingParams(temperature=0.0, max_tokens=5, return_context_logits=True,
-                            return_generation_logits=True, additional_model_outputs=["hidden_states"])
+    core = make_core(t, max_num_batched_tokens=4)  # the prompt is prefilled in 3 chunks
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=5,
+        return_context_logits=True,
+        return_generation_logits=True,
+        additional_model_outputs=["hidden_states"],
+    )
     core.add_request(EngineRequest("r", prompt, params))
     outs = drain(core)[("r", 0)]
     tokens = tokens_of(outs)
@@ -135,10 +151,10 @@ def test_context_and_generation_logits_match_transformers(tiny):
     torch.testing.assert_close(outs[0].context_logits, logits[:P], atol=ATOL, rtol=RTOL)
     gen = torch.cat([o.generation_logits for o in outs])
     assert gen.shape == (len(tokens), t.cfg.vocab_size)
-    torch.testing.assert_close(gen, logits[P - 1:P - 1 + len(tokens)], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(gen, logits[P - 1 : P - 1 + len(tokens)], atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(outs[0].additional_context_outputs["hidden_states"], hidden[:P], atol=ATOL, rtol=RTOL)
     gen_hidden = torch.cat([o.additional_generation_outputs["hidden_states"] for o in outs])
-    torch.testing.assert_close(gen_hidden, hidden[P - 1:P - 1 + len(tokens)], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(gen_hidden, hidden[P - 1 : P - 1 + len(tokens)], atol=ATOL, rtol=RTOL)
 
 
 def test_context_outputs_are_computed_even_for_a_cached_prefix(tiny):
@@ -148,7 +164,9 @@ def test_context_outputs_are_computed_even_for_a_cached_prefix(tiny):
     core = make_core(t)
     core.add_request(EngineRequest("warm", prompt, SamplingParams(temperature=0.0, max_tokens=2)))
     drain(core)
-    core.add_request(EngineRequest("r", prompt, SamplingParams(temperature=0.0, max_tokens=2, return_context_logits=True)))
+    core.add_request(
+        EngineRequest("r", prompt, SamplingParams(temperature=0.0, max_tokens=2, return_context_logits=True))
+    )
     outs = drain(core)[("r", 0)]
     assert outs[0].num_cached_tokens == 0
     assert outs[0].context_logits.shape == (len(prompt), t.cfg.vocab_size)
@@ -158,7 +176,9 @@ def test_priority_orders_admission(tiny):
     t = tiny(2, False)
     core = make_core(t, max_num_seqs=1)
     for rid, prio in (("low", 0.1), ("mid", 0.5), ("high", 0.9)):
-        core.add_request(EngineRequest(rid, _tokens(5, 16), SamplingParams(temperature=0.0, max_tokens=2), priority=prio))
+        core.add_request(
+            EngineRequest(rid, _tokens(5, 16), SamplingParams(temperature=0.0, max_tokens=2), priority=prio)
+        )
     order = []
     while core.has_work:
         for out in core.step():
@@ -187,11 +207,13 @@ def test_a_failing_logits_processor_fails_only_its_request(tiny):
         if len(output_ids) == 2:
             raise RuntimeError("boom")
         return logits
+
     core = make_core(t)
-    core.add_request(EngineRequest("bad", prompts[0], SamplingParams(temperature=0.0, max_tokens=6,
-                                                                      logits_processors=[explode])))
+    core.add_request(
+        EngineRequest("bad", prompts[0], SamplingParams(temperature=0.0, max_tokens=6, logits_processors=[explode]))
+    )
     core.add_request(EngineRequest("good", prompts[1], SamplingParams(temperature=0.0, max_tokens=6)))
-    outs = drain(core)                    # drain also checks that every block came back
+    outs = drain(core)  # drain also checks that every block came back
     bad = outs[("bad", 0)]
     assert len(tokens_of(bad)) == 2 and bad[-1].finish_reason == "abort"
     assert "logits processor failed: RuntimeError: boom" in bad[-1].abort_message

@@ -4,6 +4,7 @@ streams pass through, and killing a backend loses no request that had not starte
 server and fake backends: a client hanging up aborts its request on the backend, a silent backend is given up
 after the backend timeout (a busy one is not), a stream that breaks off ends with an error event and [DONE],
 oversized bodies are 413 and bad target_endpoint values 400."""
+
 from __future__ import annotations
 
 import argparse
@@ -73,16 +74,31 @@ UNREACHABLE = "http://127.0.0.1:1"
 @pytest.fixture(scope="module")
 def lone_router():
     """A router whose one backend never answers: a request that gets past the router's own checks is a 503."""
-    with BackgroundServer(build_router_app(Router([UNREACHABLE]), health_interval=0.5,
-                                           max_request_bytes=64 * 1024)) as srv:
+    with BackgroundServer(
+        build_router_app(Router([UNREACHABLE]), health_interval=0.5, max_request_bytes=64 * 1024)
+    ) as srv:
         yield srv.url
 
 
-@pytest.mark.parametrize("value", [123, 1.5, True, False, ["http://127.0.0.1:1"], {"url": UNREACHABLE}, "", "   ",
-                                   "http://nowhere.invalid:9", "x" * 5000])
+@pytest.mark.parametrize(
+    "value",
+    [
+        123,
+        1.5,
+        True,
+        False,
+        ["http://127.0.0.1:1"],
+        {"url": UNREACHABLE},
+        "",
+        "   ",
+        "http://nowhere.invalid:9",
+        "x" * 5000,
+    ],
+)
 def test_a_bad_target_endpoint_in_the_body_is_a_400_naming_it(lone_router, value):
-    r = httpx.post(f"{lone_router}/v1/completions", json={"prompt": "hi", "target_endpoint": value}, timeout=30,
-                   trust_env=False)
+    r = httpx.post(
+        f"{lone_router}/v1/completions", json={"prompt": "hi", "target_endpoint": value}, timeout=30, trust_env=False
+    )
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == "target_endpoint" and "target_endpoint" in error["message"]
@@ -91,8 +107,13 @@ def test_a_bad_target_endpoint_in_the_body_is_a_400_naming_it(lone_router, value
 
 @pytest.mark.parametrize("value", ["", "http://nowhere.invalid:9", "[1, 2]"])
 def test_a_bad_x_target_endpoint_header_is_a_400_naming_target_endpoint(lone_router, value):
-    r = httpx.post(f"{lone_router}/v1/chat/completions", headers={"X-Target-Endpoint": value}, timeout=30,
-                   json={"messages": [{"role": "user", "content": "hi"}]}, trust_env=False)
+    r = httpx.post(
+        f"{lone_router}/v1/chat/completions",
+        headers={"X-Target-Endpoint": value},
+        timeout=30,
+        json={"messages": [{"role": "user", "content": "hi"}]},
+        trust_env=False,
+    )
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "target_endpoint"
 
@@ -102,7 +123,7 @@ def test_an_oversized_body_is_a_413_before_any_backend_is_asked(lone_router):
     assert r.status_code == 413, r.text
     assert r.json()["error"]["code"] == "request_too_large"
     r = httpx.post(f"{lone_router}/v1/completions", json={"prompt": "x" * 1000}, timeout=30, trust_env=False)
-    assert r.status_code == 503      # under the limit: on to the (unreachable) backend
+    assert r.status_code == 503  # under the limit: on to the (unreachable) backend
 
 
 # ------------------------------------------------------------------------------------ silent, slow and dying backends
@@ -148,7 +169,9 @@ def _fake_backend(ending: str) -> BackgroundServer:
                 raise RuntimeError("the fake backend dies mid-stream")
             hung.append(True)
             await asyncio.sleep(3600)
+
         return StreamingResponse(events(), media_type="text/event-stream")
+
     return BackgroundServer(app)
 
 
@@ -159,8 +182,12 @@ def _router_over(urls: list[str], **options) -> BackgroundServer:
 def test_a_silent_backend_is_a_504_within_the_backend_timeout(silent_url):
     with _router_over([silent_url], backend_timeout=3) as front:
         began = time.monotonic()
-        r = httpx.post(f"{front.url}/v1/completions", json={"prompt": "hi", "target_endpoint": silent_url},
-                       timeout=15, trust_env=False)
+        r = httpx.post(
+            f"{front.url}/v1/completions",
+            json={"prompt": "hi", "target_endpoint": silent_url},
+            timeout=15,
+            trust_env=False,
+        )
         waited = time.monotonic() - began
     assert r.status_code == 504, r.text
     error = r.json()["error"]
@@ -173,12 +200,13 @@ def test_a_stream_that_breaks_off_ends_with_an_error_event_and_done(ending):
     code = {"die": "backend_disconnected", "hang": "backend_timeout"}[ending]
     with _fake_backend(ending) as backend, _router_over([backend.url], backend_timeout=3) as front:
         began = time.monotonic()
-        r = httpx.post(f"{front.url}/v1/completions", json={"prompt": "hi", "stream": True}, timeout=15,
-                       trust_env=False)
+        r = httpx.post(
+            f"{front.url}/v1/completions", json={"prompt": "hi", "stream": True}, timeout=15, trust_env=False
+        )
         waited = time.monotonic() - began
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = [line[6:] for line in r.text.split("\n\n") if line]
-    assert [e[:6] for e in events] == ['{"obje', '{"erro', "[DONE]"], r.text      # whole events only
+    assert [e[:6] for e in events] == ['{"obje', '{"erro', "[DONE]"], r.text  # whole events only
     assert json.loads(events[0])["choices"][0]["text"] == "Hello"
     error = json.loads(events[1])["error"]
     assert error["code"] == code and backend.url in error["message"]
@@ -192,7 +220,7 @@ def test_a_busy_backend_is_not_taken_for_a_silent_one():
         r = httpx.post(f"{front.url}/v1/completions", json={"prompt": "hi"}, timeout=30, trust_env=False)
         waited = time.monotonic() - began
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == "late but fine"
-    assert waited > 3, waited          # longer than the backend timeout
+    assert waited > 3, waited  # longer than the backend timeout
 
 
 # ------------------------------------------------------------------------------------ an in-process server
@@ -204,8 +232,12 @@ def local_backend(llm):
 
 def test_a_request_a_silent_backend_sat_on_goes_to_the_next_backend(silent_url, local_backend):
     with _router_over([silent_url, local_backend.url], backend_timeout=3) as front:
-        r = httpx.post(f"{front.url}/v1/completions", timeout=30, trust_env=False,
-                       json={"prompt": "Seabirds are", "max_tokens": 4, "target_endpoint": silent_url})
+        r = httpx.post(
+            f"{front.url}/v1/completions",
+            timeout=30,
+            trust_env=False,
+            json={"prompt": "Seabirds are", "max_tokens": 4, "target_endpoint": silent_url},
+        )
         health = {b["url"]: b for b in httpx.get(f"{front.url}/health", trust_env=False).json()["backends"]}
     assert r.status_code == 200 and r.headers["x-petrel-backend"] == local_backend.url, r.text
     assert r.json()["usage"]["completion_tokens"] == 4
@@ -215,13 +247,16 @@ def test_a_request_a_silent_backend_sat_on_goes_to_the_next_backend(silent_url, 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_client_hanging_up_aborts_its_request_on_the_backend(llm, local_backend, stream):
     baseline = free_blocks(llm)
-    body = json.dumps({"prompt": "Tell me a very long story.", "max_tokens": 4000, "ignore_eos": True,
-                       "stream": stream}).encode()
+    body = json.dumps(
+        {"prompt": "Tell me a very long story.", "max_tokens": 4000, "ignore_eos": True, "stream": stream}
+    ).encode()
     with _router_over([local_backend.url]) as front:
         try:
             with socket.create_connection((front.host, front.port)) as conn:
-                conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
-                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                conn.sendall(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+                )
                 assert _wait_until(lambda: llm.engine.num_unfinished_requests == 1, 30)
                 if stream:
                     assert conn.recv(4096).startswith(b"HTTP/1.1 200")
@@ -239,7 +274,7 @@ def backends():
     ports = [_free_port() for _ in range(2)]
     try:
         errors = []
-        with ThreadPoolExecutor(2) as pool:   # both start at once; one that started is stopped even if the other failed
+        with ThreadPoolExecutor(2) as pool:  # both start at once; one that started is stopped even if the other failed
             starting = [pool.submit(start_server, port, ["--max-num-seqs", "8"]) for port in ports]
             for port, future in zip(ports, starting):
                 try:
@@ -275,7 +310,10 @@ def _served(url: str) -> dict:
 def test_requests_spread_and_a_shared_prefix_sticks_to_one_cache(router_url, backends):
     before = _served(router_url)
     for i in range(10):
-        assert _complete(router_url, f"{i} * {i} is a number. Tell me about the number {i} in one line.").status_code == 200
+        assert (
+            _complete(router_url, f"{i} * {i} is a number. Tell me about the number {i} in one line.").status_code
+            == 200
+        )
     after = _served(router_url)
     assert all(after[u] > before[u] for _, u in backends), (before, after)
 
@@ -290,8 +328,13 @@ def test_target_endpoint_streams_and_models(router_url, backends):
     target = backends[1][1]
     r = _complete(router_url, "Hello", target_endpoint=target)
     assert r.status_code == 200 and r.headers["x-petrel-backend"] == target
-    r = httpx.post(f"{router_url}/v1/completions", headers={"X-Target-Endpoint": backends[0][1]}, trust_env=False,
-                   json={"model": MODEL, "prompt": "Seabirds are", "max_tokens": 6, "stream": True}, timeout=120)
+    r = httpx.post(
+        f"{router_url}/v1/completions",
+        headers={"X-Target-Endpoint": backends[0][1]},
+        trust_env=False,
+        json={"model": MODEL, "prompt": "Seabirds are", "max_tokens": 6, "stream": True},
+        timeout=120,
+    )
     assert r.headers["x-petrel-backend"] == backends[0][1]
     events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]" and json.loads(events[0])["object"] == "text_completion"
@@ -305,12 +348,19 @@ def test_killing_a_backend_loses_no_request_that_had_not_started(router_url, bac
 
     async def burst():
         async with httpx.AsyncClient(timeout=300, trust_env=False) as client:
+
             async def one(i):
-                body = {"model": MODEL, "prompt": f"Request {i}: write a sentence about the ocean.", "max_tokens": 24,
-                        "temperature": 0, "ignore_eos": True}
+                body = {
+                    "model": MODEL,
+                    "prompt": f"Request {i}: write a sentence about the ocean.",
+                    "max_tokens": 24,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                }
                 return await client.post(f"{router_url}/v1/completions", json=body)
+
             tasks = [asyncio.create_task(one(i)) for i in range(12)]
-            await asyncio.sleep(1.5)           # requests are in flight on both backends
+            await asyncio.sleep(1.5)  # requests are in flight on both backends
             victim.send_signal(signal.SIGKILL)
             return await asyncio.gather(*tasks)
 

@@ -23,6 +23,7 @@ Where petrel and transformers differ on purpose, the test follows petrel's defin
 - greedy rows (temperature < 1e-5 or top_k == 1) skip the warpers: their token is the argmax of the penalised
   logits and their logprobs are log_softmax of those logits (not a point mass).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -43,7 +44,7 @@ from petrel.engine.sequence import EngineRequest, Sequence
 from petrel.sampling_params import SamplingParams
 
 INF = float("-inf")
-EOS = 0                       # every request's end-of-sequence token (banned while min_tokens is not reached)
+EOS = 0  # every request's end-of-sequence token (banned while min_tokens is not reached)
 _ids = itertools.count()
 
 
@@ -57,17 +58,18 @@ def make_seq(params: SamplingParams, prompt: list[int], output: list[int] = (), 
 
 # ---------------------------------------------------------------------------- the reference
 
+
 def penalised_reference(raw: torch.Tensor, seq: Sequence) -> torch.Tensor:
     """The row after bias, bad words, penalties and min_tokens (what greedy rows take the argmax of)."""
     p, vocab = seq.params, raw.numel()
     x = raw.float().clone().unsqueeze(0)
     input_ids = torch.tensor([seq.token_ids])
-    for token, bias in (p.logit_bias or {}).items():            # OpenAI: added to the logit
+    for token, bias in (p.logit_bias or {}).items():  # OpenAI: added to the logit
         x[0, token] += bias
-    for word in p.bad_words_token_ids:                          # the last token, once the rest was generated
-        if len(word) == 1 or seq.token_ids[len(seq.token_ids) - len(word) + 1:] == word[:-1]:
+    for word in p.bad_words_token_ids:  # the last token, once the rest was generated
+        if len(word) == 1 or seq.token_ids[len(seq.token_ids) - len(word) + 1 :] == word[:-1]:
             x[0, word[-1]] = INF
-    if p.repetition_penalty != 1.0:                             # every token of prompt + output
+    if p.repetition_penalty != 1.0:  # every token of prompt + output
         x = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(input_ids, x)
     counts = torch.bincount(torch.tensor(seq.output_token_ids, dtype=torch.long), minlength=vocab).float()
     # OpenAI: mu[j] -= c[j] * frequency_penalty + (c[j] > 0) * presence_penalty, c counting the output tokens
@@ -113,8 +115,10 @@ def check_row(got, ref_logits: torch.Tensor, seq: Sequence, what: str) -> None:
     top = dict(got.top)
     assert len(top) == vocab, what
     got_allowed = {t for t, v in top.items() if v != INF}
-    assert got_allowed == allowed, (f"{what}: tokens that can be drawn differ from transformers': "
-                                    f"{len(got_allowed - allowed)} extra, {len(allowed - got_allowed)} missing")
+    assert got_allowed == allowed, (
+        f"{what}: tokens that can be drawn differ from transformers': "
+        f"{len(got_allowed - allowed)} extra, {len(allowed - got_allowed)} missing"
+    )
     for t in allowed:
         assert top[t] == pytest.approx(ref[t].item(), rel=1e-5, abs=1e-4), (what, t)
     assert got.token_id in allowed, f"{what}: drew token {got.token_id}, which the reference filtered out"
@@ -126,16 +130,21 @@ def check_row(got, ref_logits: torch.Tensor, seq: Sequence, what: str) -> None:
 
 # ---------------------------------------------------------------------------- one batch, every kind of row
 
+
 def row_params(vocab: int, gen: torch.Generator) -> list[tuple[str, dict]]:
     """(name, SamplingParams kwargs) for every processing step alone, a few pairs, and everything at once."""
+
     def tok() -> int:
         return int(torch.randint(1, vocab, (1,), generator=gen))
+
     bias = {tok(): 5.0, tok(): -3.0, tok(): 0.5}
     return [
         ("greedy", dict(temperature=0.0)),
         ("greedy top_k=1", dict(temperature=1.0, top_k=1)),
-        ("greedy + penalties + bias", dict(temperature=0.0, repetition_penalty=1.4, presence_penalty=0.7,
-                                           logit_bias=bias)),
+        (
+            "greedy + penalties + bias",
+            dict(temperature=0.0, repetition_penalty=1.4, presence_penalty=0.7, logit_bias=bias),
+        ),
         ("temperature 1", dict(temperature=1.0)),
         ("temperature 0.5", dict(temperature=0.5)),
         ("temperature 1.7", dict(temperature=1.7)),
@@ -157,9 +166,22 @@ def row_params(vocab: int, gen: torch.Generator) -> list[tuple[str, dict]]:
         ("min_tokens", dict(min_tokens=20, stop_token_ids=[tok()], max_tokens=30)),
         ("top_k + top_p", dict(top_k=20, top_p=0.6)),
         ("top_p + min_p", dict(top_p=0.95, min_p=0.05, temperature=1.5)),
-        ("everything", dict(temperature=0.7, top_k=vocab // 3, top_p=0.8, min_p=0.02, repetition_penalty=1.2,
-                            presence_penalty=0.4, frequency_penalty=0.3, logit_bias=bias,
-                            bad_words_token_ids=[[tok()]], min_tokens=40, max_tokens=50)),
+        (
+            "everything",
+            dict(
+                temperature=0.7,
+                top_k=vocab // 3,
+                top_p=0.8,
+                min_p=0.02,
+                repetition_penalty=1.2,
+                presence_penalty=0.4,
+                frequency_penalty=0.3,
+                logit_bias=bias,
+                bad_words_token_ids=[[tok()]],
+                min_tokens=40,
+                max_tokens=50,
+            ),
+        ),
     ]
 
 
@@ -179,10 +201,10 @@ def test_processed_distribution_matches_transformers(vocab, seed):
     for i, (name, kwargs) in enumerate(rows):
         params = SamplingParams(logprobs=vocab, **kwargs)
         seq = make_seq(params, tokens_with_repeats(vocab, 9, gen), tokens_with_repeats(vocab, 14, gen))
-        if name == "bad words":                   # make the multi-token words' prefixes present
+        if name == "bad words":  # make the multi-token words' prefixes present
             seq.token_ids[-1:] = [7]
-        scale = (1.0, 3.0, 6.0)[i % 3]            # flat to peaked distributions
-        for _ in range(50):                       # redraw rows whose top-p / min-p cut is decided by rounding
+        scale = (1.0, 3.0, 6.0)[i % 3]  # flat to peaked distributions
+        for _ in range(50):  # redraw rows whose top-p / min-p cut is decided by rounding
             raw = torch.randn(vocab, generator=gen) * scale
             ref, ambiguous = reference(raw, seq)
             if not ambiguous:
@@ -207,12 +229,16 @@ def test_each_row_alone_equals_the_row_in_the_batch():
     vocab = 500
     gen = torch.Generator().manual_seed(7)
     rows = row_params(vocab, gen)
-    seqs = [make_seq(SamplingParams(logprobs=vocab, **kw), tokens_with_repeats(vocab, 5, gen),
-                     tokens_with_repeats(vocab, 6, gen)) for _, kw in rows]
+    seqs = [
+        make_seq(
+            SamplingParams(logprobs=vocab, **kw), tokens_with_repeats(vocab, 5, gen), tokens_with_repeats(vocab, 6, gen)
+        )
+        for _, kw in rows
+    ]
     logits = torch.randn(len(rows), vocab, generator=gen) * 4
     batched = Sampler(vocab).sample(logits.clone(), seqs)
     for i, ((name, _), seq) in enumerate(zip(rows, seqs)):
-        alone = Sampler(vocab).sample(logits[i:i + 1].clone(), [seq])
+        alone = Sampler(vocab).sample(logits[i : i + 1].clone(), [seq])
         a, b = dict(alone.logprobs[0].top), dict(batched.logprobs[i].top)
         assert {t for t, v in a.items() if v != INF} == {t for t, v in b.items() if v != INF}, name
         for t, v in a.items():
@@ -253,7 +279,7 @@ def test_top_p_keeps_the_token_whose_better_mass_equals_top_p():
     assert {t for t, v in top.items() if v != INF} == {2, 5}
     assert top[2] == pytest.approx(math.log(0.5)) and top[5] == pytest.approx(math.log(0.5))
     hf = TopPLogitsWarper(0.5)(torch.tensor([[1]]), logits.clone())
-    assert int(torch.isfinite(hf).sum()) == 1           # transformers keeps one of the two
+    assert int(torch.isfinite(hf).sum()) == 1  # transformers keeps one of the two
 
 
 def test_top_p_is_the_mass_of_strictly_better_tokens_in_float64():
@@ -270,12 +296,13 @@ def test_top_p_is_the_mass_of_strictly_better_tokens_in_float64():
     seqs = [make_seq(SamplingParams(top_p=tp, logprobs=vocab), [1]) for tp in top_ps]
     result = Sampler(vocab).sample(logits.repeat(len(top_ps), 1), seqs)
     for tp, got in zip(top_ps, result.logprobs):
-        assert not ((better - tp).abs() < 1e-6).any()     # no rounding-decided token on this row
+        assert not ((better - tp).abs() < 1e-6).any()  # no rounding-decided token on this row
         expected = set((better <= tp).nonzero().flatten().tolist())
         assert {t for t, v in got.top if v != INF} == expected, tp
 
 
 # ---------------------------------------------------------------------------- draws
+
 
 def _chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     """Pearson's test of observed counts against expected probabilities; bins expecting < 5 are pooled."""
@@ -296,15 +323,24 @@ def test_draws_follow_the_processed_distribution():
     vocab, n = 48, 4000
     gen = torch.Generator().manual_seed(5)
     configs = [
-        dict(temperature=0.7, top_k=12, top_p=0.9, min_p=0.05, repetition_penalty=1.3, presence_penalty=0.5,
-             frequency_penalty=0.3, logit_bias={3: 2.0, 4: -2.0}),
+        dict(
+            temperature=0.7,
+            top_k=12,
+            top_p=0.9,
+            min_p=0.05,
+            repetition_penalty=1.3,
+            presence_penalty=0.5,
+            frequency_penalty=0.3,
+            logit_bias={3: 2.0, 4: -2.0},
+        ),
         dict(temperature=1.3, top_p=0.6),
         dict(temperature=1.0, min_p=0.1, frequency_penalty=-0.8),
     ]
     seqs, probs, rows = [], [], []
     for kwargs in configs:
-        seq = make_seq(SamplingParams(**kwargs), tokens_with_repeats(vocab, 6, gen),
-                       tokens_with_repeats(vocab, 10, gen))
+        seq = make_seq(
+            SamplingParams(**kwargs), tokens_with_repeats(vocab, 6, gen), tokens_with_repeats(vocab, 10, gen)
+        )
         for _ in range(50):
             raw = torch.randn(vocab, generator=gen) * 1.5
             ref, ambiguous = reference(raw, seq)
@@ -315,7 +351,7 @@ def test_draws_follow_the_processed_distribution():
         seqs.append(seq)
         rows.append(raw)
         probs.append(torch.softmax(ref.double(), dim=0))
-    order = [i % len(configs) for i in range(n * len(configs))]      # interleaved rows
+    order = [i % len(configs) for i in range(n * len(configs))]  # interleaved rows
     batch = torch.stack([rows[c] for c in order])
     result = Sampler(vocab, seed=123).sample(batch, [seqs[c] for c in order])
     tokens = torch.tensor(result.token_ids)
@@ -341,6 +377,7 @@ def test_a_seeded_row_draws_the_same_tokens_in_any_batch():
             batch = torch.cat([torch.randn(neighbours, vocab), logits])
             out.append(Sampler(vocab, seed=neighbours).sample(batch, others + [seq]).token_ids[-1])
         return out
+
     alone = draws(0)
-    assert len(set(alone)) > 1                 # really random
+    assert len(set(alone)) > 1  # really random
     assert draws(3) == alone and draws(8) == alone

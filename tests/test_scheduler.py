@@ -4,6 +4,7 @@ The fake runner mimics EngineCore.step: every scheduled sequence advances ``num_
 share, its full blocks are published, and a sequence that reached its last token gets one new token
 (deterministic, so a recomputed sequence produces the same tokens); it finishes at ``max_tokens``.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -37,8 +38,14 @@ def expected_tokens(seq: Sequence) -> list[int]:
     return probe.token_ids
 
 
-def make_scheduler(num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64, enable_chunked_prefill=True,
-                   enable_prefix_caching=True, watermark=0.0):
+def make_scheduler(
+    num_blocks=64,
+    max_num_seqs=8,
+    max_num_batched_tokens=64,
+    enable_chunked_prefill=True,
+    enable_prefix_caching=True,
+    watermark=0.0,
+):
     bm = BlockManager(num_blocks, BS, enable_prefix_caching=enable_prefix_caching, watermark=watermark)
     return Scheduler(bm, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill)
 
@@ -118,6 +125,7 @@ def scheduled_tokens(batches, seq) -> list[int]:
 
 # ---------------------------------------------------------------------------- admission
 
+
 def test_empty_scheduler():
     sched = make_scheduler()
     assert not sched.has_work
@@ -140,7 +148,7 @@ def test_admission_is_fifo():
         for s in b.seqs:
             if s not in order:
                 order.append(s)
-    assert order == seqs                     # first scheduled in arrival order
+    assert order == seqs  # first scheduled in arrival order
     assert all(s.is_finished and s.num_output_tokens == 2 for s in seqs)
 
 
@@ -167,7 +175,7 @@ def test_token_budget_per_step():
         sched.add(s)
     batches = run_to_completion(sched)
     assert all(b.num_tokens <= budget for b in batches)
-    assert max(b.num_tokens for b in batches) == budget        # the budget is actually used
+    assert max(b.num_tokens for b in batches) == budget  # the budget is actually used
     for s in seqs:
         # the prompt once, then one token per decode (the last sampled token is never fed back)
         assert sum(scheduled_tokens(batches, s)) == s.num_prompt_tokens + s.params.max_tokens - 1
@@ -176,12 +184,13 @@ def test_token_budget_per_step():
 
 # ---------------------------------------------------------------------------- chunked prefill
 
+
 def test_chunked_prefill_alongside_decodes():
     budget = 16
     sched = make_scheduler(max_num_batched_tokens=budget)
     short = make_seq([1, 2, 3, 4], max_tokens=10)
     sched.add(short)
-    step(sched)                                          # short prefilled, now decoding
+    step(sched)  # short prefilled, now decoding
     assert short.num_output_tokens == 1
 
     long = make_seq(list(range(100, 140)), max_tokens=2)  # 40 tokens > budget
@@ -220,19 +229,20 @@ def test_decodes_are_ordered_first():
     assert batch.seqs == [a, b] and batch.num_new_tokens == [1, 10]
 
     # a running sequence still mid-prefill placed before decoding ones: the decodes still go first
-    c = make_seq(list(range(200, 240)), max_tokens=2)   # 40 tokens, 30 fit beside the two decodes
+    c = make_seq(list(range(200, 240)), max_tokens=2)  # 40 tokens, 30 fit beside the two decodes
     sched.add(c)
     batch, _ = step(sched)
     # decodes first, shortest context first (b's context is one token shorter than a's)
     assert b.num_computed_tokens < a.num_computed_tokens
     assert batch.seqs == [b, a, c] and batch.num_new_tokens == [1, 1, 30]
-    sched.running = [c, a, b]                # as if c were the oldest
+    sched.running = [c, a, b]  # as if c were the oldest
     batch = sched.schedule()
     check_batch(sched, batch)
     assert batch.seqs == [b, a, c] and batch.num_new_tokens == [1, 1, 10]
 
 
 # ---------------------------------------------------------------------------- preemption
+
 
 def test_preemption_when_blocks_run_out():
     # 8 blocks of 4: two sequences that grow to 20 tokens (5 blocks each) cannot both hold them
@@ -258,9 +268,9 @@ def test_preemption_when_blocks_run_out():
             assert list(sched.waiting) == [b, c], "the victim goes to the front of the queue"
             assert b.status is SequenceStatus.WAITING
             assert b.block_table == [] and b.num_computed_tokens == 0
-            assert b.num_output_tokens > 0            # it had generated tokens: they are kept
+            assert b.num_output_tokens > 0  # it had generated tokens: they are kept
             assert sched.running == [a]
-            assert len(batch) == 1                    # nothing admitted in a step that preempted
+            assert len(batch) == 1  # nothing admitted in a step that preempted
     assert preempted_at is not None
     assert sched.num_preemptions >= 1
     for s in (a, b, c):
@@ -284,7 +294,7 @@ def test_preempted_sequence_resumes_with_prefix_hits():
         if b in batch.seqs and b.num_cached_tokens and resumed_with is None and sched.num_preemptions:
             resumed_with = b.num_cached_tokens
     assert sched.num_preemptions >= 1
-    assert resumed_with is not None and resumed_with > 0          # its full blocks stayed cached
+    assert resumed_with is not None and resumed_with > 0  # its full blocks stayed cached
     assert b.token_ids == expected_tokens(b)
     assert 0 <= b.num_cached_tokens <= b.num_prompt_tokens
 
@@ -293,8 +303,8 @@ def test_cached_tokens_never_exceed_prompt_after_recompute():
     """After a preemption the sequence recomputes prompt + output; what it reports as cached stays
     a count of prompt tokens."""
     sched = make_scheduler(num_blocks=10, max_num_seqs=2, max_num_batched_tokens=64)
-    a = make_seq(list(range(1, 9)), max_tokens=24)        # grows to 32 tokens = 8 blocks
-    b = make_seq(list(range(101, 105)), max_tokens=20)    # grows to 24 tokens = 6 blocks
+    a = make_seq(list(range(1, 9)), max_tokens=24)  # grows to 32 tokens = 8 blocks
+    b = make_seq(list(range(101, 105)), max_tokens=20)  # grows to 24 tokens = 6 blocks
     sched.add(a)
     sched.add(b)
     admitted_prompt_tokens = 0
@@ -323,6 +333,7 @@ def test_sequence_that_cannot_fit_beside_others_preempts_itself_and_later_runs_a
 
 
 # ---------------------------------------------------------------------------- prefix reuse
+
 
 def test_prefix_reuse_on_admission():
     sched = make_scheduler()
@@ -378,14 +389,14 @@ def test_failed_admission_gives_the_prefix_hit_back():
     step(sched)
     assert bm.num_cached_blocks == 2 and len(bm.free_blocks) == 0
 
-    blocked = make_seq(toks, max_tokens=1)   # hits 2 cached blocks, needs 1 more: none left
+    blocked = make_seq(toks, max_tokens=1)  # hits 2 cached blocks, needs 1 more: none left
     sched.add(blocked)
     batch, _ = step(sched)
     assert batch.seqs == [hog]
     assert list(sched.waiting) == [blocked]
     assert blocked.block_table == [] and blocked.num_computed_tokens == 0 and blocked.num_cached_tokens == 0
-    assert list(bm.evictable) == [warm_blocks[1], warm_blocks[0]]   # given back, tail first
-    assert sched.prefix_queried_tokens == 9 + 15                       # the failed try is not counted
+    assert list(bm.evictable) == [warm_blocks[1], warm_blocks[0]]  # given back, tail first
+    assert sched.prefix_queried_tokens == 9 + 15  # the failed try is not counted
 
     run_to_completion(sched)
     assert blocked.is_finished and blocked.num_output_tokens == 1
@@ -394,6 +405,7 @@ def test_failed_admission_gives_the_prefix_hit_back():
 
 
 # ---------------------------------------------------------------------------- finish
+
 
 def test_finish_is_idempotent_and_frees_blocks():
     sched = make_scheduler()
@@ -436,20 +448,21 @@ def test_finish_a_waiting_sequence():
 
 # ---------------------------------------------------------------------------- chunked prefill disabled
 
+
 def test_no_chunked_prefill_defers_a_prompt_that_does_not_fit_beside_others():
     budget = 16
     sched = make_scheduler(max_num_batched_tokens=budget, enable_chunked_prefill=False)
     a = make_seq([1, 2, 3, 4], max_tokens=3)
     sched.add(a)
     step(sched)
-    b = make_seq(list(range(100, 116)), max_tokens=2)   # 16 tokens: fits only an empty step
+    b = make_seq(list(range(100, 116)), max_tokens=2)  # 16 tokens: fits only an empty step
     sched.add(b)
     while a.num_output_tokens < 3:
         batch, _ = step(sched)
         assert batch.seqs == [a] and batch.num_new_tokens == [1], "b must not be split beside a decode"
         assert list(sched.waiting) == [b] and b.block_table == []
     batch, _ = step(sched)
-    assert batch.seqs == [b] and batch.num_new_tokens == [16]       # whole prompt in one step
+    assert batch.seqs == [b] and batch.num_new_tokens == [16]  # whole prompt in one step
     run_to_completion(sched)
     assert b.token_ids == expected_tokens(b)
 
@@ -458,7 +471,7 @@ def test_no_chunked_prefill_admits_whole_prompts_that_fit():
     sched = make_scheduler(max_num_batched_tokens=16, enable_chunked_prefill=False)
     a = make_seq(list(range(1, 9)), max_tokens=2)
     b = make_seq(list(range(11, 17)), max_tokens=2)
-    c = make_seq(list(range(21, 27)), max_tokens=2)      # 8 + 6 fit, + 6 would not
+    c = make_seq(list(range(21, 27)), max_tokens=2)  # 8 + 6 fit, + 6 would not
     for s in (a, b, c):
         sched.add(s)
     batch, _ = step(sched)
@@ -467,7 +480,7 @@ def test_no_chunked_prefill_admits_whole_prompts_that_fit():
     batches = run_to_completion(sched)
     for bt in batches:
         for s, n in zip(bt.seqs, bt.num_new_tokens):
-            assert n in (1, s.num_prompt_tokens)         # never a partial prompt
+            assert n in (1, s.num_prompt_tokens)  # never a partial prompt
     assert all(s.token_ids == expected_tokens(s) for s in (a, b, c))
 
 
@@ -475,6 +488,6 @@ def test_no_chunked_prefill_still_serves_a_prompt_longer_than_the_budget():
     sched = make_scheduler(max_num_batched_tokens=8, enable_chunked_prefill=False)
     seq = make_seq(list(range(1, 21)), max_tokens=2)
     sched.add(seq)
-    batches = run_to_completion(sched)                   # no livelock
+    batches = run_to_completion(sched)  # no livelock
     assert seq.num_output_tokens == 2
     assert sum(scheduled_tokens(batches, seq)) == 21

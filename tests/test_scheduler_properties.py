@@ -18,6 +18,7 @@ hold nothing; the hash maps are each other's inverse and every cached hash match
 holder; sliding-window tables free only a prefix and keep every position the next query sees; and at the end, with
 everything finished or aborted, every block is free.
 """
+
 from __future__ import annotations
 
 import functools
@@ -51,35 +52,65 @@ def cache_key(group: int, block_hash: bytes):
 class FakeCore:
     """EngineCore's bookkeeping around Scheduler and BlockManager, with a shadow of the KV cache's contents."""
 
-    def __init__(self, rng: random.Random, *, num_blocks: int, windows: list[int | None], prefix_caching: bool,
-                 chunked: bool, budget: int, max_num_seqs: int, watermark: float, max_loras: int | None,
-                 spec_k: int):
+    def __init__(
+        self,
+        rng: random.Random,
+        *,
+        num_blocks: int,
+        windows: list[int | None],
+        prefix_caching: bool,
+        chunked: bool,
+        budget: int,
+        max_num_seqs: int,
+        watermark: float,
+        max_loras: int | None,
+        spec_k: int,
+    ):
         self.rng = rng
-        self.bm = BlockManager(num_blocks, BS, enable_prefix_caching=prefix_caching, watermark=watermark,
-                               group_windows=windows)
+        self.bm = BlockManager(
+            num_blocks, BS, enable_prefix_caching=prefix_caching, watermark=watermark, group_windows=windows
+        )
         self.sched = Scheduler(self.bm, max_num_seqs, budget, chunked, max_loras=max_loras)
         self.max_loras = max_loras
         self.spec_k = spec_k
-        self.requests: dict[str, EngineRequest] = {}     # unfinished
+        self.requests: dict[str, EngineRequest] = {}  # unfinished
         self.request_ids = itertools.count()
         self.all_seqs: list[Sequence] = []
-        self.pins: list[dict] = []                       # {"tables": [[block]], "tokens": [...]}
+        self.pins: list[dict] = []  # {"tables": [[block]], "tokens": [...]}
         self.kv: list[list[int | None]] = [[None] * BS for _ in range(num_blocks)]
         self.prefixes = [[rng.randrange(1, VOCAB) for _ in range(rng.randint(8, 20))] for _ in range(4)]
         self.prompts: list[list[int]] = []
-        self.stats = dict.fromkeys(["steps", "forks", "beam_forks", "beam_drops", "copies", "preemptions",
-                                    "prefix_hit_tokens", "pins", "aborts", "stops", "drafts_accepted",
-                                    "freed_behind_window", "imported", "resets", "preempt_all"], 0)
+        self.stats = dict.fromkeys(
+            [
+                "steps",
+                "forks",
+                "beam_forks",
+                "beam_drops",
+                "copies",
+                "preemptions",
+                "prefix_hit_tokens",
+                "pins",
+                "aborts",
+                "stops",
+                "drafts_accepted",
+                "freed_behind_window",
+                "imported",
+                "resets",
+                "preempt_all",
+            ],
+            0,
+        )
 
     # ------------------------------------------------------------------ requests
     def make_prompt(self) -> list[int]:
         r = self.rng.random()
-        if r < 0.45:      # a shared prefix, cut anywhere, and a few tokens of its own
+        if r < 0.45:  # a shared prefix, cut anywhere, and a few tokens of its own
             base = self.rng.choice(self.prefixes)
-            prompt = base[:self.rng.randint(1, len(base))] + [self.rng.randrange(1, VOCAB)
-                                                             for _ in range(self.rng.randint(0, 5))]
+            prompt = base[: self.rng.randint(1, len(base))] + [
+                self.rng.randrange(1, VOCAB) for _ in range(self.rng.randint(0, 5))
+            ]
         elif r < 0.65 and self.prompts:
-            prompt = list(self.rng.choice(self.prompts))       # the same prompt again
+            prompt = list(self.rng.choice(self.prompts))  # the same prompt again
         else:
             prompt = [self.rng.randrange(1, VOCAB) for _ in range(self.rng.randint(1, 22))]
         prompt = prompt[:22]
@@ -97,21 +128,28 @@ class FakeCore:
         elif kind == "beam":
             # every beam must fit the cache at once, or the beams preempt one another forever
             prompt = prompt[:12]
-            kwargs.update(use_beam_search=True, beam_width=rng.randint(2, 3), temperature=0.0,
-                          max_tokens=min(max_tokens, 8))
+            kwargs.update(
+                use_beam_search=True, beam_width=rng.randint(2, 3), temperature=0.0, max_tokens=min(max_tokens, 8)
+            )
         elif kind == "imported":
             kwargs["max_tokens"] = max(2, max_tokens)
         if kind in ("plain", "n") and rng.random() < 0.1:
-            kwargs["prompt_logprobs"] = 1                 # needs every prompt position: no prefix hit
+            kwargs["prompt_logprobs"] = 1  # needs every prompt position: no prefix hit
         lora = None
         if self.max_loras and kind in ("plain", "n", "beam") and rng.random() < 0.5:
             lora_id = rng.randint(1, 3)
             lora = LoRARequest(f"adapter-{lora_id}", lora_id, f"/adapters/{lora_id}")
-        req = EngineRequest(f"r{next(self.request_ids)}", prompt, SamplingParams(**kwargs),
-                            cache_salt=rng.choice([None, None, None, "a", "b"]), lora_request=lora,
-                            priority=rng.choice([0.5, 0.5, 0.2, 0.9]), context_only=kind == "context_only")
+        req = EngineRequest(
+            f"r{next(self.request_ids)}",
+            prompt,
+            SamplingParams(**kwargs),
+            cache_salt=rng.choice([None, None, None, "a", "b"]),
+            lora_request=lora,
+            priority=rng.choice([0.5, 0.5, 0.2, 0.9]),
+            context_only=kind == "context_only",
+        )
         tokens = list(prompt)
-        if kind == "imported":      # a generation-only request: the prompt's KV comes with it, and the first token
+        if kind == "imported":  # a generation-only request: the prompt's KV comes with it, and the first token
             req.imported_kv = object()
             req.first_gen_tokens = [rng.randrange(1, VOCAB)]
             tokens += req.first_gen_tokens
@@ -155,8 +193,11 @@ class FakeCore:
 
     def stop_string(self) -> None:
         """The front found a stop string in one sequence's text: it ends now (beam requests have none)."""
-        seqs = [s for s in self.sched.running + list(self.sched.waiting)
-                if not s.params.use_beam_search and not s.request.context_only and s.num_output_tokens > 0]
+        seqs = [
+            s
+            for s in self.sched.running + list(self.sched.waiting)
+            if not s.params.use_beam_search and not s.request.context_only and s.num_output_tokens > 0
+        ]
         if seqs:
             self.finish(self.rng.choice(seqs))
             self.stats["stops"] += 1
@@ -175,8 +216,12 @@ class FakeCore:
     def lookahead(self, seq: Sequence) -> int:
         """EngineCore's rule for how many draft tokens a running sequence may verify next step."""
         p = seq.params
-        if not self.spec_k or p.use_beam_search or seq.num_output_tokens == 0 \
-                or seq.num_computed_tokens != seq.num_tokens - 1:
+        if (
+            not self.spec_k
+            or p.use_beam_search
+            or seq.num_output_tokens == 0
+            or seq.num_computed_tokens != seq.num_tokens - 1
+        ):
             return 0
         return max(0, min(self.spec_k, p.max_tokens - seq.num_output_tokens - 1))
 
@@ -187,8 +232,9 @@ class FakeCore:
             for table in seq.block_tables:
                 block = table[p // BS]
                 assert block != FREED, f"{seq}: position {p} is written into a block given back behind the window"
-                assert self.bm.ref_counts[block] == 1, \
+                assert self.bm.ref_counts[block] == 1, (
                     f"{seq}: writes into block {block} that another holder shares (missing copy-on-write)"
+                )
                 assert block not in self.bm.block_hash, f"{seq}: writes into block {block} of the prefix cache"
                 self.kv[block][p % BS] = token
 
@@ -202,7 +248,7 @@ class FakeCore:
         self.stats["preemptions"] += sched.num_preemptions - preemptions
         if idle_before and len(batch.preempted) >= len(idle_before) and all(s in batch.preempted for s in idle_before):
             self.stats["preempt_all"] += 1
-        for src, dst in batch.block_copies:             # the runner copies first
+        for src, dst in batch.block_copies:  # the runner copies first
             self.kv[dst] = list(self.kv[src])
             self.stats["copies"] += 1
         self.stats["steps"] += 1
@@ -212,14 +258,18 @@ class FakeCore:
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             if n > 1 and seq.num_computed_tokens == seq.num_tokens - 1:
                 k = self.rng.randint(0, n - 1)
-                seq.spec.draft_token_ids = [self.true_token(seq, seq.num_tokens + j) if self.rng.random() < 0.6
-                                      else self.rng.randrange(1, VOCAB) for j in range(k)]
+                seq.spec.draft_token_ids = [
+                    self.true_token(seq, seq.num_tokens + j)
+                    if self.rng.random() < 0.6
+                    else self.rng.randrange(1, VOCAB)
+                    for j in range(k)
+                ]
                 batch.num_new_tokens[i] = 1 + k
         batch.put_decodes_first()
         # the runner: imported prompt KV, then this step's tokens
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             if seq.request.imported_kv is not None:
-                self.write(seq, 0, seq.token_ids[:seq.num_tokens - 1])
+                self.write(seq, 0, seq.token_ids[: seq.num_tokens - 1])
                 seq.request.imported_kv = None
                 self.stats["imported"] += 1
             self.write(seq, seq.num_computed_tokens, seq.pending_token_ids(n))
@@ -232,8 +282,12 @@ class FakeCore:
         # n > 1: the prompt's sequence forks its siblings when its prompt is done
         for seq in list(sample):
             req = seq.request
-            if req.params.n > 1 and not req.params.use_beam_search and len(req.seqs) == 1 \
-                    and seq.num_output_tokens == 0:
+            if (
+                req.params.n > 1
+                and not req.params.use_beam_search
+                and len(req.seqs) == 1
+                and seq.num_output_tokens == 0
+            ):
                 prev = seq
                 for i in range(1, req.params.n):
                     child = self.new_seq(req, i, seq.token_ids)
@@ -245,13 +299,13 @@ class FakeCore:
         beam_requests = {}
         for seq in sample:
             if seq.params.use_beam_search:
-                beam_requests[seq.request.request_id] = seq.request     # it has its candidates now
+                beam_requests[seq.request.request_id] = seq.request  # it has its candidates now
                 continue
             self.append_tokens(seq)
         for req in beam_requests.values():
             if req.request_id in self.requests:
                 self.beam_step(req)
-        for seq in batch.seqs:                           # speculative verification done
+        for seq in batch.seqs:  # speculative verification done
             if seq.spec.draft_token_ids:
                 seq.spec.draft_token_ids = []
                 if not seq.is_finished:
@@ -270,10 +324,10 @@ class FakeCore:
             seq.token_ids.append(token)
             if seq.request.context_only:
                 bs = BS
-                tables = [list(t[:-(-seq.num_prompt_tokens // bs)]) for t in seq.block_tables]
+                tables = [list(t[: -(-seq.num_prompt_tokens // bs)]) for t in seq.block_tables]
                 for table in tables:
                     self.bm.retain(table)
-                self.pins.append({"tables": tables, "tokens": seq.token_ids[:seq.num_prompt_tokens]})
+                self.pins.append({"tables": tables, "tokens": seq.token_ids[: seq.num_prompt_tokens]})
                 self.stats["pins"] += 1
                 self.finish(seq)
                 return
@@ -288,7 +342,7 @@ class FakeCore:
         """Once every live beam has its candidates: drop some beams, fork others, append a token to each."""
         beams = [s for s in req.seqs if not s.is_finished]
         if any(s.status is not SequenceStatus.RUNNING or s.num_computed_tokens != s.num_tokens for s in beams):
-            return                                       # some beam is still being (re)computed
+            return  # some beam is still being (re)computed
         width = req.params.num_beams
         if beams[0].num_output_tokens + 1 >= req.params.max_tokens or self.rng.random() < 0.1:
             for seq in beams:
@@ -352,23 +406,26 @@ class FakeCore:
                 window = bm.windows[g]
                 if window is None:
                     assert k == 0, "a global group gave blocks back"
-                else:      # the next query (at num_computed_tokens) sees the positions back to c - window + 1
+                else:  # the next query (at num_computed_tokens) sees the positions back to c - window + 1
                     c = seq.num_computed_tokens
-                    assert all(table[p // BS] != FREED for p in range(max(0, c - window + 1), c)), \
+                    assert all(table[p // BS] != FREED for p in range(max(0, c - window + 1), c)), (
                         f"{seq}: a position inside the window was given back"
+                    )
                 for i, block in enumerate(table):
                     if block == FREED:
                         continue
                     counts[block] += 1
                     held_by_seq.append(block)
                     if block in bm.block_hash and i < len(seq.block_hashes):
-                        assert bm.block_hash[block] == cache_key(g, seq.block_hashes[i]), \
+                        assert bm.block_hash[block] == cache_key(g, seq.block_hashes[i]), (
                             f"{seq}: block {block} is cached under another chain's hash"
-                for p in range(seq.num_computed_tokens):       # every computed position reads its own token
+                        )
+                for p in range(seq.num_computed_tokens):  # every computed position reads its own token
                     block = table[p // BS]
                     if block != FREED:
-                        assert self.kv[block][p % BS] == seq.token_ids[p], \
+                        assert self.kv[block][p % BS] == seq.token_ids[p], (
                             f"{seq}: group {g} position {p} holds {self.kv[block][p % BS]}, not {seq.token_ids[p]}"
+                        )
             assert len(set(held_by_seq)) == len(held_by_seq), f"{seq} holds a block twice"
         for pin in self.pins:
             for table in pin["tables"]:
@@ -378,8 +435,9 @@ class FakeCore:
                     block = table[p // BS]
                     if block != FREED:
                         assert self.kv[block][p % BS] == token, "a pinned prompt's block was overwritten"
-        assert counts == bm.ref_counts, "ref counts differ from the references held: " + \
-            str({b: (counts[b], bm.ref_counts[b]) for b in range(n) if counts[b] != bm.ref_counts[b]})
+        assert counts == bm.ref_counts, "ref counts differ from the references held: " + str(
+            {b: (counts[b], bm.ref_counts[b]) for b in range(n) if counts[b] != bm.ref_counts[b]}
+        )
 
         assert {h: b for b, h in bm.block_hash.items()} == bm.hash_to_block, "hash maps are not each other's inverse"
         assert set(bm.block_tokens) == set(bm.block_hash)
@@ -402,14 +460,28 @@ def make_core(seed: int) -> FakeCore:
     caching mostly on; chunked prefill on or off; LoRA slots or none; speculative lookahead or none."""
     rng = random.Random(seed)
     windows = [[None], [WINDOW], [None, WINDOW]][seed % 3]
-    return FakeCore(rng, num_blocks=rng.randint(16, 22) * len(windows), windows=windows,
-                    prefix_caching=seed % 7 != 6, chunked=rng.random() < 0.75, budget=rng.choice([12, 24, 48]),
-                    max_num_seqs=rng.choice([4, 8, 12]), watermark=rng.choice([0.0, 0.05]),
-                    max_loras=rng.choice([None, 1, 2]), spec_k=rng.choice([0, 0, 3]))
+    return FakeCore(
+        rng,
+        num_blocks=rng.randint(16, 22) * len(windows),
+        windows=windows,
+        prefix_caching=seed % 7 != 6,
+        chunked=rng.random() < 0.75,
+        budget=rng.choice([12, 24, 48]),
+        max_num_seqs=rng.choice([4, 8, 12]),
+        watermark=rng.choice([0.0, 0.05]),
+        max_loras=rng.choice([None, 1, 2]),
+        spec_k=rng.choice([0, 0, 3]),
+    )
 
 
-OPERATIONS = [("add", 30), ("step", 55), ("abort", 4), ("stop_string", 3), ("release_pin", 6),
-              ("reset_prefix_cache", 1)]
+OPERATIONS = [
+    ("add", 30),
+    ("step", 55),
+    ("abort", 4),
+    ("stop_string", 3),
+    ("release_pin", 6),
+    ("reset_prefix_cache", 1),
+]
 
 
 @functools.cache
@@ -421,8 +493,14 @@ def run_seed(seed: int, num_ops: int = 500) -> FakeCore:
     core.check_invariants()
     for _ in range(num_ops):
         op = core.rng.choices(names, weights)[0]
-        {"add": core.add_request, "step": core.step, "abort": core.abort, "stop_string": core.stop_string,
-         "release_pin": core.release_pin, "reset_prefix_cache": core.reset_prefix_cache}[op]()
+        {
+            "add": core.add_request,
+            "step": core.step,
+            "abort": core.abort,
+            "stop_string": core.stop_string,
+            "release_pin": core.release_pin,
+            "reset_prefix_cache": core.reset_prefix_cache,
+        }[op]()
         core.check_invariants()
     # drain: every pin given back, then steps (and a few aborts) until nothing is left; no step may stall
     while core.pins:
@@ -438,8 +516,9 @@ def run_seed(seed: int, num_ops: int = 500) -> FakeCore:
             before = [(s.num_computed_tokens, s.num_tokens, s.status) for s in core.all_seqs]
             core.step()
             assert core.stats["steps"] == steps + 1
-            assert before != [(s.num_computed_tokens, s.num_tokens, s.status) for s in core.all_seqs], \
+            assert before != [(s.num_computed_tokens, s.num_tokens, s.status) for s in core.all_seqs], (
                 "a step made no progress"
+            )
         core.check_invariants()
         while core.pins:
             core.release_pin()
@@ -479,8 +558,18 @@ def test_forked_sequences_count_against_max_num_seqs():
     """max_num_seqs caps the sequences decoded together (README: "sequences decoded together"; the server counts
     a request's n against it). A request with n=2 is admitted as one sequence and runs as two once its prompt is
     done, so admission has to count its n: four such requests under max_num_seqs=4 must not run as eight."""
-    core = FakeCore(random.Random(0), num_blocks=64, windows=[None], prefix_caching=True, chunked=True, budget=64,
-                    max_num_seqs=4, watermark=0.0, max_loras=None, spec_k=0)
+    core = FakeCore(
+        random.Random(0),
+        num_blocks=64,
+        windows=[None],
+        prefix_caching=True,
+        chunked=True,
+        budget=64,
+        max_num_seqs=4,
+        watermark=0.0,
+        max_loras=None,
+        spec_k=0,
+    )
     for i in range(4):
         core.submit(EngineRequest(f"r{i}", [10 * i + 1, 10 * i + 2, 10 * i + 3], SamplingParams(n=2, max_tokens=6)))
     most = 0

@@ -3,6 +3,7 @@
 Oracles: the server's greedy output equals `llm.generate` on the same prompt ids; streamed equals non-streamed;
 tool calls equal the parser run on the engine's own greedy output; free KV blocks return to their baseline.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -15,11 +16,15 @@ import openai
 import pytest
 
 from petrel import SamplingParams
-from petrel.serve import build_app
+from petrel.serve import build_app, tool_grammar
 from petrel.serve.chat import TOOL_CALL_STOP
-from petrel.serve.protocol import ChatCompletionChunk, ChatCompletionResponse, CompletionResponse, CompletionStreamResponse
+from petrel.serve.protocol import (
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionResponse,
+    CompletionStreamResponse,
+)
 from petrel.serve.server import BackgroundServer
-from petrel.serve import tool_grammar
 from petrel.serve.tool_grammar import named_call_grammar
 from petrel.serve.tool_parser import parse_all
 from tests.conftest import free_blocks
@@ -27,9 +32,14 @@ from tests.conftest import free_blocks
 pytestmark = pytest.mark.e2e
 
 MODEL = "SmolLM2-135M-Instruct"
-WEATHER_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +78,7 @@ def wait_for_baseline(llm, baseline, seconds=15.0):
 
 # ------------------------------------------------------------------------------------------- completions
 
+
 def test_completion_greedy_equals_the_engine(llm, client):
     prompt = "The capital of France is"
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
@@ -98,7 +109,7 @@ def test_completion_echo_and_logprobs(llm, client):
         assert lp.token_logprobs[i] == pytest.approx(entry[tok].logprob, abs=1e-5)
         assert lp.tokens[i] == llm.tokenizer.decode([tok])
         assert 1 <= len(lp.top_logprobs[i]) <= 3
-    for i in range(n, n + 5):    # greedy: the chosen token is the most likely one
+    for i in range(n, n + 5):  # greedy: the chosen token is the most likely one
         assert lp.token_logprobs[i] == pytest.approx(max(lp.top_logprobs[i].values()), abs=1e-6)
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
 
@@ -138,23 +149,35 @@ def test_n2(client):
         for c in ch.choices:
             texts[c.index] += c.text
     assert texts == {c.index: c.text for c in r.choices}
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi"}],
-                                          max_completion_tokens=8, n=2, seed=3, temperature=1.0)
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Say hi"}],
+        max_completion_tokens=8,
+        n=2,
+        seed=3,
+        temperature=1.0,
+    )
     assert [c.index for c in chat.choices] == [0, 1]
 
 
 def test_usage_in_the_last_stream_chunk(client):
-    stream = client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, temperature=0, stream=True,
-                                       stream_options={"include_usage": True})
+    stream = client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=6, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
     chunks = list(stream)
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
     assert chunks[-1].usage.total_tokens == chunks[-1].usage.prompt_tokens + 6
     assert chunks[-2].choices[0].finish_reason == "length"
     assert all(c.usage is None for c in chunks[:-1])
     assert all(c.choices[0].finish_reason is None for c in chunks[:-2])
-    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
-                                            max_completion_tokens=6, temperature=0, stream=True,
-                                            stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_completion_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens <= 6
@@ -165,7 +188,13 @@ def test_usage_in_the_last_stream_chunk(client):
 
 
 def test_sse_tail_is_exactly_openai(server):
-    body = {"prompt": "Hi", "max_tokens": 3, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": "Hi",
+        "max_tokens": 3,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         events = [line for line in r.iter_lines() if line]
@@ -181,9 +210,12 @@ def test_sse_tail_is_exactly_openai(server):
 
 # ------------------------------------------------------------------------------------------- chat
 
+
 def test_chat_with_system_prompt_equals_the_engine(llm, client):
-    messages = [{"role": "system", "content": "You are a terse assistant."},
-                {"role": "user", "content": "What is the capital of France?"}]
+    messages = [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "What is the capital of France?"},
+    ]
     r = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=16, temperature=0)
     ChatCompletionResponse.model_validate(r.model_dump())
     prompt = llm.apply_chat_template(messages)
@@ -197,12 +229,14 @@ def test_chat_with_system_prompt_equals_the_engine(llm, client):
 
 def test_chat_logprobs(llm, client):
     messages = [{"role": "user", "content": "Name a fruit."}]
-    r = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=5, temperature=0,
-                                       logprobs=True, top_logprobs=2)
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages, max_completion_tokens=5, temperature=0, logprobs=True, top_logprobs=2
+    )
     content = r.choices[0].logprobs.content
     assert 1 <= len(content) <= 5
-    ref = llm.generate(llm.apply_chat_template(messages)["prompt_token_ids"],
-                       SamplingParams(temperature=0, max_tokens=5, logprobs=2)).outputs[0]
+    ref = llm.generate(
+        llm.apply_chat_template(messages)["prompt_token_ids"], SamplingParams(temperature=0, max_tokens=5, logprobs=2)
+    ).outputs[0]
     for item, tok, entry in zip(content, ref.token_ids, ref.logprobs):
         assert item.logprob == pytest.approx(entry[tok].logprob, abs=1e-5)
         assert item.token == llm.tokenizer.decode([tok])
@@ -210,8 +244,14 @@ def test_chat_logprobs(llm, client):
     assert bytes(b for item in content for b in item.bytes).decode() == r.choices[0].message.content
 
 
-STREAM_PROMPTS = ["Hello, my name is", "Write a poem about the sea.", "Repeat after me: 你好世界，你好世界，你好世界，",
-                  "Emoji list: 🎉🦜🎉🦜🎉🦜", "Question: What is 17 times 23? Answer:", "The history of Rome " * 6]
+STREAM_PROMPTS = [
+    "Hello, my name is",
+    "Write a poem about the sea.",
+    "Repeat after me: 你好世界，你好世界，你好世界，",
+    "Emoji list: 🎉🦜🎉🦜🎉🦜",
+    "Question: What is 17 times 23? Answer:",
+    "The history of Rome " * 6,
+]
 
 
 def _cold(kw: dict) -> dict:
@@ -230,8 +270,9 @@ async def _collect_completion(aclient, prompt, stream, **kw):
         c = r.choices[0]
         return c.text, c.model_extra["token_ids"], c.finish_reason, r.usage.model_dump()
     text, toks, finish, usage = "", [], None, None
-    async for ch in await aclient.completions.create(model=MODEL, prompt=prompt, stream=True,
-                                                     stream_options={"include_usage": True}, **kw):
+    async for ch in await aclient.completions.create(
+        model=MODEL, prompt=prompt, stream=True, stream_options={"include_usage": True}, **kw
+    ):
         if ch.usage is not None:
             usage = ch.usage.model_dump()
         for c in ch.choices:
@@ -250,8 +291,9 @@ async def _collect_chat(aclient, content, stream, **kw):
         c = r.choices[0]
         return c.message.content, c.model_extra["token_ids"], c.finish_reason, r.usage.model_dump()
     text, toks, finish, usage = "", [], None, None
-    async for ch in await aclient.chat.completions.create(model=MODEL, messages=messages, stream=True,
-                                                          stream_options={"include_usage": True}, **kw):
+    async for ch in await aclient.chat.completions.create(
+        model=MODEL, messages=messages, stream=True, stream_options={"include_usage": True}, **kw
+    ):
         ChatCompletionChunk.model_validate(ch.model_dump())
         if ch.usage is not None:
             usage = ch.usage.model_dump()
@@ -269,11 +311,26 @@ def test_stream_equals_non_stream(aclient):
     async def run():
         jobs = []
         for p in STREAM_PROMPTS:
-            jobs += [_collect_completion(aclient, p, False, **kw), _collect_completion(aclient, p, True, **kw),
-                     _collect_chat(aclient, p, False, **kw), _collect_chat(aclient, p, True, **kw)]
-        jobs += [_collect_completion(aclient, "Count: 1, 2, 3,", s, max_tokens=20, temperature=0, stop=[" 7"],
-                                     extra_body={"return_token_ids": True}) for s in (False, True)]
+            jobs += [
+                _collect_completion(aclient, p, False, **kw),
+                _collect_completion(aclient, p, True, **kw),
+                _collect_chat(aclient, p, False, **kw),
+                _collect_chat(aclient, p, True, **kw),
+            ]
+        jobs += [
+            _collect_completion(
+                aclient,
+                "Count: 1, 2, 3,",
+                s,
+                max_tokens=20,
+                temperature=0,
+                stop=[" 7"],
+                extra_body={"return_token_ids": True},
+            )
+            for s in (False, True)
+        ]
         return await asyncio.gather(*jobs)
+
     results = asyncio.run(run())
     for i in range(0, len(results), 2):
         plain, streamed = results[i], results[i + 1]
@@ -285,6 +342,7 @@ def test_stream_equals_non_stream(aclient):
 
 # ------------------------------------------------------------------------------------------- tools
 
+
 def _tool_call_oracle(llm, prompt_ids, max_tokens, prefill, guided=None):
     """What the server should report: the engine's own greedy output (under the same grammar), through the
     same parser."""
@@ -294,9 +352,14 @@ def _tool_call_oracle(llm, prompt_ids, max_tokens, prefill, guided=None):
 
 def test_tool_call_round_trip(llm, client):
     messages = [{"role": "user", "content": "What is the weather in Paris today?"}]
-    kw = dict(model=MODEL, tools=[WEATHER_TOOL], max_completion_tokens=40, temperature=0,
-              tool_choice={"type": "function", "function": {"name": "get_weather"}},
-              extra_body={"return_token_ids": True})
+    kw = dict(
+        model=MODEL,
+        tools=[WEATHER_TOOL],
+        max_completion_tokens=40,
+        temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        extra_body={"return_token_ids": True},
+    )
     r = client.chat.completions.create(messages=messages, **kw)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls"
@@ -322,33 +385,54 @@ def test_tool_call_round_trip(llm, client):
     assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [("get_weather", args)]
 
     # send the result back: the model answers in text
-    messages += [choice.message.model_dump(exclude_none=True),
-                 {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature_c": 21, "sky": "sunny"})}]
-    r2 = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL], tool_choice="none",
-                                        max_completion_tokens=24, temperature=0)
+    messages += [
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature_c": 21, "sky": "sunny"})},
+    ]
+    r2 = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        tools=[WEATHER_TOOL],
+        tool_choice="none",
+        max_completion_tokens=24,
+        temperature=0,
+    )
     assert r2.choices[0].message.tool_calls is None and r2.choices[0].finish_reason in ("stop", "length")
     assert r2.choices[0].message.content
 
 
 def test_required_tool_choice_and_auto(llm, client):
     messages = [{"role": "user", "content": "Weather in Oslo?"}]
-    r = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL], tool_choice="required",
-                                       max_completion_tokens=40, temperature=0)
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        tools=[WEATHER_TOOL],
+        tool_choice="required",
+        max_completion_tokens=40,
+        temperature=0,
+    )
     assert r.choices[0].finish_reason == "tool_calls"
     assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
     # auto: whatever the model writes, the response is either text or parsed calls, never both missing
-    r = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL], max_completion_tokens=30,
-                                       temperature=0)
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER_TOOL], max_completion_tokens=30, temperature=0
+    )
     m = r.choices[0].message
     assert (m.tool_calls and r.choices[0].finish_reason == "tool_calls") or (m.content and not m.tool_calls)
 
 
 # ------------------------------------------------------------------------------------------- disconnects
 
+
 def test_disconnect_while_streaming_aborts(llm, server):
     baseline = free_blocks(llm)
     aborted = metric(server, "petrel_request_aborted_total")
-    body = {"prompt": "Write a very long essay about the ocean.", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    body = {
+        "prompt": "Write a very long essay about the ocean.",
+        "max_tokens": 3000,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         got = 0
@@ -357,7 +441,7 @@ def test_disconnect_while_streaming_aborts(llm, server):
                 got += 1
                 if got == 3:
                     break
-        assert free_blocks(llm) < baseline     # the request holds blocks while it runs
+        assert free_blocks(llm) < baseline  # the request holds blocks while it runs
     assert wait_for_baseline(llm, baseline) == baseline
     assert metric(server, "petrel_request_aborted_total") == aborted + 1
     llm.engine.call(lambda core: core.block_manager.check_integrity())
@@ -366,19 +450,22 @@ def test_disconnect_while_streaming_aborts(llm, server):
 @pytest.mark.parametrize("stream", [False, True])
 def test_disconnect_during_prefill_or_decode_non_streaming_aborts(llm, server, stream):
     baseline = free_blocks(llm)
-    long_prompt = list(range(1000, 3000))   # a 2,000-token prompt: its prefill takes a while on CPU
-    for body, wait in (({"prompt": long_prompt, "max_tokens": 3000, "ignore_eos": True}, 0.3),              # prefill
-                       ({"prompt": "Tell me everything.", "max_tokens": 3000, "ignore_eos": True}, 1.5)):  # decode
+    long_prompt = list(range(1000, 3000))  # a 2,000-token prompt: its prefill takes a while on CPU
+    for body, wait in (
+        ({"prompt": long_prompt, "max_tokens": 3000, "ignore_eos": True}, 0.3),  # prefill
+        ({"prompt": "Tell me everything.", "max_tokens": 3000, "ignore_eos": True}, 1.5),
+    ):  # decode
         body["stream"] = stream
         with pytest.raises(httpx.ReadTimeout):
             with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=wait) as r:
                 for _ in r.iter_lines():
-                    raise httpx.ReadTimeout("disconnect now")   # streaming: leave at the first event
+                    raise httpx.ReadTimeout("disconnect now")  # streaming: leave at the first event
         assert wait_for_baseline(llm, baseline) == baseline
         assert llm.engine.call(lambda core: len(core.scheduler.running) + len(core.scheduler.waiting)) == 0
 
 
 # ------------------------------------------------------------------------------------------- auth, errors, metrics
+
 
 def test_api_key(llm):
     with BackgroundServer(build_app(llm, api_key="s3cret")) as srv:
@@ -419,21 +506,33 @@ BAD_REQUESTS = [
     (CMPL, {"prompt": "hi", "suffix": "end"}, 400, "suffix"),
     (CMPL, {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     (CMPL, {"prompt": "hi", "min_tokens": 20, "max_tokens": 5}, 400, "min_tokens"),
-    (CMPL, {"prompt": "hi", "stop_token_ids": [10 ** 8]}, 400, "stop_token_ids"),
+    (CMPL, {"prompt": "hi", "stop_token_ids": [10**8]}, 400, "stop_token_ids"),
     (CMPL, {"prompt": "hi", "top_k": -7}, 400, "top_k"),
     (CHAT, {"messages": []}, 400, "messages"),
     (CHAT, {"messages": "hi"}, 400, "messages"),
     (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
-    (CHAT, {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400,
-     "response_format"),
+    (
+        CHAT,
+        {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+        400,
+        "response_format",
+    ),
     (CHAT, {"messages": USER, "tool_choice": "required"}, 400, "tool_choice"),
-    (CHAT, {"messages": USER, "tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
-     400, "tool_choice"),
+    (
+        CHAT,
+        {"messages": USER, "tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        400,
+        "tool_choice",
+    ),
     (CHAT, {"messages": USER, "top_logprobs": 3}, 400, "top_logprobs"),
     (CHAT, {"messages": USER, "max_completion_tokens": 9000}, 400, "max_completion_tokens"),
     (CHAT, {"messages": USER, "max_tokens": 9000}, 400, "max_tokens"),
-    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
-     "messages.0.content.0.type"),
+    (
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        400,
+        "messages.0.content.0.type",
+    ),
     (CHAT, {"messages": USER, "continue_final_message": True}, 400, "continue_final_message"),
     (CHAT, {"messages": USER, "chat_template_kwargs": {"messages": []}}, 400, "chat_template_kwargs"),
     (CHAT, {"messages": [{"role": "user", "content": "word " * 9000}]}, 400, "messages"),
@@ -444,8 +543,11 @@ BAD_REQUESTS = [
 ]
 
 
-@pytest.mark.parametrize("path, body, status, param", BAD_REQUESTS,
-                         ids=[f"{i}-{p.rsplit('/', 1)[-1]}-{s}" for i, (p, _, s, _x) in enumerate(BAD_REQUESTS)])
+@pytest.mark.parametrize(
+    "path, body, status, param",
+    BAD_REQUESTS,
+    ids=[f"{i}-{p.rsplit('/', 1)[-1]}-{s}" for i, (p, _, s, _x) in enumerate(BAD_REQUESTS)],
+)
 def test_bad_requests(server, path, body, status, param):
     url = f"{server.url}{path}"
     if isinstance(body, bytes):
@@ -471,8 +573,9 @@ def test_tokenize_detokenize(llm, server):
     messages = [{"role": "user", "content": "Hello there"}]
     r = httpx.post(f"{server.url}/tokenize", json={"messages": messages}).json()
     assert r["tokens"] == llm.apply_chat_template(messages)["prompt_token_ids"] and r["count"] == len(r["tokens"])
-    assert httpx.post(f"{server.url}/detokenize", json={"tokens": r["tokens"]}).json()["prompt"] == \
-        llm.tokenizer.decode(r["tokens"])
+    assert httpx.post(f"{server.url}/detokenize", json={"tokens": r["tokens"]}).json()[
+        "prompt"
+    ] == llm.tokenizer.decode(r["tokens"])
 
 
 def test_metrics_count_requests(server, client):
@@ -497,6 +600,7 @@ def test_metrics_count_requests(server, client):
 def test_w3_client_smoke(server):
     from petrel.bench import make_w2_prompts
     from petrel.bench.serve import run_client
+
     result = asyncio.run(run_client(server.url, MODEL, make_w2_prompts(3, 40), max_tokens=4, concurrency=2))
     assert result["valid"] and result["output_tokens"] == 12 and result["ttft_p50_s"] > 0
 
@@ -504,9 +608,28 @@ def test_w3_client_smoke(server):
 def test_bench_serve_sweep_writes_json_and_a_plot(server, tmp_path):
     pytest.importorskip("matplotlib")
     from petrel.cli import main
+
     out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
-    rc = main(["bench", "serve", "--url", server.url, "--model", MODEL, "--num-prompts", "3", "--max-tokens", "4",
-               "--sweep", "1,3", "--json", str(out), "--plot", str(png)])
+    rc = main(
+        [
+            "bench",
+            "serve",
+            "--url",
+            server.url,
+            "--model",
+            MODEL,
+            "--num-prompts",
+            "3",
+            "--max-tokens",
+            "4",
+            "--sweep",
+            "1,3",
+            "--json",
+            str(out),
+            "--plot",
+            str(png),
+        ]
+    )
     assert rc == 0
     runs = json.loads(out.read_text())["sweep"]
     assert [r["concurrency"] for r in runs] == [1, 3]

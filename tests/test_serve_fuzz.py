@@ -6,6 +6,7 @@ Generation is kept cheap: the app allows n <= 2 and each generated body has its 
 max_completion_tokens clamped to at most 4 (set to 4 when absent) before it is sent. Hypothesis runs
 derandomized (a fixed seed), so CI sees the same cases every run.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,7 +14,6 @@ import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 schemathesis = pytest.importorskip("schemathesis")
 
@@ -23,11 +23,16 @@ from tests.conftest import free_blocks  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
-OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/tokenize"),
-              ("POST", "/detokenize"), ("GET", "/v1/models")]
+OPERATIONS = [
+    ("POST", "/v1/completions"),
+    ("POST", "/v1/chat/completions"),
+    ("POST", "/tokenize"),
+    ("POST", "/detokenize"),
+    ("GET", "/v1/models"),
+]
 MAX_GEN_TOKENS = 4
-POSITIVE_EXAMPLES, NEGATIVE_EXAMPLES = 40, 20      # 60 per operation
-STATUSES: dict[str, list[int]] = {}                  # path -> statuses seen (the fuzzing must reach 200s too)
+POSITIVE_EXAMPLES, NEGATIVE_EXAMPLES = 40, 20  # 60 per operation
+STATUSES: dict[str, list[int]] = {}  # path -> statuses seen (the fuzzing must reach 200s too)
 
 
 @pytest.fixture(scope="module")
@@ -49,12 +54,14 @@ def cheap(case) -> None:
     body = case.body
     if case.path not in ("/v1/completions", "/v1/chat/completions") or not isinstance(body, dict):
         return
-    body.pop("disaggregated_params", None)   # it makes the server fetch KV from the endpoint given (tests/test_disagg.py)
+    body.pop(
+        "disaggregated_params", None
+    )  # it makes the server fetch KV from the endpoint given (tests/test_disagg.py)
     for key in ("max_tokens", "max_completion_tokens"):
         value = body.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value > MAX_GEN_TOKENS:
             body[key] = MAX_GEN_TOKENS
-    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:   # absent or null: no limit
+    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:  # absent or null: no limit
         body["max_tokens"] = MAX_GEN_TOKENS
 
 
@@ -86,17 +93,26 @@ def check_response(case, response) -> None:
 @pytest.mark.parametrize("method,path", OPERATIONS, ids=[p for _, p in OPERATIONS])
 def test_fuzz_operation_never_500s(llm, fuzz_server, fuzz_schema, method, path):
     operation = fuzz_schema[path][method]
-    modes = [(schemathesis.GenerationMode.POSITIVE, POSITIVE_EXAMPLES),
-             (schemathesis.GenerationMode.NEGATIVE, NEGATIVE_EXAMPLES)]
+    modes = [
+        (schemathesis.GenerationMode.POSITIVE, POSITIVE_EXAMPLES),
+        (schemathesis.GenerationMode.NEGATIVE, NEGATIVE_EXAMPLES),
+    ]
     for mode, examples in modes:
-        @settings(max_examples=examples, derandomize=True, deadline=None, database=None,
-                  suppress_health_check=list(HealthCheck))
+
+        @settings(
+            max_examples=examples,
+            derandomize=True,
+            deadline=None,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        )
         @given(case=operation.as_strategy(generation_mode=mode))
         def run(case):
             cheap(case)
             response = case.call(base_url=fuzz_server.url, timeout=60)
             STATUSES.setdefault(path, []).append(response.status_code)
             check_response(case, response)
+
         run()
     seen = STATUSES[path]
     assert 200 in seen, f"{path}: no request got through ({sorted(set(seen))})"

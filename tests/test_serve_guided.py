@@ -6,6 +6,7 @@ the arithmetic grammar, and the parsed tool calls against the tool's parameters 
 concurrently, so the engine batches them. Compiles are bounded: oversized constraints are 400s at once, slow ones
 400s at the compile timeout while /health stays fast, and identical concurrent ones compile once.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,30 +35,43 @@ USER_SCHEMA = {
         "name": {"type": "string", "maxLength": 20},
         "age": {"type": "integer", "minimum": 0, "maximum": 120},
         "role": {"type": "string", "enum": ["admin", "user", "guest"]},
-        "address": {"type": "object",
-                    "properties": {"city": {"type": "string", "maxLength": 20},
-                                   "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                    "required": ["city", "zip"]},
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
+            "required": ["city", "zip"],
+        },
         "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3},
     },
     "required": ["name", "age", "role", "address", "tags"],
 }
 
-FLIGHT_TOOL = {"type": "function", "function": {
-    "name": "book_flight", "description": "Book a flight for some passengers",
-    "parameters": {"type": "object", "properties": {
-        "origin": {"type": "string", "maxLength": 30},
-        "destination": {"type": "string", "maxLength": 30},
-        "passengers": {"type": "integer", "minimum": 1, "maximum": 9},
-        "cabin": {"type": "string", "enum": ["economy", "business"]}},
-        "required": ["origin", "destination", "passengers"]}}}
+FLIGHT_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "book_flight",
+        "description": "Book a flight for some passengers",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "origin": {"type": "string", "maxLength": 30},
+                "destination": {"type": "string", "maxLength": 30},
+                "passengers": {"type": "integer", "minimum": 1, "maximum": 9},
+                "cabin": {"type": "string", "enum": ["economy", "business"]},
+            },
+            "required": ["origin", "destination", "passengers"],
+        },
+    },
+}
 
 # arithmetic expressions, bounded so that an output ends well within max_tokens
-ARITH = '''root ::= expr
+ARITH = """root ::= expr
 expr ::= term ((" + " | " - ") term){0,3}
 term ::= factor ((" * " | " / ") factor){0,2}
 factor ::= [1-9] [0-9]{0,2} | "(" expr ")"
-'''
+"""
 
 
 def is_arith(text: str) -> bool:
@@ -107,10 +121,18 @@ def test_arith_checker():
 
 # ------------------------------------------------------------------------------------------- no model needed
 
+
 def test_request_fields_map_to_guided_params():
     user = [{"role": "user", "content": "hi"}]
-    g = guided_from_request(ChatCompletionRequest(messages=user, response_format={
-        "type": "json_schema", "json_schema": {"name": "u", "schema": USER_SCHEMA, "strict": True}}))
+    g = guided_from_request(
+        ChatCompletionRequest(
+            messages=user,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "u", "schema": USER_SCHEMA, "strict": True},
+            },
+        )
+    )
     assert g.param == "response_format" and json.loads(g.params.schema_text()) == USER_SCHEMA
     g = guided_from_request(ChatCompletionRequest(messages=user, response_format={"type": "json_object"}))
     assert g.param == "response_format" and json.loads(g.params.schema_text()) == {"type": "object"}
@@ -121,8 +143,9 @@ def test_request_fields_map_to_guided_params():
     g = guided_from_request(CompletionRequest(prompt="x", guided_regex="a+"))
     assert (g.param, g.params.regex) == ("guided_regex", "a+")
     with pytest.raises(APIError) as err:
-        guided_from_request(ChatCompletionRequest(messages=user, guided_grammar="root ::= \"a\"",
-                                                  response_format={"type": "json_object"}))
+        guided_from_request(
+            ChatCompletionRequest(messages=user, guided_grammar='root ::= "a"', response_format={"type": "json_object"})
+        )
     assert err.value.param == "guided_grammar" and "response_format" in err.value.message
     with pytest.raises(APIError) as err:
         guided_from_request(CompletionRequest(prompt="x", guided_json="[1]"))
@@ -139,14 +162,17 @@ def test_openapi_describes_json_schema():
 def _compiled(guided):
     """The constraint compiled as a grammar worker does it (over a two-token vocabulary)."""
     import xgrammar as xgr
+
     from petrel.engine.grammar import _worker_request
     from petrel.engine.grammar_worker import compile_request
+
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo(["a", "</s>"], stop_token_ids=[1]))
     return compile_request(compiler, json.loads(_worker_request(guided)))
 
 
 def _accepts(guided, text: str) -> bool:
     import xgrammar as xgr
+
     matcher = xgr.GrammarMatcher(_compiled(guided))
     return matcher.accept_string(text) and matcher.is_completed()
 
@@ -155,21 +181,22 @@ def test_tool_grammars_accept_exactly_valid_calls():
     weather = WEATHER_TOOL["function"]["parameters"]
     named = named_call_grammar(weather)
     assert _accepts(named, ' {"city": "Paris"}}\n</tool_call>')
-    assert not _accepts(named, ' {"town": "Paris"}}\n</tool_call>')      # not the schema's property
-    assert not _accepts(named, ' {}}\n</tool_call>')                      # city is required
-    assert not _accepts(named, ' {"city": "Paris"}}')                      # the closing tag is part of it
+    assert not _accepts(named, ' {"town": "Paris"}}\n</tool_call>')  # not the schema's property
+    assert not _accepts(named, " {}}\n</tool_call>")  # city is required
+    assert not _accepts(named, ' {"city": "Paris"}}')  # the closing tag is part of it
     assert _accepts(named_call_grammar(None), ' {"anything": [1, {"x": null}]}}\n</tool_call>')
     both = any_call_grammar([("get_weather", weather), ("noop", None)])
     assert _accepts(both, '{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
     assert _accepts(both, '{"name": "noop", "arguments": {}}\n</tool_call>')
     assert not _accepts(both, '{"name": "get_weather", "arguments": {"city": 3}}\n</tool_call>')
     assert not _accepts(both, '{"name": "other", "arguments": {}}\n</tool_call>')
-    assert not _accepts(named, ' {"city":\n"Paris"}}\n</tool_call>')      # compact: no newlines to pad with
-    with pytest.raises(Exception):    # an unusable schema fails to compile (the server's 400 names `tools`)
+    assert not _accepts(named, ' {"city":\n"Paris"}}\n</tool_call>')  # compact: no newlines to pad with
+    with pytest.raises(RuntimeError):  # an unusable schema fails to compile (the server's 400 names `tools`)
         _compiled(named_call_grammar({"type": "object", "properties": {"a": {"type": "frob"}}}))
 
 
 # ------------------------------------------------------------------------------------------- helpers
+
 
 def parallel(*calls):
     """Run the thunks concurrently (the engine batches their requests); results in order."""
@@ -184,13 +211,19 @@ def chat(client, content, **kw):
 
 # ------------------------------------------------------------------------------------------- response_format
 
+
 @pytest.mark.e2e
 def test_response_format_json_schema_and_json_object(client):
     schema_format = {"type": "json_schema", "json_schema": {"name": "user", "schema": USER_SCHEMA, "strict": True}}
     ask_user = "Describe a fictional user of a website as JSON."
     ask_object = 'Give a JSON object with keys "name" and "age" for a cat.'
-    results = parallel(*[lambda t=t, fmt=fmt, q=q: chat(client, q, temperature=t, seed=7, response_format=fmt)
-                         for t in (0, 1) for fmt, q in ((schema_format, ask_user), ({"type": "json_object"}, ask_object))])
+    results = parallel(
+        *[
+            lambda t=t, fmt=fmt, q=q: chat(client, q, temperature=t, seed=7, response_format=fmt)
+            for t in (0, 1)
+            for fmt, q in ((schema_format, ask_user), ({"type": "json_object"}, ask_object))
+        ]
+    )
     for r in results[0::2]:
         choice = r.choices[0]
         assert choice.finish_reason == "stop", choice
@@ -210,8 +243,13 @@ class Pet(BaseModel):
 
 @pytest.mark.e2e
 def test_parse_into_a_pydantic_model(client):
-    r = client.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "Invent a pet."}],
-                                      response_format=Pet, max_completion_tokens=96, temperature=0)
+    r = client.chat.completions.parse(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Invent a pet."}],
+        response_format=Pet,
+        max_completion_tokens=96,
+        temperature=0,
+    )
     pet = r.choices[0].message.parsed
     assert isinstance(pet, Pet), r
     assert pet == Pet.model_validate_json(r.choices[0].message.content)
@@ -237,35 +275,59 @@ def test_streamed_json_equals_non_streamed(client):
 
 # ------------------------------------------------------------------------------------------- guided_* extras
 
+
 @pytest.mark.e2e
 def test_guided_extras_on_both_endpoints(client):
-    cases = [({"guided_regex": r"\d{3}-\d{4}"}, "Give me a phone number.", lambda s: re.fullmatch(r"\d{3}-\d{4}", s)),
-             ({"guided_choice": ["yes", "no", "maybe"]}, "Is the sky green?", lambda s: s in ("yes", "no", "maybe")),
-             ({"guided_grammar": ARITH}, "Write an arithmetic expression.", is_arith),
-             ({"guided_json": json.dumps(USER_SCHEMA)}, "A user as JSON:",
-              lambda s: jsonschema.validate(json.loads(s), USER_SCHEMA) is None)]
+    cases = [
+        ({"guided_regex": r"\d{3}-\d{4}"}, "Give me a phone number.", lambda s: re.fullmatch(r"\d{3}-\d{4}", s)),
+        ({"guided_choice": ["yes", "no", "maybe"]}, "Is the sky green?", lambda s: s in ("yes", "no", "maybe")),
+        ({"guided_grammar": ARITH}, "Write an arithmetic expression.", is_arith),
+        (
+            {"guided_json": json.dumps(USER_SCHEMA)},
+            "A user as JSON:",
+            lambda s: jsonschema.validate(json.loads(s), USER_SCHEMA) is None,
+        ),
+    ]
     jobs = []
     for body, prompt, _ in cases:
         common = dict(temperature=0.8, seed=3, extra_body=body)
-        jobs += [lambda p=prompt, c=common: chat(client, p, **c).choices[0],
-                 lambda p=prompt, c=common: client.completions.create(model=MODEL, prompt=p, max_tokens=128,
-                                                                      **c).choices[0]]
+        jobs += [
+            lambda p=prompt, c=common: chat(client, p, **c).choices[0],
+            lambda p=prompt, c=common: client.completions.create(model=MODEL, prompt=p, max_tokens=128, **c).choices[0],
+        ]
     results = parallel(*jobs)
     for i, (body, _, check) in enumerate(cases):
-        for choice in results[2 * i:2 * i + 2]:
+        for choice in results[2 * i : 2 * i + 2]:
             text = choice.message.content if hasattr(choice, "message") else choice.text
             assert choice.finish_reason == "stop" and check(text), (body, choice)
 
 
 # ------------------------------------------------------------------------------------------- tools
 
+
 @pytest.mark.e2e
 def test_named_tool_call_arguments_follow_the_schema(client):
-    prompts = ["Book me a flight from Paris to Rome for two people.", "I need to fly to Tokyo from Oslo, business class.",
-               "Get three of us from Lima to Quito.", "What is the weather like?"]
+    prompts = [
+        "Book me a flight from Paris to Rome for two people.",
+        "I need to fly to Tokyo from Oslo, business class.",
+        "Get three of us from Lima to Quito.",
+        "What is the weather like?",
+    ]
     choice = {"type": "function", "function": {"name": "book_flight"}}
-    results = parallel(*[lambda p=p: chat(client, p, tools=[WEATHER_TOOL, FLIGHT_TOOL], tool_choice=choice,
-                                          temperature=0.7, seed=11, max_completion_tokens=96) for p in prompts])
+    results = parallel(
+        *[
+            lambda p=p: chat(
+                client,
+                p,
+                tools=[WEATHER_TOOL, FLIGHT_TOOL],
+                tool_choice=choice,
+                temperature=0.7,
+                seed=11,
+                max_completion_tokens=96,
+            )
+            for p in prompts
+        ]
+    )
     for r in results:
         c = r.choices[0]
         assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1, c
@@ -278,8 +340,12 @@ def test_named_tool_call_arguments_follow_the_schema(client):
 def test_required_tool_choice_with_two_tools(client):
     tools = [WEATHER_TOOL, FLIGHT_TOOL]
     prompts = ["Is it raining in Berlin?", "Fly me from Madrid to Lisbon."]
-    results = parallel(*[lambda p=p: chat(client, p, tools=tools, tool_choice="required", temperature=0,
-                                          max_completion_tokens=96) for p in prompts])
+    results = parallel(
+        *[
+            lambda p=p: chat(client, p, tools=tools, tool_choice="required", temperature=0, max_completion_tokens=96)
+            for p in prompts
+        ]
+    )
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
     for r in results:
         c = r.choices[0]
@@ -292,14 +358,16 @@ def test_required_tool_choice_with_two_tools(client):
 def test_tool_grammars_parse_to_the_same_calls(llm):
     """The text a tool grammar allows parses to that call (the server's parser, with the server's prefill)."""
     from petrel import SamplingParams
-    for prefill, guided in ((named_prefill("get_weather"), named_call_grammar(WEATHER_TOOL["function"]["parameters"])),
-                            (CALL_START, any_call_grammar([("get_weather", WEATHER_TOOL["function"]["parameters"]),
-                                                           ("noop", None)]))):
+
+    for prefill, guided in (
+        (named_prefill("get_weather"), named_call_grammar(WEATHER_TOOL["function"]["parameters"])),
+        (CALL_START, any_call_grammar([("get_weather", WEATHER_TOOL["function"]["parameters"]), ("noop", None)])),
+    ):
         prompt = llm.tokenizer("What is the weather in Oslo? Call a tool.\n" + prefill)["input_ids"]
         out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=64, guided_decoding=guided)).outputs[0]
         assert out.finish_reason == "stop" and out.text.endswith("</tool_call>"), out.text
         (call,) = parse_all(out.text, prefix=prefill).calls
-        body = json.loads((prefill + out.text)[len("<tool_call>"):-len("</tool_call>")])
+        body = json.loads((prefill + out.text)[len("<tool_call>") : -len("</tool_call>")])
         assert call.name == body["name"] and json.loads(call.arguments) == body["arguments"]
         if call.name == "get_weather":
             jsonschema.validate(body["arguments"], WEATHER_TOOL["function"]["parameters"])
@@ -319,17 +387,42 @@ BAD = [
     (CMPL, {"guided_json": 5}, "guided_json"),
     (CHAT, {"guided_choice": []}, "guided_choice"),
     (CMPL, {"guided_choice": [""]}, "guided_choice"),
-    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "not an object"}}},
-     "response_format.json_schema.schema"),
-    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-        "type": "object", "properties": {"a": {"type": "frob"}}}}}}, "response_format"),
+    (
+        CHAT,
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "not an object"}}},
+        "response_format.json_schema.schema",
+    ),
+    (
+        CHAT,
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "frob"}}}},
+            }
+        },
+        "response_format",
+    ),
     (CHAT, {"response_format": {"type": "json_schema"}}, "response_format"),
     (CHAT, {"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex"),
     (CMPL, {"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
-    (CMPL, {"response_format": {"type": "json_object"}}, "response_format"),   # a chat-only field
+    (CMPL, {"response_format": {"type": "json_object"}}, "response_format"),  # a chat-only field
     (CHAT, {"guided_regex": "a+", "tools": [WEATHER_TOOL], "tool_choice": "required"}, "guided_regex"),
-    (CHAT, {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"a": {"$ref": "#/nope"}}}}}], "tool_choice": "required"}, "tools"),
+    (
+        CHAT,
+        {
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "f",
+                        "parameters": {"type": "object", "properties": {"a": {"$ref": "#/nope"}}},
+                    },
+                }
+            ],
+            "tool_choice": "required",
+        },
+        "tools",
+    ),
 ]
 
 
@@ -346,14 +439,16 @@ def test_bad_guided_requests_are_400s_and_the_server_keeps_serving(llm, server, 
         assert error["type"] == "invalid_request_error"
     r = chat(client, "Say hi.", max_completion_tokens=4, temperature=0)
     assert r.choices[0].message.content
-    r = client.completions.create(model=MODEL, prompt="Still here?", max_tokens=8, temperature=0,
-                                  extra_body={"guided_regex": "(yes|no)!"})
+    r = client.completions.create(
+        model=MODEL, prompt="Still here?", max_tokens=8, temperature=0, extra_body={"guided_regex": "(yes|no)!"}
+    )
     assert r.choices[0].text in ("yes!", "no!")
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert free_blocks(llm) == baseline
 
 
 # ------------------------------------------------------------------------------------------- bounded compiles
+
 
 def _slow_schema(repeats: int, tag: str) -> dict:
     """A schema of a few bytes whose compile grows with repeats squared (~9 s at 12000 on a 2-core CPU)."""
@@ -368,12 +463,18 @@ def _deep_schema(levels: int) -> dict:
     return schema
 
 
-OVERSIZED = [   # each over one default GuidedDecodingLimits limit
-    (CMPL, {"guided_choice": [f"choice number {i}" for i in range(100_000)]}, "guided_choice"),    # minutes, ~1 GB
-    (CHAT, {"guided_json": {"type": "object", "properties": {f"f{i}": {"type": "integer"} for i in range(3000)}}},
-     "guided_json"),
-    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": _deep_schema(80)}}},
-     "response_format"),
+OVERSIZED = [  # each over one default GuidedDecodingLimits limit
+    (CMPL, {"guided_choice": [f"choice number {i}" for i in range(100_000)]}, "guided_choice"),  # minutes, ~1 GB
+    (
+        CHAT,
+        {"guided_json": {"type": "object", "properties": {f"f{i}": {"type": "integer"} for i in range(3000)}}},
+        "guided_json",
+    ),
+    (
+        CHAT,
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": _deep_schema(80)}}},
+        "response_format",
+    ),
     (CMPL, {"guided_regex": "|".join(f"word{i}" for i in range(3000))}, "guided_regex"),
     (CHAT, {"guided_grammar": "root ::= " + " | ".join(f'"w{i}" [0-9]*' for i in range(9000))}, "guided_grammar"),
 ]
@@ -411,6 +512,7 @@ def test_slow_compiles_are_400s_and_health_stays_fast(llm, server, client, monke
     def slow(i):
         body = {"model": MODEL, "prompt": "hi", "max_tokens": 1, "guided_json": _slow_schema(12_000, f"field{i}")}
         return httpx.post(f"{server.url}{CMPL}", json=body, timeout=30)
+
     poller = threading.Thread(target=poll)
     poller.start()
     try:
@@ -423,10 +525,11 @@ def test_slow_compiles_are_400s_and_health_stays_fast(llm, server, client, monke
         timed_out = r.status_code == 400 and error["param"] == "guided_json" and "longer than 1 s" in error["message"]
         assert timed_out or (r.status_code, error["code"]) == (429, "server_overloaded"), r.text
     assert any(r.status_code == 400 for r in responses)
-    slowest = max(answers, key=lambda a: a[2])     # behind the compiles, it was the compile's seconds (43 s seen)
-    assert all(status == 200 for _, status, _ in answers) and slowest[2] < 5, slowest   # < 5: a busy shared CPU
-    r = client.completions.create(model=MODEL, prompt="Still here?", max_tokens=8, temperature=0,
-                                  extra_body={"guided_regex": "(yes|no)!"})
+    slowest = max(answers, key=lambda a: a[2])  # behind the compiles, it was the compile's seconds (43 s seen)
+    assert all(status == 200 for _, status, _ in answers) and slowest[2] < 5, slowest  # < 5: a busy shared CPU
+    r = client.completions.create(
+        model=MODEL, prompt="Still here?", max_tokens=8, temperature=0, extra_body={"guided_regex": "(yes|no)!"}
+    )
     assert r.choices[0].text in ("yes!", "no!")
 
 
@@ -434,7 +537,7 @@ def test_slow_compiles_are_400s_and_health_stays_fast(llm, server, client, monke
 def test_concurrent_identical_guided_requests_compile_once(llm, server):
     compiler = llm.engine.grammar_compiler
     before = compiler.num_compiled
-    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1, "guided_json": _slow_schema(3000, "same")}   # ~0.5 s
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1, "guided_json": _slow_schema(3000, "same")}  # ~0.5 s
     responses = parallel(*[lambda: httpx.post(f"{server.url}{CMPL}", json=body, timeout=60) for _ in range(4)])
     assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
     assert compiler.num_compiled == before + 1

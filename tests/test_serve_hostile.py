@@ -1,5 +1,6 @@
 """Hostile inputs against the real server: each one gets a 4xx with a clear message naming the problem (or, where
 the input is legitimate, a well-formed 200) in bounded time, never a 500, and the server keeps serving."""
+
 from __future__ import annotations
 
 import json
@@ -15,7 +16,7 @@ from tests.conftest import free_blocks
 
 pytestmark = pytest.mark.e2e
 
-SMALL_CONTEXT = 48     # the server's context limit in the at-the-limit cases (generation there stays cheap)
+SMALL_CONTEXT = 48  # the server's context limit in the at-the-limit cases (generation there stays cheap)
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,7 @@ def server(llm):
 @pytest.fixture(scope="module")
 def small_server(llm):
     app = build_app(llm, max_n=4)
-    app.state.petrel.limits.max_model_len = SMALL_CONTEXT     # as if the model's context were 48 tokens
+    app.state.petrel.limits.max_model_len = SMALL_CONTEXT  # as if the model's context were 48 tokens
     with BackgroundServer(app) as srv:
         yield srv
 
@@ -64,26 +65,70 @@ USER = [{"role": "user", "content": "Hi"}]
 CASES = [
     ("invalid_utf8_bytes", C, b'{"prompt": "ab\xff\xfe\xc3(", "max_tokens": 2}', {400}, "JSON"),
     ("lone_surrogate_escape", C, raw('{"prompt": "x\\ud800y", "max_tokens": 2}'), {400}, "prompt"),
-    ("lone_surrogate_in_chat", CHAT, raw('{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 2}'),
-     {400}, "messages"),
+    (
+        "lone_surrogate_in_chat",
+        CHAT,
+        raw('{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 2}'),
+        {400},
+        "messages",
+    ),
     ("lone_surrogate_in_stop", C, raw('{"prompt": "hi", "stop": ["\\ud83d"], "max_tokens": 2}'), {400}, "stop"),
     ("control_characters", C, {"prompt": "a\x00b\x01\x07\x1b[31m\x7f\u202e\ufeff", "max_tokens": 2}, {200}, None),
-    ("control_characters_chat", CHAT, {"messages": [{"role": "user", "content": "\x00\x1b\x08"}], "max_tokens": 2},
-     {200}, None),
+    (
+        "control_characters_chat",
+        CHAT,
+        {"messages": [{"role": "user", "content": "\x00\x1b\x08"}], "max_tokens": 2},
+        {200},
+        None,
+    ),
     ("stop_5000_strings", C, {"prompt": "hi", "max_tokens": 2, "stop": [f"s{i}" for i in range(5000)]}, {400}, "stop"),
-    ("stop_just_over_limit", CHAT, {"messages": USER, "max_tokens": 2, "stop": ["x"] * (MAX_STOP_STRINGS + 1)},
-     {400}, "stop"),
-    ("stop_at_limit", C, {"prompt": "hi", "max_tokens": 2, "stop": [f"z{i}" for i in range(MAX_STOP_STRINGS)]},
-     {200}, None),
+    (
+        "stop_just_over_limit",
+        CHAT,
+        {"messages": USER, "max_tokens": 2, "stop": ["x"] * (MAX_STOP_STRINGS + 1)},
+        {400},
+        "stop",
+    ),
+    (
+        "stop_at_limit",
+        C,
+        {"prompt": "hi", "max_tokens": 2, "stop": [f"z{i}" for i in range(MAX_STOP_STRINGS)]},
+        {200},
+        None,
+    ),
     ("catastrophic_regex", C, {"prompt": "Say a:", "max_tokens": 6, "guided_regex": "(a+)+$"}, {200, 400}, "regex"),
-    ("catastrophic_regex_nested", C, {"prompt": "Say a:", "max_tokens": 6, "guided_regex": "((a|aa)+)+(b|c)*\\1$"},
-     {200, 400}, "regex"),
-    ("json_schema_depth_200", C, {"prompt": "{", "max_tokens": 4, "guided_json": nested_schema(200)}, {200, 400},
-     "guided_json"),
-    ("json_schema_self_ref", C, {"prompt": "{", "max_tokens": 4, "guided_json": {"$ref": "#"}}, {200, 400},
-     "guided_json"),
-    ("json_schema_self_ref_property", C, {"prompt": "{", "max_tokens": 4, "guided_json": {
-        "type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}}, {200, 400}, "guided_json"),
+    (
+        "catastrophic_regex_nested",
+        C,
+        {"prompt": "Say a:", "max_tokens": 6, "guided_regex": "((a|aa)+)+(b|c)*\\1$"},
+        {200, 400},
+        "regex",
+    ),
+    (
+        "json_schema_depth_200",
+        C,
+        {"prompt": "{", "max_tokens": 4, "guided_json": nested_schema(200)},
+        {200, 400},
+        "guided_json",
+    ),
+    (
+        "json_schema_self_ref",
+        C,
+        {"prompt": "{", "max_tokens": 4, "guided_json": {"$ref": "#"}},
+        {200, 400},
+        "guided_json",
+    ),
+    (
+        "json_schema_self_ref_property",
+        C,
+        {
+            "prompt": "{",
+            "max_tokens": 4,
+            "guided_json": {"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]},
+        },
+        {200, 400},
+        "guided_json",
+    ),
     ("json_body_nested_100k", C, raw('{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}"), {400}, "JSON"),
     ("wrong_role", CHAT, {"messages": [{"role": "wizard", "content": "hi"}], "max_tokens": 2}, {400}, "role"),
     ("role_missing", CHAT, {"messages": [{"content": "hi"}], "max_tokens": 2}, {400}, "role"),
@@ -97,8 +142,13 @@ CASES = [
     ("max_tokens_2_pow_70", C, {"prompt": "hi", "max_tokens": 2**70}, {400}, "max_tokens"),
     ("max_tokens_float", C, {"prompt": "hi", "max_tokens": 1.5}, {400}, "max_tokens"),
     ("temperature_nan", C, raw('{"prompt": "hi", "max_tokens": 1, "temperature": NaN}'), {400}, "temperature"),
-    ("temperature_infinity", C, raw('{"prompt": "hi", "max_tokens": 1, "temperature": Infinity}'), {400},
-     "temperature"),
+    (
+        "temperature_infinity",
+        C,
+        raw('{"prompt": "hi", "max_tokens": 1, "temperature": Infinity}'),
+        {400},
+        "temperature",
+    ),
     ("prompt_1mb", C, {"prompt": "lorem ipsum " * 87_382, "max_tokens": 1}, {400}, "prompt"),
     ("prompt_ids_over_context", C, {"prompt": [1] * 100_000, "max_tokens": 1}, {400}, "prompt"),
     ("prompt_ids_out_of_vocab", C, {"prompt": [1, 2, 10**9], "max_tokens": 1}, {400}, "prompt"),
@@ -107,21 +157,54 @@ CASES = [
     ("prompt_empty_list", C, {"prompt": [], "max_tokens": 2}, {400}, "prompt"),
     ("prompt_list_of_empty", C, {"prompt": ["", "hi"], "max_tokens": 2}, {400}, "prompt"),
     ("prompt_too_many", C, {"prompt": ["hi"] * 10_000, "max_tokens": 1}, {400}, "prompt"),
-    ("logit_bias_100k_keys", C, {"prompt": "hi", "max_tokens": 1, "logit_bias": {str(i): 1 for i in range(100_000)}},
-     {400}, "logit_bias"),
+    (
+        "logit_bias_100k_keys",
+        C,
+        {"prompt": "hi", "max_tokens": 1, "logit_bias": {str(i): 1 for i in range(100_000)}},
+        {400},
+        "logit_bias",
+    ),
     ("top_k_vocab_plus_1", C, {"prompt": "hi", "max_tokens": 2, "top_k": 49153}, {400}, "top_k"),
     ("top_k_2_pow_63", CHAT, {"messages": USER, "max_tokens": 2, "top_k": 2**63}, {400}, "top_k"),
     ("top_k_2_pow_70", C, {"prompt": "hi", "max_tokens": 2, "top_k": 2**70}, {400}, "top_k"),
     ("temperature_1e_minus_45", C, {"prompt": "hi", "max_tokens": 2, "temperature": 1e-45}, {200}, None),
-    ("tool_properties_not_schemas", CHAT, {"messages": USER, "max_tokens": 2, "tools": [tool({
-        "type": "object", "properties": {"a": 5}})]}, {400}, "tools.0.function.parameters"),
-    ("tool_required_not_a_list", CHAT, {"messages": USER, "max_tokens": 2, "tools": [tool({
-        "type": "object", "properties": {"a": {"type": "string"}}, "required": 5})]}, {400},
-     "tools.0.function.parameters"),
-    ("tool_forced_bad_schema", CHAT, {"messages": USER, "max_tokens": 2, "tool_choice": "required", "tools": [tool({
-        "type": "object", "properties": [1, 2]})]}, {400}, "tools.0.function.parameters"),
-    ("lone_surrogate_70_deep_in_tool", CHAT, raw(json.dumps({"messages": USER, "max_tokens": 2, "tools": [tool(
-        nested("\ud800", 70))]})), {400}, "tools"),     # json.dumps writes the lone surrogate as a \\ud800 escape
+    (
+        "tool_properties_not_schemas",
+        CHAT,
+        {"messages": USER, "max_tokens": 2, "tools": [tool({"type": "object", "properties": {"a": 5}})]},
+        {400},
+        "tools.0.function.parameters",
+    ),
+    (
+        "tool_required_not_a_list",
+        CHAT,
+        {
+            "messages": USER,
+            "max_tokens": 2,
+            "tools": [tool({"type": "object", "properties": {"a": {"type": "string"}}, "required": 5})],
+        },
+        {400},
+        "tools.0.function.parameters",
+    ),
+    (
+        "tool_forced_bad_schema",
+        CHAT,
+        {
+            "messages": USER,
+            "max_tokens": 2,
+            "tool_choice": "required",
+            "tools": [tool({"type": "object", "properties": [1, 2]})],
+        },
+        {400},
+        "tools.0.function.parameters",
+    ),
+    (
+        "lone_surrogate_70_deep_in_tool",
+        CHAT,
+        raw(json.dumps({"messages": USER, "max_tokens": 2, "tools": [tool(nested("\ud800", 70))]})),
+        {400},
+        "tools",
+    ),  # json.dumps writes the lone surrogate as a \\ud800 escape
     ("prompt_list_of_bools", C, {"prompt": [True, False], "max_tokens": 2}, {400}, "prompt"),
     ("max_tokens_true", C, {"prompt": "hi", "max_tokens": True}, {400}, "max_tokens"),
     ("n_as_string", C, {"prompt": "hi", "max_tokens": 1, "n": "2"}, {400}, "n"),
@@ -146,7 +229,9 @@ def test_hostile_input(server, name, path, body, statuses, names):
     assert elapsed < 60, f"{name} took {elapsed:.1f} s"
     data = r.json()
     if r.status_code == 200:
-        assert data["choices"] and all(isinstance(c.get("text", c.get("message")), (str, dict)) for c in data["choices"])
+        assert data["choices"] and all(
+            isinstance(c.get("text", c.get("message")), (str, dict)) for c in data["choices"]
+        )
         assert data["usage"]["completion_tokens"] >= 1
         return
     err = data["error"]
@@ -174,10 +259,11 @@ def test_max_tokens_at_and_past_the_context(small_server, llm, path, key):
 
 
 def test_the_server_keeps_serving_after_hostile_inputs(server, llm):
-    for name, path, body, _, _ in CASES[:20]:
+    for _, path, body, _, _ in CASES[:20]:
         post(server.url + path, body)
-    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 4},
-                   timeout=60)
+    r = httpx.post(
+        f"{server.url}/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 4}, timeout=60
+    )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
     deadline = time.monotonic() + 15

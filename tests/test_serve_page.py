@@ -1,4 +1,5 @@
 """The chat page at GET /: plain files from petrel/serve/static, public even when the API needs a key."""
+
 from __future__ import annotations
 
 import json
@@ -24,7 +25,7 @@ def test_page_is_html_and_names_its_endpoints(server):
     assert r.headers["content-type"].startswith("text/html")
     page = r.text
     assert "<title>petrel chat</title>" in page
-    assert '/static/app.js' in page and '/static/style.css' in page
+    assert "/static/app.js" in page and "/static/style.css" in page
     js = httpx.get(f"{server.url}/static/app.js").text
     for endpoint in ("/v1/models", "/v1/chat/completions"):
         assert endpoint in js
@@ -56,8 +57,14 @@ def test_page_is_public_when_the_api_needs_a_key(llm):
 def test_the_request_the_page_sends_streams_content_then_usage(server):
     """The body app.js posts: SSE `data:` lines of chunks, a usage chunk (for tokens/s), then [DONE]."""
     model = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
-    body = {"model": model, "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
-            "stream": True, "stream_options": {"include_usage": True}, "temperature": 0.7, "max_tokens": 4}
+    body = {
+        "model": model,
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0.7,
+        "max_tokens": 4,
+    }
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         data = [line[5:].strip() for line in r.iter_lines() if line.startswith("data:")]

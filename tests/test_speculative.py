@@ -1,12 +1,14 @@
 """Speculative decoding on the tiny random Llama: every method's greedy tokens (and logprobs) equal plain
 decoding's, in batches mixed with plain requests, under preemption, with stop words and max_tokens; a draft
 model equal to the target has every draft accepted; sampled tokens keep the target's distribution."""
+
 from __future__ import annotations
 
 import copy
 
 import pytest
 import torch
+from tiny_llama import _tokens
 
 from petrel.config import EngineConfig, SpeculativeConfig
 from petrel.engine.engine_core import EngineCore
@@ -15,7 +17,6 @@ from petrel.engine.sampler import Sampler
 from petrel.engine.sequence import EngineRequest, Sequence
 from petrel.engine.speculative import NgramProposer
 from petrel.sampling_params import SamplingParams
-from tiny_llama import _tokens
 
 METHODS = ["ngram", "self", "draft-same", "draft-other"]
 
@@ -30,8 +31,9 @@ def make_core(t, tiny, method: str | None, num_blocks: int = 512, k: int = 3) ->
         spec, draft = SpeculativeConfig("draft_model", k, draft_model=t.path), (t.model, t.cfg)
     elif method == "draft-other":
         spec, draft = SpeculativeConfig("draft_model", k, draft_model=t.path), (perturbed(t.model), t.cfg)
-    config = EngineConfig(block_size=4, kv_cache_memory=num_blocks * kv_bytes_per_block(t.cfg, 4, torch.float32),
-                          speculative_config=spec)
+    config = EngineConfig(
+        block_size=4, kv_cache_memory=num_blocks * kv_bytes_per_block(t.cfg, 4, torch.float32), speculative_config=spec
+    )
     return EngineCore(config, t.model, t.cfg, draft_model=draft)
 
 
@@ -77,8 +79,9 @@ def batch_requests():
     reqs = []
     for i, (n, max_tokens) in enumerate([(3, 20), (17, 9), (40, 25), (8, 1), (26, 14), (11, 30)]):
         prompt = repetitive(n, 100 + i) if i % 2 else _tokens(n, 100 + i)
-        reqs.append((f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                                                      logprobs=2)))
+        reqs.append(
+            (f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2))
+        )
     reqs.append(("n2", _tokens(9, 120), SamplingParams(temperature=0.0, max_tokens=12, n=2, ignore_eos=True)))
     reqs.append(("beam", _tokens(6, 121), SamplingParams(max_tokens=6, use_beam_search=True, beam_width=2, n=2)))
     return reqs
@@ -111,9 +114,9 @@ def test_greedy_tokens_and_logprobs_equal_plain_decoding(tiny, plain_outputs, me
     accepted = sum(s.num_accepted_tokens for s in stats)
     assert drafted > 0, "no draft was ever verified"
     if method == "draft-same":
-        assert accepted == drafted                # the draft is the target: every draft is right
+        assert accepted == drafted  # the draft is the target: every draft is right
     if method == "draft-other":
-        assert 0 < accepted < drafted             # both paths: accepted drafts and rolled-back ones
+        assert 0 < accepted < drafted  # both paths: accepted drafts and rolled-back ones
     # per-sequence stats on the final output
     final = outs[("r2", 0)][-1]
     assert final.spec_verify_ct is not None and final.spec_verify_ct > 0
@@ -123,8 +126,10 @@ def test_greedy_tokens_and_logprobs_equal_plain_decoding(tiny, plain_outputs, me
 @pytest.mark.parametrize("method", ["ngram", "draft-other"])
 def test_preemption_with_drafts_gives_the_same_tokens(tiny, method):
     t = tiny(2, False)
-    reqs = [(f"p{i}", repetitive(10 + 3 * i, 200 + i), SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
-            for i in range(6)]
+    reqs = [
+        (f"p{i}", repetitive(10 + 3 * i, 200 + i), SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+        for i in range(6)
+    ]
     plain, _ = run(make_core(t, tiny, None), reqs)
     core = make_core(t, tiny, method, num_blocks=30)
     outs, _ = run(core, reqs)
@@ -136,12 +141,16 @@ def test_preemption_with_drafts_gives_the_same_tokens(tiny, method):
 def test_max_tokens_stop_tokens_and_stop_words_cut_where_plain_decoding_does(tiny):
     t = tiny(2, False)
     prompt = repetitive(12, 300)
-    free = tokens_of(run(make_core(t, tiny, None), [("f", prompt, SamplingParams(temperature=0.0, max_tokens=30,
-                                                                                  ignore_eos=True))])[0][("f", 0)])
-    for params in [SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
-                   SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[free[9]], ignore_eos=True),
-                   SamplingParams(temperature=0.0, max_tokens=30, stop=None, ignore_eos=True,
-                                  stop_token_sequences=[free[4:6]])]:
+    free = tokens_of(
+        run(make_core(t, tiny, None), [("f", prompt, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))])[
+            0
+        ][("f", 0)]
+    )
+    for params in [
+        SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[free[9]], ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=30, stop=None, ignore_eos=True, stop_token_sequences=[free[4:6]]),
+    ]:
         expected = tokens_of(run(make_core(t, tiny, None), [("e", prompt, params)])[0][("e", 0)])
         got = tokens_of(run(make_core(t, tiny, "draft-same", k=4), [("e", prompt, params)])[0][("e", 0)])
         assert got == expected
@@ -152,22 +161,25 @@ def test_ngram_lookup_continues_the_latest_longest_match():
     p = NgramProposer(min_n=1, max_n=3)
     #        0  1  2  3  4  5  6  7  8  9
     tokens = [5, 6, 7, 8, 5, 6, 9, 1, 5, 6]
-    assert p.lookup(tokens, 2) == [9, 1]          # latest earlier "5 6" is at 4..5
+    assert p.lookup(tokens, 2) == [9, 1]  # latest earlier "5 6" is at 4..5
     assert p.lookup(tokens + [9], 3) == [1, 5, 6]  # "5 6 9" (3-gram) wins over shorter ones
-    assert p.lookup([1, 2, 3, 4], 3) == []          # no earlier occurrence of any suffix
+    assert p.lookup([1, 2, 3, 4], 3) == []  # no earlier occurrence of any suffix
     assert p.lookup([7], 3) == []
-    assert NgramProposer(min_n=2, max_n=2).lookup([4, 1, 2, 4, 9, 4], 2) == []   # only 1-grams would match
-    assert p.lookup([3, 3, 3, 3], 5) == [3]        # never past the end
+    assert NgramProposer(min_n=2, max_n=2).lookup([4, 1, 2, 4, 9, 4], 2) == []  # only 1-grams would match
+    assert p.lookup([3, 3, 3, 3], 5) == [3]  # never past the end
 
 
-@pytest.mark.parametrize("bad, field", [
-    (dict(method="medusa"), "method"),
-    (dict(num_speculative_tokens=0), "num_speculative_tokens"),
-    (dict(prompt_lookup_min=3, prompt_lookup_max=2), "prompt_lookup_min"),
-    (dict(method="draft_model"), "draft_model"),
-    (dict(method="self", draft_num_layers=0), "draft_num_layers"),
-    (dict(nonsense=1), "nonsense"),
-])
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        (dict(method="medusa"), "method"),
+        (dict(num_speculative_tokens=0), "num_speculative_tokens"),
+        (dict(prompt_lookup_min=3, prompt_lookup_max=2), "prompt_lookup_min"),
+        (dict(method="draft_model"), "draft_model"),
+        (dict(method="self", draft_num_layers=0), "draft_num_layers"),
+        (dict(nonsense=1), "nonsense"),
+    ],
+)
 def test_bad_speculative_config_is_a_value_error_naming_the_field(bad, field):
     with pytest.raises(ValueError, match=field):
         EngineConfig(speculative_config=bad)
@@ -175,8 +187,11 @@ def test_bad_speculative_config_is_a_value_error_naming_the_field(bad, field):
 
 def test_self_speculation_needs_fewer_layers_than_the_model(tiny):
     t = tiny(2, False)
-    config = EngineConfig(block_size=4, kv_cache_memory=64 * kv_bytes_per_block(t.cfg, 4, torch.float32),
-                          speculative_config={"method": "self", "draft_num_layers": t.cfg.num_hidden_layers})
+    config = EngineConfig(
+        block_size=4,
+        kv_cache_memory=64 * kv_bytes_per_block(t.cfg, 4, torch.float32),
+        speculative_config={"method": "self", "draft_num_layers": t.cfg.num_hidden_layers},
+    )
     with pytest.raises(ValueError, match="draft_num_layers"):
         EngineCore(config, t.model, t.cfg)
 
@@ -223,13 +238,14 @@ def test_sampled_outputs_keep_the_target_distribution_end_to_end(tiny):
     core = make_core(t, tiny, "draft-other", num_blocks=2048)
     n = 1500
     outs, stats = run(core, [(i, prompt, SamplingParams(seed=i, **params)) for i in range(n)])
-    assert sum(s.num_draft_tokens for s in stats) >= n        # the second token was verified every time
+    assert sum(s.num_draft_tokens for s in stats) >= n  # the second token was verified every time
     second = torch.tensor([tokens_of(outs[(i, 0)])[1] for i in range(n)])
 
     def top4_probs(ids):
         logits = t.hf_logits(ids)[-1].double()
         logits[logits < logits.topk(4).values[-1]] = float("-inf")
         return torch.softmax(logits, dim=0)
+
     first = top4_probs(prompt)
     marginal = sum(first[a] * top4_probs(prompt + [a]) for a in first.nonzero().flatten().tolist())
     counts = torch.bincount(second, minlength=marginal.numel()).double()

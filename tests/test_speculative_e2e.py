@@ -1,6 +1,7 @@
 """Speculative decoding end to end on the default model: each method's greedy tokens equal plain decoding's
 for a batch of prompts; a draft model equal to the target has every draft accepted; guided decoding, stop
 strings, logprobs, n > 1 and streaming work with drafts; acceptance shows in outputs and /metrics."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,10 @@ from petrel.model.loader import default_model_path
 
 pytestmark = pytest.mark.e2e
 
-TEXT = ("Petrels are seabirds that spend most of their lives over the open ocean. They feed on fish, squid and "
-        "krill, and come to land only to breed, often on remote islands.")
+TEXT = (
+    "Petrels are seabirds that spend most of their lives over the open ocean. They feed on fish, squid and "
+    "krill, and come to land only to breed, often on remote islands."
+)
 QUESTIONS = [
     f"Repeat this text exactly: {TEXT}",
     f"Rewrite this text in the past tense: {TEXT}",
@@ -60,20 +63,26 @@ def test_greedy_batch_equals_plain_decoding(spec_llm, prompts, plain):
     assert [o.outputs[0].token_ids for o in outputs] == plain
     drafted, accepted = (a - b for a, b in zip(_draft_totals(llm), before))
     assert drafted > 0
-    if method == "draft_model":          # the draft is the target itself
+    if method == "draft_model":  # the draft is the target itself
         assert accepted == drafted
-    if method == "ngram":                # the repeat and rewrite prompts copy their text
+    if method == "ngram":  # the repeat and rewrite prompts copy their text
         assert accepted > 0.3 * drafted
     rounds = [o.outputs[0].spec_verify_ct for o in outputs]
     assert all(r is not None for r in rounds) and sum(rounds) > 0
     assert all(o.outputs[0].accept_draft_tokens is not None for o in outputs)
 
 
-@pytest.mark.parametrize("spec_llm", ["ngram"], indirect=True)   # one method is enough for the feature mix; the
-def test_guided_json_stop_strings_logprobs_and_n_with_drafts(llm, spec_llm, prompts):   # tiny-model tests cover all
+@pytest.mark.parametrize("spec_llm", ["ngram"], indirect=True)  # one method is enough for the feature mix; the
+def test_guided_json_stop_strings_logprobs_and_n_with_drafts(llm, spec_llm, prompts):  # tiny-model tests cover all
     _, sllm = spec_llm
-    schema = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array",
-              "items": {"type": "string"}, "maxItems": 3}}, "required": ["name", "tags"]}
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
+        },
+        "required": ["name", "tags"],
+    }
     cases = [
         SamplingParams(temperature=0.0, max_tokens=60, guided_decoding=GuidedDecodingParams(json=schema)),
         SamplingParams(temperature=0.0, max_tokens=60, stop=["ocean", "\n"]),
@@ -97,7 +106,7 @@ def test_guided_json_stop_strings_logprobs_and_n_with_drafts(llm, spec_llm, prom
             json.loads(got[0].outputs[0].text)
 
 
-@pytest.mark.parametrize("spec_llm", ["ngram"], indirect=True)   # streaming is method-independent
+@pytest.mark.parametrize("spec_llm", ["ngram"], indirect=True)  # streaming is method-independent
 def test_streamed_diffs_concatenate_with_several_tokens_per_step(spec_llm, prompts, plain):
     _, llm = spec_llm
     text, ids, steps = "", [], 0
@@ -107,4 +116,4 @@ def test_streamed_diffs_concatenate_with_several_tokens_per_step(spec_llm, promp
         steps += 1
     assert ids == plain[0]
     assert text == llm.tokenizer.decode(plain[0], skip_special_tokens=True)
-    assert steps < len(ids)           # drafts were accepted: some steps streamed more than one token
+    assert steps < len(ids)  # drafts were accepted: some steps streamed more than one token

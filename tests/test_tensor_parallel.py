@@ -7,6 +7,7 @@ Then the real thing over torch.distributed (gloo, two processes): the default mo
 tensor_parallel_size=2 equal tensor_parallel_size=1's; the same through Ray actors; and a worker killed during
 generation fails the request in bounded time, the engine reports unhealthy, and shutdown leaves no process behind.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,6 +18,8 @@ import time
 import psutil
 import pytest
 import torch
+from test_model_families import COMMON, FAMILIES  # noqa: E402
+from tiny_llama import _tokens, redraw_weights  # noqa: E402
 
 from petrel import LLM, DisaggregatedParams, SamplingParams
 from petrel.config import EngineConfig
@@ -25,15 +28,13 @@ from petrel.engine.model_runner import ForwardPlan, ModelRunner, QuerySpan
 from petrel.model.loader import load_model, resolve_model
 from petrel.model.parallel import TensorParallel, check_tensor_parallel
 
-from test_model_families import COMMON, FAMILIES  # noqa: E402
-from tiny_llama import _tokens, redraw_weights  # noqa: E402
-
 transformers = pytest.importorskip("transformers")
 
-WAIT = 20.0   # seconds any single wait may take before the test fails
+WAIT = 20.0  # seconds any single wait may take before the test fails
 
 
 # ----------------------------------------------------------------------------- sharded layers, ranks as threads
+
 
 class ThreadGroup:
     """Collectives between threads of one process, for TensorParallel ranks that run side by side."""
@@ -71,6 +72,7 @@ def _on_ranks(size: int, fn):
         except BaseException as exc:  # noqa: BLE001 - re-raised below
             errors.append(exc)
             group.barrier.abort()
+
     threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
     for t in threads:
         t.start()
@@ -84,13 +86,15 @@ def _on_ranks(size: int, fn):
 def _prefill_then_decode(model, cfg, tp, prompt: list[int], steps: list[int], kv_groups=None) -> list[torch.Tensor]:
     """Logits of the prompt's positions, then of each decode step, through a paged cache of blocks of 4 (with
     kv_groups: a block table per group, the 16 blocks split between them)."""
-    runner = ModelRunner(model, cfg, num_blocks=16, block_size=4, dtype=torch.float32, device="cpu", tp=tp,
-                         kv_groups=kv_groups)
+    runner = ModelRunner(
+        model, cfg, num_blocks=16, block_size=4, dtype=torch.float32, device="cpu", tp=tp, kv_groups=kv_groups
+    )
     n = kv_groups.num_groups if kv_groups else 1
     tables = [list(range(g * 16 // n, (g + 1) * 16 // n))[::-1] for g in range(n)]
 
     def span(tokens, start):
         return QuerySpan(tokens, start, tables[0], tables if n > 1 else None)
+
     _, prefill = runner.forward(ForwardPlan([span(prompt, 0)], list(range(len(prompt)))))
     out = [prefill]
     for i, token in enumerate(steps):
@@ -116,16 +120,17 @@ def checkpoint(tmp_path_factory):
             hf.float().save_pretrained(path, safe_serialization=True)
             cache[key] = str(path)
         return cache[key]
+
     return build
 
 
-SHARDED_CASES = {   # id -> (ranks, family, config overrides)
+SHARDED_CASES = {  # id -> (ranks, family, config overrides)
     "llama-2ranks": (2, None, dict(num_key_value_heads=2, tie_word_embeddings=False)),
     "llama-3ranks-uneven-kv-and-vocab": (3, None, dict(num_key_value_heads=4, vocab_size=250, intermediate_size=100)),
     "llama-3ranks-gqa-tied": (3, None, dict(num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=True)),
-    "qwen3-bias": (2, "qwen3-bias", {}),          # biases on q/k/v and o_proj (row-parallel: added once), q/k norms
-    "phi3-fused": (2, "phi3", {}),                 # qkv_proj and gate_up_proj fused in the checkpoint
-    "gemma3-softcap": (2, "gemma3-scaled", {}),    # Gemma's MLP, soft-capped logits after the gather, untied head
+    "qwen3-bias": (2, "qwen3-bias", {}),  # biases on q/k/v and o_proj (row-parallel: added once), q/k norms
+    "phi3-fused": (2, "phi3", {}),  # qkv_proj and gate_up_proj fused in the checkpoint
+    "gemma3-softcap": (2, "gemma3-scaled", {}),  # Gemma's MLP, soft-capped logits after the gather, untied head
 }
 
 
@@ -142,7 +147,8 @@ def test_sharded_ranks_give_the_unsharded_logits(checkpoint, case):
     def rank(tp):
         model, _ = load_model(source, torch.float32, "cpu", tp=tp)
         return _prefill_then_decode(model, cfg, tp, prompt, steps)
-    for got in _on_ranks(size, rank):          # every rank ends with the full logits
+
+    for got in _on_ranks(size, rank):  # every rank ends with the full logits
         for g, e in zip(got, expected):
             torch.testing.assert_close(g, e, atol=2e-4, rtol=1e-4)
 
@@ -154,12 +160,13 @@ def test_sharded_ranks_with_kv_groups_give_the_unsharded_logits(checkpoint):
     full, cfg = load_model(source, torch.float32, "cpu")
     groups = split_by_window(cfg.sliding_windows, cfg.num_hidden_layers)
     assert groups.windows == (None, 8) and groups.layers_per_block == 2
-    prompt, steps = _tokens(11, seed=1), _tokens(6, seed=2)      # 17 positions, past the window
+    prompt, steps = _tokens(11, seed=1), _tokens(6, seed=2)  # 17 positions, past the window
     expected = _prefill_then_decode(full, cfg, TensorParallel(), prompt, steps)
 
     def rank(tp):
         model, _ = load_model(source, torch.float32, "cpu", tp=tp)
         return _prefill_then_decode(model, cfg, tp, prompt, steps, groups)
+
     for got in _on_ranks(2, rank):
         for g, e in zip(got, expected):
             torch.testing.assert_close(g, e, atol=2e-4, rtol=1e-4)
@@ -172,6 +179,7 @@ def test_a_shard_holds_only_its_slice(checkpoint):
     def rank(tp):
         model, _ = load_model(source, torch.float32, "cpu", tp=tp)
         return sum(p.numel() for p in model.parameters())
+
     per_rank = _on_ranks(2, rank)
     replicated = sum(p.numel() for n, p in full.named_parameters() if "norm" in n)
     sharded = sum(p.numel() for p in full.parameters()) - replicated
@@ -190,7 +198,7 @@ def test_too_many_ranks_and_unsupported_options_are_refused(checkpoint):
         EngineConfig(tensor_parallel_size=2, enable_lora=True)
     with pytest.raises(ValueError, match="quantization 'int8' is not supported with tensor_parallel_size=2"):
         EngineConfig(tensor_parallel_size=2, quantization="int8")
-    with pytest.raises(ValueError, match="tensor_parallel_size=4 is larger"):   # before any worker starts
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 is larger"):  # before any worker starts
         LLM(checkpoint(None, num_key_value_heads=2), tokenizer=_tokenizer_dir(), tensor_parallel_size=4)
 
 
@@ -203,7 +211,9 @@ def _tokenizer_dir() -> str:
     """The default model's tokenizer saved once, for the tiny checkpoints (which have none)."""
     if "path" not in _TOKENIZER:
         import tempfile
+
         from petrel.model.tokenizer import load_tokenizer
+
         path = tempfile.mkdtemp(prefix="petrel-tp-tokenizer-")
         load_tokenizer(resolve_model(None)).save_pretrained(path)
         _TOKENIZER["path"] = path
@@ -242,8 +252,12 @@ def test_two_processes_give_the_default_models_greedy_tokens(llm):
 
 
 def test_a_killed_worker_fails_the_request_and_the_engine_reports_it(checkpoint):
-    llm = LLM(checkpoint(None, num_key_value_heads=2), tokenizer=_tokenizer_dir(), tensor_parallel_size=2,
-              kv_cache_memory=1 << 22)
+    llm = LLM(
+        checkpoint(None, num_key_value_heads=2),
+        tokenizer=_tokenizer_dir(),
+        tensor_parallel_size=2,
+        kv_cache_memory=1 << 22,
+    )
     try:
         (proc,) = llm.engine.core.runner.workers.procs
         worker = psutil.Process(proc.pid)
@@ -252,9 +266,9 @@ def test_a_killed_worker_fails_the_request_and_the_engine_reports_it(checkpoint)
             llm.generate_async([5, 6], disaggregated_params=DisaggregatedParams(request_type="context_only"))
         long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
         futures = [llm.generate_async([5 + i, 6, 7], long, streaming=True) for i in range(4)]
-        next(iter(futures[0]))              # generation is under way
-        worker.suspend()                    # holds the step mid-flight (rank 0 waits in a collective) ...
-        worker.kill()                       # ... and dies there
+        next(iter(futures[0]))  # generation is under way
+        worker.suspend()  # holds the step mid-flight (rank 0 waits in a collective) ...
+        worker.kill()  # ... and dies there
         t0 = time.monotonic()
         cause = r"tensor-parallel worker 1 died \(exit code -9\)"
         for future in futures:
@@ -263,11 +277,13 @@ def test_a_killed_worker_fails_the_request_and_the_engine_reports_it(checkpoint)
         assert time.monotonic() - t0 < 10.0
         with pytest.raises(RuntimeError, match=cause):
             llm.engine.check_health()
-        with pytest.raises(RuntimeError, match=cause):      # new work is refused at once
+        with pytest.raises(RuntimeError, match=cause):  # new work is refused at once
             llm.generate([5, 6], SamplingParams(max_tokens=2), use_tqdm=False)
 
         from fastapi.testclient import TestClient
+
         from petrel.serve.app import build_app
+
         r = TestClient(build_app(llm, health_timeout=2.0)).get("/health")
         assert r.status_code == 503 and "tensor-parallel worker 1 died" in r.json()["error"]["message"]
     finally:
@@ -281,8 +297,13 @@ def test_self_speculation_and_a_worker_that_dies_while_idle(checkpoint):
     path, prompts = checkpoint(None, num_key_value_heads=2), [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11]]
     with LLM(path, tokenizer=_tokenizer_dir()) as single:
         expected = _greedy(single, prompts, 12)
-    llm = LLM(path, tokenizer=_tokenizer_dir(), tensor_parallel_size=2, kv_cache_memory=1 << 22,
-              speculative_config={"method": "self", "draft_num_layers": 1})
+    llm = LLM(
+        path,
+        tokenizer=_tokenizer_dir(),
+        tensor_parallel_size=2,
+        kv_cache_memory=1 << 22,
+        speculative_config={"method": "self", "draft_num_layers": 1},
+    )
     try:
         (proc,) = llm.engine.core.runner.workers.procs
         assert _greedy(llm, prompts, 12) == expected
@@ -297,6 +318,7 @@ def test_self_speculation_and_a_worker_that_dies_while_idle(checkpoint):
 
 
 # ----------------------------------------------------------------------------- Ray actors
+
 
 def test_ray_actors_give_the_same_tokens_and_a_dead_actor_shows(checkpoint):
     ray = pytest.importorskip("ray")

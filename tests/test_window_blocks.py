@@ -6,6 +6,7 @@ of 4) generating well past the window through the whole engine: tokens equal the
 and transformers, each sequence holds at most ceil(W / block) + 2 blocks, and a cache too small for the whole
 sequence completes without preemption.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,7 +20,7 @@ from petrel.engine.kv_export import gather_prompt_kv, scatter_prompt_kv
 from petrel.engine.sequence import EngineRequest, Sequence
 from petrel.sampling_params import SamplingParams
 
-BS, W = 4, 8            # block manager tests
+BS, W = 4, 8  # block manager tests
 MAX_HELD = -(-W // BS) + 2
 _ids = itertools.count()
 
@@ -56,7 +57,7 @@ def compute(bm: BlockManager, seq: Sequence, n: int) -> None:
 
 def decode(bm: BlockManager, seq: Sequence, steps: int, first_token: int = 1000) -> None:
     for i in range(steps):
-        seq.token_ids.append(first_token + i)     # sampled last step; its K/V are computed now
+        seq.token_ids.append(first_token + i)  # sampled last step; its K/V are computed now
         compute(bm, seq, 1)
 
 
@@ -72,14 +73,14 @@ def test_blocks_behind_the_window_are_given_back(chunks):
         before = bm.num_free_blocks
         decode(bm, seq, 1)
         c = seq.num_computed_tokens
-        assert num_freed_blocks(seq.block_table) == (c - W) // BS       # every block ending by c - W, no more
+        assert num_freed_blocks(seq.block_table) == (c - W) // BS  # every block ending by c - W, no more
         assert len(held_blocks(seq.block_table)) <= MAX_HELD
         assert bm.num_free_blocks == bm.num_blocks - len(held_blocks(seq.block_table))
-        if c % BS == 0 and c >= W + BS:               # a block fell behind the window: the free count rises
+        if c % BS == 0 and c >= W + BS:  # a block fell behind the window: the free count rises
             assert bm.num_free_blocks == before + 1
         check(bm, seq)
     assert seq.num_computed_tokens == sum(chunks) + 30 and len(seq.block_table) == -(-seq.num_computed_tokens // BS)
-    assert bm.num_cached_blocks > 0          # the given-back full blocks stay in the prefix cache
+    assert bm.num_cached_blocks > 0  # the given-back full blocks stay in the prefix cache
     bm.free(seq)
     check(bm)
     assert bm.num_free_blocks == bm.num_blocks and not any(bm.ref_counts)
@@ -89,11 +90,11 @@ def test_fork_and_free_skip_placeholders():
     bm = BlockManager(32, BS, sliding_window=W)
     parent = make_seq(range(14))
     compute(bm, parent, 14)
-    decode(bm, parent, 7)                    # 21 computed: blocks 0..2 behind the window
+    decode(bm, parent, 7)  # 21 computed: blocks 0..2 behind the window
     assert num_freed_blocks(parent.block_table) == 3
     child = make_seq(range(14))
     child.token_ids = list(parent.token_ids)
-    bm.fork(parent, child)                   # n > 1 and beam search fork like this
+    bm.fork(parent, child)  # n > 1 and beam search fork like this
     check(bm, parent, child)
     assert all(bm.ref_counts[b] == 2 for b in held_blocks(parent.block_table))
     decode(bm, parent, 9, first_token=2000)  # the shared partial block is copied on write, then both move on
@@ -113,9 +114,9 @@ def test_prefix_hit_on_given_back_blocks():
     compute(bm, first, 30)
     assert num_freed_blocks(first.block_table) == 5
     second = make_seq(range(30))
-    bm.match_prefix(second)                  # the chain runs through blocks `first` gave back: still valid
+    bm.match_prefix(second)  # the chain runs through blocks `first` gave back: still valid
     assert second.num_computed_tokens == 28
-    assert num_freed_blocks(second.block_table) == 5       # and the hit itself holds only the window
+    assert num_freed_blocks(second.block_table) == 5  # and the hit itself holds only the window
     check(bm, first, second)
     for s in (first, second):
         bm.free(s)
@@ -128,7 +129,7 @@ def test_nothing_given_back_without_a_window_or_for_a_context_only_prompt():
     compute(plain, seq, 30)
     assert plain.free_behind_window(seq) == 0 and FREED not in seq.block_table
     bm = BlockManager(32, BS, sliding_window=W)
-    ctx = make_seq(range(30), context_only=True)     # its whole prompt is exported to a decode instance
+    ctx = make_seq(range(30), context_only=True)  # its whole prompt is exported to a decode instance
     compute(bm, ctx, 30)
     assert FREED not in ctx.block_table
 
@@ -136,7 +137,7 @@ def test_nothing_given_back_without_a_window_or_for_a_context_only_prompt():
 def test_pins_and_kv_export_skip_placeholders():
     bm = BlockManager(8, 2, sliding_window=4)
     seq = make_seq(range(9))
-    compute(bm, seq, 9)                              # blocks 0 and 1 (positions 0..3) given back
+    compute(bm, seq, 9)  # blocks 0 and 1 (positions 0..3) given back
     assert seq.block_table[:2] == [FREED, FREED]
     bm.retain(seq.block_table)
     check_refs = [bm.ref_counts[b] for b in held_blocks(seq.block_table)]
@@ -159,17 +160,17 @@ def test_pins_and_kv_export_skip_placeholders():
 
 transformers = pytest.importorskip("transformers")
 
+from test_model_families import COMMON  # noqa: E402
+from test_model_tiny import greedy, hf_greedy  # noqa: E402
+from tiny_llama import Tiny, _tokens, redraw_weights  # noqa: E402
+
 from petrel.config import EngineConfig  # noqa: E402
 from petrel.engine.engine_core import EngineCore  # noqa: E402
 from petrel.engine.kv_capacity import kv_groups_of  # noqa: E402
 from petrel.engine.model_runner import kv_bytes_per_block  # noqa: E402
 from petrel.model.loader import load_model, resolve_model  # noqa: E402
 
-from test_model_families import COMMON  # noqa: E402
-from test_model_tiny import greedy, hf_greedy  # noqa: E402
-from tiny_llama import Tiny, _tokens, redraw_weights  # noqa: E402
-
-MW, MBS = 24, 4                               # the model's window, the engine's block size
+MW, MBS = 24, 4  # the model's window, the engine's block size
 MODEL_MAX_HELD = -(-MW // MBS) + 2
 
 
@@ -191,12 +192,17 @@ def mistral(tmp_path_factory) -> Tiny:
 def run_engine(t: Tiny, requests: dict, free: bool = True, num_blocks: int = 128, **engine_kwargs):
     """Run requests {id: (prompt, params)} to the end; returns ({(id, index): tokens}, core, max blocks held by
     one sequence after any step). free=False: the same engine with window freeing switched off."""
-    config = EngineConfig(dtype="float32", device="cpu", block_size=MBS,
-                          kv_cache_memory=num_blocks * kv_bytes_per_block(t.cfg, MBS, torch.float32), **engine_kwargs)
+    config = EngineConfig(
+        dtype="float32",
+        device="cpu",
+        block_size=MBS,
+        kv_cache_memory=num_blocks * kv_bytes_per_block(t.cfg, MBS, torch.float32),
+        **engine_kwargs,
+    )
     core = EngineCore(config, t.model, t.cfg)
     assert core.block_manager.num_blocks == num_blocks
     if not free:
-        core.block_manager.sliding_window = None
+        core.block_manager.windows = [None]  # nothing is given back behind the window
     for rid, (prompt, params) in requests.items():
         core.add_request(EngineRequest(rid, list(prompt), params, eos_token_ids=tuple(t.cfg.eos_token_ids)))
     results, max_held = {}, 0
@@ -209,15 +215,15 @@ def run_engine(t: Tiny, requests: dict, free: bool = True, num_blocks: int = 128
         max_held = max([max_held] + [len(held_blocks(s.block_table)) for s in core.scheduler.running])
     assert not core.has_work
     bm = core.block_manager
-    assert bm.num_free_blocks == bm.num_blocks and not any(bm.ref_counts)     # no leak
+    assert bm.num_free_blocks == bm.num_blocks and not any(bm.ref_counts)  # no leak
     return results, core, max_held
 
 
 def test_engine_matches_no_freeing_and_transformers(mistral):
     requests = {
-        "long": (_tokens(30, 1), greedy(70)),          # 100 tokens: 25 blocks, the window is 6
+        "long": (_tokens(30, 1), greedy(70)),  # 100 tokens: 25 blocks, the window is 6
         "short": (_tokens(7, 2), greedy(60)),
-        "n2": (_tokens(13, 3), greedy(50, n=2)),       # forked after the prompt
+        "n2": (_tokens(13, 3), greedy(50, n=2)),  # forked after the prompt
         "beam": (_tokens(11, 4), SamplingParams(use_beam_search=True, beam_width=2, n=2, max_tokens=40)),
     }
     # a 16-token budget: the prompts are prefilled in chunks, mixed with decodes
@@ -235,18 +241,18 @@ def test_engine_matches_no_freeing_and_transformers(mistral):
 
 def test_speculative_decoding_with_freeing(mistral):
     prompt = _tokens(30, 1)
-    spec = {"method": "self", "num_speculative_tokens": 3, "draft_num_layers": 1}   # lookahead and rollback
+    spec = {"method": "self", "num_speculative_tokens": 3, "draft_num_layers": 1}  # lookahead and rollback
     got, core, max_held = run_engine(mistral, {"r": (prompt, greedy(40))}, speculative_config=spec)
-    assert core.num_draft_tokens > 0 and core.num_accepted_tokens < core.num_draft_tokens   # drafts were rejected
+    assert core.num_draft_tokens > 0 and core.num_accepted_tokens < core.num_draft_tokens  # drafts were rejected
     assert max_held <= MODEL_MAX_HELD
-    assert got[("r", 0)] == hf_greedy(mistral, prompt, 70)[:40]    # greedy: a prefix of the longer generation
+    assert got[("r", 0)] == hf_greedy(mistral, prompt, 70)[:40]  # greedy: a prefix of the longer generation
 
 
 def test_cache_smaller_than_the_sequence(mistral):
     prompt = _tokens(20, 5)
     # 16 blocks = 64 tokens for a 100-token sequence: it completes only because it gives blocks back
     got, core, max_held = run_engine(mistral, {"r": (prompt, greedy(80))}, num_blocks=16, max_num_batched_tokens=16)
-    assert core.max_model_len == COMMON["max_position_embeddings"]    # not capped by the cache
+    assert core.max_model_len == COMMON["max_position_embeddings"]  # not capped by the cache
     assert len(prompt) + len(got[("r", 0)]) > 16 * MBS
     assert core.scheduler.num_preemptions == 0 and max_held <= MODEL_MAX_HELD
     assert got[("r", 0)] == hf_greedy(mistral, prompt, 80)
@@ -257,8 +263,13 @@ def test_mixed_windows_get_a_block_table_per_group(mistral):
     assert dataclasses.replace(cfg, sliding_windows=[None, MW]).uniform_sliding_window is None
     assert dataclasses.replace(cfg, sliding_windows=[MW, 8]).uniform_sliding_window is None
     assert dataclasses.replace(cfg, sliding_windows=[]).uniform_sliding_window is None
-    config = EngineConfig(dtype="float32", device="cpu", block_size=MBS, max_model_len=200,
-                          kv_cache_memory=16 * kv_bytes_per_block(cfg, MBS, torch.float32))
+    config = EngineConfig(
+        dtype="float32",
+        device="cpu",
+        block_size=MBS,
+        max_model_len=200,
+        kv_cache_memory=16 * kv_bytes_per_block(cfg, MBS, torch.float32),
+    )
     mixed = EngineCore(config, mistral.model, dataclasses.replace(cfg, sliding_windows=[None, MW]))
     # (tests/test_hybrid_kv.py runs such a model) a block id holds one layer: twice the ids, each sequence
     # takes one per block in the global table, so the context is capped as before

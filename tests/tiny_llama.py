@@ -1,4 +1,5 @@
 """A tiny random-weight Llama built with transformers and loaded through petrel's loader (shared by the tests)."""
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,13 @@ from petrel.model.loader import load_model, resolve_model
 VOCAB = 256
 ATOL = 1e-4
 RTOL = 1e-4
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 
 # (num_key_value_heads, tie_word_embeddings): MHA/GQA x untied/tied heads
 VARIANTS = [(4, False), (2, False), (4, True), (2, True)]
@@ -23,9 +29,9 @@ VARIANT_IDS = ["mha-untied", "gqa-untied", "mha-tied", "gqa-tied"]
 
 @dataclass
 class Tiny:
-    hf: torch.nn.Module       # transformers reference
-    model: torch.nn.Module    # petrel, loaded from the saved checkpoint
-    cfg: object               # petrel ModelConfig
+    hf: torch.nn.Module  # transformers reference
+    model: torch.nn.Module  # petrel, loaded from the saved checkpoint
+    cfg: object  # petrel ModelConfig
     path: str
 
     def hf_logits(self, token_ids: list[int]) -> torch.Tensor:
@@ -34,17 +40,28 @@ class Tiny:
             return self.hf(torch.tensor([token_ids])).logits[0].float()
 
 
-def _build_hf(kv_heads: int, tied: bool, rope_scaling: dict | None, seed: int,
-              head_dim: int | None = None) -> HFLlamaForCausalLM:
-    kwargs = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=256,
-                  tie_word_embeddings=tied, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+def _build_hf(
+    kv_heads: int, tied: bool, rope_scaling: dict | None, seed: int, head_dim: int | None = None
+) -> HFLlamaForCausalLM:
+    kwargs = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=256,
+        tie_word_embeddings=tied,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     if head_dim is not None:
         kwargs["head_dim"] = head_dim
     if rope_scaling is not None:
-        kwargs["rope_scaling"] = dict(rope_scaling)   # transformers 5 stores it as config.rope_parameters
+        kwargs["rope_scaling"] = dict(rope_scaling)  # transformers 5 stores it as config.rope_parameters
     config = LlamaConfig(**kwargs)
-    config._attn_implementation = "eager"             # a reference independent of petrel's SDPA calls
+    config._attn_implementation = "eager"  # a reference independent of petrel's SDPA calls
     torch.manual_seed(seed)
     hf = HFLlamaForCausalLM(config)
     redraw_weights(hf, seed)
@@ -70,8 +87,13 @@ def redraw_weights(hf: torch.nn.Module, seed: int) -> None:
 def tiny_factory(tmp_path_factory):
     cache: dict = {}
 
-    def build(kv_heads: int = 4, tied: bool = False, rope_scaling: dict | None = None, seed: int = 0,
-              head_dim: int | None = None) -> Tiny:
+    def build(
+        kv_heads: int = 4,
+        tied: bool = False,
+        rope_scaling: dict | None = None,
+        seed: int = 0,
+        head_dim: int | None = None,
+    ) -> Tiny:
         key = (kv_heads, tied, json.dumps(rope_scaling, sort_keys=True), seed, head_dim)
         if key not in cache:
             hf = _build_hf(kv_heads, tied, rope_scaling, seed, head_dim)
@@ -87,6 +109,4 @@ def tiny_factory(tmp_path_factory):
 
 def _tokens(n: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, VOCAB, (n,), generator=g).tolist()   # avoid bos/eos ids
-
-
+    return torch.randint(3, VOCAB, (n,), generator=g).tolist()  # avoid bos/eos ids

@@ -3,6 +3,7 @@ load one (transformers, vLLM): $PEERS_HOME/models/smollm2-135m-instruct. Run in 
 
 transformers dequantizes the GGUF's blocks to fp32 as it loads them; the directory then holds those same weights,
 so every engine runs the numbers petrel runs from the GGUF."""
+
 import os
 import sys
 
@@ -13,6 +14,7 @@ import peer_common as peers  # noqa: E402
 def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     folder, name = os.path.split(peers.GGUF_Q4_1)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)

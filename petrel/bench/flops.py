@@ -1,6 +1,7 @@
 """The arithmetic side of `petrel bench compare`: how fast this machine multiplies fp32 matrices (torch, 2 threads),
 and how many multiply-adds W2 needs on the default model, so each engine's W2 wall time reads as a share of
 the machine's peak."""
+
 from __future__ import annotations
 
 import time
@@ -9,6 +10,7 @@ import time
 def matmul_peak_gflops(threads: int = 2, n: int = 2048, repeats: int = 10) -> float:
     """The best of `repeats` n x n fp32 matmuls on `threads` torch threads, in GFLOP/s."""
     import torch
+
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -20,7 +22,7 @@ def matmul_peak_gflops(threads: int = 2, n: int = 2048, repeats: int = 10) -> fl
             t = time.perf_counter()
             a @ b
             best = min(best, time.perf_counter() - t)
-        return 2 * n ** 3 / best / 1e9
+        return 2 * n**3 / best / 1e9
     finally:
         torch.set_num_threads(before)
 
@@ -31,6 +33,7 @@ def w2_matmul_flops() -> float:
     from petrel.bench.workloads import W2_NUM_REQUESTS, make_w2_prompts
     from petrel.model.config import ModelConfig
     from petrel.model.loader import load_model_config, resolve_model
+
     cfg: ModelConfig = load_model_config(resolve_model(None))
     h, kv = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim
     q = cfg.num_attention_heads * cfg.head_dim
@@ -38,8 +41,8 @@ def w2_matmul_flops() -> float:
     new = 128
     total = 0.0
     for prompt in make_w2_prompts(W2_NUM_REQUESTS):
-        positions = len(prompt) + new - 1            # the last sampled token is never fed back
-        contexts = positions * (positions + 1) / 2   # sum over positions of the context each attends to
+        positions = len(prompt) + new - 1  # the last sampled token is never fed back
+        contexts = positions * (positions + 1) / 2  # sum over positions of the context each attends to
         total += 2 * per_layer * cfg.num_hidden_layers * positions
         total += 2 * 2 * q * cfg.num_hidden_layers * contexts
         total += 2 * h * cfg.vocab_size * new

@@ -17,6 +17,7 @@ workload's figure invalid ("valid": false, with the problem named), and no ratio
 Output: one JSON object per line on stdout for each (engine, workload), then one per ratio
 (petrel / transformers); progress goes to stderr. --out FILE writes everything as one JSON document.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,7 @@ from dataclasses import asdict, replace
 
 from petrel.bench.report import count_problems, log, matching_prefix, median, ratio, summary
 from petrel.bench.runners import HFRunner, PetrelRunner
-from petrel.bench.workloads import (FULL, QUICK, W1_REFERENCE_IDS, Sizes, make_w2_prompts, make_w4_prompts,
-                                    w1_prompt_ids)
+from petrel.bench.workloads import FULL, QUICK, W1_REFERENCE_IDS, Sizes, make_w2_prompts, make_w4_prompts, w1_prompt_ids
 from petrel.cli_options import parallel_arguments, parse_choices
 
 WORKLOADS = ("w1", "w2", "w4")
@@ -40,6 +40,7 @@ SUBCOMMANDS = {"latency": "w1", "throughput": "w2", "prefix": "w4"}
 
 
 # ---------------------------------------------------------------------------------------------- one workload
+
 
 def run_w1(runner, prompt_ids: list[int], sizes: Sizes) -> dict:
     """W1 `sizes.w1_runs` times on one engine: the median figures, each run's, and whether every run counts."""
@@ -52,12 +53,22 @@ def run_w1(runner, prompt_ids: list[int], sizes: Sizes) -> dict:
         counts = [m["new_tokens"], len(ids)]
         if any(c != n for c in counts):
             problems.append(f"run {r}: {m['new_tokens']} tokens streamed, {len(ids)} returned, expected {n}")
-        log(f"  {runner.name} w1 run {r}: TTFT {1000 * (m['ttft_s'] or float('nan')):.1f} ms, "
-            f"decode {m['decode_tok_s'] or float('nan'):.2f} tok/s, {m['new_tokens']} tokens")
-    return {"prompt_tokens": len(prompt_ids), "new_tokens": n, "num_runs": len(runs),
-            "ttft_s": median(r["ttft_s"] for r in runs), "decode_tok_s": median(r["decode_tok_s"] for r in runs),
-            "total_s": median(r["total_s"] for r in runs), "runs": runs,
-            "output_ids_first32": output_ids[:32], "_output_ids": output_ids, "problems": problems}
+        log(
+            f"  {runner.name} w1 run {r}: TTFT {1000 * (m['ttft_s'] or float('nan')):.1f} ms, "
+            f"decode {m['decode_tok_s'] or float('nan'):.2f} tok/s, {m['new_tokens']} tokens"
+        )
+    return {
+        "prompt_tokens": len(prompt_ids),
+        "new_tokens": n,
+        "num_runs": len(runs),
+        "ttft_s": median(r["ttft_s"] for r in runs),
+        "decode_tok_s": median(r["decode_tok_s"] for r in runs),
+        "total_s": median(r["total_s"] for r in runs),
+        "runs": runs,
+        "output_ids_first32": output_ids[:32],
+        "_output_ids": output_ids,
+        "problems": problems,
+    }
 
 
 def run_batch(runner, prompts: list[list[int]], n: int, tag: str) -> dict:
@@ -66,30 +77,46 @@ def run_batch(runner, prompts: list[list[int]], n: int, tag: str) -> dict:
     prompt_tokens = sum(len(p) for p in prompts)
     out_tokens = sum(res["counts"])
     wall = res["wall_s"]
-    result = {"num_requests": len(prompts), "new_tokens": n, "prompt_tokens": prompt_tokens,
-              "output_tokens": out_tokens, "expected_output_tokens": n * len(prompts), "wall_s": wall,
-              "output_tok_s": out_tokens / wall, "total_tok_s": (prompt_tokens + out_tokens) / wall,
-              "problems": count_problems(res["counts"], n)}
+    result = {
+        "num_requests": len(prompts),
+        "new_tokens": n,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": out_tokens,
+        "expected_output_tokens": n * len(prompts),
+        "wall_s": wall,
+        "output_tok_s": out_tokens / wall,
+        "total_tok_s": (prompt_tokens + out_tokens) / wall,
+        "problems": count_problems(res["counts"], n),
+    }
     if "padded_prompt_tokens" in res:
         result["padded_prompt_tokens"] = res["padded_prompt_tokens"]
     result["cached_prompt_tokens"] = sum(res["cached"])
     if tag == "w4":
         result["cached_per_request_min"] = min(res["cached"])
         result["cached_per_request_max"] = max(res["cached"])
-    log(f"  {runner.name} {tag}: wall {wall:.2f}s, {result['output_tok_s']:.1f} output tok/s, "
-        f"{result['total_tok_s']:.1f} total tok/s, cached prompt tokens {result['cached_prompt_tokens']}")
+    log(
+        f"  {runner.name} {tag}: wall {wall:.2f}s, {result['output_tok_s']:.1f} output tok/s, "
+        f"{result['total_tok_s']:.1f} total tok/s, cached prompt tokens {result['cached_prompt_tokens']}"
+    )
     return result
 
 
 # ---------------------------------------------------------------------------------------------- the run
 
+
 def _git_commit() -> str | None:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                                timeout=5).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=5).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
         return (commit + ("-dirty" if dirty else "")) or None
     except Exception:  # noqa: BLE001 - not a git checkout
         return None
@@ -101,12 +128,16 @@ def _ratios(workloads: list[str], by_key: dict) -> list[dict]:
     for workload in workloads:
         a, b = by_key.get(("petrel", workload)), by_key.get(("hf", workload))
         if workload == "w1":
-            extra = {"ttft_s_ratio": (a["ttft_s"] / b["ttft_s"]) if a["ttft_s"] and b["ttft_s"] else None,
-                     "greedy_matching_prefix_tokens": matching_prefix(a["_output_ids"], b["_output_ids"])}
+            extra = {
+                "ttft_s_ratio": (a["ttft_s"] / b["ttft_s"]) if a["ttft_s"] and b["ttft_s"] else None,
+                "greedy_matching_prefix_tokens": matching_prefix(a["_output_ids"], b["_output_ids"]),
+            }
             ratios.append(ratio("w1", "decode_tok_s", a, b, extra))
         else:
-            extra = {"total_tok_s_ratio": a["total_tok_s"] / b["total_tok_s"],
-                     "wall_s_ratio": a["wall_s"] / b["wall_s"]}
+            extra = {
+                "total_tok_s_ratio": a["total_tok_s"] / b["total_tok_s"],
+                "wall_s_ratio": a["wall_s"] / b["wall_s"],
+            }
             ratios.append(ratio(workload, "output_tok_s", a, b, extra))
     return ratios
 
@@ -129,17 +160,32 @@ def run(args) -> dict:
     tokenizer = load_tokenizer(source)
     w1_ids = w1_prompt_ids(tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    prompts = {"w2": make_w2_prompts(sizes.w2_num_requests, sizes.w2_max_prompt_len),
-               "w4": make_w4_prompts(sizes.w4_num_requests, sizes.w4_prefix_len, sizes.w4_suffix_len)}
+    prompts = {
+        "w2": make_w2_prompts(sizes.w2_num_requests, sizes.w2_max_prompt_len),
+        "w4": make_w4_prompts(sizes.w4_num_requests, sizes.w4_prefix_len, sizes.w4_suffix_len),
+    }
 
-    doc = {"meta": {"timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), "quick": bool(args.quick),
-                    "sizes": asdict(sizes), "dtype": args.dtype, "model": source.path, "model_kind": source.kind,
-                    "w1_prompt_tokens": len(w1_ids),
-                    "w1_prompt_matches_peers": w1_ids == W1_REFERENCE_IDS if args.model is None else None,
-                    "git_commit": _git_commit(), "python": platform.python_version(), "torch": torch.__version__,
-                    "transformers": transformers.__version__, "cpu_count": os.cpu_count(),
-                    "machine": platform.machine(), "engines": {}},
-           "results": [], "ratios": []}
+    doc = {
+        "meta": {
+            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "quick": bool(args.quick),
+            "sizes": asdict(sizes),
+            "dtype": args.dtype,
+            "model": source.path,
+            "model_kind": source.kind,
+            "w1_prompt_tokens": len(w1_ids),
+            "w1_prompt_matches_peers": w1_ids == W1_REFERENCE_IDS if args.model is None else None,
+            "git_commit": _git_commit(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "cpu_count": os.cpu_count(),
+            "machine": platform.machine(),
+            "engines": {},
+        },
+        "results": [],
+        "ratios": [],
+    }
 
     runners = {}
     try:
@@ -154,7 +200,7 @@ def run(args) -> dict:
 
         by_key = {}
         for workload in workloads:
-            for name in engines:   # engines alternate workload by workload, so drifting load hits both alike
+            for name in engines:  # engines alternate workload by workload, so drifting load hits both alike
                 runner = runners[name]
                 log(f"{ENGINE_LABELS[name]} {workload} ...")
                 if workload == "w1":
@@ -163,8 +209,14 @@ def run(args) -> dict:
                     body = run_batch(runner, prompts["w2"], sizes.w2_new_tokens, "w2")
                 else:
                     body = run_batch(runner, prompts["w4"], sizes.w4_new_tokens, "w4")
-                result = {"engine": ENGINE_LABELS[name], "workload": workload, "dtype": args.dtype,
-                          "quick": bool(args.quick), "valid": not body["problems"], **body}
+                result = {
+                    "engine": ENGINE_LABELS[name],
+                    "workload": workload,
+                    "dtype": args.dtype,
+                    "quick": bool(args.quick),
+                    "valid": not body["problems"],
+                    **body,
+                }
                 if not result["valid"]:
                     log(f"{ENGINE_LABELS[name]} {workload}: FIGURE DOES NOT COUNT: {'; '.join(body['problems'])}")
                 by_key[(name, workload)] = result
@@ -186,10 +238,11 @@ def run(args) -> dict:
 
 # ---------------------------------------------------------------------------------------------- options
 
+
 def byte_size(text: str) -> int:
     """Bytes, with an optional K/M/G suffix (powers of 1024): 2G, 512M, 2147483648."""
     text = text.strip().upper().removesuffix("B").removesuffix("I")
-    scale = {"K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}.get(text[-1:], 1)
+    scale = {"K": 1024, "M": 1024**2, "G": 1024**3}.get(text[-1:], 1)
     number = text[:-1] if scale != 1 else text
     try:
         return int(float(number) * scale)
@@ -198,21 +251,34 @@ def byte_size(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--workloads", default="w1,w2", help="comma-separated, from w1,w2,w4 (default: w1,w2); "
-                        "or a subcommand: latency (W1), throughput (W2), prefix (W4), serve (W3, its own options)")
+    parser.add_argument(
+        "--workloads",
+        default="w1,w2",
+        help="comma-separated, from w1,w2,w4 (default: w1,w2); "
+        "or a subcommand: latency (W1), throughput (W2), prefix (W4), serve (W3, its own options)",
+    )
     parser.add_argument("--engines", default="petrel,hf", help="comma-separated, from petrel,hf (default: both)")
     parser.add_argument("--dtype", default="float32", help="model dtype for both engines (default: float32)")
-    parser.add_argument("--model", default=None,
-                        help="a .gguf file or Hugging Face directory (default: petrel's default GGUF)")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"a shrunken smoke test: W1 {QUICK.w1_new_tokens} tokens x {QUICK.w1_runs} run, "
-                             f"W2 {QUICK.w2_num_requests} prompts (<= {QUICK.w2_max_prompt_len} tokens) x "
-                             f"{QUICK.w2_new_tokens} new, W4 {QUICK.w4_num_requests} x ({QUICK.w4_prefix_len}+"
-                             f"{QUICK.w4_suffix_len}) x {QUICK.w4_new_tokens} new")
-    parser.add_argument("--w1-runs", type=int, default=None,
-                        help=f"timed W1 runs per engine, median reported (default: {FULL.w1_runs}, quick: 1)")
-    parser.add_argument("--json", "--out", dest="out", default=None, metavar="FILE.json",
-                        help="also write all results to this file")
+    parser.add_argument(
+        "--model", default=None, help="a .gguf file or Hugging Face directory (default: petrel's default GGUF)"
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"a shrunken smoke test: W1 {QUICK.w1_new_tokens} tokens x {QUICK.w1_runs} run, "
+        f"W2 {QUICK.w2_num_requests} prompts (<= {QUICK.w2_max_prompt_len} tokens) x "
+        f"{QUICK.w2_new_tokens} new, W4 {QUICK.w4_num_requests} x ({QUICK.w4_prefix_len}+"
+        f"{QUICK.w4_suffix_len}) x {QUICK.w4_new_tokens} new",
+    )
+    parser.add_argument(
+        "--w1-runs",
+        type=int,
+        default=None,
+        help=f"timed W1 runs per engine, median reported (default: {FULL.w1_runs}, quick: 1)",
+    )
+    parser.add_argument(
+        "--json", "--out", dest="out", default=None, metavar="FILE.json", help="also write all results to this file"
+    )
     group = parser.add_argument_group("petrel engine options")
     group.add_argument("--max-num-seqs", type=int, default=None)
     group.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -220,18 +286,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--block-size", type=int, default=None)
     group.add_argument("--num-threads", type=int, default=None, help="torch threads (applies to both engines)")
     group.add_argument("--no-prefix-caching", action="store_true")
-    group.add_argument("--quantization", default=None, choices=["none", "int8", "gguf"],
-                       help="petrel's weights kept quantized (see benchmarks/quantization.py for all three at once)")
+    group.add_argument(
+        "--quantization",
+        default=None,
+        choices=["none", "int8", "gguf"],
+        help="petrel's weights kept quantized (see benchmarks/quantization.py for all three at once)",
+    )
     parallel_arguments(group)
     group = parser.add_argument_group("transformers options")
-    group.add_argument("--hf-batch-size", type=int, default=16,
-                       help="batch size for W2/W4 (left-padded, length-sorted; default: 16)")
+    group.add_argument(
+        "--hf-batch-size", type=int, default=16, help="batch size for W2/W4 (left-padded, length-sorted; default: 16)"
+    )
     return parser
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    return add_arguments(argparse.ArgumentParser(
-        prog=prog, description="Benchmark petrel against Hugging Face transformers (same process, same run)."))
+    return add_arguments(
+        argparse.ArgumentParser(
+            prog=prog, description="Benchmark petrel against Hugging Face transformers (same process, same run)."
+        )
+    )
 
 
 def main(argv: list[str]) -> int:

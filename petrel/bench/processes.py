@@ -1,6 +1,7 @@
 """The child processes a benchmark runs and watches from outside: a script run to its end (its `RESULT name: {json}`
 lines collected), a server run until it is told to stop (ready once /health answers), and the peak resident memory
 of each one's whole process tree."""
+
 from __future__ import annotations
 
 import json
@@ -37,6 +38,7 @@ class TreeRSS:
 
     def _run(self) -> None:
         import psutil
+
         start = time.monotonic()
         while not self._stop.is_set():
             try:
@@ -75,8 +77,14 @@ def run_script(cmd: list[str], env: dict | None = None, timeout: float = 3600) -
     """Run one benchmark process to the end; returns the `RESULT name: {json}` objects it printed and its tree's
     peak RSS. Its output goes to our stderr as it comes (progress), and is parsed once it has finished."""
     log("$ " + " ".join(cmd))
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **(env or {})}, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+    )
     rss = TreeRSS(proc.pid)
     lines = []
     try:
@@ -108,14 +116,17 @@ def free_port() -> int:
 class Server:
     """A server subprocess (its own session, killed with its children), ready once `health_path` answers 200."""
 
-    def __init__(self, cmd: list[str], port: int, env: dict | None = None, health_path: str = "/health",
-                 timeout: float = 900):
+    def __init__(
+        self, cmd: list[str], port: int, env: dict | None = None, health_path: str = "/health", timeout: float = 900
+    ):
         import httpx
+
         log("$ " + " ".join(cmd))
         self.started = time.perf_counter()
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})}, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True
+        )
         self.rss = TreeRSS(self.proc.pid)
         deadline = time.monotonic() + timeout
         while True:

@@ -1,6 +1,7 @@
 """What the benchmarks report and how: the checks that decide whether a figure counts, the statistics over runs,
 ratios between engines, the progress and summary lines on stderr, the markdown table of `petrel bench compare` and
 the plot of `petrel bench serve --sweep`."""
+
 from __future__ import annotations
 
 import statistics
@@ -14,6 +15,7 @@ def log(msg: str) -> None:
 
 # ---------------------------------------------------------------------------------------------- figures
 
+
 def w1_metrics(t_start: float, token_times: list[float]) -> dict:
     """W1's figures from the send time and each new token's arrival time: TTFT, and decode tok/s =
     (n - 1) / (t_last - t_first)."""
@@ -21,8 +23,13 @@ def w1_metrics(t_start: float, token_times: list[float]) -> dict:
     if n == 0:
         return {"new_tokens": 0, "ttft_s": None, "decode_s": None, "decode_tok_s": None, "total_s": None}
     decode_s = token_times[-1] - token_times[0]
-    return {"new_tokens": n, "ttft_s": token_times[0] - t_start, "decode_s": decode_s,
-            "decode_tok_s": (n - 1) / decode_s if decode_s > 0 else None, "total_s": token_times[-1] - t_start}
+    return {
+        "new_tokens": n,
+        "ttft_s": token_times[0] - t_start,
+        "decode_s": decode_s,
+        "decode_tok_s": (n - 1) / decode_s if decode_s > 0 else None,
+        "total_s": token_times[-1] - t_start,
+    }
 
 
 def median(values):
@@ -60,7 +67,7 @@ def ratio(workload: str, metric: str, a: dict | None, b: dict | None, extra: dic
         result["note"] = f"does not count: wrong token counts from {', '.join(bad)}"
     elif a.get(metric) and b.get(metric):
         result["value"] = a[metric] / b[metric]
-    for key, value in (extra or {}).items():   # the side figures count only when the main one does
+    for key, value in (extra or {}).items():  # the side figures count only when the main one does
         result[key] = value if result["value"] is not None else None
     return result
 
@@ -77,6 +84,7 @@ def matching_prefix(x: list[int], y: list[int]) -> int:
 
 # ---------------------------------------------------------------------------------------------- summaries
 
+
 def summary(doc: dict) -> None:
     """The end of a `petrel bench` run on stderr: each engine's figures and each ratio, flagged when it does not
     count."""
@@ -88,9 +96,11 @@ def summary(doc: dict) -> None:
             dec = f"{r['decode_tok_s']:.2f}" if r["decode_tok_s"] is not None else "n/a"
             log(f"  {r['engine']:16s} w1: TTFT {ttft}, decode {dec} tok/s{flag}")
         else:
-            log(f"  {r['engine']:16s} {r['workload']}: wall {r['wall_s']:.2f}s, "
+            log(
+                f"  {r['engine']:16s} {r['workload']}: wall {r['wall_s']:.2f}s, "
                 f"{r['output_tok_s']:.1f} output tok/s, {r['total_tok_s']:.1f} total tok/s, "
-                f"cached {r['cached_prompt_tokens']}{flag}")
+                f"cached {r['cached_prompt_tokens']}{flag}"
+            )
     for q in doc["ratios"]:
         value = f"{q['value']:.2f}x" if q["value"] is not None else q.get("note", "n/a")
         log(f"  ratio petrel/hf {q['workload']} {q['metric']}: {value}")
@@ -135,12 +145,17 @@ def plot_sweep(results: list[dict], path: str, title: str = "petrel bench serve"
         raise SystemExit("--plot needs matplotlib: pip install matplotlib") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     xs = [r["concurrency"] for r in results]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     ax1.plot(xs, [r["output_tok_s"] for r in results], marker="o")
     ax1.set(xlabel="client concurrency", ylabel="output tokens/s", title="throughput")
-    for key, label, style in [("ttft_p50_s", "TTFT p50", "o-"), ("ttft_p99_s", "TTFT p99", "o--"),
-                              ("tpot_p50_s", "TPOT p50", "s-"), ("tpot_p99_s", "TPOT p99", "s--")]:
+    for key, label, style in [
+        ("ttft_p50_s", "TTFT p50", "o-"),
+        ("ttft_p99_s", "TTFT p99", "o--"),
+        ("tpot_p50_s", "TPOT p50", "s-"),
+        ("tpot_p99_s", "TPOT p99", "s--"),
+    ]:
         ax2.plot(xs, [r[key] for r in results], style, label=label)
     ax2.set(xlabel="client concurrency", ylabel="seconds", title="latency", yscale="log")
     ax2.legend()

@@ -1,6 +1,7 @@
 """The two engines `petrel bench` drives in its own process, behind one interface: load, warm up, one W1 stream
 timed token by token, one batch of prompts timed as a whole. petrel through LLM; transformers through generate(),
 in left-padded, length-sorted batches (it has no continuous batching and no prefix cache)."""
+
 from __future__ import annotations
 
 import os
@@ -9,8 +10,16 @@ import time
 from petrel.bench.report import log, w1_metrics
 
 # `petrel bench` options that are EngineConfig fields of the same name
-PETREL_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "num_threads", "block_size",
-                  "quantization", "tensor_parallel_size", "distributed_executor_backend")
+PETREL_OPTIONS = (
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "kv_cache_memory",
+    "num_threads",
+    "block_size",
+    "quantization",
+    "tensor_parallel_size",
+    "distributed_executor_backend",
+)
 
 
 class PetrelRunner:
@@ -18,6 +27,7 @@ class PetrelRunner:
 
     def __init__(self, args):
         from petrel.llm import LLM
+
         self.options = {"dtype": args.dtype}
         for key in PETREL_OPTIONS:
             value = getattr(args, key, None)
@@ -29,27 +39,49 @@ class PetrelRunner:
         self.llm = LLM(model=args.model, **self.options)
         self.load_s = time.perf_counter() - t0
         self.tokenizer = self.llm.tokenizer
-        self._salt = f"bench-{os.getpid()}-{time.time_ns()}"   # a cold prefix cache for every timed request
+        self._salt = f"bench-{os.getpid()}-{time.time_ns()}"  # a cold prefix cache for every timed request
 
     def info(self) -> dict:
         import petrel
+
         cfg = self.llm.config
-        return {"engine": "petrel", "version": petrel.__version__, "load_s": self.load_s,
-                "options": {k: getattr(cfg, k) for k in ("dtype", "max_num_seqs", "max_num_batched_tokens",
-                                                         "kv_cache_memory", "block_size", "enable_prefix_caching",
-                                                         "enable_chunked_prefill", "num_threads", "quantization",
-                                                         "tensor_parallel_size", "distributed_executor_backend")}}
+        return {
+            "engine": "petrel",
+            "version": petrel.__version__,
+            "load_s": self.load_s,
+            "options": {
+                k: getattr(cfg, k)
+                for k in (
+                    "dtype",
+                    "max_num_seqs",
+                    "max_num_batched_tokens",
+                    "kv_cache_memory",
+                    "block_size",
+                    "enable_prefix_caching",
+                    "enable_chunked_prefill",
+                    "num_threads",
+                    "quantization",
+                    "tensor_parallel_size",
+                    "distributed_executor_backend",
+                )
+            },
+        }
 
     @staticmethod
     def _params(n: int):
         from petrel.sampling_params import SamplingParams
+
         # min_tokens = max_tokens masks EOS until the end, as transformers' min_new_tokens does
         return SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, detokenize=True)
 
     def warmup(self, prompt_ids: list[int]) -> float:
         t0 = time.perf_counter()
-        self.llm.generate([prompt_ids, prompt_ids[: max(1, len(prompt_ids) // 2)]], self._params(8),
-                          use_tqdm=False, cache_salt=f"{self._salt}-warmup")
+        self.llm.generate(
+            [prompt_ids, prompt_ids[: max(1, len(prompt_ids) // 2)]],
+            self._params(8),
+            use_tqdm=False,
+            cache_salt=f"{self._salt}-warmup",
+        )
         return time.perf_counter() - t0
 
     def w1(self, prompt_ids: list[int], n: int, run: int) -> tuple[dict, list[int]]:
@@ -57,13 +89,14 @@ class PetrelRunner:
         seen = 0
         last = None
         t_start = time.perf_counter()
-        future = self.llm.generate_async(prompt_ids, self._params(n), streaming=True,
-                                         cache_salt=f"{self._salt}-w1-{run}")
+        future = self.llm.generate_async(
+            prompt_ids, self._params(n), streaming=True, cache_salt=f"{self._salt}-w1-{run}"
+        )
         for snap in future:
             k = len(snap.outputs[0].token_ids)
             if k > seen:
                 now = time.perf_counter()
-                times.extend([now] * (k - seen))   # tokens that arrived together share a timestamp
+                times.extend([now] * (k - seen))  # tokens that arrived together share a timestamp
                 seen = k
             last = snap
         m = w1_metrics(t_start, times)
@@ -75,8 +108,11 @@ class PetrelRunner:
         t0 = time.perf_counter()
         outs = self.llm.generate(prompts, self._params(n), use_tqdm=False, cache_salt=f"{self._salt}-{tag}")
         wall = time.perf_counter() - t0
-        return {"wall_s": wall, "counts": [len(o.outputs[0].token_ids) for o in outs],
-                "cached": [o.num_cached_tokens for o in outs]}
+        return {
+            "wall_s": wall,
+            "counts": [len(o.outputs[0].token_ids) for o in outs],
+            "cached": [o.num_cached_tokens for o in outs],
+        }
 
     def close(self) -> None:
         self.llm.shutdown()
@@ -89,17 +125,19 @@ class HFRunner:
         import torch
         import transformers
         from transformers import AutoModelForCausalLM
+
         transformers.logging.set_verbosity_error()
         self.torch = torch
         from petrel.config import TORCH_DTYPES
+
         self.dtype = TORCH_DTYPES[args.dtype]
         self.batch_size = args.hf_batch_size
         self.pad = pad_token_id
         t0 = time.perf_counter()
         if model_path.endswith(".gguf"):
-            self.model = AutoModelForCausalLM.from_pretrained(os.path.dirname(model_path),
-                                                              gguf_file=os.path.basename(model_path),
-                                                              dtype=self.dtype)
+            self.model = AutoModelForCausalLM.from_pretrained(
+                os.path.dirname(model_path), gguf_file=os.path.basename(model_path), dtype=self.dtype
+            )
         else:
             self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
         self.model.eval()
@@ -109,14 +147,30 @@ class HFRunner:
 
     def info(self) -> dict:
         import transformers
-        return {"engine": "hf-transformers", "version": transformers.__version__, "load_s": self.load_s,
-                "options": {"dtype": str(self.dtype).replace("torch.", ""), "batch_size": self.batch_size,
-                            "sorted_by_length": True, "padding": "left"}}
+
+        return {
+            "engine": "hf-transformers",
+            "version": transformers.__version__,
+            "load_s": self.load_s,
+            "options": {
+                "dtype": str(self.dtype).replace("torch.", ""),
+                "batch_size": self.batch_size,
+                "sorted_by_length": True,
+                "padding": "left",
+            },
+        }
 
     def _gen(self, ids, mask, n: int, streamer=None):
         with self.torch.inference_mode():
-            return self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                                       do_sample=False, pad_token_id=self.pad, streamer=streamer)
+            return self.model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=self.pad,
+                streamer=streamer,
+            )
 
     def _make_batch(self, seqs: list[list[int]]):
         torch = self.torch
@@ -124,14 +178,14 @@ class HFRunner:
         ids = torch.full((len(seqs), length), self.pad, dtype=torch.long)
         mask = torch.zeros((len(seqs), length), dtype=torch.long)
         for j, s in enumerate(seqs):  # left padding
-            ids[j, length - len(s):] = torch.tensor(s)
-            mask[j, length - len(s):] = 1
+            ids[j, length - len(s) :] = torch.tensor(s)
+            mask[j, length - len(s) :] = 1
         return ids, mask
 
     def _row_count(self, row_ids: list[int]) -> int:
         """Tokens a batch row really generated: a row that stopped at EOS early is padded out with pad_token_id."""
         for k, token in enumerate(row_ids):
-            if token in self.eos_ids and all(t == self.pad for t in row_ids[k + 1:]):
+            if token in self.eos_ids and all(t == self.pad for t in row_ids[k + 1 :]):
                 return k + 1
         return len(row_ids)
 
@@ -168,9 +222,9 @@ class HFRunner:
         t_start = time.perf_counter()
         out = self._gen(ids, mask, n, streamer)
         m = w1_metrics(t_start, streamer.times)
-        new_ids = out[0, ids.shape[1]:].tolist()
-        new_ids = new_ids[:self._row_count(new_ids)]
-        m["generated_tokens"] = len(new_ids)   # from the output tensor, next to the streamer's count
+        new_ids = out[0, ids.shape[1] :].tolist()
+        new_ids = new_ids[: self._row_count(new_ids)]
+        m["generated_tokens"] = len(new_ids)  # from the output tensor, next to the streamer's count
         return m, new_ids
 
     def batch(self, prompts: list[list[int]], n: int, tag: str) -> dict:
@@ -179,15 +233,17 @@ class HFRunner:
         padded = 0
         t0 = time.perf_counter()
         for b in range(0, len(order), self.batch_size):
-            idx = order[b:b + self.batch_size]
+            idx = order[b : b + self.batch_size]
             ids, mask = self._make_batch([prompts[i] for i in idx])
             padded += ids.numel()
             out = self._gen(ids, mask, n)
-            new = out[:, ids.shape[1]:]
+            new = out[:, ids.shape[1] :]
             for row, i in enumerate(idx):
                 counts[i] = self._row_count(new[row].tolist())
-            log(f"  hf {tag} batch {b // self.batch_size}: {len(idx)} seqs, padded len {ids.shape[1]}, "
-                f"t={time.perf_counter() - t0:.1f}s")
+            log(
+                f"  hf {tag} batch {b // self.batch_size}: {len(idx)} seqs, padded len {ids.shape[1]}, "
+                f"t={time.perf_counter() - t0:.1f}s"
+            )
         wall = time.perf_counter() - t0
         return {"wall_s": wall, "counts": counts, "cached": [0] * len(prompts), "padded_prompt_tokens": padded}
 

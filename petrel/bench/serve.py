@@ -13,6 +13,7 @@ A figure is valid only if every request reports exactly max_tokens completion to
 The server runs in its own process, so the client's event loop does not share the GIL with the engine.
 --plot (needs matplotlib) draws output tok/s and TTFT / TPOT (p50, p99) against concurrency.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,21 +57,33 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> dict:
     return {"t_send": t_send, "t_first": t_first, "t_last": t_last, "tokens": tokens}
 
 
-async def run_client(base_url: str, model: str | None, prompts: list[list[int]], max_tokens: int,
-                     concurrency: int, timeout: float = 600.0) -> dict:
+async def run_client(
+    base_url: str,
+    model: str | None,
+    prompts: list[list[int]],
+    max_tokens: int,
+    concurrency: int,
+    timeout: float = 600.0,
+) -> dict:
     """W3 at one client concurrency against `base_url`: the run's figures, valid only if every count is right."""
     url = f"{base_url}/v1/completions"
 
     def body(prompt, n):
-        b = {"prompt": prompt, "max_tokens": n, "temperature": 0.0, "stream": True, "ignore_eos": True,
-             "stream_options": {"include_usage": True}}
+        b = {
+            "prompt": prompt,
+            "max_tokens": n,
+            "temperature": 0.0,
+            "stream": True,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+        }
         if model:
             b["model"] = model
         return b
 
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
-        await one_request(client, url, body(prompts[0][:32], 4))          # warm-up, not timed
+        await one_request(client, url, body(prompts[0][:32], 4))  # warm-up, not timed
         sem = asyncio.Semaphore(concurrency)
 
         async def guarded(p):
@@ -86,21 +99,41 @@ async def run_client(base_url: str, model: str | None, prompts: list[list[int]],
     tpot = [(r["t_last"] - r["t_first"]) / (r["tokens"] - 1) for r in results if r["tokens"] and r["tokens"] > 1]
     out_tokens = sum(c or 0 for c in counts)
     prompt_tokens = sum(len(p) for p in prompts)
-    return {"workload": "w3", "requests": len(results), "concurrency": concurrency, "max_tokens": max_tokens,
-            "valid": not bad,
-            "problems": [f"{len(bad)} requests did not report {max_tokens} tokens: {bad[:5]}"] if bad else [],
-            "wall_s": wall, "output_tokens": out_tokens, "output_tok_s": out_tokens / wall,
-            "total_tok_s": (out_tokens + prompt_tokens) / wall,
-            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
-            "ttft_mean_s": statistics.fmean(ttft) if ttft else None,
-            "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
-            "e2e_p50_s": percentile([r["t_last"] - r["t_send"] for r in results if r["t_last"]], 50)}
+    return {
+        "workload": "w3",
+        "requests": len(results),
+        "concurrency": concurrency,
+        "max_tokens": max_tokens,
+        "valid": not bad,
+        "problems": [f"{len(bad)} requests did not report {max_tokens} tokens: {bad[:5]}"] if bad else [],
+        "wall_s": wall,
+        "output_tokens": out_tokens,
+        "output_tok_s": out_tokens / wall,
+        "total_tok_s": (out_tokens + prompt_tokens) / wall,
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p99_s": percentile(ttft, 99),
+        "ttft_mean_s": statistics.fmean(ttft) if ttft else None,
+        "tpot_p50_s": percentile(tpot, 50),
+        "tpot_p99_s": percentile(tpot, 99),
+        "e2e_p50_s": percentile([r["t_last"] - r["t_send"] for r in results if r["t_last"]], 50),
+    }
 
 
 def start_server(port: int, extra_args: list[str], command: str = "serve", timeout: float = 300) -> subprocess.Popen:
     """`petrel serve` (or another petrel command serving /health, e.g. "route") on 127.0.0.1:port, once healthy."""
-    cmd = [sys.executable, "-m", "petrel.cli", command, "--host", "127.0.0.1", "--port", str(port),
-           "--log-level", "warning", *extra_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "petrel.cli",
+        command,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        *extra_args,
+    ]
     print(f"[w3] starting: {' '.join(cmd)}", file=sys.stderr, flush=True)
     proc = subprocess.Popen(cmd)
     deadline = time.monotonic() + timeout
@@ -118,8 +151,9 @@ def start_server(port: int, extra_args: list[str], command: str = "serve", timeo
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="petrel bench serve", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="petrel bench serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--url", default=None, help="a server already running (default: start `petrel serve`)")
     ap.add_argument("--model", default=None, help="the model name to send (default: none, the server's only model)")
     ap.add_argument("--concurrency", type=int, default=W3_CONCURRENCY)
@@ -144,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("concurrency levels must be >= 1")
     prompts = make_w2_prompts(8, 128) if args.quick else make_w2_prompts()
     if args.num_prompts:
-        prompts = prompts[:args.num_prompts]
+        prompts = prompts[: args.num_prompts]
     max_tokens = args.max_tokens or (16 if args.quick else W3_NEW_TOKENS)
     proc = None
     url = args.url
@@ -156,8 +190,15 @@ def main(argv: list[str] | None = None) -> int:
             url = f"http://127.0.0.1:{port}"
         for level in levels:
             result = asyncio.run(run_client(url, args.model, prompts, max_tokens, level))
-            result.update({"engine": "petrel serve" if args.url is None else args.url, "server_args": args.server_args,
-                           "python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count()})
+            result.update(
+                {
+                    "engine": "petrel serve" if args.url is None else args.url,
+                    "server_args": args.server_args,
+                    "python": platform.python_version(),
+                    "machine": platform.machine(),
+                    "cpus": os.cpu_count(),
+                }
+            )
             print(json.dumps(result), flush=True)
             results.append(result)
     finally:

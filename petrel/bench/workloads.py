@@ -9,6 +9,7 @@ read from disk), so petrel's benchmarks and the peers' scripts (benchmarks/peers
       generator, 64 new tokens each, greedy, submitted at once.
 
 Only numpy is needed (the peers' virtual environments import this file without petrel's dependencies)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,24 +19,65 @@ import numpy as np
 W1_USER_MESSAGE = "Write a short story about a robot learning to paint."
 # The W1 prompt of the default model (SmolLM2-135M-Instruct) as transformers' tokenizer makes it; the peers' scripts
 # send these ids, and `petrel bench` reports whether petrel's tokenizer agrees.
-W1_REFERENCE_IDS = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407,
-                    19712, 8182, 2, 198, 1, 4093, 198, 19161, 253, 1890, 1977, 563, 253, 8085, 1380, 288, 7670, 30,
-                    2, 198, 1, 520, 9531, 198]
+W1_REFERENCE_IDS = [
+    1,
+    9690,
+    198,
+    2683,
+    359,
+    253,
+    5356,
+    5646,
+    11173,
+    3365,
+    3511,
+    308,
+    34519,
+    28,
+    7018,
+    411,
+    407,
+    19712,
+    8182,
+    2,
+    198,
+    1,
+    4093,
+    198,
+    19161,
+    253,
+    1890,
+    1977,
+    563,
+    253,
+    8085,
+    1380,
+    288,
+    7670,
+    30,
+    2,
+    198,
+    1,
+    520,
+    9531,
+    198,
+]
 
-W2_SEED, W2_NUM_REQUESTS, W2_MIN_LEN, W2_MAX_LEN = 0, 64, 64, 512   # lengths inclusive
+W2_SEED, W2_NUM_REQUESTS, W2_MIN_LEN, W2_MAX_LEN = 0, 64, 64, 512  # lengths inclusive
 W4_SEED = 1
-TOKEN_LOW, TOKEN_HIGH = 100, 30000                                  # [low, high)
+TOKEN_LOW, TOKEN_HIGH = 100, 30000  # [low, high)
 W3_CONCURRENCY, W3_NEW_TOKENS = 16, 128
 
 
 @dataclass(frozen=True)
 class Sizes:
     """How much of each workload a run does: FULL is WORKLOADS.md's, QUICK a smoke test's."""
+
     w1_new_tokens: int = 256
     w1_runs: int = 3
     w2_num_requests: int = 64
     w2_new_tokens: int = 128
-    w2_max_prompt_len: int | None = None   # truncate prompts (--quick only)
+    w2_max_prompt_len: int | None = None  # truncate prompts (--quick only)
     w4_num_requests: int = 32
     w4_prefix_len: int = 1024
     w4_suffix_len: int = 32
@@ -43,8 +85,17 @@ class Sizes:
 
 
 FULL = Sizes()
-QUICK = Sizes(w1_new_tokens=32, w1_runs=1, w2_num_requests=8, w2_new_tokens=16, w2_max_prompt_len=128,
-              w4_num_requests=4, w4_prefix_len=128, w4_suffix_len=16, w4_new_tokens=8)
+QUICK = Sizes(
+    w1_new_tokens=32,
+    w1_runs=1,
+    w2_num_requests=8,
+    w2_new_tokens=16,
+    w2_max_prompt_len=128,
+    w4_num_requests=4,
+    w4_prefix_len=128,
+    w4_suffix_len=16,
+    w4_new_tokens=8,
+)
 
 
 def make_w2_prompts(num_requests: int = W2_NUM_REQUESTS, max_prompt_len: int | None = None) -> list[list[int]]:
@@ -69,4 +120,5 @@ def make_w4_prompts(num_requests: int = 32, prefix_len: int = 1024, suffix_len: 
 def w1_prompt_ids(tokenizer) -> list[int]:
     """The chat template applied to the W1 message, as LLM.apply_chat_template does."""
     from petrel.model.tokenizer import chat_prompt
+
     return list(chat_prompt(tokenizer, [{"role": "user", "content": W1_USER_MESSAGE}])["prompt_token_ids"])

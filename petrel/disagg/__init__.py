@@ -12,6 +12,7 @@ generation_only ones, fetching only from its kv_transfer_peers, with an HMAC of 
 kv_transfer_secret they share, and reading no more than its prompt's KV. Pins (prompts and a share of the cache,
 reserved through `requests.py`) and fetches at once (`petrel/serve/disagg.py`) are capped.
 """
+
 from petrel.disagg.params import REQUEST_TYPES, DisaggregatedParams, KVTransferBusy, KVTransferStats
 
 __all__ = ["DisaggregatedParams", "KVTransferBusy", "KVTransferStats", "REQUEST_TYPES"]

@@ -8,6 +8,7 @@ client knows the shape its prompt needs and reads no more: a header claiming any
 a byte of tensor is allocated. The engine loop only copies the blocks out (`engine.call`); serialising and
 sending happen on the server's connection thread (at most MAX_CONNECTIONS at once).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -29,10 +30,10 @@ from petrel.engine.kv_export import gather_prompt_kv
 logger = logging.getLogger("petrel.disagg")
 
 MAX_HEADER_BYTES = 1 << 16
-EXPIRY_INTERVAL = 0.25      # seconds between the server's checks for pins nobody fetched in time
-MAX_CONNECTIONS = 16        # connections the server serves at once; more are closed at once
-REQUEST_TIMEOUT = 10.0      # seconds the server waits for a connection's request line
-KV_DTYPES = ("float32", "bfloat16", "float16")   # what a cache (EngineConfig.dtype) may hold
+EXPIRY_INTERVAL = 0.25  # seconds between the server's checks for pins nobody fetched in time
+MAX_CONNECTIONS = 16  # connections the server serves at once; more are closed at once
+REQUEST_TIMEOUT = 10.0  # seconds the server waits for a connection's request line
+KV_DTYPES = ("float32", "bfloat16", "float16")  # what a cache (EngineConfig.dtype) may hold
 
 
 class KVTransferError(RuntimeError):
@@ -61,7 +62,7 @@ class _Handler(socketserver.StreamRequestHandler):
     def handle(self) -> None:
         try:
             line = self.rfile.readline(MAX_HEADER_BYTES)
-        except OSError:          # no request line in REQUEST_TIMEOUT, or the client went away
+        except OSError:  # no request line in REQUEST_TIMEOUT, or the client went away
             return
         try:
             request = json.loads(line)
@@ -71,8 +72,9 @@ class _Handler(socketserver.StreamRequestHandler):
         except (ValueError, KeyError, TypeError):
             return self._send({"ok": False, "error": "bad request"})
         if not secrets.compare_digest(mac.encode(), handle_mac(self.server.secret, handle).encode()):
-            logger.warning("refused a KV fetch from %s: wrong mac (its kv_transfer_secret differs)",
-                           self.client_address[0])
+            logger.warning(
+                "refused a KV fetch from %s: wrong mac (its kv_transfer_secret differs)", self.client_address[0]
+            )
             return self._send({"ok": False, "error": "unauthorized"})
         try:
             kv = self.server.engine.call(lambda core: _export(core, handle), timeout=60)
@@ -81,7 +83,7 @@ class _Handler(socketserver.StreamRequestHandler):
             return self._send({"ok": False, "error": "export failed"})
         if kv is None:
             return self._send({"ok": False, "error": "unknown"})
-        self.connection.settimeout(self.server.send_timeout)    # a large prompt's KV on a slow link takes a while
+        self.connection.settimeout(self.server.send_timeout)  # a large prompt's KV on a slow link takes a while
         data = kv.contiguous().view(-1).view(torch.uint8).numpy()
         self._send({"ok": True, "dtype": str(kv.dtype).removeprefix("torch."), "shape": list(kv.shape)}, data)
 
@@ -144,8 +146,12 @@ class KVTransferServer:
         self._server = _Server((host, port), engine, secret, timeout)
         bound_host, self.port = self._server.server_address[:2]
         self.host = socket.gethostbyname(socket.gethostname()) if bound_host in ("0.0.0.0", "") else bound_host
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": EXPIRY_INTERVAL},
-                                        name="petrel-kv-transfer", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever,
+            kwargs={"poll_interval": EXPIRY_INTERVAL},
+            name="petrel-kv-transfer",
+            daemon=True,
+        )
         self._thread.start()
 
     @property
@@ -177,11 +183,15 @@ def _recv_exactly(sock: socket.socket, n: int, deadline: float, into=None):
 def _refusal(endpoint: str, error) -> Exception:
     """The error for a refusing answer, in fixed words: nothing the peer wrote reaches the client."""
     if error == "unknown":
-        return ValueError(f"disaggregated_params.opaque_state: the context instance at {endpoint} holds no KV for "
-                          "this handle (unknown, expired, or already fetched)")
+        return ValueError(
+            f"disaggregated_params.opaque_state: the context instance at {endpoint} holds no KV for "
+            "this handle (unknown, expired, or already fetched)"
+        )
     if error == "unauthorized":
-        return KVTransferError(f"the context instance at {endpoint} refused this server's credentials (the two "
-                               "instances' kv_transfer_secret differ)")
+        return KVTransferError(
+            f"the context instance at {endpoint} refused this server's credentials (the two "
+            "instances' kv_transfer_secret differ)"
+        )
     logger.warning("the KV transfer server at %s refused a fetch: %.200r", endpoint, error)
     return KVTransferError(f"the context instance at {endpoint} refused the KV transfer")
 
@@ -195,13 +205,16 @@ def _check_header(endpoint: str, header, shape: tuple[int, ...]) -> torch.dtype:
     if header.get("dtype") not in KV_DTYPES or not isinstance(header.get("shape"), list):
         raise KVTransferError(f"{endpoint} did not answer as a petrel KV transfer server")
     if tuple(header["shape"]) != shape:
-        raise ValueError(f"disaggregated_params: the context instance at {endpoint} holds KV of another shape than "
-                         f"this model and prompt need ({list(shape)}): a different model, or not this prompt")
+        raise ValueError(
+            f"disaggregated_params: the context instance at {endpoint} holds KV of another shape than "
+            f"this model and prompt need ({list(shape)}): a different model, or not this prompt"
+        )
     return getattr(torch, header["dtype"])
 
 
-def fetch_kv(endpoint: str, handle: str, secret: str, shape: tuple[int, ...],
-             timeout: float = 60.0) -> tuple[torch.Tensor, KVTransferStats]:
+def fetch_kv(
+    endpoint: str, handle: str, secret: str, shape: tuple[int, ...], timeout: float = 60.0
+) -> tuple[torch.Tensor, KVTransferStats]:
     """The pinned prompt KV from the context instance at endpoint ("host:port"), and what the fetch cost.
     shape: what this prompt's KV must be ([layers, 2, tokens, kv_heads, head_dim]); an answer claiming any other
     is refused before its tensor is read, so a peer cannot make this server allocate more. The whole fetch ends
@@ -225,6 +238,11 @@ def fetch_kv(endpoint: str, handle: str, secret: str, shape: tuple[int, ...],
     except (OSError, json.JSONDecodeError, UnicodeDecodeError, struct.error) as exc:
         raise KVTransferError(f"fetching the prompt KV from {endpoint} failed ({type(exc).__name__})") from None
     stats = KVTransferStats(num_bytes, time.perf_counter() - t0, shape[2], endpoint)
-    logger.info("fetched the KV of %d prompt tokens (%d bytes) from %s in %.1f ms", stats.num_tokens,
-                stats.num_bytes, endpoint, stats.seconds * 1e3)
+    logger.info(
+        "fetched the KV of %d prompt tokens (%d bytes) from %s in %.1f ms",
+        stats.num_tokens,
+        stats.num_bytes,
+        endpoint,
+        stats.seconds * 1e3,
+    )
     return kv, stats

@@ -1,6 +1,7 @@
 """What the LLM front does with a request's DisaggregatedParams before queueing it: check it against this
 instance's role (kv_transfer_role) and peers, reserve room for a context-only prompt's pin, and for a
 generation-only request fetch its prompt's KV (network I/O: on the caller's thread, never the engine loop's)."""
+
 from __future__ import annotations
 
 from petrel.config import parse_endpoint
@@ -29,23 +30,34 @@ def check(dp: DisaggregatedParams, params, prompt_ids: list[int], engine, config
         return
     check_role(dp, config)
     if len(prompt_ids) + 1 > engine.kv_cache_tokens:
-        raise ValueError(f"disaggregated_params: the prompt ({len(prompt_ids)} tokens) and the first token must fit "
-                         f"the {engine.kv_cache_tokens}-token KV cache whole")
-    unsupported = [name for name, on in (
-        ("n > 1", params.n > 1), ("beam search", params.use_beam_search),
-        ("prompt logprobs or context outputs", params.needs_context_outputs),
-        ("guided decoding", params.guided_decoding is not None),
-        ("logprobs (the first token's would stay on the context instance)", params.logprobs is not None),
-    ) if on]
+        raise ValueError(
+            f"disaggregated_params: the prompt ({len(prompt_ids)} tokens) and the first token must fit "
+            f"the {engine.kv_cache_tokens}-token KV cache whole"
+        )
+    unsupported = [
+        name
+        for name, on in (
+            ("n > 1", params.n > 1),
+            ("beam search", params.use_beam_search),
+            ("prompt logprobs or context outputs", params.needs_context_outputs),
+            ("guided decoding", params.guided_decoding is not None),
+            ("logprobs (the first token's would stay on the context instance)", params.logprobs is not None),
+        )
+        if on
+    ]
     if unsupported:
         raise ValueError(f"disaggregated_params: a {dp.request_type} request cannot have {', '.join(unsupported)}")
     if dp.is_generation_only:
         if params.max_tokens is not None and params.max_tokens < 2:
-            raise ValueError("disaggregated_params: a generation_only request needs max_tokens >= 2 "
-                             "(the context instance sampled the first token)")
+            raise ValueError(
+                "disaggregated_params: a generation_only request needs max_tokens >= 2 "
+                "(the context instance sampled the first token)"
+            )
         if len(prompt_ids) + 1 >= engine.max_model_len:
-            raise ValueError(f"disaggregated_params: the prompt ({len(prompt_ids)} tokens) and the first token "
-                             f"leave no room to generate in the {engine.max_model_len}-token context")
+            raise ValueError(
+                f"disaggregated_params: the prompt ({len(prompt_ids)} tokens) and the first token "
+                f"leave no room to generate in the {engine.max_model_len}-token context"
+            )
 
 
 def check_role(dp: DisaggregatedParams, config) -> None:
@@ -53,18 +65,26 @@ def check_role(dp: DisaggregatedParams, config) -> None:
     peers: ValueError naming disaggregated_params otherwise."""
     role = config.kv_transfer_role
     if role is None:
-        raise ValueError(f"disaggregated_params: a {dp.request_type} request needs disaggregated serving, which is "
-                         "off on this instance; start it with kv_transfer_role 'prefill' or 'decode' "
-                         "(petrel serve --kv-transfer-role)")
+        raise ValueError(
+            f"disaggregated_params: a {dp.request_type} request needs disaggregated serving, which is "
+            "off on this instance; start it with kv_transfer_role 'prefill' or 'decode' "
+            "(petrel serve --kv-transfer-role)"
+        )
     if dp.is_context_only and not config.serves_kv:
-        raise ValueError(f"disaggregated_params.request_type: this instance's kv_transfer_role is {role!r}: it "
-                         "answers generation_only requests, not context_only ones")
+        raise ValueError(
+            f"disaggregated_params.request_type: this instance's kv_transfer_role is {role!r}: it "
+            "answers generation_only requests, not context_only ones"
+        )
     if dp.is_generation_only and not config.fetches_kv:
-        raise ValueError(f"disaggregated_params.request_type: this instance's kv_transfer_role is {role!r}: it "
-                         "answers context_only requests, not generation_only ones")
+        raise ValueError(
+            f"disaggregated_params.request_type: this instance's kv_transfer_role is {role!r}: it "
+            "answers context_only requests, not generation_only ones"
+        )
     if dp.is_generation_only and peer(dp) not in config.kv_transfer_peers:
-        raise ValueError(f"disaggregated_params.ctx_info_endpoint: {dp.ctx_info_endpoint!r} is not one of this "
-                         "instance's prefill peers (kv_transfer_peers)")
+        raise ValueError(
+            f"disaggregated_params.ctx_info_endpoint: {dp.ctx_info_endpoint!r} is not one of this "
+            "instance's prefill peers (kv_transfer_peers)"
+        )
 
 
 def peer(dp: DisaggregatedParams) -> str:
@@ -83,16 +103,22 @@ def reserve_pin(dp: DisaggregatedParams | None, prompt_ids: list[int], pinned, c
         raise KVTransferBusy(str(exc)) from None
 
 
-def request_options(dp: DisaggregatedParams | None, prompt_ids: list[int], model_config,
-                    config) -> tuple[dict, KVTransferStats | None]:
+def request_options(
+    dp: DisaggregatedParams | None, prompt_ids: list[int], model_config, config
+) -> tuple[dict, KVTransferStats | None]:
     """The EngineRequest fields for this request (fetching the KV of a generation-only one, no larger than this
     prompt's: [layers, 2, prompt tokens, kv_heads, head_dim]), and the fetch's stats."""
     if dp is None or dp.request_type == "context_and_generation":
         return {}, None
     if dp.is_context_only:
         return {"context_only": True}, None
-    shape = (model_config.num_hidden_layers, 2, len(prompt_ids), model_config.num_key_value_heads,
-             model_config.head_dim)
+    shape = (
+        model_config.num_hidden_layers,
+        2,
+        len(prompt_ids),
+        model_config.num_key_value_heads,
+        model_config.head_dim,
+    )
     kv, stats = fetch_kv(peer(dp), dp.opaque_state, config.kv_transfer_secret, shape, config.kv_transfer_timeout)
     return {"imported_kv": kv, "first_gen_tokens": list(dp.first_gen_tokens)}, stats
 
@@ -103,6 +129,10 @@ def context_params(handoff, endpoint: str | None) -> DisaggregatedParams:
     if isinstance(handoff, DisaggregatedParams):
         handoff.ctx_info_endpoint = endpoint
         return handoff
-    return DisaggregatedParams(request_type="context_only", first_gen_tokens=list(handoff.first_gen_tokens),
-                               ctx_request_id=handoff.request_id, opaque_state=handoff.handle,
-                               ctx_info_endpoint=endpoint)
+    return DisaggregatedParams(
+        request_type="context_only",
+        first_gen_tokens=list(handoff.first_gen_tokens),
+        ctx_request_id=handoff.request_id,
+        opaque_state=handoff.handle,
+        ctx_info_endpoint=endpoint,
+    )

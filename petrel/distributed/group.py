@@ -1,4 +1,5 @@
 """Joining and leaving the tensor-parallel process group, and what each rank runs on."""
+
 from __future__ import annotations
 
 import datetime
@@ -10,7 +11,7 @@ import torch.distributed as dist
 
 from petrel.model.parallel import TensorParallel
 
-TIMEOUT_ENV = "PETREL_TP_TIMEOUT"   # seconds a collective may wait for the other ranks (a hung peer, not a dead one)
+TIMEOUT_ENV = "PETREL_TP_TIMEOUT"  # seconds a collective may wait for the other ranks (a hung peer, not a dead one)
 DEFAULT_TIMEOUT_S = 120.0
 
 
@@ -22,12 +23,15 @@ def join_group(rank: int, size: int, init_method: str, device: str) -> TensorPar
     """Join torch.distributed's default group (gloo on CPU, NCCL on CUDA); returns this rank's TensorParallel.
     A dead peer's closed connection fails a gloo collective at once; the timeout bounds a peer that hangs."""
     if dist.is_initialized():
-        raise RuntimeError("this process is already in a torch.distributed group: one tensor-parallel engine per process")
+        raise RuntimeError(
+            "this process is already in a torch.distributed group: one tensor-parallel engine per process"
+        )
     cuda = torch.device(device).type == "cuda"
     if cuda:
         torch.cuda.set_device(torch.device(device))
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=size,
-                            timeout=collective_timeout())
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=size, timeout=collective_timeout()
+    )
     return TensorParallel(rank, size)
 
 
@@ -57,6 +61,8 @@ def local_rank_device(device: str, rank: int) -> str:
         return device
     first = d.index or 0
     if first + rank >= torch.cuda.device_count():
-        raise ValueError(f"tensor_parallel_size needs GPU {first + rank} for rank {rank}; "
-                         f"this machine has {torch.cuda.device_count()}")
+        raise ValueError(
+            f"tensor_parallel_size needs GPU {first + rank} for rank {rank}; "
+            f"this machine has {torch.cuda.device_count()}"
+        )
     return f"cuda:{first + rank}"

@@ -2,6 +2,7 @@
 
 Workers are spawned (not forked: the engine process has threads) as daemon processes, so they end with the engine
 process; a worker whose pipe closes exits too. A dead worker is seen through its process sentinel."""
+
 from __future__ import annotations
 
 import multiprocessing
@@ -9,11 +10,11 @@ import multiprocessing.connection
 import pickle
 
 from petrel.distributed.group import collective_timeout, free_port, join_group, leave_group, local_rank_device
-from petrel.distributed.workers import Workers
 from petrel.distributed.worker import WorkerSpec, run_process_worker
+from petrel.distributed.workers import Workers
 from petrel.engine.model_runner import ExecutorDied, ForwardPlan
 
-STOP_WAIT_S = 10.0   # a worker told to stop gets this long before it is killed
+STOP_WAIT_S = 10.0  # a worker told to stop gets this long before it is killed
 
 
 class ProcessWorkers(Workers):
@@ -27,13 +28,14 @@ class ProcessWorkers(Workers):
             for rank in range(1, config.tensor_parallel_size):
                 parent, child = ctx.Pipe()
                 spec = WorkerSpec(config, source, rank, init_method, local_rank_device(config.device, rank))
-                proc = ctx.Process(target=run_process_worker, args=(spec, child), name=f"petrel-tp-worker-{rank}",
-                                   daemon=True)
+                proc = ctx.Process(
+                    target=run_process_worker, args=(spec, child), name=f"petrel-tp-worker-{rank}", daemon=True
+                )
                 proc.start()
                 child.close()
                 self.procs.append(proc)
                 self.conns.append(parent)
-            self._expect("hello")   # imported and about to join: a worker that cannot start fails here, not in a wait
+            self._expect("hello")  # imported and about to join: a worker that cannot start fails here, not in a wait
             self.tp = join_group(0, config.tensor_parallel_size, init_method, config.device)
         except BaseException:
             self.shutdown()
@@ -65,11 +67,11 @@ class ProcessWorkers(Workers):
             raise
 
     def send(self, plan: ForwardPlan) -> None:
-        message = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)   # once for every worker (conn.recv reads it)
+        message = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)  # once for every worker (conn.recv reads it)
         for conn in self.conns:
             try:
                 conn.send_bytes(message)
-            except OSError:   # a closed pipe: the worker is gone
+            except OSError:  # a closed pipe: the worker is gone
                 raise ExecutorDied(self.dead_worker(1.0) or "a tensor-parallel worker's pipe closed") from None
 
     def dead_worker(self, wait: float = 0.0) -> str | None:
@@ -78,7 +80,7 @@ class ProcessWorkers(Workers):
         ended = multiprocessing.connection.wait([p.sentinel for p in self.procs], wait)
         for rank, proc in enumerate(self.procs, 1):
             if proc.sentinel in ended:
-                proc.join(1.0)   # the sentinel closes a moment before the process can be reaped for its exit code
+                proc.join(1.0)  # the sentinel closes a moment before the process can be reaped for its exit code
                 return f"tensor-parallel worker {rank} died (exit code {proc.exitcode})"
         return None
 

@@ -6,6 +6,7 @@ rank 0's, pinned to the engine's node so its resources are counted; bundles 1..N
 few nodes as fit. Rank 0 listens for the group on its node's IP. Each actor runs its calls one at a time, in the
 order sent. A dead actor fails its outstanding calls with RayActorError, which is how its death is noticed: each
 actor always has a ping outstanding, so a death shows even while the engine is idle."""
+
 from __future__ import annotations
 
 import os
@@ -13,11 +14,11 @@ import os
 import torch
 
 from petrel.distributed.group import collective_timeout, free_port, join_group, leave_group
-from petrel.distributed.workers import Workers
 from petrel.distributed.worker import Worker, WorkerSpec
+from petrel.distributed.workers import Workers
 from petrel.engine.model_runner import ExecutorDied, ForwardPlan
 
-PLACEMENT_WAIT_S = 60.0   # for the cluster to find room for every rank's bundle
+PLACEMENT_WAIT_S = 60.0  # for the cluster to find room for every rank's bundle
 STOP_WAIT_S = 10.0
 
 
@@ -67,16 +68,21 @@ class RayWorkers(Workers):
             try:
                 ray.get(self.pg.ready(), timeout=PLACEMENT_WAIT_S)
             except ray.exceptions.GetTimeoutError:
-                raise RuntimeError(f"the Ray cluster found no room for {size} bundles of {bundle} (one per "
-                                   f"tensor-parallel rank) within {PLACEMENT_WAIT_S:.0f} s; `ray status` shows "
-                                   "its resources") from None
+                raise RuntimeError(
+                    f"the Ray cluster found no room for {size} bundles of {bundle} (one per "
+                    f"tensor-parallel rank) within {PLACEMENT_WAIT_S:.0f} s; `ray status` shows "
+                    "its resources"
+                ) from None
             init_method = f"tcp://{ip}:{free_port(ip)}"
             actor_class = ray.remote(num_cpus=1, num_gpus=1 if gpu else 0)(RayWorker)
-            device = "cuda:0" if gpu else config.device     # Ray shows an actor only its own GPU
+            device = "cuda:0" if gpu else config.device  # Ray shows an actor only its own GPU
             for rank in range(1, size):
                 strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank)
-                self.actors.append(actor_class.options(scheduling_strategy=strategy, name=None).remote(
-                    WorkerSpec(config, source, rank, init_method, device)))
+                self.actors.append(
+                    actor_class.options(scheduling_strategy=strategy, name=None).remote(
+                        WorkerSpec(config, source, rank, init_method, device)
+                    )
+                )
             self.started = [actor.start.remote() for actor in self.actors]
             self.tp = join_group(0, size, init_method, config.device)
         except BaseException:
@@ -105,7 +111,7 @@ class RayWorkers(Workers):
         if self._stopped:
             return None
         failure = self._collect(wait)
-        if failure is None:   # a finished ping is sent again: a death shows on the next check
+        if failure is None:  # a finished ping is sent again: a death shows on the next check
             for rank, actor in enumerate(self.actors, 1):
                 if self.pings.get(rank) is None:
                     self.pings[rank] = actor.ping.remote()
@@ -115,8 +121,9 @@ class RayWorkers(Workers):
         """Take the results of the calls that have finished (forwards and pings), waiting up to `wait` s for all of
         them; the first failure, naming its rank, or None."""
         ray = self.ray
-        outstanding = {ref: rank for rank, ref in self.pending} | {ref: rank for rank, ref in self.pings.items()
-                                                                   if ref is not None}
+        outstanding = {ref: rank for rank, ref in self.pending} | {
+            ref: rank for rank, ref in self.pings.items() if ref is not None
+        }
         if not outstanding:
             return None
         ready, _ = ray.wait(list(outstanding), num_returns=len(outstanding), timeout=wait)
@@ -147,6 +154,7 @@ class RayWorkers(Workers):
             ray.kill(actor)
         if self.pg is not None:
             from ray.util.placement_group import remove_placement_group
+
             remove_placement_group(self.pg)
         leave_group()
         if self._own_ray:

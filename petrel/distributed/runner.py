@@ -1,6 +1,7 @@
 """Rank 0's model runner, in the engine process: the engine core drives it as it drives the single-process runner,
 and it sends each forward plan to the other ranks before running its own part (their collectives meet inside the
 model). Only rank 0's logits reach the sampler."""
+
 from __future__ import annotations
 
 from petrel.distributed.mp_workers import ProcessWorkers
@@ -8,7 +9,7 @@ from petrel.distributed.ray_workers import RayWorkers
 from petrel.distributed.workers import Workers
 from petrel.engine.model_runner import ExecutorDied, ForwardPlan, ModelRunner
 
-DEATH_WAIT_S = 5.0   # after a failed collective: how long to wait for a peer's death to show before naming it
+DEATH_WAIT_S = 5.0  # after a failed collective: how long to wait for a peer's death to show before naming it
 
 
 def start_workers(config, source) -> Workers:

@@ -1,6 +1,7 @@
 """A tensor-parallel rank outside the engine process: it joins the group, loads its shard of the model with its own
 slice of the paged KV cache, then runs every forward plan the engine sends, in order. It samples nothing: the
 engine's rank 0 has the full logits (the LM head gathers them on every rank)."""
+
 from __future__ import annotations
 
 import signal
@@ -21,7 +22,7 @@ class WorkerSpec:
     config: EngineConfig
     source: ModelSource
     rank: int
-    init_method: str      # tcp://host:port where rank 0 waits for the group to form
+    init_method: str  # tcp://host:port where rank 0 waits for the group to form
     device: str
 
 
@@ -32,14 +33,24 @@ class Worker:
         self.tp = None
 
     def join(self) -> None:
-        self.tp = join_group(self.spec.rank, self.spec.config.tensor_parallel_size, self.spec.init_method, self.spec.device)
+        self.tp = join_group(
+            self.spec.rank, self.spec.config.tensor_parallel_size, self.spec.init_method, self.spec.device
+        )
 
     def load(self) -> None:
         config, device = self.spec.config, self.spec.device
         model, cfg = load_model(self.spec.source, config.torch_dtype, device, tp=self.tp)
-        groups, _ = kv_groups_for(config, cfg)     # as rank 0's engine lays out its cache
-        self.runner = ModelRunner(model, cfg, num_kv_blocks(config, cfg, groups.layers_per_block), config.block_size,
-                                  config.torch_dtype, device, tp=self.tp, kv_groups=groups)
+        groups, _ = kv_groups_for(config, cfg)  # as rank 0's engine lays out its cache
+        self.runner = ModelRunner(
+            model,
+            cfg,
+            num_kv_blocks(config, cfg, groups.layers_per_block),
+            config.block_size,
+            config.torch_dtype,
+            device,
+            tp=self.tp,
+            kv_groups=groups,
+        )
 
     def forward(self, plan: ForwardPlan) -> None:
         self.runner.forward(plan)
@@ -61,7 +72,7 @@ def run_process_worker(spec: WorkerSpec, conn) -> None:
         worker.load()
     except BaseException as exc:  # noqa: BLE001 - told to the engine, which reports it
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
-        raise SystemExit(1)
+        raise SystemExit(1) from None
     conn.send(("ready",))
     while True:
         try:
@@ -73,6 +84,6 @@ def run_process_worker(spec: WorkerSpec, conn) -> None:
         try:
             worker.forward(plan)
         except BaseException:
-            traceback.print_exc()   # the engine sees this rank die and fails its requests, naming the exit code
-            raise SystemExit(1)
+            traceback.print_exc()  # the engine sees this rank die and fails its requests, naming the exit code
+            raise SystemExit(1) from None
     worker.close()

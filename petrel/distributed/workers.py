@@ -1,6 +1,7 @@
 """What rank 0 needs of ranks 1..N-1, however they run: the interface ProcessWorkers (mp_workers.py) and RayWorkers
 (ray_workers.py) implement and TensorParallelRunner (runner.py) drives. It lives apart from both sides so that
 neither imports the other."""
+
 from __future__ import annotations
 
 from petrel.engine.model_runner import ForwardPlan
@@ -8,6 +9,7 @@ from petrel.engine.model_runner import ForwardPlan
 
 class Workers:
     """Ranks 1..N-1, whichever way they run (ProcessWorkers, RayWorkers). `tp` is rank 0's TensorParallel."""
+
     tp = None
 
     def wait_ready(self) -> None:

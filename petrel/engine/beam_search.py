@@ -14,10 +14,11 @@ continue, until `width` beams continue. `early_stopping`: True stops as soon as 
 finished; False stops when the best running beam, scored at its current length, cannot beat the worst
 kept hypothesis; 'never' scores it at the longest length it could reach.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from petrel.engine.engine_output import EngineOutput, build_output
 from petrel.engine.sampler import token_logprobs
@@ -30,23 +31,28 @@ class Hypothesis:
     output_token_ids: list[int]
     cum_logprob: float
     score: float
-    finish_reason: str                 # 'stop' | 'length'
+    finish_reason: str  # 'stop' | 'length'
     stop_reason: int | None = None
-    token_logprobs: list = field(default_factory=list)   # per output token, what the sampler recorded
-    extras: dict = field(default_factory=dict)            # generation logits / hidden states per token
+    token_logprobs: list = field(default_factory=list)  # per output token, what the sampler recorded
+    extras: dict = field(default_factory=dict)  # generation logits / hidden states per token
 
 
 @dataclass
 class Candidate:
-    beam: int            # index of the parent beam in the list given to `step`
+    beam: int  # index of the parent beam in the list given to `step`
     token_id: int
-    cum_logprob: float   # parent's cum + this token's logprob
+    cum_logprob: float  # parent's cum + this token's logprob
     logprob: float
 
 
 class BeamSearch:
-    def __init__(self, width: int, length_penalty: float = 1.0, early_stopping: bool | str = False,
-                 max_output_tokens: int | None = None):
+    def __init__(
+        self,
+        width: int,
+        length_penalty: float = 1.0,
+        early_stopping: bool | str = False,
+        max_output_tokens: int | None = None,
+    ):
         self.width = width
         self.length_penalty = length_penalty
         self.early_stopping = early_stopping
@@ -61,16 +67,24 @@ class BeamSearch:
         """Keep the `width` best finished hypotheses."""
         self.finished.append(hyp)
         self.finished.sort(key=lambda h: h.score, reverse=True)
-        del self.finished[self.width:]
+        del self.finished[self.width :]
 
-    def select(self, candidates: list[list[tuple[int, float]]], beam_cums: list[float], num_output_tokens: int,
-               is_end: Callable[[int, int], bool]) -> tuple[list[Candidate], list[Candidate]]:
+    def select(
+        self,
+        candidates: list[list[tuple[int, float]]],
+        beam_cums: list[float],
+        num_output_tokens: int,
+        is_end: Callable[[int, int], bool],
+    ) -> tuple[list[Candidate], list[Candidate]]:
         """candidates[b]: (token, logprob) best-first for beam b (at least 2 * width of them when the vocabulary
         allows). num_output_tokens: tokens each beam has now (before this step's token). is_end(beam, token):
         whether that token ends that beam. Returns the beams that continue (up to `width`, best first) and the
         candidates that end here (to become hypotheses)."""
-        merged = [Candidate(b, tok, beam_cums[b] + lp, lp)
-                  for b, cands in enumerate(candidates) for tok, lp in cands[:2 * self.width]]
+        merged = [
+            Candidate(b, tok, beam_cums[b] + lp, lp)
+            for b, cands in enumerate(candidates)
+            for tok, lp in cands[: 2 * self.width]
+        ]
         merged.sort(key=lambda c: c.cum_logprob, reverse=True)
         keep, ended = [], []
         for rank, cand in enumerate(merged):
@@ -122,17 +136,19 @@ class BeamSearchDriver:
         bs = req.beam_search
         beams = [s for s in req.seqs if not s.is_finished]
         if any(s.beam.candidates is None for s in beams):
-            return []      # some beam is still being (re)computed
+            return []  # some beam is still being (re)computed
         num_out = beams[0].num_output_tokens
 
         def ends(b: int, token: int) -> bool:
             stop = self._stop(beams[b], token)
             return stop is not None and stop.finish_reason == "stop"
-        keep, ended = bs.select([s.beam.candidates[0] for s in beams], [s.beam.cum_logprob for s in beams],
-                                num_out, ends)
+
+        keep, ended = bs.select(
+            [s.beam.candidates[0] for s in beams], [s.beam.cum_logprob for s in beams], num_out, ends
+        )
         for cand in ended:
             self._add_ended(bs, beams[cand.beam], cand, num_out)
-        out_of_room = any(self._stop(beams[c.beam], c.token_id) is not None for c in keep)   # 'length': all beams
+        out_of_room = any(self._stop(beams[c.beam], c.token_id) is not None for c in keep)  # 'length': all beams
         new_beams = self._fork_children(req, beams, keep)
         for seq, cand in new_beams:
             self._append(seq, cand)
@@ -141,9 +157,17 @@ class BeamSearchDriver:
         length = num_out + 1
         if out_of_room:
             for seq, _ in new_beams:
-                bs.add_hypothesis(Hypothesis(seq.output_token_ids, seq.beam.cum_logprob,
-                                             bs.score(seq.beam.cum_logprob, length), "length", None,
-                                             list(seq.beam.token_logprobs), _generation_lists(seq)))
+                bs.add_hypothesis(
+                    Hypothesis(
+                        seq.output_token_ids,
+                        seq.beam.cum_logprob,
+                        bs.score(seq.beam.cum_logprob, length),
+                        "length",
+                        None,
+                        list(seq.beam.token_logprobs),
+                        _generation_lists(seq),
+                    )
+                )
             bs.done = True
         else:
             bs.update_done(max((c.cum_logprob for c in keep), default=None), length)
@@ -158,9 +182,17 @@ class BeamSearchDriver:
         generation = _generation_lists(parent)
         for name, new in rows.items():
             generation.setdefault(name, []).extend(new)
-        bs.add_hypothesis(Hypothesis(
-            parent.output_token_ids + [cand.token_id], cand.cum_logprob, bs.score(cand.cum_logprob, num_out + 1),
-            "stop", self._stop(parent, cand.token_id).stop_reason, parent.beam.token_logprobs + lp, generation))
+        bs.add_hypothesis(
+            Hypothesis(
+                parent.output_token_ids + [cand.token_id],
+                cand.cum_logprob,
+                bs.score(cand.cum_logprob, num_out + 1),
+                "stop",
+                self._stop(parent, cand.token_id).stop_reason,
+                parent.beam.token_logprobs + lp,
+                generation,
+            )
+        )
 
     def _fork_children(self, req: EngineRequest, beams: list[Sequence], keep: list[Candidate]) -> list:
         """(sequence, candidate) of each beam that goes on: a parent's first child takes over its sequence, the
@@ -209,12 +241,23 @@ class BeamSearchDriver:
                 self.scheduler.finish(seq)
         p = req.params
         first = req.seqs[0] if req.seqs else None
-        outputs = [build_output(req, i, hyp.output_token_ids, now, seq=first,
-                                num_output_tokens=len(hyp.output_token_ids),
-                                logprobs=list(hyp.token_logprobs) if p.logprobs is not None else None,
-                                finish_reason=hyp.finish_reason, stop_reason=hyp.stop_reason,
-                                generation=hyp.extras, with_context=i == 0, cumulative_logprob=hyp.cum_logprob)
-                   for i, hyp in enumerate(req.beam_search.best(p.n))]
+        outputs = [
+            build_output(
+                req,
+                i,
+                hyp.output_token_ids,
+                now,
+                seq=first,
+                num_output_tokens=len(hyp.output_token_ids),
+                logprobs=list(hyp.token_logprobs) if p.logprobs is not None else None,
+                finish_reason=hyp.finish_reason,
+                stop_reason=hyp.stop_reason,
+                generation=hyp.extras,
+                with_context=i == 0,
+                cumulative_logprob=hyp.cum_logprob,
+            )
+            for i, hyp in enumerate(req.beam_search.best(p.n))
+        ]
         outputs += [build_output(req, i, [], now, finish_reason="stop") for i in range(len(outputs), p.n)]
         req.finished_indices.update(range(p.n))
         return outputs

@@ -14,6 +14,7 @@ the same positional layout; only a sliding group's table frees behind its window
 group, and the prefix cache keys a block by (group, hash): a hit counts only as far as every group holds what its
 layers will read (a global group all blocks of the hit, a sliding group those its window still sees).
 """
+
 from __future__ import annotations
 
 import bisect
@@ -22,7 +23,7 @@ from collections import OrderedDict, deque
 
 from petrel.engine.sequence import Sequence
 
-FREED = -1   # a block-table entry whose block was given back behind the sliding window (never read unmasked)
+FREED = -1  # a block-table entry whose block was given back behind the sliding window (never read unmasked)
 
 
 def num_freed_blocks(block_table: list[int]) -> int:
@@ -32,7 +33,7 @@ def num_freed_blocks(block_table: list[int]) -> int:
 
 def held_blocks(block_table: list[int]) -> list[int]:
     """The blocks a table actually holds (FREED entries left out)."""
-    return block_table[num_freed_blocks(block_table):]
+    return block_table[num_freed_blocks(block_table) :]
 
 
 def _cache_key(group: int, block_hash: bytes):
@@ -42,9 +43,16 @@ def _cache_key(group: int, block_hash: bytes):
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 hash_seed: str = "", watermark: float = 0.01, sliding_window: int | None = None,
-                 group_windows: list[int | None] | None = None):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        hash_seed: str = "",
+        watermark: float = 0.01,
+        sliding_window: int | None = None,
+        group_windows: list[int | None] | None = None,
+    ):
         """sliding_window: the window of every layer of the model (None: some layer sees all positions); with
         one, free_behind_window gives back the blocks behind it. group_windows: instead, one window per KV group
         (a block table per group; see petrel/engine/kv_groups.py)."""
@@ -59,22 +67,17 @@ class BlockManager:
         self.watermark_blocks = int(watermark * num_blocks)
         self.ref_counts = [0] * num_blocks
         self.free_blocks: deque[int] = deque(range(num_blocks))
-        self.evictable: OrderedDict[int, None] = OrderedDict()   # cached blocks, LRU first
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks, LRU first
         self.hash_to_block: dict[bytes, int] = {}
         self.block_hash: dict[int, bytes] = {}
         self.block_tokens: dict[int, tuple[int, ...]] = {}
-        self.pending_copies: list[tuple[int, int]] = []          # (src, dst) copy-on-write, for the runner
+        self.pending_copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write, for the runner
 
     # ------------------------------------------------------------------ groups
     @property
     def sliding_window(self) -> int | None:
         """The window of a one-group manager (None with several groups, or none)."""
         return self.windows[0] if self.num_groups == 1 else None
-
-    @sliding_window.setter
-    def sliding_window(self, window: int | None) -> None:
-        """Set every group's window (None: nothing is given back; the tables stay per group)."""
-        self.windows = [window] * self.num_groups
 
     @property
     def frees_blocks(self) -> bool:
@@ -121,7 +124,7 @@ class BlockManager:
         while len(seq.block_hashes) < num_full_blocks:
             i = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if i else self.root_hash(seq.request.cache_salt, seq.request.lora_int_id)
-            tokens = seq.token_ids[i * bs:(i + 1) * bs]
+            tokens = seq.token_ids[i * bs : (i + 1) * bs]
             seq.block_hashes.append(hashlib.sha256(parent + repr(tokens).encode()).digest())
 
     # ------------------------------------------------------------------ allocation
@@ -141,7 +144,7 @@ class BlockManager:
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:
             if block in self.block_hash:
-                self.evictable[block] = None      # newest at the end
+                self.evictable[block] = None  # newest at the end
             else:
                 self.free_blocks.append(block)
 
@@ -158,21 +161,24 @@ class BlockManager:
         self._extend_hashes(seq, max_blocks)
         found: dict[tuple[int, int], int | None] = {}
 
-        def cached(g: int, i: int) -> int | None:    # group g's cached block for prompt block i, looked up once
+        def cached(g: int, i: int) -> int | None:  # group g's cached block for prompt block i, looked up once
             if (g, i) not in found:
                 block = self.hash_to_block.get(_cache_key(g, seq.block_hashes[i]))
-                tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+                tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
                 found[g, i] = block if block is not None and self.block_tokens.get(block) == tokens else None
             return found[g, i]
 
-        whole = seq.request.context_only      # its prompt is exported whole: every group needs every block
+        whole = seq.request.context_only  # its prompt is exported whole: every group needs every block
         hit, settled = max_blocks, False
-        while not settled:        # shorten the hit until every group holds the blocks it reads of it
+        while not settled:  # shorten the hit until every group holds the blocks it reads of it
             settled = True
             for g in range(len(tables)):
                 first = 0 if whole else self._first_needed(g, hit)
-                missing = next((i for i in range(first, hit) if cached(g, i) is None), None) if self.windows[g] is None \
+                missing = (
+                    next((i for i in range(first, hit) if cached(g, i) is None), None)
+                    if self.windows[g] is None
                     else next((i for i in reversed(range(first, hit)) if cached(g, i) is None), None)
+                )
                 if missing is not None:
                     hit, settled = missing, False
         for g, table in enumerate(tables):
@@ -212,7 +218,7 @@ class BlockManager:
                 continue
             end = min((seq.num_computed_tokens - window) // self.block_size, len(table))
             start = num_freed_blocks(table)
-            for i in range(start, end):       # oldest first, so the oldest is evicted first
+            for i in range(start, end):  # oldest first, so the oldest is evicted first
                 self._release(table[i])
                 table[i] = FREED
             given_back += max(0, end - start)
@@ -224,7 +230,7 @@ class BlockManager:
         tables = seq.block_tables if len(seq.block_tables) == self.num_groups else self._tables(seq)
         needed = -(-(seq.num_computed_tokens + num_new_tokens) // bs) - len(tables[0])
         first = seq.num_computed_tokens // bs
-        copy_on_write = []                # tables whose shared partial block is written next
+        copy_on_write = []  # tables whose shared partial block is written next
         if seq.num_computed_tokens % bs != 0 and first < len(tables[0]):
             for table in tables:
                 if self.ref_counts[table[first]] > 1:
@@ -257,11 +263,11 @@ class BlockManager:
                 if block == FREED or block in self.block_hash:
                     continue
                 key = seq.block_hashes[i] if g == 0 else _cache_key(g, seq.block_hashes[i])
-                if key in self.hash_to_block:   # same content computed twice at once: keep the first
+                if key in self.hash_to_block:  # same content computed twice at once: keep the first
                     continue
                 self.block_hash[block] = key
                 self.hash_to_block[key] = block
-                self.block_tokens[block] = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+                self.block_tokens[block] = tuple(seq.token_ids[i * bs : (i + 1) * bs])
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares all of the parent's blocks; a shared partial block is copied on first write."""

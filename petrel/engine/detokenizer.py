@@ -4,14 +4,21 @@ Text is released only when it is final: an incomplete UTF-8 sequence (decoded as
 the next token, and a tail that could still grow into a stop string is held until it cannot. So the
 streamed pieces always concatenate to the non-streamed text.
 """
+
 from __future__ import annotations
 
 _CONTEXT_TOKENS = 6  # tokens of context decoded before the new ones, so word-initial spaces come out right
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,
-                 stop: list[str] | None = None, include_stop_str_in_output: bool = False):
+    def __init__(
+        self,
+        tokenizer,
+        prompt_token_ids: list[int],
+        skip_special_tokens: bool = True,
+        stop: list[str] | None = None,
+        include_stop_str_in_output: bool = False,
+    ):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop or []
@@ -19,10 +26,10 @@ class IncrementalDetokenizer:
         self.tokens = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.tokens)
-        self.text = ""          # all decoded output text (stop-truncated once a stop string matched)
-        self.released = 0       # how much of self.text has been handed out
+        self.text = ""  # all decoded output text (stop-truncated once a stop string matched)
+        self.released = 0  # how much of self.text has been handed out
         self.stopped_by: str | None = None
-        self.num_tokens_added = 0   # of the last add_tokens call: how many were taken (fewer when a stop matched)
+        self.num_tokens_added = 0  # of the last add_tokens call: how many were taken (fewer when a stop matched)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -34,12 +41,12 @@ class IncrementalDetokenizer:
         for tok in token_ids:
             self.tokens.append(tok)
             self.num_tokens_added += 1
-            prefix = self._decode(self.tokens[self.prefix_offset:self.read_offset])
-            full = self._decode(self.tokens[self.prefix_offset:])
+            prefix = self._decode(self.tokens[self.prefix_offset : self.read_offset])
+            full = self._decode(self.tokens[self.prefix_offset :])
             if full.endswith("\ufffd") or len(full) <= len(prefix):
                 continue  # an incomplete character, or nothing visible yet
             before = len(self.text)
-            self.text += full[len(prefix):]
+            self.text += full[len(prefix) :]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
             if self.stop and self._match_stop(before):
                 return self.stopped_by
@@ -56,7 +63,7 @@ class IncrementalDetokenizer:
         if best is None:
             return False
         at, s = best
-        self.text = self.text[:at + len(s)] if self.include_stop else self.text[:at]
+        self.text = self.text[: at + len(s)] if self.include_stop else self.text[:at]
         self.stopped_by = s
         return True
 
@@ -66,7 +73,7 @@ class IncrementalDetokenizer:
         if not finished and self.stop and self.stopped_by is None:
             end -= self._held_tail()
         end = max(end, self.released)
-        piece = self.text[self.released:end]
+        piece = self.text[self.released : end]
         self.released = end
         return piece
 

@@ -4,6 +4,7 @@ Beside it: speculative.py, beam_search.py, stop.py (the one stop check), engine_
 builder), extra_outputs.py, kv_capacity.py, step_isolation.py, and disaggregated serving's engine side
 (pinned_prompts.py, kv_export.py).
 """
+
 from __future__ import annotations
 
 import time
@@ -15,11 +16,12 @@ from petrel.engine.beam_search import BeamSearchDriver
 from petrel.engine.block_manager import BlockManager
 from petrel.engine.engine_output import EngineOutput, IterationStats, build_output, merge_outputs, step_stats
 from petrel.engine.extra_outputs import gather_context_rows, generation_rows
-from petrel.engine.grammar import GrammarCompiler
 from petrel.engine.kv_capacity import plan_kv_cache
 from petrel.engine.kv_export import write_imported_kv
 from petrel.engine.model_runner import ModelRunner
+from petrel.engine.parallel_sampling import fork_parallel_samples, new_sequence
 from petrel.engine.pinned_prompts import PinnedPrompts
+from petrel.engine.request_checks import check_request
 from petrel.engine.sampler import Sampler
 from petrel.engine.scheduler import Scheduler
 from petrel.engine.sequence import EngineRequest, Sequence
@@ -30,31 +32,46 @@ from petrel.model.config import ModelConfig
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, model: torch.nn.Module, model_config: ModelConfig,
-                 batched_post_processor=None, draft_model: tuple[torch.nn.Module, ModelConfig] | None = None,
-                 workers=None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: torch.nn.Module,
+        model_config: ModelConfig,
+        batched_post_processor=None,
+        draft_model: tuple[torch.nn.Module, ModelConfig] | None = None,
+        workers=None,
+    ):
         """workers: with tensor_parallel_size > 1, the other ranks (petrel.distributed); `model` is rank 0's shard.
         draft_model: speculative method 'draft_model''s (model, model_config)."""
         self.config, self.model_config = config, model_config
         capacity = plan_kv_cache(config, model_config)
         self.kv_groups, self.max_model_len = capacity.kv_groups, capacity.max_model_len
         num_blocks, bs = capacity.num_blocks, config.block_size
-        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching, config.kv_cache_hash_seed,
-                                          group_windows=list(self.kv_groups.windows))
-        self.pinned = PinnedPrompts(self.block_manager, config.kv_transfer_timeout)   # context-only prompts' KV
+        windows = list(self.kv_groups.windows)
+        self.block_manager = BlockManager(
+            num_blocks, bs, config.enable_prefix_caching, config.kv_cache_hash_seed, group_windows=windows
+        )
+        self.pinned = PinnedPrompts(self.block_manager, config.kv_transfer_timeout)  # context-only prompts' KV
         self.lora_manager = None
         if config.enable_lora:
             from petrel.model.lora import LoRAManager
+
             self.lora_manager = LoRAManager(model, model_config, config.max_loras, config.max_lora_rank)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill, config.max_loras if config.enable_lora else None)
+        max_loras = config.max_loras if config.enable_lora else None
+        self.scheduler = Scheduler(
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.enable_chunked_prefill,
+            max_loras,
+        )
+        shape = (model, model_config, num_blocks, bs, config.torch_dtype, config.device)
         if workers is None:
-            self.runner = ModelRunner(model, model_config, num_blocks, bs, config.torch_dtype, config.device,
-                                      self.lora_manager, kv_groups=self.kv_groups)
+            self.runner = ModelRunner(*shape, self.lora_manager, kv_groups=self.kv_groups)
         else:
             from petrel.distributed.runner import TensorParallelRunner
-            self.runner = TensorParallelRunner(workers, model, model_config, num_blocks, bs, config.torch_dtype,
-                                               config.device, kv_groups=self.kv_groups)
+
+            self.runner = TensorParallelRunner(workers, *shape, kv_groups=self.kv_groups)
         self.sampler = Sampler(model_config.vocab_size, config.seed, batched_post_processor)
         self.speculator = None
         if config.speculative_config is not None:
@@ -63,28 +80,20 @@ class EngineCore:
         self.requests: dict[object, EngineRequest] = {}
         self.iteration = 0
         self.last_stats: IterationStats | None = None
-        self.num_draft_tokens = 0       # speculative decoding, since start: drafts verified, and accepted
+        self.num_draft_tokens = 0  # speculative decoding, since start: drafts verified, and accepted
         self.num_accepted_tokens = 0
 
     # ------------------------------------------------------------------ requests
     def validate(self, prompt_token_ids: list[int], params) -> None:
         """Raise ValueError for a request the engine could not serve (called before it is queued)."""
-        if not prompt_token_ids:
-            raise ValueError("prompt is empty: at least one token is needed")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt_token_ids has ids outside the vocabulary (size {vocab}): {bad[:5]}")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt is {len(prompt_token_ids)} tokens, the model's context is "
-                             f"{self.max_model_len}: max is {self.max_model_len - 1}")
-        params.validate_for_model(vocab)
+        check_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
 
     def add_request(self, request: EngineRequest) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in flight")
-        seq = Sequence(request, 0, request.prompt_token_ids + request.first_gen_tokens, len(request.prompt_token_ids))
-        _give_sampling_state(seq)
+        seq = new_sequence(
+            request, 0, request.prompt_token_ids + request.first_gen_tokens, len(request.prompt_token_ids)
+        )
         if request.params.use_beam_search:
             self.beams.start(request, seq)
         request.seqs.append(seq)
@@ -101,8 +110,11 @@ class EngineCore:
                 self._end(seq, "abort")
         by_index = {} if req.beam_search else {s.index: s for s in req.seqs}
         now = time.monotonic()
-        outputs = [build_output(req, i, [], now, seq=by_index.get(i), finish_reason="abort", abort_message=message)
-                   for i in range(req.params.n) if i not in req.finished_indices]
+        outputs = [
+            build_output(req, i, [], now, seq=by_index.get(i), finish_reason="abort", abort_message=message)
+            for i in range(req.params.n)
+            if i not in req.finished_indices
+        ]
         req.finished_indices.update(range(req.params.n))
         return outputs
 
@@ -124,7 +136,7 @@ class EngineCore:
     @torch.inference_mode()
     def step(self) -> list[EngineOutput]:
         """Schedule, run the model, sample, update: the outputs of the sequences that moved (or ended)."""
-        t0 = time.monotonic()     # schedule (room for drafts first), then ready the batch
+        t0 = time.monotonic()  # schedule (room for drafts first), then ready the batch
         if self.speculator is not None:
             self.speculator.reserve_lookahead(self.scheduler.running)
         batch = self.scheduler.schedule()
@@ -133,7 +145,7 @@ class EngineCore:
         for seq in batch.seqs:
             if seq.request.first_scheduled_time is None:
                 seq.request.first_scheduled_time = t0
-            if seq.request.imported_kv is not None:    # disaggregated decode: the prompt's KV, fetched beforehand
+            if seq.request.imported_kv is not None:  # disaggregated decode: the prompt's KV, fetched beforehand
                 write_imported_kv(self.runner, seq)
         if self.speculator is not None:
             self.speculator.propose(batch)
@@ -145,27 +157,27 @@ class EngineCore:
         step_logits = self.runner.execute(batch)
         num_prompt_tokens = self._count_computed(batch)
         # sample and update the sequences
-        failed: dict = {}     # request id -> why: one request's failure in this step ends that request only
+        failed: dict = {}  # request id -> why: one request's failure in this step ends that request only
         for rows in step_logits.context_rows:
             isolated(failed, rows.seq.request.request_id, gather_context_rows, rows)
         outputs: list[EngineOutput] = []
         num_generated = num_accepted = 0
         if step_logits.sample_seqs:
-            seqs, rows = self._fork_new_sequences(step_logits.sample_seqs)
+            seqs, rows = fork_parallel_samples(step_logits.sample_seqs, self.scheduler, self.block_manager)
             rows = [step_logits.first_rows[r] for r in rows]
             outputs, num_generated, num_accepted = self._sample_and_append(seqs, rows, step_logits, failed)
         for request_id, message in failed.items():
             outputs.extend(self.abort_request(request_id, message))
         # after the step: drafts verified, blocks behind a window given back, stats
         num_draft = self.speculator.finish_verification(batch, self.block_manager) if self.speculator else 0
-        if self.block_manager.frees_blocks:   # forked children too: give back what fell behind a window
+        if self.block_manager.frees_blocks:  # forked children too: give back what fell behind a window
             for seq in self.scheduler.running:
                 self.block_manager.free_behind_window(seq)
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += num_accepted
         self.iteration += 1
-        self.last_stats = step_stats(self.iteration, t0, batch, self.scheduler, self.block_manager,
-                                     num_prompt_tokens, num_generated, num_draft, num_accepted)
+        counts = (num_prompt_tokens, num_generated, num_draft, num_accepted)
+        self.last_stats = step_stats(self.iteration, t0, batch, self.scheduler, self.block_manager, *counts)
         return outputs
 
     def _count_computed(self, batch) -> int:
@@ -174,30 +186,12 @@ class EngineCore:
         num_prompt_tokens = 0
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             n -= len(seq.spec.draft_token_ids)
-            num_prompt_tokens += max(0, min(seq.num_computed_tokens + n, seq.num_prompt_tokens) - seq.num_computed_tokens)
+            num_prompt_tokens += max(
+                0, min(seq.num_computed_tokens + n, seq.num_prompt_tokens) - seq.num_computed_tokens
+            )
             seq.num_computed_tokens += n
             self.block_manager.cache_computed_blocks(seq)
         return num_prompt_tokens
-
-    def _fork_new_sequences(self, sample_seqs: list[Sequence]) -> tuple[list[Sequence], list[int]]:
-        """A request with n > 1 forks its prompt's sequence when the prompt is done; all n sample from one row."""
-        seqs, rows = [], []
-        for row, seq in enumerate(sample_seqs):
-            seqs.append(seq)
-            rows.append(row)
-            req = seq.request
-            if req.params.n > 1 and not req.params.use_beam_search and len(req.seqs) == 1 and seq.num_output_tokens == 0:
-                prev = seq
-                for i in range(1, req.params.n):
-                    child = Sequence(req, i, seq.token_ids, seq.num_prompt_tokens)
-                    _give_sampling_state(child)
-                    self.block_manager.fork(seq, child)
-                    self.scheduler.add_running(child, after=prev)
-                    req.seqs.append(child)
-                    seqs.append(child)
-                    rows.append(row)
-                    prev = child
-        return seqs, rows
 
     def _sample_and_append(self, seqs: list[Sequence], rows: list[int], step_logits, failed: dict):
         """Sample every sequence's next token; a sequence with drafts goes on to its next row while the sampled
@@ -212,8 +206,9 @@ class EngineCore:
             logits = step_logits.sample_logits
             if rows != list(range(len(rows))):
                 logits = logits[torch.tensor(rows)]
-            drafts = [s.spec.draft_token_ids[position] if position < len(s.spec.draft_token_ids) else None
-                      for s in seqs]
+            drafts = [
+                s.spec.draft_token_ids[position] if position < len(s.spec.draft_token_ids) else None for s in seqs
+            ]
             extras = generation_rows(seqs, logits, step_logits.sample_hidden, rows)
             result = self.sampler.sample(logits, seqs, drafts if self.speculator is not None else None)
             for i, message in result.errors.items():
@@ -244,7 +239,7 @@ class EngineCore:
             outputs.extend(isolated(failed, req.request_id, self.beams.advance, req, now) or [])
             if req.finished:
                 self.requests.pop(req.request_id, None)
-        for seq, out in merged.items():   # a failed request's finished sequences keep their final output
+        for seq, out in merged.items():  # a failed request's finished sequences keep their final output
             if self.speculator is not None:
                 self.speculator.report(out, seq)
             outputs.append(out)
@@ -253,22 +248,31 @@ class EngineCore:
     def _append_token(self, seq: Sequence, token: int, logprobs, extras: dict, now: float) -> EngineOutput:
         """A sampled (or accepted draft) token onto its sequence: the stop check, the output, the end if it ends."""
         req = seq.request
-        stop = check_stop(seq, token, self.max_model_len,
-                          seq.grammar.accept_token(token) if seq.grammar is not None else None)
+        stop = check_stop(
+            seq, token, self.max_model_len, seq.grammar.accept_token(token) if seq.grammar is not None else None
+        )
         seq.token_ids.append(token)
         for name, row in extras.items():
             seq.extra_outputs.generation.setdefault(name, []).append(row)
         finish_reason, stop_reason = (stop.finish_reason, stop.stop_reason) if stop else (None, None)
         new_tokens, handoff = [token], None
         if req.first_gen_tokens and seq.num_output_tokens == len(req.first_gen_tokens) + 1:
-            new_tokens = req.first_gen_tokens + new_tokens   # the context instance's token(s) lead the output
-        if req.context_only and stop is None:   # prefill done: pin the prompt's KV for the decode instance
+            new_tokens = req.first_gen_tokens + new_tokens  # the context instance's token(s) lead the output
+        if req.context_only and stop is None:  # prefill done: pin the prompt's KV for the decode instance
             finish_reason, handoff = "length", self.pinned.hand_off(seq, token)
-        out = build_output(req, seq.index, new_tokens, now, seq=seq,
-                           logprobs=[logprobs] if logprobs is not None else None,
-                           finish_reason=finish_reason, stop_reason=stop_reason,
-                           generation={name: [row] for name, row in extras.items()},
-                           with_context=seq.num_output_tokens == 1 and seq.index == 0, disaggregated_params=handoff)
+        out = build_output(
+            req,
+            seq.index,
+            new_tokens,
+            now,
+            seq=seq,
+            logprobs=[logprobs] if logprobs is not None else None,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+            generation={name: [row] for name, row in extras.items()},
+            with_context=seq.num_output_tokens == 1 and seq.index == 0,
+            disaggregated_params=handoff,
+        )
         if finish_reason is not None:
             self._end(seq, finish_reason, stop_reason)
             self._mark_finished(req, seq.index)
@@ -285,13 +289,3 @@ class EngineCore:
         req.finished_indices.add(index)
         if req.finished:
             self.requests.pop(req.request_id, None)
-
-
-def _give_sampling_state(seq: Sequence) -> None:
-    """A new sequence's own sampling state: a generator when the request is seeded (one per output index), a
-    grammar matcher when it is guided."""
-    seed = seq.params.seed
-    if seed is not None:
-        seq.generator = torch.Generator().manual_seed(hash((seed, seq.index)) & 0x7FFF_FFFF_FFFF_FFFF)
-    if seq.request.compiled_grammar is not None:
-        seq.grammar = GrammarCompiler.matcher(seq.request.compiled_grammar)

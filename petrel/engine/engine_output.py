@@ -1,5 +1,6 @@
 """What a step reports: one EngineOutput per sequence that moved (built only by `build_output`), and the step's
 IterationStats. Plain data, so it could cross a process boundary."""
+
 from __future__ import annotations
 
 import time
@@ -14,12 +15,13 @@ from petrel.engine.sequence import EngineRequest, Sequence
 @dataclass
 class EngineOutput:
     """One sequence's result of one step, as the core reports it."""
+
     request_id: object
     index: int
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] | None = None
-    prompt_logprobs: list[TokenLogprobs] | None = None   # for prompt positions 1.. (position 0 has none)
-    finish_reason: str | None = None     # 'stop' | 'length' | 'abort'
+    prompt_logprobs: list[TokenLogprobs] | None = None  # for prompt positions 1.. (position 0 has none)
+    finish_reason: str | None = None  # 'stop' | 'length' | 'abort'
     stop_reason: int | str | None = None
     abort_message: str | None = None
     num_prompt_tokens: int = 0
@@ -27,13 +29,13 @@ class EngineOutput:
     num_cached_tokens: int = 0
     timestamp: float = 0.0
     scheduled_time: float | None = None  # when the request was first scheduled (monotonic)
-    cumulative_logprob: float | None = None   # beam search: the beam's sum of logprobs
-    context_logits: object = None              # [prompt_len, vocab] tensor, once, when asked for
-    generation_logits: object = None           # [len(new_token_ids), vocab] tensor, when asked for
+    cumulative_logprob: float | None = None  # beam search: the beam's sum of logprobs
+    context_logits: object = None  # [prompt_len, vocab] tensor, once, when asked for
+    generation_logits: object = None  # [len(new_token_ids), vocab] tensor, when asked for
     additional_context_outputs: dict | None = None
     additional_generation_outputs: dict | None = None
-    spec_verify_ct: int | None = None          # speculative decoding: verify rounds so far
-    accept_draft_tokens: float | None = None   # accepted draft tokens per verify round, on the final output
+    spec_verify_ct: int | None = None  # speculative decoding: verify rounds so far
+    accept_draft_tokens: float | None = None  # accepted draft tokens per verify round, on the final output
     # a context-only request's hand-off (petrel/engine/pinned_prompts.py PromptHandoff: its first token and the
     # handle of its pinned prompt KV), on its output; the front reports it as DisaggregatedParams
     disaggregated_params: object = None
@@ -47,34 +49,62 @@ class IterationStats:
     num_running: int
     num_waiting: int
     num_preempted: int
-    num_prompt_tokens: int        # prompt tokens computed this step
-    num_generation_tokens: int    # tokens sampled this step
+    num_prompt_tokens: int  # prompt tokens computed this step
+    num_generation_tokens: int  # tokens sampled this step
     kv_blocks_used: int
     kv_blocks_free: int
     kv_blocks_cached: int
     prefix_cache_hit_rate: float
-    num_draft_tokens: int = 0       # speculative decoding: draft tokens verified this step
-    num_accepted_tokens: int = 0    # and how many of them were accepted
+    num_draft_tokens: int = 0  # speculative decoding: draft tokens verified this step
+    num_accepted_tokens: int = 0  # and how many of them were accepted
 
 
-def step_stats(iteration: int, t0: float, batch, scheduler, block_manager, num_prompt_tokens: int,
-               num_generated: int, num_draft: int, num_accepted: int) -> IterationStats:
+def step_stats(
+    iteration: int,
+    t0: float,
+    batch,
+    scheduler,
+    block_manager,
+    num_prompt_tokens: int,
+    num_generated: int,
+    num_draft: int,
+    num_accepted: int,
+) -> IterationStats:
     """The stats of the step that started at t0 (time.monotonic()) and ran `batch`."""
     queried = scheduler.prefix_queried_tokens
     return IterationStats(
-        iteration=iteration, timestamp=time.time(), step_time=time.monotonic() - t0,
-        num_running=len(scheduler.running), num_waiting=len(scheduler.waiting), num_preempted=len(batch.preempted),
-        num_prompt_tokens=num_prompt_tokens, num_generation_tokens=num_generated,
-        kv_blocks_used=block_manager.num_used_blocks, kv_blocks_free=block_manager.num_free_blocks,
+        iteration=iteration,
+        timestamp=time.time(),
+        step_time=time.monotonic() - t0,
+        num_running=len(scheduler.running),
+        num_waiting=len(scheduler.waiting),
+        num_preempted=len(batch.preempted),
+        num_prompt_tokens=num_prompt_tokens,
+        num_generation_tokens=num_generated,
+        kv_blocks_used=block_manager.num_used_blocks,
+        kv_blocks_free=block_manager.num_free_blocks,
         kv_blocks_cached=block_manager.num_cached_blocks,
         prefix_cache_hit_rate=scheduler.prefix_hit_tokens / queried if queried else 0.0,
-        num_draft_tokens=num_draft, num_accepted_tokens=num_accepted)
+        num_draft_tokens=num_draft,
+        num_accepted_tokens=num_accepted,
+    )
 
 
-def build_output(req: EngineRequest, index: int, new_token_ids: list[int], now: float, *,
-                 seq: Sequence | None = None, num_output_tokens: int | None = None,
-                 logprobs: list | None = None, finish_reason: str | None = None, stop_reason=None,
-                 generation: dict[str, list] | None = None, with_context: bool = False, **fields) -> EngineOutput:
+def build_output(
+    req: EngineRequest,
+    index: int,
+    new_token_ids: list[int],
+    now: float,
+    *,
+    seq: Sequence | None = None,
+    num_output_tokens: int | None = None,
+    logprobs: list | None = None,
+    finish_reason: str | None = None,
+    stop_reason=None,
+    generation: dict[str, list] | None = None,
+    with_context: bool = False,
+    **fields,
+) -> EngineOutput:
     """Output `index` of `req`: new_token_ids with their logprobs (when asked for) and why it finished, if it did.
 
     seq: the sequence reported: its counts (num_output_tokens overrides its output count: a beam hypothesis) and,
@@ -83,11 +113,20 @@ def build_output(req: EngineRequest, index: int, new_token_ids: list[int], now: 
     fields: the other EngineOutput fields (abort_message, cumulative_logprob, disaggregated_params)."""
     if num_output_tokens is None:
         num_output_tokens = seq.num_output_tokens if seq is not None else 0
-    out = EngineOutput(req.request_id, index, list(new_token_ids), logprobs,
-                       finish_reason=finish_reason, stop_reason=stop_reason,
-                       num_prompt_tokens=len(req.prompt_token_ids), num_output_tokens=num_output_tokens,
-                       num_cached_tokens=seq.num_cached_tokens if seq is not None else 0, timestamp=now,
-                       scheduled_time=req.first_scheduled_time, **fields)
+    out = EngineOutput(
+        req.request_id,
+        index,
+        list(new_token_ids),
+        logprobs,
+        finish_reason=finish_reason,
+        stop_reason=stop_reason,
+        num_prompt_tokens=len(req.prompt_token_ids),
+        num_output_tokens=num_output_tokens,
+        num_cached_tokens=seq.num_cached_tokens if seq is not None else 0,
+        timestamp=now,
+        scheduled_time=req.first_scheduled_time,
+        **fields,
+    )
     generation = generation or {}
     if "logits" in generation:
         out.generation_logits = torch.stack(generation["logits"])
@@ -120,5 +159,7 @@ def merge_outputs(first: EngineOutput, later: EngineOutput) -> EngineOutput:
         first.generation_logits = torch.cat([first.generation_logits, later.generation_logits])
     if first.additional_generation_outputs and later.additional_generation_outputs:
         first.additional_generation_outputs = {
-            k: torch.cat([v, later.additional_generation_outputs[k]]) for k, v in first.additional_generation_outputs.items()}
+            k: torch.cat([v, later.additional_generation_outputs[k]])
+            for k, v in first.additional_generation_outputs.items()
+        }
     return first

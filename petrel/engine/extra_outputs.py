@@ -1,6 +1,7 @@
 """The model outputs a request asked for besides its tokens, gathered from a step's rows onto its sequences:
 prompt logprobs and the prompt's logits / hidden states (context), and per sampled token its logits / hidden
 state (generation). engine_output.build_output reports them."""
+
 from __future__ import annotations
 
 import torch
@@ -24,15 +25,17 @@ def gather_context_rows(rows: ContextRows) -> None:
             gathered.context.setdefault(name, []).append(tensor[skip:])
     if p.prompt_logprobs is not None:
         start = rows.first + skip
-        end = min(rows.first + k, seq.num_prompt_tokens - 1)     # the last prompt position has no next prompt token
+        end = min(rows.first + k, seq.num_prompt_tokens - 1)  # the last prompt position has no next prompt token
         if end > start:
-            nxt = seq.token_ids[start + 1:end + 1]
-            gathered.prompt_logprobs.extend(prompt_logprobs(rows.logits[skip:skip + end - start], nxt,
-                                                            p.prompt_logprobs))
+            nxt = seq.token_ids[start + 1 : end + 1]
+            gathered.prompt_logprobs.extend(
+                prompt_logprobs(rows.logits[skip : skip + end - start], nxt, p.prompt_logprobs)
+            )
 
 
-def generation_rows(seqs: list[Sequence], logits: torch.Tensor, hidden: torch.Tensor | None,
-                    rows: list[int]) -> list[dict]:
+def generation_rows(
+    seqs: list[Sequence], logits: torch.Tensor, hidden: torch.Tensor | None, rows: list[int]
+) -> list[dict]:
     """Per sampling row: the raw logits / hidden state ({name: row}), for the sequences that asked for them.
     logits: one row per sequence; hidden: the step's sampling rows, rows[i] being sequence i's."""
     extras = []

@@ -18,6 +18,7 @@ crosses the pipe serialized (CompiledGrammar.serialize_json): a typical schema t
 
 A bad schema, regex or grammar is a ValueError for that request alone.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,21 +43,23 @@ from petrel.heap import release_free_memory
 
 logger = logging.getLogger("petrel")
 
-DEFAULT_COMPILE_TIMEOUT = 10.0         # seconds; every constraint within the default limits compiles in ~3 s or less
-DEFAULT_CACHE_BYTES = 64 * 1024 ** 2   # compiled grammars kept for reuse (a 1000-string choice list is ~3.6 MB)
+DEFAULT_COMPILE_TIMEOUT = 10.0  # seconds; every constraint within the default limits compiles in ~3 s or less
+DEFAULT_CACHE_BYTES = 64 * 1024**2  # compiled grammars kept for reuse (a 1000-string choice list is ~3.6 MB)
 # a grammar larger than this is not kept once its requests end: a 58-byte repeat-count regex compiled to ~130 MB,
 # and caching it held that much for good
-DEFAULT_MAX_CACHED_GRAMMAR_BYTES = 8 * 1024 ** 2
-RELEASE_AFTER_CHARS = 8 * 1024 ** 2   # a serialized grammar this large: give its memory back after reading it
-WORKER_START_TIMEOUT = 120.0           # seconds for a compile worker to import xgrammar and read the vocabulary
+DEFAULT_MAX_CACHED_GRAMMAR_BYTES = 8 * 1024**2
+RELEASE_AFTER_CHARS = 8 * 1024**2  # a serialized grammar this large: give its memory back after reading it
+WORKER_START_TIMEOUT = 120.0  # seconds for a compile worker to import xgrammar and read the vocabulary
 
 
 def _xgrammar():
     try:
         import xgrammar
-    except ImportError as exc:   # pragma: no cover - depends on the installation
-        raise ValueError("guided decoding needs xgrammar: pip install xgrammar "
-                         "(on CPU-only machines `pip install --no-deps xgrammar apache-tvm-ffi` is enough)") from exc
+    except ImportError as exc:  # pragma: no cover - depends on the installation
+        raise ValueError(
+            "guided decoding needs xgrammar: pip install xgrammar "
+            "(on CPU-only machines `pip install --no-deps xgrammar apache-tvm-ffi` is enough)"
+        ) from exc
     return xgrammar
 
 
@@ -73,14 +76,26 @@ class GrammarCompiler:
     its own process with threads_per_worker xgrammar threads. max_queued: distinct compiles that may wait.
     max_cached_grammar_bytes: a larger grammar serves the requests that hold it, and is not cached."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], *,
-                 limits: GuidedDecodingLimits | None = None, compile_timeout: float = DEFAULT_COMPILE_TIMEOUT,
-                 cache_bytes: int = DEFAULT_CACHE_BYTES, workers: int = 2, max_queued: int = 16,
-                 threads_per_worker: int = 2, max_cached_grammar_bytes: int = DEFAULT_MAX_CACHED_GRAMMAR_BYTES):
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        *,
+        limits: GuidedDecodingLimits | None = None,
+        compile_timeout: float = DEFAULT_COMPILE_TIMEOUT,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        workers: int = 2,
+        max_queued: int = 16,
+        threads_per_worker: int = 2,
+        max_cached_grammar_bytes: int = DEFAULT_MAX_CACHED_GRAMMAR_BYTES,
+    ):
         _xgrammar()
         if compile_timeout <= 0 or cache_bytes < 0 or workers < 1 or max_queued < 0 or threads_per_worker < 1:
-            raise ValueError("GrammarCompiler needs compile_timeout > 0, cache_bytes >= 0, workers >= 1, "
-                             "max_queued >= 0 and threads_per_worker >= 1")
+            raise ValueError(
+                "GrammarCompiler needs compile_timeout > 0, cache_bytes >= 0, workers >= 1, "
+                "max_queued >= 0 and threads_per_worker >= 1"
+            )
         self.vocab_size = vocab_size
         self.limits = limits or GuidedDecodingLimits()
         self.compile_timeout = compile_timeout
@@ -88,14 +103,14 @@ class GrammarCompiler:
         self.max_cached_grammar_bytes = max_cached_grammar_bytes
         self.max_queued = max_queued
         self._vocabulary = _Vocabulary(tokenizer, vocab_size, stop_token_ids)
-        self._cache: OrderedDict[tuple[str, str], tuple[object, int]] = OrderedDict()   # least recently used first
+        self._cache: OrderedDict[tuple[str, str], tuple[object, int]] = OrderedDict()  # least recently used first
         self._cached_bytes = 0
-        self._live = weakref.WeakValueDictionary()    # every compiled grammar still referenced anywhere, by key
-        self._in_flight: dict[tuple[str, str], Future] = {}   # compiling or waiting to: concurrent requests share it
+        self._live = weakref.WeakValueDictionary()  # every compiled grammar still referenced anywhere, by key
+        self._in_flight: dict[tuple[str, str], Future] = {}  # compiling or waiting to: concurrent requests share it
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
-        self.num_compiled = 0        # compiles that ran to a grammar (a repeated constraint is served from the cache)
+        self.num_compiled = 0  # compiles that ran to a grammar (a repeated constraint is served from the cache)
         self._workers = [_CompileWorker(self._vocabulary, threads_per_worker) for _ in range(workers)]
         for i, worker in enumerate(self._workers):
             threading.Thread(target=self._drive, args=(worker,), name=f"petrel-grammar-{i}", daemon=True).start()
@@ -131,8 +146,10 @@ class GrammarCompiler:
         if key in self._in_flight:
             return self._in_flight[key]
         if len(self._in_flight) >= len(self._workers) + self.max_queued:
-            raise GrammarCompilerBusy(f"the guided decoding compiler is busy ({len(self._workers)} compiles running, "
-                                      f"{len(self._in_flight) - len(self._workers)} waiting); retry later")
+            raise GrammarCompilerBusy(
+                f"the guided decoding compiler is busy ({len(self._workers)} compiles running, "
+                f"{len(self._in_flight) - len(self._workers)} waiting); retry later"
+            )
         request = _worker_request(params)
         future: Future = Future()
         self._in_flight[key] = future
@@ -148,9 +165,12 @@ class GrammarCompiler:
             if future.done() or future.running():
                 return
             self._in_flight.pop(key, None)
-            future.set_exception(GrammarCompilerBusy(
-                f"the guided decoding compiler is busy: this constraint waited {self.compile_timeout:g} s for a "
-                "free compile worker; retry later"))
+            future.set_exception(
+                GrammarCompilerBusy(
+                    f"the guided decoding compiler is busy: this constraint waited {self.compile_timeout:g} s for a "
+                    "free compile worker; retry later"
+                )
+            )
 
     def _cached(self, key):
         """(Under the lock.) The compiled grammar for key if one is cached or still held by a request, else None."""
@@ -192,7 +212,7 @@ class GrammarCompiler:
                 return
             self._closed = True
             for future in self._in_flight.values():
-                future.cancel()       # a waiting compile's future is still pending: it ends here
+                future.cancel()  # a waiting compile's future is still pending: it ends here
         for _ in self._workers:
             self._jobs.put(None)
         _stop_all(self._workers)
@@ -208,7 +228,7 @@ class GrammarCompiler:
         while (job := self._jobs.get()) is not None:
             key, kind, request, future, expiry = job
             expiry.cancel()
-            with self._lock:     # refused by _expire, or cancelled by close(): skipped
+            with self._lock:  # refused by _expire, or cancelled by close(): skipped
                 if future.done() or not future.set_running_or_notify_cancel():
                     continue
             try:
@@ -230,18 +250,21 @@ class GrammarCompiler:
         try:
             text = worker.compile(request, timeout)
         except TimeoutError:
-            raise ValueError(f"guided_decoding.{kind}: the constraint took longer than {timeout:g} s to compile "
-                             "(a smaller or simpler one compiles faster)") from None
+            raise ValueError(
+                f"guided_decoding.{kind}: the constraint took longer than {timeout:g} s to compile "
+                "(a smaller or simpler one compiles faster)"
+            ) from None
         except _CompileError as exc:
             message = _LOG_PREFIX.sub("", str(exc)).strip()
             raise ValueError(f"guided_decoding.{kind} could not be compiled: {message}") from None
         except _WorkerDied as exc:
-            raise ValueError(f"guided_decoding.{kind}: the grammar compiler stopped while compiling it ({exc})") \
-                from None
+            raise ValueError(
+                f"guided_decoding.{kind}: the grammar compiler stopped while compiling it ({exc})"
+            ) from None
         compiled = _xgrammar().CompiledGrammar.deserialize_json(text, self._vocabulary.info())
         if len(text) > RELEASE_AFTER_CHARS:
             del text
-            release_free_memory()     # the serialized text and its parse are gone: hand their memory back
+            release_free_memory()  # the serialized text and its parse are gone: hand their memory back
         return compiled
 
     @staticmethod
@@ -252,10 +275,15 @@ class GrammarCompiler:
 def _worker_request(params: GuidedDecodingParams) -> bytes:
     """What a compile worker is sent for this constraint (grammar_worker.compile_request reads it)."""
     kind = params.kind
-    if kind in ("json", "json_object"):      # json_object: any JSON object (the builtin JSON grammar allows any value)
+    if kind in ("json", "json_object"):  # json_object: any JSON object (the builtin JSON grammar allows any value)
         text = params.schema_text() if kind == "json" else '{"type": "object"}'
-        request = {"method": "json_schema", "text": text, "any_whitespace": params.any_whitespace,
-                   "before": params.json_prefix, "after": params.json_suffix}
+        request = {
+            "method": "json_schema",
+            "text": text,
+            "any_whitespace": params.any_whitespace,
+            "before": params.json_prefix,
+            "after": params.json_suffix,
+        }
     elif kind == "choice":
         alternatives = " | ".join(json.dumps(x, ensure_ascii=False) for x in params.choice)
         request = {"method": "grammar", "text": "root ::= " + alternatives}
@@ -291,8 +319,9 @@ class _Vocabulary:
         with self._lock:
             if self._info is None:
                 tokenizer, vocab_size, stop_token_ids = self._args
-                self._info = _xgrammar().TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                                        stop_token_ids=stop_token_ids)
+                self._info = _xgrammar().TokenizerInfo.from_huggingface(
+                    tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
+                )
                 self._json = self._info.serialize_json().encode()
             return self._info
 
@@ -301,7 +330,7 @@ class _Vocabulary:
         return self._json
 
 
-_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")   # xgrammar's "[22:43:19] /project/cpp/x.cc:94: "
+_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")  # xgrammar's "[22:43:19] /project/cpp/x.cc:94: "
 
 
 class _CompileError(Exception):
@@ -354,22 +383,27 @@ class _CompileWorker:
         except (TimeoutError, EOFError, OSError) as exc:
             code = self.stop()
             self._raise_if_stopped()
-            raise RuntimeError(f"the grammar compile worker did not start ({type(exc).__name__}, exit code {code}); "
-                               "its error, if any, is on stderr") from None
+            raise RuntimeError(
+                f"the grammar compile worker did not start ({type(exc).__name__}, exit code {code}); "
+                "its error, if any, is on stderr"
+            ) from None
         if reply != b"R":
             self.stop()
             raise RuntimeError(f"the grammar compile worker answered {reply[:40]!r} instead of being ready")
         self._ready = True
 
     def start(self) -> None:
-        self._process = subprocess.Popen([sys.executable, "-P", grammar_worker.__file__, str(self._threads)],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         start_new_session=True)   # a terminal's Ctrl-C is the parent's to handle
+        self._process = subprocess.Popen(
+            [sys.executable, "-P", grammar_worker.__file__, str(self._threads)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            start_new_session=True,
+        )  # a terminal's Ctrl-C is the parent's to handle
         self._ready = False
         try:
             grammar_worker.write_message(self._process.stdin.fileno(), self._vocabulary.json())
         except OSError:
-            pass            # it died at once: _wait_ready reports it
+            pass  # it died at once: _wait_ready reports it
 
     def restart(self) -> None:
         self.stop()

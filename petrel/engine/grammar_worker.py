@@ -14,6 +14,7 @@ standard library only. Messages both ways are framed as an 8-byte big-endian len
   worker -> parent: b"R" once ready, then per request b"K" + the serialized grammar, or b"E" + the error message.
 The worker exits when its stdin closes (the parent ended or closed it).
 """
+
 from __future__ import annotations
 
 import json
@@ -21,7 +22,7 @@ import os
 import struct
 import sys
 
-HEADER = struct.Struct(">Q")     # a message's length, before its bytes
+HEADER = struct.Struct(">Q")  # a message's length, before its bytes
 
 
 def read_message(fd: int) -> bytes | None:
@@ -45,7 +46,7 @@ def _read_exact(fd: int, size: int) -> bytes | None:
 def write_message(fd: int, payload: bytes) -> None:
     view = memoryview(HEADER.pack(len(payload)) + payload)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 def compile_request(compiler, request: dict):
@@ -57,6 +58,7 @@ def compile_request(compiler, request: dict):
         if not before and not after:
             return compiler.compile_json_schema(text, any_whitespace=any_whitespace)
         import xgrammar
+
         parts = [xgrammar.Grammar.from_ebnf(f"root ::= {json.dumps(before, ensure_ascii=False)}")] if before else []
         parts.append(xgrammar.Grammar.from_json_schema(text, any_whitespace=any_whitespace))
         if after:
@@ -76,10 +78,11 @@ def main() -> None:
     # by xgrammar's C++) cannot corrupt a message
     reply_fd = os.dup(1)
     os.dup2(2, 1)
-    vocabulary = read_message(0)     # read before the slow import, so that the parent's write of it returns at once
+    vocabulary = read_message(0)  # read before the slow import, so that the parent's write of it returns at once
     if vocabulary is None:
         return
     import xgrammar
+
     info = xgrammar.TokenizerInfo.deserialize_json(vocabulary.decode())
     compiler = xgrammar.GrammarCompiler(info, max_threads=int(sys.argv[1]), cache_enabled=False)
     write_message(reply_fd, b"R")

@@ -1,5 +1,6 @@
 """The KV cache's size, decided once at start-up: how the layers share block tables (the KV groups), how many
 blocks the memory budget buys, and the longest sequence (max_model_len) the engine then serves."""
+
 from __future__ import annotations
 
 import logging
@@ -30,8 +31,9 @@ def plan_kv_cache(config: EngineConfig, model_config: ModelConfig) -> KVCapacity
         raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes holds fewer than 2 blocks of {bs} tokens")
     model_len = config.max_model_len or model_config.max_position_embeddings
     if model_len > model_config.max_position_embeddings:
-        raise ValueError(f"max_model_len {model_len} exceeds the model's context length "
-                         f"{model_config.max_position_embeddings}")
+        raise ValueError(
+            f"max_model_len {model_len} exceeds the model's context length {model_config.max_position_embeddings}"
+        )
     held = max_tokens_held(groups.windows, num_blocks, bs, config.max_num_batched_tokens)
     if held is not None and model_len > held:
         logger.warning("max_model_len %d lowered to %d: the KV cache holds no more", model_len, held)
@@ -55,9 +57,10 @@ def max_tokens_held(windows, num_blocks: int, block_size: int, max_batched_token
     if None not in per_window:
         return None if sum(per_window) <= num_blocks else num_blocks // len(windows) * block_size
 
-    def blocks(n: int) -> int:     # what a sequence of n blocks holds over all groups
+    def blocks(n: int) -> int:  # what a sequence of n blocks holds over all groups
         return sum(n if cap is None else min(n, cap) for cap in per_window)
-    lo, hi = 0, num_blocks        # the most blocks n with blocks(n) <= num_blocks (blocks(n) >= n)
+
+    lo, hi = 0, num_blocks  # the most blocks n with blocks(n) <= num_blocks (blocks(n) >= n)
     while lo < hi:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if blocks(mid) <= num_blocks else (lo, mid - 1)

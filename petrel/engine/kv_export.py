@@ -6,6 +6,7 @@ two instances may use different block sizes. Each layer's cache is [2, num_block
 head_dim] (petrel/model/attention.py); viewed as [2, num_blocks * block_size, ...] a position's row is its slot.
 A model with several KV groups (petrel/engine/kv_groups.py) passes one block table per layer (its group's).
 """
+
 from __future__ import annotations
 
 import torch
@@ -14,8 +15,11 @@ from petrel.engine.block_manager import num_freed_blocks
 
 
 def _slots(block_table: list[int], start: int, num_tokens: int, block_size: int, device) -> torch.Tensor:
-    return torch.tensor([block_table[p // block_size] * block_size + p % block_size for p in range(start, num_tokens)],
-                        dtype=torch.long, device=device)
+    return torch.tensor(
+        [block_table[p // block_size] * block_size + p % block_size for p in range(start, num_tokens)],
+        dtype=torch.long,
+        device=device,
+    )
 
 
 def _first_held_position(block_table: list[int], num_tokens: int, block_size: int) -> int:
@@ -43,7 +47,7 @@ def gather_prompt_kv(kv_caches: list[torch.Tensor], block_table, num_tokens: int
     block_size = kv_caches[0].shape[2]
     tables = _layer_tables(kv_caches, block_table)
     firsts = [_first_held_position(table, num_tokens, block_size) for table in tables]
-    slots = {}     # the slots of each distinct table, computed once
+    slots = {}  # the slots of each distinct table, computed once
     for table, first in zip(tables, firsts):
         if id(table) not in slots:
             slots[id(table)] = _slots(table, first, num_tokens, block_size, kv_caches[0].device)
@@ -59,11 +63,13 @@ def scatter_prompt_kv(kv_caches: list[torch.Tensor], block_table, kv: torch.Tens
     """Write gather_prompt_kv's tensor into the blocks of block_table (positions 0..tokens-1): the table of every
     layer, or one table per layer."""
     if kv.shape[0] != len(kv_caches) or kv.shape[3:] != kv_caches[0].shape[3:]:
-        raise ValueError(f"the transferred KV has shape {list(kv.shape)}, which does not fit this model's cache "
-                         f"({len(kv_caches)} layers x {list(kv_caches[0].shape[3:])})")
+        raise ValueError(
+            f"the transferred KV has shape {list(kv.shape)}, which does not fit this model's cache "
+            f"({len(kv_caches)} layers x {list(kv_caches[0].shape[3:])})"
+        )
     block_size = kv_caches[0].shape[2]
     for cache, table, layer in zip(kv_caches, _layer_tables(kv_caches, block_table), kv):
-        first = _first_held_position(table, kv.shape[2], block_size)   # 0 for freshly allocated blocks
+        first = _first_held_position(table, kv.shape[2], block_size)  # 0 for freshly allocated blocks
         slots = _slots(table, first, kv.shape[2], block_size, cache.device)
         _flat(cache)[:, slots] = layer[:, first:].to(device=cache.device, dtype=cache.dtype)
 

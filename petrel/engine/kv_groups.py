@@ -20,6 +20,7 @@ Why not one group for all local layers? Its block ids would have to cost as much
 group's need 3: with one pool either the global ids waste 12 layers of memory each or the pools are split ahead of
 time, which strands memory on whichever side the workload needs less.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,9 +28,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class KVGroups:
-    windows: tuple[int | None, ...]         # per group: its layers' sliding window (None: global)
-    layers: tuple[tuple[int, ...], ...]     # per group: its layers, in model order
-    layers_per_block: int                   # cache tensors; a block id holds this many layers' KV
+    windows: tuple[int | None, ...]  # per group: its layers' sliding window (None: global)
+    layers: tuple[tuple[int, ...], ...]  # per group: its layers, in model order
+    layers_per_block: int  # cache tensors; a block id holds this many layers' KV
 
     @property
     def num_groups(self) -> int:
@@ -53,14 +54,14 @@ def split_by_window(windows: list[int | None], num_layers: int) -> KVGroups:
     if not windows or len(set(windows)) == 1:
         return single_group(num_layers, windows[0] if windows else None)
     kinds: dict[int | None, list[int]] = {}
-    for kind in sorted(set(windows), key=lambda w: (w is not None, w or 0)):   # global first, then by window
+    for kind in sorted(set(windows), key=lambda w: (w is not None, w or 0)):  # global first, then by window
         kinds[kind] = [layer for layer, w in enumerate(windows) if w == kind]
     size = min(len(layers) for layers in kinds.values())
     group_windows, group_layers = [], []
     for kind, layers in kinds.items():
         for i in range(0, len(layers), size):
             group_windows.append(kind)
-            group_layers.append(tuple(layers[i:i + size]))
+            group_layers.append(tuple(layers[i : i + size]))
     return KVGroups(tuple(group_windows), tuple(group_layers), size)
 
 
@@ -73,12 +74,17 @@ def kv_groups_for(config, model_config) -> tuple[KVGroups, str | None]:
     spec = config.speculative_config
     if spec is not None and spec.method == "draft_model":
         # the draft model reads the same block tables, from its own (lagging) position, maybe without a window
-        return single_group(layers, None), ("sliding-window layers, but a draft model shares the block tables: "
-                                            "every KV block is kept")
+        return single_group(layers, None), (
+            "sliding-window layers, but a draft model shares the block tables: every KV block is kept"
+        )
     window = model_config.uniform_sliding_window
     if window is not None:
-        return single_group(layers, window), f"sliding window {window} on every layer: KV blocks behind it are given back"
+        return single_group(
+            layers, window
+        ), f"sliding window {window} on every layer: KV blocks behind it are given back"
     groups = split_by_window(windows, layers)
-    return groups, (f"sliding-window layers mixed with global ones: {groups.num_groups} KV groups of "
-                    f"{groups.layers_per_block} layers (windows {list(groups.windows)}); the sliding groups give "
-                    f"back blocks behind their window")
+    return groups, (
+        f"sliding-window layers mixed with global ones: {groups.num_groups} KV groups of "
+        f"{groups.layers_per_block} layers (windows {list(groups.windows)}); the sliding groups give "
+        f"back blocks behind their window"
+    )

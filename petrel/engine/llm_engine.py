@@ -2,46 +2,48 @@
 per-request sinks. The loop does engine work only: detokenizing, stop strings, logprob text and the API's output
 objects run on the consumer's side (petrel/request_future.py, the executor, the server), which sends a stop string it
 found back as a command (finish_sequence)."""
+
 from __future__ import annotations
 
-import logging
 import dataclasses
+import logging
 import queue
 import threading
 import time
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from petrel.config import EngineConfig
+from petrel.distributed.group import threads_per_rank
+from petrel.distributed.runner import start_workers
 from petrel.engine.engine_core import EngineCore
 from petrel.engine.engine_output import EngineOutput
 from petrel.engine.grammar import GrammarCompiler
-from petrel.engine.sequence import EngineRequest
-from petrel.distributed.group import threads_per_rank
-from petrel.distributed.runner import start_workers
 from petrel.engine.model_runner import ExecutorDied
+from petrel.engine.sequence import EngineRequest
 from petrel.model.loader import load_model, load_model_config, resolve_model
 from petrel.model.parallel import SINGLE, check_tensor_parallel
 from petrel.model.tokenizer import load_tokenizer
 
 logger = logging.getLogger("petrel")
 
-OutputSink = Callable[[EngineOutput], None]   # called on the loop thread: must only hand the output over
-STEP_STALL_LIMIT = 60.0   # seconds one engine step may run before check_health stops taking it as a sign of life
+OutputSink = Callable[[EngineOutput], None]  # called on the loop thread: must only hand the output over
+STEP_STALL_LIMIT = 60.0  # seconds one engine step may run before check_health stops taking it as a sign of life
 
 
 class RequestRoute:
     """Where a request's outputs go, and which of its sequences the engine has not ended yet. add_request returns
     it; finish_sequence takes it back, so a command can never reach a later request that reuses the id."""
+
     __slots__ = ("request_id", "sink", "unfinished", "num_sequences")
 
     def __init__(self, request_id, sink: OutputSink, params):
         self.request_id = request_id
         self.sink = sink
-        self.unfinished = set(range(params.n))             # loop thread only
-        self.num_sequences = max(params.n, params.num_beams)   # what a server's queue limit counts
+        self.unfinished = set(range(params.n))  # loop thread only
+        self.num_sequences = max(params.n, params.num_beams)  # what a server's queue limit counts
 
 
 class LLMEngine:
@@ -58,18 +60,18 @@ class LLMEngine:
             if workers is not None:
                 workers.shutdown()
             raise
-        self.stats_history: deque = deque(maxlen=stats_history)   # IterationStats of recent steps
+        self.stats_history: deque = deque(maxlen=stats_history)  # IterationStats of recent steps
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._routes: dict[object, RequestRoute] = {}   # request id -> its route, from "add" to its end (loop thread)
-        self._in_flight: dict[object, RequestRoute] = {}   # request id added and not finished (any thread, under
-                                                            # the lock)
+        self._routes: dict[object, RequestRoute] = {}  # request id -> its route, from "add" to its end (loop thread)
+        self._in_flight: dict[object, RequestRoute] = {}  # request id added and not finished (any thread, under
+        # the lock)
         self._in_flight_lock = threading.Lock()
         self._grammar_compiler: GrammarCompiler | None = None
         self._deadlines: dict[object, float] = {}
         self._stopped = threading.Event()
-        self._closed = False                      # the loop takes no more commands (set under _in_flight_lock)
-        self._dead: str | None = None             # "the engine loop has stopped: <cause>" once the loop thread died
-        self.step_started: float | None = None    # time.monotonic() when the step now running began
+        self._closed = False  # the loop takes no more commands (set under _in_flight_lock)
+        self._dead: str | None = None  # "the engine loop has stopped: <cause>" once the loop thread died
+        self.step_started: float | None = None  # time.monotonic() when the step now running began
         self._thread = threading.Thread(target=self._run, name="petrel-engine", daemon=True)
         self._thread.start()
 
@@ -78,28 +80,36 @@ class LLMEngine:
         size = config.tensor_parallel_size
         if size == 1:
             return None
-        check_tensor_parallel(load_model_config(self.source), size)   # before any process starts
+        check_tensor_parallel(load_model_config(self.source), size)  # before any process starts
         torch.set_num_threads(threads_per_rank(config))
         return start_workers(config, self.source)
 
     def _build_core(self, config: EngineConfig, batched_post_processor, workers) -> EngineCore:
-        model, model_config = load_model(self.source, config.torch_dtype, config.device, config.quantization,
-                                         tp=workers.tp if workers is not None else SINGLE)
+        model, model_config = load_model(
+            self.source,
+            config.torch_dtype,
+            config.device,
+            config.quantization,
+            tp=workers.tp if workers is not None else SINGLE,
+        )
         eos = set(model_config.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
         draft = None
         spec = config.speculative_config
-        if spec is not None and spec.method == "draft_model":   # runs whole in the engine process, even with TP
+        if spec is not None and spec.method == "draft_model":  # runs whole in the engine process, even with TP
             draft_source = resolve_model(spec.draft_model)
             # the draft follows the quantization where it can ('gguf' needs a GGUF draft; another loads dense)
-            draft_quantization = None if config.quantization == "gguf" and draft_source.kind != "gguf" \
-                else config.quantization
+            draft_quantization = (
+                None if config.quantization == "gguf" and draft_source.kind != "gguf" else config.quantization
+            )
             draft = load_model(draft_source, config.torch_dtype, config.device, draft_quantization)
             if draft[1].vocab_size != model_config.vocab_size:
-                raise ValueError(f"the draft model's vocabulary ({draft[1].vocab_size} tokens) differs from the "
-                                 f"target's ({model_config.vocab_size}): speculative decoding needs the same one")
+                raise ValueError(
+                    f"the draft model's vocabulary ({draft[1].vocab_size} tokens) differs from the "
+                    f"target's ({model_config.vocab_size}): speculative decoding needs the same one"
+                )
         return EngineCore(config, model, model_config, batched_post_processor, draft, workers)
 
     @property
@@ -118,8 +128,16 @@ class LLMEngine:
         return bm.num_blocks // bm.num_groups * bm.block_size
 
     # ------------------------------------------------------------------ caller side (any thread)
-    def add_request(self, request_id, prompt_token_ids: list[int], params, sink: OutputSink,
-                    timeout: float | None = None, cache_salt: str | None = None, **request_options) -> RequestRoute:
+    def add_request(
+        self,
+        request_id,
+        prompt_token_ids: list[int],
+        params,
+        sink: OutputSink,
+        timeout: float | None = None,
+        cache_salt: str | None = None,
+        **request_options,
+    ) -> RequestRoute:
         """Validate (ValueError to the caller), then queue the request for the engine loop; returns its route (for
         finish_sequence).
 
@@ -129,30 +147,34 @@ class LLMEngine:
         use_batched_post_processor, priority)."""
         self._raise_if_closed()
         if params.bad_words:
-            params = dataclasses.replace(params, bad_words_token_ids=params.bad_words_token_ids + self._bad_word_ids(params.bad_words))
+            params = dataclasses.replace(
+                params, bad_words_token_ids=params.bad_words_token_ids + self._bad_word_ids(params.bad_words)
+            )
         if request_options.get("use_batched_post_processor") and self.core.sampler.batched_post_processor is None:
             raise ValueError("logits_post_processor_name asks for the batched post-processor, but none is configured")
         self.core.validate(prompt_token_ids, params)
         lora_request = request_options.get("lora_request")
         if lora_request is not None:
             from petrel.lora import LoRARequest
+
             if not isinstance(lora_request, LoRARequest):
                 raise ValueError(f"lora_request must be a petrel.lora.LoRARequest, got {type(lora_request).__name__}")
             if self.core.lora_manager is None:
                 raise ValueError("lora_request needs an engine started with enable_lora=True")
-            self.core.lora_manager.register(lora_request)   # reads the adapter now: ValueError for a bad one
+            self.core.lora_manager.register(lora_request)  # reads the adapter now: ValueError for a bad one
         if params.guided_decoding is not None:
             request_options["compiled_grammar"] = self.grammar_compiler.compile(params.guided_decoding)
         if cache_salt is not None and (not isinstance(cache_salt, str) or len(cache_salt) > 512):
             raise ValueError("cache_salt must be a string of at most 512 characters")
         if timeout is not None and timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
-        request = EngineRequest(request_id, list(prompt_token_ids), params, self.eos_token_ids, cache_salt,
-                                **request_options)
+        request = EngineRequest(
+            request_id, list(prompt_token_ids), params, self.eos_token_ids, cache_salt, **request_options
+        )
         if timeout is not None:
             request.deadline = request.arrival_time + timeout
         route = RequestRoute(request_id, sink, params)
-        with self._in_flight_lock:   # queued under the lock: a loop that has closed never misses it
+        with self._in_flight_lock:  # queued under the lock: a loop that has closed never misses it
             if self._closed:
                 self._raise_if_closed(closed=True)
             if request_id in self._in_flight:
@@ -173,8 +195,9 @@ class LLMEngine:
         """Built on first use (reading the vocabulary takes a fraction of a second)."""
         with self._in_flight_lock:
             if self._grammar_compiler is None:
-                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
-                                                         list(self.eos_token_ids))
+                self._grammar_compiler = GrammarCompiler(
+                    self.tokenizer, self.model_config.vocab_size, list(self.eos_token_ids)
+                )
             return self._grammar_compiler
 
     def _bad_word_ids(self, words: list[str]) -> list[list[int]]:
@@ -228,8 +251,9 @@ class LLMEngine:
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 box["error"] = exc
             done.set()
+
         with self._in_flight_lock:
-            if self._closed:   # nothing would ever answer
+            if self._closed:  # nothing would ever answer
                 self._raise_if_closed(closed=True)
             self._commands.put(("call", job))
         if not done.wait(timeout):
@@ -245,12 +269,12 @@ class LLMEngine:
             raise RuntimeError(self._dead)
         if self._stopped.is_set() or not self._thread.is_alive():
             raise RuntimeError("the engine loop is not running")
-        self.core.runner.check_health()   # a tensor-parallel worker that died, even while the engine is idle
+        self.core.runner.check_health()  # a tensor-parallel worker that died, even while the engine is idle
         started = self.step_started
         if started is not None and time.monotonic() - started < STEP_STALL_LIMIT:
             return
         self.call(lambda core: None, timeout=timeout)
-        if self._dead is not None:   # answered by a dying loop's last drain
+        if self._dead is not None:  # answered by a dying loop's last drain
             raise RuntimeError(self._dead)
 
     def shutdown(self) -> None:
@@ -261,7 +285,7 @@ class LLMEngine:
                 self._thread.join(timeout=30)
             self.core.runner.shutdown()
             if self._grammar_compiler is not None:
-                self._grammar_compiler.close()     # its compile worker processes
+                self._grammar_compiler.close()  # its compile worker processes
 
     # ------------------------------------------------------------------ engine side
     def _run(self) -> None:
@@ -302,7 +326,7 @@ class LLMEngine:
                 try:
                     outputs = self.core.step()
                 except ExecutorDied:
-                    raise   # no step can run any more: the loop stops, failing every request with the cause
+                    raise  # no step can run any more: the loop stops, failing every request with the cause
                 except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the loop
                     logger.exception("engine step failed")
                     self._fail_all(f"engine error: {exc}")
@@ -339,8 +363,12 @@ class LLMEngine:
         if self._routes.get(route.request_id) is not route or index not in route.unfinished:
             return
         self.core.finish_sequence(route.request_id, index, stop_reason)
-        self._deliver(route, EngineOutput(route.request_id, index, [], finish_reason="stop", stop_reason=stop_reason,
-                                          timestamp=time.monotonic()))
+        self._deliver(
+            route,
+            EngineOutput(
+                route.request_id, index, [], finish_reason="stop", stop_reason=stop_reason, timestamp=time.monotonic()
+            ),
+        )
 
     def _expire_deadlines(self) -> None:
         if not self._deadlines:
@@ -359,7 +387,7 @@ class LLMEngine:
     def _deliver(self, route: RequestRoute, out: EngineOutput) -> None:
         if out.finish_reason is not None:
             route.unfinished.discard(out.index)
-            if not route.unfinished:    # the request's last output: forget it
+            if not route.unfinished:  # the request's last output: forget it
                 del self._routes[route.request_id]
                 self._deadlines.pop(route.request_id, None)
                 with self._in_flight_lock:
@@ -371,7 +399,7 @@ class LLMEngine:
             logger.exception("output sink for request %r failed", route.request_id)
 
     def _fail_all(self, message: str) -> None:
-        while True:   # requests still queued get their answer too
+        while True:  # requests still queued get their answer too
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:

@@ -1,4 +1,5 @@
 """The model runner owns tensors and nothing else: a scheduled batch in, logits for the rows that need them out."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -19,13 +20,14 @@ from petrel.model.parallel import SINGLE, TensorParallel, local_kv_heads, max_lo
 class QuerySpan:
     """Consecutive tokens of one sequence to run through the model: their ids, first position, block table
     (group 0's; group_tables: every KV group's, when the runner has more than one group)."""
+
     token_ids: list[int]
     start: int
     block_table: list[int]
     group_tables: list[list[int]] | None = None
 
     @staticmethod
-    def of(seq: Sequence, token_ids: list[int], start: int) -> "QuerySpan":
+    def of(seq: Sequence, token_ids: list[int], start: int) -> QuerySpan:
         tables = seq.block_tables
         return QuerySpan(token_ids, start, tables[0], tables if len(tables) > 1 else None)
 
@@ -34,28 +36,30 @@ class QuerySpan:
 class ForwardPlan:
     """One forward pass as plain data: what every tensor-parallel rank needs to run the same pass (it is sent to
     the worker processes each step), and all the single-process runner needs too."""
-    spans: list[QuerySpan]              # decodes (single-token spans) first
-    logits_rows: list[int]              # rows of the flat batch whose logits are wanted
+
+    spans: list[QuerySpan]  # decodes (single-token spans) first
+    logits_rows: list[int]  # rows of the flat batch whose logits are wanted
     block_copies: list[tuple[int, int]] = field(default_factory=list)
-    num_layers: int | None = None       # early exit after this many layers (self-speculation)
+    num_layers: int | None = None  # early exit after this many layers (self-speculation)
 
 
 @dataclass
 class ContextRows:
     """Outputs of a span of prompt positions of one sequence (for prompt logprobs and context outputs)."""
+
     seq: Sequence
-    first: int                          # prompt position of the first row
-    logits: torch.Tensor | None         # [k, vocab] float32, when logits are asked for
-    hidden: torch.Tensor | None         # [k, hidden], when hidden states are asked for
+    first: int  # prompt position of the first row
+    logits: torch.Tensor | None  # [k, vocab] float32, when logits are asked for
+    hidden: torch.Tensor | None  # [k, hidden], when hidden states are asked for
 
 
 @dataclass
 class StepLogits:
-    sample_seqs: list[Sequence]          # sequences that reached their last token and sample next
-    sample_logits: torch.Tensor | None   # [rows, vocab] float32: one row per sample sequence, 1 + k when it
-    first_rows: list[int] = field(default_factory=list)    # verifies k draft tokens; each sequence's first row
+    sample_seqs: list[Sequence]  # sequences that reached their last token and sample next
+    sample_logits: torch.Tensor | None  # [rows, vocab] float32: one row per sample sequence, 1 + k when it
+    first_rows: list[int] = field(default_factory=list)  # verifies k draft tokens; each sequence's first row
     context_rows: list[ContextRows] = field(default_factory=list)
-    sample_hidden: torch.Tensor | None = None   # rows as sample_logits, when a sampling sequence asks for it
+    sample_hidden: torch.Tensor | None = None  # rows as sample_logits, when a sampling sequence asks for it
 
 
 class ExecutorDied(RuntimeError):
@@ -63,7 +67,7 @@ class ExecutorDied(RuntimeError):
     ranks are out of step): the engine stops and reports it, instead of failing each later step."""
 
 
-DECODE_GROUP_SIZE = 16   # decodes attended per call by the torch path: fewer calls vs. less padding read
+DECODE_GROUP_SIZE = 16  # decodes attended per call by the torch path: fewer calls vs. less padding read
 
 
 def keep_freed_memory_in_heap() -> None:
@@ -72,6 +76,7 @@ def keep_freed_memory_in_heap() -> None:
     about as much as the decode step itself on CPU."""
     try:
         import ctypes
+
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return  # not glibc
@@ -80,8 +85,13 @@ def keep_freed_memory_in_heap() -> None:
     libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, tensor_parallel_size: int = 1,
-                       layers_per_block: int | None = None) -> int:
+def kv_bytes_per_block(
+    cfg: ModelConfig,
+    block_size: int,
+    dtype: torch.dtype,
+    tensor_parallel_size: int = 1,
+    layers_per_block: int | None = None,
+) -> int:
     """Bytes of one cache block on the rank holding the most KV heads (all of them with one rank). A block id
     holds layers_per_block layers' KV (KVGroups.layers_per_block; default: every layer)."""
     elem = torch.empty((), dtype=dtype).element_size()
@@ -92,8 +102,9 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, te
 
 def num_kv_blocks(config, cfg: ModelConfig, layers_per_block: int | None = None) -> int:
     """Cache blocks that kv_cache_memory (per rank) holds: every rank computes the same number."""
-    return config.kv_cache_memory // kv_bytes_per_block(cfg, config.block_size, config.torch_dtype,
-                                                        config.tensor_parallel_size, layers_per_block)
+    return config.kv_cache_memory // kv_bytes_per_block(
+        cfg, config.block_size, config.torch_dtype, config.tensor_parallel_size, layers_per_block
+    )
 
 
 def _readable(block_table: list[int]) -> list[int]:
@@ -107,26 +118,40 @@ def _readable(block_table: list[int]) -> list[int]:
 class ModelRunner:
     """The single-process model executor (and each tensor-parallel rank's: see petrel/distributed/runner.py)."""
 
-    def __init__(self, model: torch.nn.Module, cfg: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: str, lora_manager=None, tp: TensorParallel = SINGLE,
-                 kv_groups: KVGroups | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cfg: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: str,
+        lora_manager=None,
+        tp: TensorParallel = SINGLE,
+        kv_groups: KVGroups | None = None,
+    ):
         """kv_groups: the layers' block tables (petrel/engine/kv_groups.py); default one table for all."""
         if torch.device(device).type == "cpu":
             keep_freed_memory_in_heap()
         self.model = model
         self.cfg = cfg
-        self.lora_manager = lora_manager   # petrel.model.lora.LoRAManager with enable_lora
+        self.lora_manager = lora_manager  # petrel.model.lora.LoRAManager with enable_lora
         self.block_size = block_size
         self.device = torch.device(device)
         # petrel's CPU kernel attends each decode row over its own length, so one group of all the step's decodes
         # costs no padding (and lets a decode-only step run each layer as one call); torch pads to the longest
-        self.decode_group_size = (1 << 30) if (self.device.type == "cpu" and dtype == torch.float32
-                                               and dense_kernels.library() is not None) else DECODE_GROUP_SIZE
+        self.decode_group_size = (
+            (1 << 30)
+            if (self.device.type == "cpu" and dtype == torch.float32 and dense_kernels.library() is not None)
+            else DECODE_GROUP_SIZE
+        )
         self.kv_groups = kv_groups or single_group(cfg.num_hidden_layers, None)
-        kv_heads = local_kv_heads(cfg.num_key_value_heads, tp)   # this rank's slice of the cache
+        kv_heads = local_kv_heads(cfg.num_key_value_heads, tp)  # this rank's slice of the cache
         # layers_per_block tensors; the i-th layer of every group uses the i-th (at that group's block ids)
-        self.cache_tensors = [new_kv_cache(num_blocks, block_size, kv_heads, cfg.head_dim, dtype, device)
-                              for _ in range(self.kv_groups.layers_per_block)]
+        self.cache_tensors = [
+            new_kv_cache(num_blocks, block_size, kv_heads, cfg.head_dim, dtype, device)
+            for _ in range(self.kv_groups.layers_per_block)
+        ]
         self.kv_caches = [self.cache_tensors[self.kv_groups.slot_of(layer)] for layer in range(cfg.num_hidden_layers)]
         self._layer_group = [self.kv_groups.group_of(layer) for layer in range(cfg.num_hidden_layers)]
 
@@ -143,14 +168,12 @@ class ModelRunner:
     @staticmethod
     def spans(batch: ScheduledBatch) -> list[QuerySpan]:
         """The scheduled tokens of each sequence (decodes first, as the scheduler orders them)."""
-        return [QuerySpan.of(seq, seq.pending_token_ids(n), seq.num_computed_tokens)
-                for seq, n in zip(batch.seqs, batch.num_new_tokens)]
+        return [
+            QuerySpan.of(seq, seq.pending_token_ids(n), seq.num_computed_tokens)
+            for seq, n in zip(batch.seqs, batch.num_new_tokens)
+        ]
 
-    def prepare(self, batch: ScheduledBatch):
-        """The scheduled tokens as one flat batch: input ids, positions, attention metadata."""
-        return self.build_inputs(self.spans(batch))
-
-    def build_inputs(self, spans: list["QuerySpan"]):
+    def build_inputs(self, spans: list[QuerySpan]):
         """Flat input ids, positions and attention metadata; single-token spans must come first. With several
         KV groups the metadata is a list, one per layer (the layers of a group share their group's)."""
         input_ids, positions = [], []
@@ -160,11 +183,12 @@ class ModelRunner:
         if self.kv_groups.num_groups == 1:
             meta = self._metadata(spans, lambda span: span.block_table)
         else:
-            metas = [self._metadata(spans, lambda span: span.group_tables[g]) for g in range(self.kv_groups.num_groups)]
+            groups = range(self.kv_groups.num_groups)
+            metas = [self._metadata(spans, lambda span, g=g: span.group_tables[g]) for g in groups]
             meta = [metas[g] for g in self._layer_group]
         return self._tensor(input_ids), self._tensor(positions), meta
 
-    def _metadata(self, spans: list["QuerySpan"], table_of) -> AttentionMetadata:
+    def _metadata(self, spans: list[QuerySpan], table_of) -> AttentionMetadata:
         """The attention metadata of the spans, with each span's block table taken by table_of (one group's)."""
         bs = self.block_size
         slots, prefills, decode_tables, decode_lens = [], [], [], []
@@ -184,19 +208,26 @@ class ModelRunner:
                 if start > 0:
                     q = torch.arange(start, end, device=self.device).unsqueeze(1)
                     mask = torch.arange(end, device=self.device).unsqueeze(0) <= q
-                prefills.append(PrefillChunk(row, n, end, self._tensor(table[:-(-end // bs)]), mask))
+                prefills.append(PrefillChunk(row, n, end, self._tensor(table[: -(-end // bs)]), mask))
             row += n
         meta = AttentionMetadata(slot_mapping=self._tensor(slots), prefills=prefills)
         size = self.decode_group_size
         for start in range(0, len(decode_tables), size):
-            tables = decode_tables[start:start + size]
-            lens = decode_lens[start:start + size]
+            tables = decode_tables[start : start + size]
+            lens = decode_lens[start : start + size]
             width = max(len(t) for t in tables)
             span = torch.arange(width * bs, device=self.device)
             lens_t = self._tensor(lens)
-            meta.decode_groups.append(DecodeGroup(
-                start, start + len(tables), self._tensor([t + [0] * (width - len(t)) for t in tables]),
-                span.unsqueeze(0) < lens_t.unsqueeze(1), lens, lens_t))
+            meta.decode_groups.append(
+                DecodeGroup(
+                    start,
+                    start + len(tables),
+                    self._tensor([t + [0] * (width - len(t)) for t in tables]),
+                    span.unsqueeze(0) < lens_t.unsqueeze(1),
+                    lens,
+                    lens_t,
+                )
+            )
         return meta
 
     @torch.inference_mode()
@@ -209,7 +240,7 @@ class ModelRunner:
         return hidden, logits
 
     @torch.inference_mode()
-    def last_token_logits(self, spans: list["QuerySpan"], num_layers: int | None = None) -> torch.Tensor:
+    def last_token_logits(self, spans: list[QuerySpan], num_layers: int | None = None) -> torch.Tensor:
         """Write the spans' K/V and return the logits after each span's last token ([len(spans), vocab]).
         num_layers: stop after the model's first layers (early exit)."""
         order = sorted(range(len(spans)), key=lambda i: (len(spans[i].token_ids) != 1, spans[i].start))
@@ -229,7 +260,7 @@ class ModelRunner:
         try:
             return self.forward(plan)
         finally:
-            manager.mapping.clear()   # any other forward (a self-speculation draft) runs the base model
+            manager.mapping.clear()  # any other forward (a self-speculation draft) runs the base model
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
@@ -257,13 +288,14 @@ class ModelRunner:
                 context_spans.append((seq, start, len(context_rows), k))
                 context_rows.extend(range(row, row + k))
             num_draft = len(seq.spec.draft_token_ids)
-            if start + n == seq.num_tokens + num_draft:   # reaches the end: sample the next token (and verify drafts)
+            if start + n == seq.num_tokens + num_draft:  # reaches the end: sample the next token (and verify drafts)
                 sample_seqs.append(seq)
                 first_rows.append(len(sample_rows))
                 sample_rows.extend(range(row + n - 1 - num_draft, row + n))
             row += n
-        context_logits_wanted = any(s.params.prompt_logprobs is not None or s.params.return_context_logits
-                                    for s, *_ in context_spans)
+        context_logits_wanted = any(
+            s.params.prompt_logprobs is not None or s.params.return_context_logits for s, *_ in context_spans
+        )
         logits_rows = context_rows + sample_rows if context_logits_wanted else sample_rows
         plan = ForwardPlan(self.spans(batch), logits_rows, batch.block_copies)
         if self.lora_manager is None:
@@ -271,7 +303,7 @@ class ModelRunner:
         else:
             hidden, logits = self._forward_with_loras(batch, plan)
         if context_logits_wanted:
-            context_logits, sample_logits = logits[:len(context_rows)], logits[len(context_rows):]
+            context_logits, sample_logits = logits[: len(context_rows)], logits[len(context_rows) :]
         else:
             sample_logits = logits
         spans = []
@@ -279,8 +311,14 @@ class ModelRunner:
             p = seq.params
             wants_logits = p.prompt_logprobs is not None or p.return_context_logits
             wants_hidden = "hidden_states" in p.additional_model_outputs
-            spans.append(ContextRows(seq, first, context_logits[at:at + k] if wants_logits else None,
-                                     hidden[context_rows[at]:context_rows[at] + k].clone() if wants_hidden else None))
+            spans.append(
+                ContextRows(
+                    seq,
+                    first,
+                    context_logits[at : at + k] if wants_logits else None,
+                    hidden[context_rows[at] : context_rows[at] + k].clone() if wants_hidden else None,
+                )
+            )
         sample_hidden = None
         if any("hidden_states" in s.params.additional_model_outputs for s in sample_seqs):
             sample_hidden = hidden[self._tensor(sample_rows)]

@@ -5,6 +5,7 @@ A stop string is found here, after the engine already moved on: the consumer the
 sequence (LLMEngine.finish_sequence) and drops whatever the engine produced for it meanwhile, so the visible output
 ends exactly where it would have had the loop found the stop string itself.
 """
+
 from __future__ import annotations
 
 from petrel.engine.detokenizer import IncrementalDetokenizer
@@ -22,7 +23,7 @@ class RequestOutputProcessor:
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.num_sequences = params.n
-        self.finished: set[int] = set()     # sequences whose last chunk was made (later outputs of them are dropped)
+        self.finished: set[int] = set()  # sequences whose last chunk was made (later outputs of them are dropped)
         self._detokenizers: dict[int, IncrementalDetokenizer | None] = {}
 
     @property
@@ -34,8 +35,9 @@ class RequestOutputProcessor:
             p = self.params
             detok = None
             if p.detokenize and self.tokenizer is not None:
-                detok = IncrementalDetokenizer(self.tokenizer, self.prompt_token_ids, p.skip_special_tokens,
-                                               p.stop, p.include_stop_str_in_output)
+                detok = IncrementalDetokenizer(
+                    self.tokenizer, self.prompt_token_ids, p.skip_special_tokens, p.stop, p.include_stop_str_in_output
+                )
             self._detokenizers[index] = detok
         return self._detokenizers[index]
 
@@ -60,27 +62,38 @@ class RequestOutputProcessor:
                     new_ids, dropped = new_ids[:kept], len(new_ids) - kept
             text = detokenizer.release(finished=finish_reason is not None)
         chunk = OutputChunk(
-            request_id=out.request_id, index=out.index, output_ids=new_ids, text=text,
-            finish_reason=finish_reason, prompt_tokens=out.num_prompt_tokens,
-            completion_tokens=out.num_output_tokens - dropped, cached_tokens=out.num_cached_tokens,
-            timestamp=out.timestamp, spec_verify_ct=out.spec_verify_ct,
+            request_id=out.request_id,
+            index=out.index,
+            output_ids=new_ids,
+            text=text,
+            finish_reason=finish_reason,
+            prompt_tokens=out.num_prompt_tokens,
+            completion_tokens=out.num_output_tokens - dropped,
+            cached_tokens=out.num_cached_tokens,
+            timestamp=out.timestamp,
+            spec_verify_ct=out.spec_verify_ct,
             accept_draft_tokens=out.accept_draft_tokens,
-            scheduled_time=out.scheduled_time, cumulative_logprob=out.cumulative_logprob,
-            context_logits=out.context_logits, generation_logits=out.generation_logits,
+            scheduled_time=out.scheduled_time,
+            cumulative_logprob=out.cumulative_logprob,
+            context_logits=out.context_logits,
+            generation_logits=out.generation_logits,
             additional_context_outputs=out.additional_context_outputs,
             additional_generation_outputs=out.additional_generation_outputs,
-            disaggregated_params=out.disaggregated_params)
+            disaggregated_params=out.disaggregated_params,
+        )
         if out.new_logprobs is not None:
-            new_logprobs = out.new_logprobs[:len(new_ids)]
+            new_logprobs = out.new_logprobs[: len(new_ids)]
             chunk.output_token_logprobs = [lp.logprob for lp in new_logprobs]
             chunk.output_token_ranks = [lp.rank for lp in new_logprobs]
             chunk.output_top_logprobs = [lp.top for lp in new_logprobs]
         if dropped and chunk.generation_logits is not None:
-            chunk.generation_logits = chunk.generation_logits[:len(new_ids)]
+            chunk.generation_logits = chunk.generation_logits[: len(new_ids)]
         if out.prompt_logprobs is not None:
             first = self.prompt_token_ids[:1]
-            chunk.input_token_logprobs = ([None] + [lp.logprob for lp in out.prompt_logprobs],
-                                          first + [lp.token_id for lp in out.prompt_logprobs])
+            chunk.input_token_logprobs = (
+                [None] + [lp.logprob for lp in out.prompt_logprobs],
+                first + [lp.token_id for lp in out.prompt_logprobs],
+            )
             chunk.input_top_logprobs = [None] + [lp.top for lp in out.prompt_logprobs]
             chunk.input_token_ranks = [None] + [lp.rank for lp in out.prompt_logprobs]
         if finish_reason is not None:
@@ -88,7 +101,8 @@ class RequestOutputProcessor:
                 type=finish_reason,
                 matched_token=stop_reason if isinstance(stop_reason, (int, tuple)) else None,
                 matched_stop=stop_reason if isinstance(stop_reason, str) else None,
-                message=out.abort_message)
+                message=out.abort_message,
+            )
             self.finished.add(out.index)
             self._detokenizers.pop(out.index, None)
         return chunk, matched
@@ -100,7 +114,18 @@ class RequestOutputProcessor:
         for index in range(self.num_sequences):
             if index not in self.finished:
                 self.finished.add(index)
-                chunks.append(OutputChunk(self.request_id, index, [], "", "abort", len(self.prompt_token_ids), 0, 0,
-                                          finish_details=FinishDetails("abort", message=message)))
+                chunks.append(
+                    OutputChunk(
+                        self.request_id,
+                        index,
+                        [],
+                        "",
+                        "abort",
+                        len(self.prompt_token_ids),
+                        0,
+                        0,
+                        finish_details=FinishDetails("abort", message=message),
+                    )
+                )
         self._detokenizers.clear()
         return chunks

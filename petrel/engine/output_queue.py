@@ -6,6 +6,7 @@ async waiter until that waiter has drained (so a slow consumer is not woken once
 version: read `version`, look at the state, then `wait(version)` returns as soon as anything was put or woken
 since, so no wake-up falls between the look and the wait.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -15,12 +16,13 @@ from collections import deque
 
 class AsyncWaiter:
     """One coroutine waiting on a queue from its event loop."""
+
     __slots__ = ("event", "loop", "pending")
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
         self.event = asyncio.Event()
-        self.pending = False     # a set() is scheduled and not yet seen (no second one is sent meanwhile)
+        self.pending = False  # a set() is scheduled and not yet seen (no second one is sent meanwhile)
 
 
 class OutputQueue:
@@ -29,7 +31,7 @@ class OutputQueue:
         self._cond = threading.Condition(threading.Lock())
         self._version = 0
         self._waiters: list[AsyncWaiter] = []
-        self.signal: threading.Event | None = None   # also set on each put (one wait over several queues)
+        self.signal: threading.Event | None = None  # also set on each put (one wait over several queues)
 
     @property
     def version(self) -> int:
@@ -102,4 +104,4 @@ class OutputQueue:
             try:
                 w.loop.call_soon_threadsafe(w.event.set)
             except RuntimeError:
-                pass   # that event loop is closed
+                pass  # that event loop is closed

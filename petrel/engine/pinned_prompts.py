@@ -10,6 +10,7 @@ any thread) and keeps the reservation until the request finished; a pin counts f
 it is released. Reservations and pins together stay within a number of prompts and of blocks, so requests that
 nobody fetches cannot take the cache from everyone else. No torch here.
 """
+
 from __future__ import annotations
 
 import secrets
@@ -28,6 +29,7 @@ class PinLimitReached(Exception):
 class PromptHandoff:
     """What a context-only request leaves for the instance that decodes it: the request, the token(s) it
     sampled, and the handle that fetches its pinned prompt KV."""
+
     request_id: object
     first_gen_tokens: list[int]
     handle: str
@@ -35,7 +37,7 @@ class PromptHandoff:
 
 @dataclass
 class PinnedPrompt:
-    blocks: list[list[int]]      # per KV group (petrel/engine/kv_groups.py): its table's blocks of the prompt
+    blocks: list[list[int]]  # per KV group (petrel/engine/kv_groups.py): its table's blocks of the prompt
     num_tokens: int
     expires_at: float
 
@@ -49,8 +51,8 @@ class PinnedPrompts:
         self.block_manager = block_manager
         self.ttl = ttl
         self.pins: dict[str, PinnedPrompt] = {}
-        self._lock = threading.Lock()     # guards the two counts below, which fronts read and reserve from
-        self._held_prompts = 0            # pinned or reserved
+        self._lock = threading.Lock()  # guards the two counts below, which fronts read and reserve from
+        self._held_prompts = 0  # pinned or reserved
         self._held_blocks = 0
 
     def __len__(self) -> int:
@@ -61,22 +63,25 @@ class PinnedPrompts:
         """The blocks a pin of num_tokens positions holds: the prompt's blocks in every KV group."""
         return -(-num_tokens // self.block_manager.block_size) * self.block_manager.num_groups
 
-    def reserve(self, num_tokens: int, max_prompts: int, max_blocks: int) -> "PinReservation":
+    def reserve(self, num_tokens: int, max_prompts: int, max_blocks: int) -> PinReservation:
         """Room for one more context-only prompt, held until the reservation is released. PinLimitReached
         when the prompts pinned or reserved already hold max_prompts or would pass max_blocks; ValueError when this
         prompt alone needs more than max_blocks."""
         blocks = self.prompt_blocks(num_tokens)
         if blocks > max_blocks:
-            raise ValueError(f"disaggregated_params: the prompt's KV ({blocks} blocks) is more than may be pinned "
-                             f"for a decode instance ({max_blocks} of the cache's {self.block_manager.num_blocks} "
-                             "blocks, kv_transfer_max_pinned_share)")
+            raise ValueError(
+                f"disaggregated_params: the prompt's KV ({blocks} blocks) is more than may be pinned "
+                f"for a decode instance ({max_blocks} of the cache's {self.block_manager.num_blocks} "
+                "blocks, kv_transfer_max_pinned_share)"
+            )
         with self._lock:
             if self._held_prompts >= max_prompts or self._held_blocks + blocks > max_blocks:
                 raise PinLimitReached(
                     f"disaggregated_params: {self._held_prompts} prompts' KV ({self._held_blocks} blocks) is pinned "
                     f"for decode instances or being prefilled to be; this server allows {max_prompts} prompts and "
                     f"{max_blocks} of its {self.block_manager.num_blocks} blocks (kv_transfer_max_pinned, "
-                    "kv_transfer_max_pinned_share); retry later")
+                    "kv_transfer_max_pinned_share); retry later"
+                )
             self._add(1, blocks)
         return PinReservation(self, blocks)
 
@@ -100,7 +105,7 @@ class PinnedPrompts:
         that fetches them."""
         self.expire(now)
         bs = self.block_manager.block_size
-        blocks = [list(table[:-(-num_tokens // bs)]) for table in block_tables]
+        blocks = [list(table[: -(-num_tokens // bs)]) for table in block_tables]
         for table in blocks:
             self.block_manager.retain(table)
         handle = secrets.token_hex(16)
@@ -152,10 +157,12 @@ class PinReservation:
 
     def until_finished(self, sink):
         """`sink` (a request's output callback), releasing the reservation with the request's last output."""
+
         def watched(chunk) -> None:
             try:
                 sink(chunk)
             finally:
                 if chunk.finish_reason is not None:
                     self.release()
+
         return watched

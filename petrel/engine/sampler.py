@@ -6,10 +6,11 @@ best candidates, greedy rows take argmax, and random rows go through temperature
 an exponential race (which lets a per-sequence generator make a seeded sequence reproducible in any batch).
 Logprobs come from the same processed distribution the token was drawn from, with the token's rank.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -20,6 +21,7 @@ from petrel.engine.sequence import Sequence
 @dataclass
 class TokenLogprobs:
     """One sampled position: the token's logprob and rank, and the top-k alternatives (id, logprob)."""
+
     token_id: int
     logprob: float
     rank: int
@@ -33,7 +35,7 @@ class SampleResult:
     # beam-search rows: best (token, logprob) candidates, and the row's log-distribution when logprobs are asked
     beam_candidates: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
     beam_logp: dict[int, torch.Tensor] = field(default_factory=dict)
-    errors: dict[int, str] = field(default_factory=dict)   # rows whose request failed (a processor raised)
+    errors: dict[int, str] = field(default_factory=dict)  # rows whose request failed (a processor raised)
 
 
 def token_logprobs(logp_row: torch.Tensor, token: int, k: int) -> TokenLogprobs:
@@ -80,7 +82,7 @@ class Sampler:
                 for fn in p.logits_processors or ():
                     logits[i] = fn(seq.output_token_ids, logits[i])
                 if req.logits_post_processor is not None:
-                    row = req.logits_post_processor(req.request_id, logits[i:i + 1], [seq.token_ids], req.client_id)
+                    row = req.logits_post_processor(req.request_id, logits[i : i + 1], [seq.token_ids], req.client_id)
                     if row is not None:
                         logits[i] = row.reshape(-1)
             except Exception as exc:  # noqa: BLE001 - user code: fail that request, not the step
@@ -89,13 +91,18 @@ class Sampler:
             if req.use_batched_post_processor:
                 batched.append(i)
         if batched:
-            rows = [logits[i:i + 1] for i in batched]     # views: the callback edits them in place
+            rows = [logits[i : i + 1] for i in batched]  # views: the callback edits them in place
             try:
-                self.batched_post_processor([seqs[i].request.request_id for i in batched], rows,
-                                            [[seqs[i].token_ids] for i in batched],
-                                            [seqs[i].request.client_id for i in batched])
+                self.batched_post_processor(
+                    [seqs[i].request.request_id for i in batched],
+                    rows,
+                    [[seqs[i].token_ids] for i in batched],
+                    [seqs[i].request.client_id for i in batched],
+                )
             except Exception as exc:  # noqa: BLE001
-                errors.update({i: f"batched logits post-processor failed: {type(exc).__name__}: {exc}" for i in batched})
+                errors.update(
+                    {i: f"batched logits post-processor failed: {type(exc).__name__}: {exc}" for i in batched}
+                )
         return errors
 
     def _ban_bad_words(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
@@ -105,11 +112,13 @@ class Sampler:
             if not words:
                 continue
             tokens = seq.token_ids
-            banned = [w[-1] for w in words if len(w) == 1 or tokens[len(tokens) - len(w) + 1:] == w[:-1]]
+            banned = [w[-1] for w in words if len(w) == 1 or tokens[len(tokens) - len(w) + 1 :] == w[:-1]]
             if banned:
                 logits[i, banned] = float("-inf")
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[int | None] | None = None) -> SampleResult:
+    def sample(
+        self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[int | None] | None = None
+    ) -> SampleResult:
         """drafts: a speculative draft token per row (or None). A greedy row ignores it (the caller compares);
         a random row accepts it with its probability, else samples from the rest of the distribution.
 
@@ -118,7 +127,7 @@ class Sampler:
         raise alone are the only ones marked (in result.errors) while the others get their tokens."""
         logits = logits.float()
         errors = self._run_processors(logits, seqs)
-        for i in errors:                       # keep the failed rows harmless for the rest of the step
+        for i in errors:  # keep the failed rows harmless for the rest of the step
             logits[i] = 0.0
         try:
             result = self._choose(logits, seqs, drafts)
@@ -128,13 +137,14 @@ class Sampler:
             result.errors.setdefault(i, message)
         return result
 
-    def _choose_row_by_row(self, logits: torch.Tensor, seqs: list[Sequence],
-                           drafts: list[int | None] | None) -> SampleResult:
+    def _choose_row_by_row(
+        self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[int | None] | None
+    ) -> SampleResult:
         """_choose for each row alone; a row that raises gets an error instead of a token."""
         result = SampleResult([0] * len(seqs), [None] * len(seqs))
         for i, seq in enumerate(seqs):
             try:
-                row = self._choose(logits[i:i + 1], [seq], [drafts[i]] if drafts else None)
+                row = self._choose(logits[i : i + 1], [seq], [drafts[i]] if drafts else None)
             except Exception as exc:  # noqa: BLE001 - this request's own failure
                 result.errors[i] = f"sampling failed: {type(exc).__name__}: {exc}"
                 continue
@@ -169,10 +179,14 @@ class Sampler:
         beams = [i for i, p in enumerate(params) if p.use_beam_search]
         greedy = torch.tensor([p.greedy or p.use_beam_search for p in params], device=logits.device)
         tokens = logits.argmax(dim=-1)
-        if not bool(greedy.all()):    # random rows are processed in place (temperature, top-k/p, min-p)
+        if not bool(greedy.all()):  # random rows are processed in place (temperature, top-k/p, min-p)
             random_rows = (~greedy).nonzero().squeeze(1).tolist()
-            sampled = self._sample_random(logits, [seqs[i] for i in random_rows], random_rows,
-                                          [drafts[i] for i in random_rows] if drafts else None)
+            sampled = self._sample_random(
+                logits,
+                [seqs[i] for i in random_rows],
+                random_rows,
+                [drafts[i] for i in random_rows] if drafts else None,
+            )
             tokens[random_rows] = sampled
 
         result = SampleResult(tokens.tolist(), [None] * len(seqs))
@@ -211,8 +225,9 @@ class Sampler:
                 counts = torch.zeros_like(row).scatter_add_(0, out, torch.ones_like(out, dtype=row.dtype))
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
-    def _sample_random(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int],
-                       drafts: list[int | None] | None = None) -> torch.Tensor:
+    def _sample_random(
+        self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int], drafts: list[int | None] | None = None
+    ) -> torch.Tensor:
         """Temperature, top-k, top-p, min-p on the given rows (in place), then draw one token per row.
 
         A row with a draft token d (speculative decoding, d proposed deterministically) keeps d with probability
@@ -233,8 +248,10 @@ class Sampler:
         if bool((top_ps < 1.0).any()):
             sorted_x, order = x.sort(dim=1, descending=True)
             probs = sorted_x.softmax(dim=1)
-            before = probs.cumsum(dim=1) - probs      # mass of strictly better tokens
-            drop = (before > top_ps.unsqueeze(1)) & (top_ps < 1.0).unsqueeze(1)   # top_p 1: keep all (mass may round past 1)
+            before = probs.cumsum(dim=1) - probs  # mass of strictly better tokens
+            drop = (before > top_ps.unsqueeze(1)) & (top_ps < 1.0).unsqueeze(
+                1
+            )  # top_p 1: keep all (mass may round past 1)
             sorted_x = sorted_x.masked_fill(drop, float("-inf"))
             x = torch.empty_like(x).scatter_(1, order, sorted_x)
         min_ps = torch.tensor([p.min_p for p in params], device=x.device)

@@ -3,12 +3,14 @@
 Admission (who may hold KV memory) and batching (what runs this step, within a token budget) are
 separate decisions. Running sequences go first, oldest first; then waiting ones are admitted while
 blocks and the budget last. A decoding sequence with a lookahead (speculative decoding) is given room for
-that many draft tokens after its next one when the budget and the blocks allow; else it decodes plainly. A prompt that does not fit the budget is prefilled in chunks across steps.
+that many draft tokens after its next one when the budget and the blocks allow; else it decodes plainly. A prompt
+that does not fit the budget is prefilled in chunks across steps.
 With LoRA, a waiting request whose adapter is not running is admitted only while fewer distinct adapters
 than there are LoRA slots run (else it waits, and the queue behind it, until one finishes).
 When blocks run out, the newest running sequence is preempted: its blocks are freed and it goes back
 to the front of the queue, to be recomputed later (its full blocks stay in the prefix cache).
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -20,7 +22,7 @@ from petrel.engine.sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledBatch:
-    seqs: list[Sequence] = field(default_factory=list)       # decodes first (by context length), then prefill chunks
+    seqs: list[Sequence] = field(default_factory=list)  # decodes first (by context length), then prefill chunks
     num_new_tokens: list[int] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
@@ -34,26 +36,34 @@ class ScheduledBatch:
 
     def put_decodes_first(self) -> None:
         """Single-token queries (decodes) first, by context length, so the runner's decode groups pad little."""
+
         def key(i):
             decode = self.num_new_tokens[i] == 1
             return not decode, self.seqs[i].num_computed_tokens if decode else 0
+
         order = sorted(range(len(self.seqs)), key=key)
         self.seqs = [self.seqs[i] for i in order]
         self.num_new_tokens = [self.num_new_tokens[i] for i in order]
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True, max_loras: int | None = None):
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool = True,
+        max_loras: int | None = None,
+    ):
         self.block_manager = block_manager
-        self.max_loras = max_loras       # with LoRA: distinct adapters running at once at most
+        self.max_loras = max_loras  # with LoRA: distinct adapters running at once at most
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self.prefix_queried_tokens = 0   # prompt tokens admitted, and how many of them the prefix cache served
+        self.prefix_queried_tokens = 0  # prompt tokens admitted, and how many of them the prefix cache served
         self.prefix_hit_tokens = 0
 
     def add(self, seq: Sequence) -> None:
@@ -87,7 +97,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
-        seq.beam.candidates = None       # a beam recomputes its next-token candidates with its KV
+        seq.beam.candidates = None  # a beam recomputes its next-token candidates with its KV
         seq.spec.num_draft_computed = 0  # a draft model recomputes its K/V too
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
@@ -104,11 +114,13 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if n == 0:      # a beam that has its candidates and waits for its other beams
+            if n == 0:  # a beam that has its candidates and waits for its other beams
                 i += 1
                 continue
-            lookahead = min(seq.spec.num_lookahead, budget - n) if n == seq.num_tokens - seq.num_computed_tokens == 1 else 0
-            if lookahead > 0 and bm.allocate_slots(seq, n + lookahead):   # room for draft tokens to verify
+            lookahead = (
+                min(seq.spec.num_lookahead, budget - n) if n == seq.num_tokens - seq.num_computed_tokens == 1 else 0
+            )
+            if lookahead > 0 and bm.allocate_slots(seq, n + lookahead):  # room for draft tokens to verify
                 scheduled.append((seq, n + lookahead))
                 budget -= n + lookahead
                 i += 1
@@ -124,15 +136,15 @@ class Scheduler:
                 i += 1
 
         running_loras = {s.request.lora_int_id for s in self.running} - {0} if self.max_loras else set()
-        committed = sum(_width(s) for s in self.running)   # running sequences, and the forks they will make
+        committed = sum(_width(s) for s in self.running)  # running sequences, and the forks they will make
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
-            seq = self.waiting[0]           # a waiting sequence holds no blocks
+            seq = self.waiting[0]  # a waiting sequence holds no blocks
             width = _width(seq)
             if self.running and committed + width > self.max_num_seqs:
-                break                       # its n sequences (or beams) would run past max_num_seqs
+                break  # its n sequences (or beams) would run past max_num_seqs
             lora = seq.request.lora_int_id
             if lora and self.max_loras and lora not in running_loras and len(running_loras) >= self.max_loras:
-                break                       # every LoRA slot is taken by running adapters: wait for one to finish
+                break  # every LoRA slot is taken by running adapters: wait for one to finish
             if lora and self.max_loras:
                 running_loras.add(lora)
             if seq.request.imported_kv is not None:
@@ -146,7 +158,7 @@ class Scheduler:
                 n = min(remaining, budget)
                 chunk_refused = n < remaining and not self.enable_chunked_prefill and scheduled
                 if chunk_refused or not bm.allocate_slots(seq, n, admitting=bool(self.running)):
-                    bm.free(seq)                # give the prefix hit back until it is admitted
+                    bm.free(seq)  # give the prefix hit back until it is admitted
                     seq.num_cached_tokens = 0
                     break
             self.waiting.popleft()

@@ -4,13 +4,15 @@ A Sequence holds what every sequence needs (tokens, KV blocks, status); what onl
 three small records on it: `spec` (speculative decoding), `beam` (beam search) and `extra_outputs` (prompt
 logprobs, logits and hidden states a request asked for).
 """
+
 from __future__ import annotations
 
 import enum
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from petrel.lora import LoRARequest
 from petrel.sampling_params import SamplingParams
@@ -28,29 +30,30 @@ class SequenceStatus(enum.Enum):
 @dataclass
 class EngineRequest:
     """What the engine core knows about a request: tokens in, parameters, and its sequences."""
+
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
     cache_salt: str | None = None
-    lora_request: LoRARequest | None = None    # the adapter it runs with (None: the base model)
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
     arrival_time: float = field(default_factory=time.monotonic)
-    deadline: float | None = None      # monotonic time after which the request ends with 'timeout'
+    deadline: float | None = None  # monotonic time after which the request ends with 'timeout'
     first_scheduled_time: float | None = None
     client_id: int | None = None
-    priority: float = 0.5                      # 0..1; higher is admitted first among waiting requests
+    priority: float = 0.5  # 0..1; higher is admitted first among waiting requests
     # executor-style logits post-processor: fn(request_id, logits [1, vocab], beam_tokens, client_id) -> logits
     logits_post_processor: Callable | None = None
-    use_batched_post_processor: bool = False   # the engine's batched post-processor applies to this request
-    seqs: list["Sequence"] = field(default_factory=list)
-    beam_search: "BeamSearch | None" = None    # set when params.use_beam_search
-    compiled_grammar: object = None            # xgrammar CompiledGrammar when params.guided_decoding is set
-    finished_indices: set[int] = field(default_factory=set)   # output indices already reported finished
+    use_batched_post_processor: bool = False  # the engine's batched post-processor applies to this request
+    seqs: list[Sequence] = field(default_factory=list)
+    beam_search: BeamSearch | None = None  # set when params.use_beam_search
+    compiled_grammar: object = None  # xgrammar CompiledGrammar when params.guided_decoding is set
+    finished_indices: set[int] = field(default_factory=set)  # output indices already reported finished
     # disaggregated serving (petrel/disagg): a context-only request stops after its first token and leaves its
     # prompt's KV pinned; a generation-only one brings its prompt's KV (imported_kv, written at admission) and
     # the context instance's first token(s), and decodes on from there
     context_only: bool = False
-    imported_kv: object = None                 # torch.Tensor [layers, 2, prompt_len, kv_heads, head_dim]
+    imported_kv: object = None  # torch.Tensor [layers, 2, prompt_len, kv_heads, head_dim]
     first_gen_tokens: list[int] = field(default_factory=list)
 
     @property
@@ -66,19 +69,21 @@ class EngineRequest:
 @dataclass
 class SpeculativeState:
     """Speculative decoding: the drafts a sequence verifies this step and its counts so far."""
-    num_lookahead: int = 0                 # draft slots the scheduler reserves beyond the next token
-    draft_token_ids: list[int] = field(default_factory=list)   # this step's drafts, verified after the token_ids
-    num_draft_computed: int = 0            # positions whose K/V a draft model holds
-    num_verify_rounds: int = 0             # steps that verified drafts, so far
-    num_drafted: int = 0                   # draft tokens proposed so far
-    num_accepted: int = 0                  # draft tokens accepted so far
+
+    num_lookahead: int = 0  # draft slots the scheduler reserves beyond the next token
+    draft_token_ids: list[int] = field(default_factory=list)  # this step's drafts, verified after the token_ids
+    num_draft_computed: int = 0  # positions whose K/V a draft model holds
+    num_verify_rounds: int = 0  # steps that verified drafts, so far
+    num_drafted: int = 0  # draft tokens proposed so far
+    num_accepted: int = 0  # draft tokens accepted so far
 
 
 @dataclass
 class BeamState:
     """Beam search: a beam's score and what it waits with until every beam of its request has its candidates."""
-    cum_logprob: float = 0.0               # sum of the output tokens' logprobs
-    token_logprobs: list = field(default_factory=list)   # what the sampler recorded per output token
+
+    cum_logprob: float = 0.0  # sum of the output tokens' logprobs
+    token_logprobs: list = field(default_factory=list)  # what the sampler recorded per output token
     # (best next (token, logprob) pairs, the logprob row, the extra outputs of this row), or None: being computed
     candidates: tuple | None = None
 
@@ -86,8 +91,9 @@ class BeamState:
 @dataclass
 class ExtraOutputs:
     """What a request asked of the model besides tokens, gathered as the sequence runs."""
-    prompt_logprobs: list = field(default_factory=list)    # TokenLogprobs of prompt positions 1..
-    context: dict[str, list] = field(default_factory=dict)     # 'logits' / 'hidden_states' -> the prompt's row chunks
+
+    prompt_logprobs: list = field(default_factory=list)  # TokenLogprobs of prompt positions 1..
+    context: dict[str, list] = field(default_factory=dict)  # 'logits' / 'hidden_states' -> the prompt's row chunks
     generation: dict[str, list] = field(default_factory=dict)  # same, one row per output token
 
     @property
@@ -95,7 +101,7 @@ class ExtraOutputs:
         chunks = next(iter(self.context.values()), [])
         return sum(c.shape[0] for c in chunks)
 
-    def copy(self) -> "ExtraOutputs":
+    def copy(self) -> ExtraOutputs:
         """A beam's own copy: the prompt's outputs shared, the generation rows its own lists."""
         return ExtraOutputs(self.prompt_logprobs, self.context, {k: list(v) for k, v in self.generation.items()})
 
@@ -117,14 +123,14 @@ class Sequence:
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = num_prompt_tokens
         self.num_computed_tokens = 0
-        self.num_cached_tokens = 0     # prompt tokens served from the prefix cache at admission
-        self.block_tables: list[list[int]] = [[]]   # one per KV group (petrel/engine/kv_groups.py)
-        self.block_hashes: list[bytes] = []   # hashes of the full blocks of token_ids, computed lazily
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
+        self.block_tables: list[list[int]] = [[]]  # one per KV group (petrel/engine/kv_groups.py)
+        self.block_hashes: list[bytes] = []  # hashes of the full blocks of token_ids, computed lazily
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None  # 'stop' | 'length' | 'abort'
         self.stop_reason: int | str | None = None
-        self.generator = None                  # torch.Generator when the request has a seed
-        self.grammar = None                    # xgrammar GrammarMatcher of a guided sequence (kept across preemption)
+        self.generator = None  # torch.Generator when the request has a seed
+        self.grammar = None  # xgrammar GrammarMatcher of a guided sequence (kept across preemption)
         self.spec = SpeculativeState()
         self.beam = BeamState()
         self.extra_outputs = ExtraOutputs()
@@ -132,8 +138,8 @@ class Sequence:
     def pending_token_ids(self, n: int) -> list[int]:
         """The next n tokens to compute: the uncomputed token_ids, then the draft tokens."""
         start = self.num_computed_tokens
-        tokens = self.token_ids[start:start + n]
-        return tokens + self.spec.draft_token_ids[:n - len(tokens)]
+        tokens = self.token_ids[start : start + n]
+        return tokens + self.spec.draft_token_ids[: n - len(tokens)]
 
     @property
     def block_table(self) -> list[int]:
@@ -150,7 +156,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def is_finished(self) -> bool:
@@ -161,5 +167,7 @@ class Sequence:
         return self.request.params
 
     def __repr__(self) -> str:
-        return (f"Sequence({self.request.request_id}#{self.index}, tokens={self.num_tokens}, "
-                f"computed={self.num_computed_tokens}, blocks={len(self.block_table)}, {self.status.value})")
+        return (
+            f"Sequence({self.request.request_id}#{self.index}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={len(self.block_table)}, {self.status.value})"
+        )

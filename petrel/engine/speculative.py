@@ -10,6 +10,7 @@ exact: a greedy row keeps a draft token while it equals the target's argmax; a s
 with probability p(d) and otherwise draws from p with d removed, which leaves every emitted token
 distributed exactly as p (see Sampler). The engine core verifies all drafts of a step in one forward pass.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -38,7 +39,7 @@ class NgramProposer:
             hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
             if hits.size:
                 start = int(hits[-1]) + n
-                return tokens[start:start + k].tolist()
+                return tokens[start : start + k].tolist()
         return []
 
 
@@ -69,7 +70,7 @@ class ModelDrafter:
             spans = [QuerySpan.of(seqs[i], [drafts[i][-1]], seqs[i].num_tokens + len(drafts[i]) - 1) for i in active]
         if self.own_cache:
             for seq, draft in zip(seqs, drafts):
-                seq.spec.num_draft_computed = seq.num_tokens + len(draft) - 1   # the last draft token is not fed back
+                seq.spec.num_draft_computed = seq.num_tokens + len(draft) - 1  # the last draft token is not fed back
         return drafts
 
 
@@ -80,8 +81,9 @@ def build_proposer(cfg: SpeculativeConfig, target: ModelRunner, draft: ModelRunn
         layers = target.cfg.num_hidden_layers
         num_layers = cfg.draft_num_layers or max(1, layers // 4)
         if num_layers >= layers:
-            raise ValueError(f"speculative_config.draft_num_layers must be below the model's {layers} layers, "
-                             f"got {num_layers}")
+            raise ValueError(
+                f"speculative_config.draft_num_layers must be below the model's {layers} layers, got {num_layers}"
+            )
         return ModelDrafter(target, num_layers, own_cache=False)
     if draft is None:
         raise ValueError("speculative method 'draft_model' needs a loaded draft model")
@@ -97,8 +99,9 @@ class Speculator:
         self.config = config.speculative_config
         draft = None
         if draft_model is not None:
-            draft = ModelRunner(draft_model[0], draft_model[1], num_blocks, config.block_size, config.torch_dtype,
-                                config.device)
+            draft = ModelRunner(
+                draft_model[0], draft_model[1], num_blocks, config.block_size, config.torch_dtype, config.device
+            )
         self.proposer = build_proposer(self.config, target, draft)
         self.max_model_len = max_model_len
 
@@ -114,21 +117,24 @@ class Speculator:
             return 0
         k = min(self.config.num_speculative_tokens, self.max_model_len - seq.num_tokens)
         if p.max_tokens is not None:
-            k = min(k, p.max_tokens - seq.num_output_tokens - 1)   # the step emits at most drafts + 1 tokens
+            k = min(k, p.max_tokens - seq.num_output_tokens - 1)  # the step emits at most drafts + 1 tokens
         return max(k, 0)
 
     def propose(self, batch) -> None:
         """Fill the draft tokens of the sequences the scheduler gave lookahead room, and fit the batch to them."""
-        picked = [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
-                  if n > 1 and seq.num_computed_tokens == seq.num_tokens - 1]
+        picked = [
+            i
+            for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
+            if n > 1 and seq.num_computed_tokens == seq.num_tokens - 1
+        ]
         if not picked:
             return
         seqs = [batch.seqs[i] for i in picked]
         drafts = self.proposer.propose(seqs, [batch.num_new_tokens[i] - 1 for i in picked])
         for i, seq, draft in zip(picked, seqs, drafts):
-            seq.spec.draft_token_ids = draft[:batch.num_new_tokens[i] - 1]
+            seq.spec.draft_token_ids = draft[: batch.num_new_tokens[i] - 1]
             batch.num_new_tokens[i] = 1 + len(seq.spec.draft_token_ids)
-        batch.put_decodes_first()   # a sequence left without drafts is a plain decode again
+        batch.put_decodes_first()  # a sequence left without drafts is a plain decode again
 
     @staticmethod
     def report(out: EngineOutput, seq: Sequence) -> None:

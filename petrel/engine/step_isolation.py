@@ -3,6 +3,7 @@
 The step keeps a `failed` dict (request id -> why) and runs each request's share of the work through `isolated`;
 afterwards it aborts each failed request with its message (tests/test_step_isolation.py).
 """
+
 from __future__ import annotations
 
 import logging

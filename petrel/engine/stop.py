@@ -4,6 +4,7 @@ Plain decoding, speculative verification (each accepted draft is appended like a
 (each candidate token of each beam) all ask `check_stop`. Stop strings are text: the output processor finds them
 after detokenizing and ends the sequence through `EngineCore.finish_sequence`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -16,8 +17,8 @@ logger = logging.getLogger("petrel")
 
 @dataclass(frozen=True)
 class Stop:
-    finish_reason: str                     # 'stop' | 'length'
-    stop_reason: int | tuple | None = None   # the stop token, the stop token sequence, or None
+    finish_reason: str  # 'stop' | 'length'
+    stop_reason: int | tuple | None = None  # the stop token, the stop token sequence, or None
 
 
 def check_stop(seq: Sequence, token: int, max_model_len: int, grammar_accepted: bool | None = None) -> Stop | None:
@@ -39,8 +40,11 @@ def check_stop(seq: Sequence, token: int, max_model_len: int, grammar_accepted: 
         return Stop("stop", token)
     num_output = seq.num_output_tokens + 1
     for word in p.stop_token_sequences:
-        if num_output >= len(word) and word[-1] == token and \
-                seq.token_ids[seq.num_tokens - len(word) + 1:] == word[:-1]:
+        if (
+            num_output >= len(word)
+            and word[-1] == token
+            and seq.token_ids[seq.num_tokens - len(word) + 1 :] == word[:-1]
+        ):
             return Stop("stop", tuple(word))
     if p.max_tokens is not None and num_output >= p.max_tokens:
         return Stop("length")

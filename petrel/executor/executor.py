@@ -15,6 +15,7 @@ A malformed request gets a Response with an error (never an exception from the l
 The engine loop only queues each request's raw outputs; they become chunks and Responses on the thread that awaits
 (or counts) responses.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -30,8 +31,17 @@ from petrel.engine.block_manager import held_blocks
 from petrel.engine.llm_engine import LLMEngine
 from petrel.engine.output_processor import RequestOutputProcessor
 from petrel.engine.output_queue import OutputQueue
-from petrel.executor.types import (AdditionalOutput, ExecutorConfig, FinishReason, LogitsPostProcessorConfig,
-                                   Request, RequestStage, RequestStats, Response, Result)
+from petrel.executor.types import (
+    AdditionalOutput,
+    ExecutorConfig,
+    FinishReason,
+    LogitsPostProcessorConfig,
+    Request,
+    RequestStage,
+    RequestStats,
+    Response,
+    Result,
+)
 from petrel.outputs import OutputChunk
 from petrel.sampling_params import SamplingParams
 
@@ -41,6 +51,7 @@ logger = logging.getLogger("petrel")
 @dataclass
 class _Sequence:
     """What a non-streaming request accumulates per sequence until it finishes."""
+
     token_ids: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     generation_logits: list = field(default_factory=list)
@@ -55,7 +66,7 @@ class _RequestState:
         self.request_id = request_id
         self.request = request
         self.params = params
-        self.processor = processor      # its raw outputs -> chunks (token ids only: no detokenizing, no stop strings)
+        self.processor = processor  # its raw outputs -> chunks (token ids only: no detokenizing, no stop strings)
         self.seqs = [_Sequence() for _ in range(params.n)]
         self.context_logits = None
         self.context_outputs: dict = {}
@@ -63,8 +74,9 @@ class _RequestState:
 
 
 class Executor:
-    def __init__(self, model: str | EngineConfig | None = None, executor_config: ExecutorConfig | None = None,
-                 **engine_options):
+    def __init__(
+        self, model: str | EngineConfig | None = None, executor_config: ExecutorConfig | None = None, **engine_options
+    ):
         self.config = executor_config or ExecutorConfig()
         if isinstance(model, EngineConfig):
             engine_config = model
@@ -72,11 +84,14 @@ class Executor:
             engine_config = EngineConfig.from_kwargs(model=model, **engine_options)
         lpp = self.config.logits_post_processor_config or LogitsPostProcessorConfig()
         self._post_processors = dict(lpp.processor_map)
-        self._engine = LLMEngine(engine_config, batched_post_processor=lpp.processor_batched,
-                                 stats_history=self.config.iter_stats_max_iterations)
+        self._engine = LLMEngine(
+            engine_config,
+            batched_post_processor=lpp.processor_batched,
+            stats_history=self.config.iter_stats_max_iterations,
+        )
         self._ids = itertools.count(1)
-        self._outputs = OutputQueue()     # (request state, raw EngineOutput), from the engine loop
-        self._lock = threading.Lock()     # the consumer side: processing, _ready and _states
+        self._outputs = OutputQueue()  # (request state, raw EngineOutput), from the engine loop
+        self._lock = threading.Lock()  # the consumer side: processing, _ready and _states
         self._ready: list[Response] = []
         self._states: dict[int, _RequestState] = {}
         self._shutdown = False
@@ -94,12 +109,19 @@ class Executor:
         try:
             params, options = self._translate(request)
             ids = list(request.input_token_ids)
-            state = _RequestState(request_id, request, params,
-                                  RequestOutputProcessor(request_id, self._engine.tokenizer, ids, params))
+            state = _RequestState(
+                request_id, request, params, RequestOutputProcessor(request_id, self._engine.tokenizer, ids, params)
+            )
             with self._lock:
                 self._states[request_id] = state
-            self._engine.add_request(request_id, ids, params, lambda out, s=state: self._outputs.put((s, out)),
-                                     cache_salt=request.cache_salt, **options)
+            self._engine.add_request(
+                request_id,
+                ids,
+                params,
+                lambda out, s=state: self._outputs.put((s, out)),
+                cache_salt=request.cache_salt,
+                **options,
+            )
         except (ValueError, TypeError) as exc:
             with self._lock:
                 self._states.pop(request_id, None)
@@ -127,13 +149,20 @@ class Executor:
         if not isinstance(width, int) or width < 1:
             raise ValueError(f"sampling_config.beam_width must be an integer >= 1, got {width!r}")
         if width > self.config.max_beam_width:
-            raise ValueError(f"sampling_config.beam_width {width} exceeds ExecutorConfig.max_beam_width "
-                             f"({self.config.max_beam_width})")
+            raise ValueError(
+                f"sampling_config.beam_width {width} exceeds ExecutorConfig.max_beam_width "
+                f"({self.config.max_beam_width})"
+            )
         n = request.num_return_sequences or sc.num_return_sequences or 1
         if n > (width if width > 1 else self.config.max_num_return_sequences):
-            raise ValueError(f"num_return_sequences {n} exceeds "
-                             + (f"the beam width ({width})" if width > 1 else
-                                f"ExecutorConfig.max_num_return_sequences ({self.config.max_num_return_sequences})"))
+            raise ValueError(
+                f"num_return_sequences {n} exceeds "
+                + (
+                    f"the beam width ({width})"
+                    if width > 1
+                    else f"ExecutorConfig.max_num_return_sequences ({self.config.max_num_return_sequences})"
+                )
+            )
         sampling = any(v is not None for v in (sc.temperature, sc.top_k, sc.top_p, sc.min_p))
         early = sc.early_stopping
         if isinstance(early, int) and not isinstance(early, bool):
@@ -141,20 +170,32 @@ class Executor:
         stop_words = [list(w) for w in request.stop_words or []]
         names = [o.name for o in (oc.additional_model_outputs or [])]
         params = SamplingParams(
-            n=n, max_tokens=request.max_tokens, min_tokens=sc.min_tokens or 0,
+            n=n,
+            max_tokens=request.max_tokens,
+            min_tokens=sc.min_tokens or 0,
             temperature=(1.0 if sc.temperature is None else sc.temperature) if sampling and width == 1 else 0.0,
-            top_k=sc.top_k or 0, top_p=1.0 if sc.top_p in (None, 0.0) else sc.top_p, min_p=sc.min_p or 0.0,
-            seed=sc.seed, repetition_penalty=sc.repetition_penalty or 1.0,
-            presence_penalty=sc.presence_penalty or 0.0, frequency_penalty=sc.frequency_penalty or 0.0,
-            stop_token_sequences=stop_words, bad_words_token_ids=[list(w) for w in request.bad_words or []],
-            use_beam_search=width > 1, beam_width=width if width > 1 else None,
+            top_k=sc.top_k or 0,
+            top_p=1.0 if sc.top_p in (None, 0.0) else sc.top_p,
+            min_p=sc.min_p or 0.0,
+            seed=sc.seed,
+            repetition_penalty=sc.repetition_penalty or 1.0,
+            presence_penalty=sc.presence_penalty or 0.0,
+            frequency_penalty=sc.frequency_penalty or 0.0,
+            stop_token_sequences=stop_words,
+            bad_words_token_ids=[list(w) for w in request.bad_words or []],
+            use_beam_search=width > 1,
+            beam_width=width if width > 1 else None,
             length_penalty=1.0 if sc.length_penalty is None else sc.length_penalty,
             early_stopping=False if early is None else early,
             logprobs=0 if oc.return_log_probs else None,
-            return_context_logits=oc.return_context_logits, return_generation_logits=oc.return_generation_logits,
-            additional_model_outputs=names, detokenize=False, guided_decoding=guided,
+            return_context_logits=oc.return_context_logits,
+            return_generation_logits=oc.return_generation_logits,
+            additional_model_outputs=names,
+            detokenize=False,
+            guided_decoding=guided,
             ignore_eos=request.end_id is not None,
-            stop_token_ids=[request.end_id] if request.end_id is not None else None)
+            stop_token_ids=[request.end_id] if request.end_id is not None else None,
+        )
         options = {"client_id": request.client_id, "priority": request.priority}
         name = request.logits_post_processor_name
         if name is not None:
@@ -163,8 +204,10 @@ class Executor:
             elif name in self._post_processors:
                 options["logits_post_processor"] = self._post_processors[name]
             else:
-                raise ValueError(f"logits_post_processor_name {name!r} is not configured; known: "
-                                 f"{sorted(self._post_processors) + [Request.BATCHED_POST_PROCESSOR_NAME]}")
+                raise ValueError(
+                    f"logits_post_processor_name {name!r} is not configured; known: "
+                    f"{sorted(self._post_processors) + [Request.BATCHED_POST_PROCESSOR_NAME]}"
+                )
         if not 0.0 <= request.priority <= 1.0:
             raise ValueError(f"priority must be in [0, 1], got {request.priority!r}")
         return params, options
@@ -182,8 +225,13 @@ class Executor:
                 state.processor.fail(str(exc))
                 for seq in state.seqs:
                     seq.finished = True
-                responses = [Response(state.request_id, error_msg=f"output processing failed: {exc}",
-                                      client_id=state.request.client_id)]
+                responses = [
+                    Response(
+                        state.request_id,
+                        error_msg=f"output processing failed: {exc}",
+                        client_id=state.request.client_id,
+                    )
+                ]
             self._ready.extend(responses)
             if all(s.finished for s in state.seqs):
                 self._states.pop(state.request_id, None)
@@ -211,8 +259,11 @@ class Executor:
             seq.finished = chunk.finish_reason is not None
             seq.finish_reason = self._finish_reason(chunk)
         if error is not None:
-            return [Response(state.request_id, error_msg=error, client_id=req.client_id)] \
-                if all(s.finished for s in state.seqs) else []
+            return (
+                [Response(state.request_id, error_msg=error, client_id=req.client_id)]
+                if all(s.finished for s in state.seqs)
+                else []
+            )
         if params.use_beam_search:
             results = [self._beam_result(state, chunk)] if all(s.finished for s in state.seqs) else []
         elif chunk.finish_reason is None and (not req.streaming or not chunk.output_ids):
@@ -239,18 +290,32 @@ class Executor:
         tokens = list(seq.token_ids) if whole else list(chunk.output_ids)
         if not req.streaming and not oc.exclude_input_from_output:
             tokens = list(req.input_token_ids) + tokens
-        result = Result(is_final=all(s.finished for s in state.seqs), output_token_ids=[tokens],
-                        finish_reasons=[seq.finish_reason], sequence_index=index,
-                        is_sequence_final=seq.finished, decoding_iter=seq.decoding_iter)
+        result = Result(
+            is_final=all(s.finished for s in state.seqs),
+            output_token_ids=[tokens],
+            finish_reasons=[seq.finish_reason],
+            sequence_index=index,
+            is_sequence_final=seq.finished,
+            decoding_iter=seq.decoding_iter,
+        )
         if oc.return_log_probs:
             result.log_probs = [list(seq.log_probs) if whole else list(chunk.output_token_logprobs)]
             result.cum_log_probs = [sum(seq.log_probs)]
         if oc.return_generation_logits:
-            rows = seq.generation_logits if whole else [chunk.generation_logits] if chunk.generation_logits is not None else []
+            rows = (
+                seq.generation_logits
+                if whole
+                else [chunk.generation_logits]
+                if chunk.generation_logits is not None
+                else []
+            )
             result.generation_logits = torch.cat(rows).unsqueeze(0) if rows else None
         for name, values in seq.generation_outputs.items():
-            rows = values if whole else ([chunk.additional_generation_outputs[name]]
-                                         if chunk.additional_generation_outputs else [])
+            rows = (
+                values
+                if whole
+                else ([chunk.additional_generation_outputs[name]] if chunk.additional_generation_outputs else [])
+            )
             if rows:
                 result.additional_outputs.append(AdditionalOutput(name, torch.cat(rows).unsqueeze(0)))
         self._attach_context(state, result)
@@ -260,9 +325,14 @@ class Executor:
         req, oc = state.request, state.request.output_config
         prefix = [] if req.streaming or oc.exclude_input_from_output else list(req.input_token_ids)
         beams = state.seqs
-        result = Result(is_final=True, output_token_ids=[prefix + s.token_ids for s in beams],
-                        finish_reasons=[s.finish_reason for s in beams], sequence_index=0,
-                        is_sequence_final=True, decoding_iter=max(s.decoding_iter for s in beams))
+        result = Result(
+            is_final=True,
+            output_token_ids=[prefix + s.token_ids for s in beams],
+            finish_reasons=[s.finish_reason for s in beams],
+            sequence_index=0,
+            is_sequence_final=True,
+            decoding_iter=max(s.decoding_iter for s in beams),
+        )
         if oc.return_log_probs:
             result.log_probs = [list(s.log_probs) for s in beams]
             result.cum_log_probs = [sum(s.log_probs) for s in beams]
@@ -302,8 +372,10 @@ class Executor:
         with self._lock:
             unknown = ids - set(self._states) - {r.request_id for r in self._ready}
         if unknown:
-            raise ValueError(f"request ids {sorted(unknown)} are not in flight and have no responses ready "
-                             f"(never enqueued, or finished and already awaited)")
+            raise ValueError(
+                f"request ids {sorted(unknown)} are not in flight and have no responses ready "
+                f"(never enqueued, or finished and already awaited)"
+            )
 
     def _take(self, match, timeout: float | None, pending) -> list[Response]:
         """Wait for responses that `match`; `pending()` says whether any could still come (else return now)."""
@@ -351,7 +423,7 @@ class Executor:
                 self._shutdown = True
             self._outputs.wake()
 
-    def __enter__(self) -> "Executor":
+    def __enter__(self) -> Executor:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -368,11 +440,21 @@ def _request_stats(core) -> list[RequestStats]:
         prompt_len = len(req.prompt_token_ids)
         prefilled = max(min(s.num_computed_tokens, prompt_len) for s in live)
         running = any(s.status.value == "running" for s in live)
-        stage = RequestStage.QUEUED if not running else (
-            RequestStage.CONTEXT_IN_PROGRESS if prefilled < prompt_len else RequestStage.GENERATION_IN_PROGRESS)
-        stats.append(RequestStats(
-            id=req.request_id, stage=stage, context_prefill_position=prefilled,
-            num_generated_tokens=sum(s.num_output_tokens for s in req.seqs), num_sequences=len(live),
-            allocated_blocks=sum(len(held_blocks(t)) for s in live for t in s.block_tables),
-            reused_blocks=max(s.num_cached_tokens for s in live) // bs, scheduled=running))
+        stage = (
+            RequestStage.QUEUED
+            if not running
+            else (RequestStage.CONTEXT_IN_PROGRESS if prefilled < prompt_len else RequestStage.GENERATION_IN_PROGRESS)
+        )
+        stats.append(
+            RequestStats(
+                id=req.request_id,
+                stage=stage,
+                context_prefill_position=prefilled,
+                num_generated_tokens=sum(s.num_output_tokens for s in req.seqs),
+                num_sequences=len(live),
+                allocated_blocks=sum(len(held_blocks(t)) for s in live for t in s.block_tables),
+                reused_blocks=max(s.num_cached_tokens for s in live) // bs,
+                scheduled=running,
+            )
+        )
     return stats

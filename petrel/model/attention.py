@@ -16,6 +16,7 @@ group keeps those columns. With mixed layers (Gemma 3: local and global) each gr
 its own block tables (petrel/engine/kv_groups.py) and its own metadata (the model gets one per layer): a sliding
 group's tables give back blocks as a uniform window's do, the global group's keep them all.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -31,9 +32,9 @@ from petrel.model import dense_kernels
 
 @dataclass
 class PrefillChunk:
-    start: int            # first row of this chunk in the flat batch
-    num_tokens: int       # query tokens in this chunk
-    context_len: int      # tokens in the KV cache after this step (cached prefix + this chunk)
+    start: int  # first row of this chunk in the flat batch
+    num_tokens: int  # query tokens in this chunk
+    context_len: int  # tokens in the KV cache after this step (cached prefix + this chunk)
     block_table: torch.Tensor  # [num_blocks_of_this_seq] int64
     mask: torch.Tensor | None  # [num_tokens, context_len] bool, None when the chunk is the whole context
 
@@ -41,29 +42,31 @@ class PrefillChunk:
 @dataclass
 class DecodeGroup:
     """Decode rows [start, end) of the flat batch, of similar context lengths, attended in one call."""
+
     start: int
     end: int
-    block_tables: torch.Tensor      # [rows, max_blocks] int64, padded with block 0
-    mask: torch.Tensor              # [rows, max_blocks * block_size] bool: True where a key is in context
-    context_lens: list[int]         # per row: tokens in the KV cache, this step's included
-    context_lens_t: torch.Tensor    # the same on the device, int64
+    block_tables: torch.Tensor  # [rows, max_blocks] int64, padded with block 0
+    mask: torch.Tensor  # [rows, max_blocks * block_size] bool: True where a key is in context
+    context_lens: list[int]  # per row: tokens in the KV cache, this step's included
+    context_lens_t: torch.Tensor  # the same on the device, int64
 
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor      # [num_tokens] int64: flat cache slot that receives each new K/V
+    slot_mapping: torch.Tensor  # [num_tokens] int64: flat cache slot that receives each new K/V
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
-def per_layer(meta: "AttentionMetadata | list[AttentionMetadata]"):
+def per_layer(meta: AttentionMetadata | list[AttentionMetadata]):
     """Each layer's metadata: a model with several KV groups gets a list, one per layer (each layer's group's);
     otherwise every layer shares the one."""
     return meta if isinstance(meta, list) else itertools.repeat(meta)
 
 
-def new_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+def new_kv_cache(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
     """One layer's cache: [2 (key, value), num_blocks, block_size, kv_heads, head_dim], all zeros.
 
     On CPU the memory is an anonymous mapping: the OS hands out zero pages on first write, so the process holds
@@ -72,11 +75,18 @@ def new_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: 
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)   # the tensor keeps the mapping
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)  # the tensor keeps the mapping
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
     """q: [T, heads, d]; k, v: [T, kv_heads, d] for this step's tokens. Returns [T, heads, d].
 
     sliding_window: when set, each query attends to its last `sliding_window` positions only (itself included).
@@ -90,20 +100,22 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
 
     out = torch.empty_like(q)
     for g in meta.decode_groups:
-        fast = dense_kernels.decode_attention(q[g.start:g.end], key_cache, value_cache, g.block_tables,
-                                              g.context_lens_t, scale, sliding_window)
+        fast = dense_kernels.decode_attention(
+            q[g.start : g.end], key_cache, value_cache, g.block_tables, g.context_lens_t, scale, sliding_window
+        )
         if fast is not None:
-            out[g.start:g.end] = fast
+            out[g.start : g.end] = fast
             continue
         tables, mask = g.block_tables, g.mask
         if sliding_window is not None and max(g.context_lens) > sliding_window:
             tables, mask = _windowed_decode_span(g, sliding_window, block_size)
-        out[g.start:g.end] = _decode_attention(q[g.start:g.end], key_cache, value_cache, tables, mask, scale)
+        out[g.start : g.end] = _decode_attention(q[g.start : g.end], key_cache, value_cache, tables, mask, scale)
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)
         first_pos = chunk.context_len - chunk.num_tokens
-        fast = dense_kernels.prefill_attention(q[rows], key_cache, value_cache, chunk.block_table, first_pos, scale,
-                                               sliding_window)
+        fast = dense_kernels.prefill_attention(
+            q[rows], key_cache, value_cache, chunk.block_table, first_pos, scale, sliding_window
+        )
         if fast is not None:
             out[rows] = fast
             continue
@@ -111,21 +123,27 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
             # Keys from the block holding the first visible position on; mask causal and window together.
             first_block = max(0, first_pos - sliding_window + 1) // block_size
             offset = first_block * block_size
-            if chunk.mask is None:      # first_pos == 0, so offset == 0: the fresh K/V are the whole context
+            if chunk.mask is None:  # first_pos == 0, so offset == 0: the fresh K/V are the whole context
                 kp, vp = k[rows], v[rows]
             else:
                 kp, vp = _gather(key_cache, value_cache, chunk.block_table[first_block:], chunk.context_len - offset)
             q_pos = torch.arange(first_pos, chunk.context_len, device=q.device).unsqueeze(1)
             k_pos = torch.arange(offset, chunk.context_len, device=q.device).unsqueeze(0)
             mask, causal = (k_pos <= q_pos) & (k_pos > q_pos - sliding_window), False
-        elif chunk.mask is None:        # the whole context is in this step: use the fresh K/V directly
+        elif chunk.mask is None:  # the whole context is in this step: use the fresh K/V directly
             kp, vp, mask, causal = k[rows], v[rows], None, True
         else:
             kp, vp = _gather(key_cache, value_cache, chunk.block_table, chunk.context_len)
             mask, causal = chunk.mask, False
         op = F.scaled_dot_product_attention(
-            q[rows].transpose(0, 1).unsqueeze(0), kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
-            attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
+            q[rows].transpose(0, 1).unsqueeze(0),
+            kp.transpose(0, 1).unsqueeze(0),
+            vp.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask,
+            is_causal=causal,
+            scale=scale,
+            enable_gqa=True,
+        )
         out[rows] = op.squeeze(0).transpose(0, 1)
     return out
 
@@ -133,8 +151,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
 def _gather(key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor, length: int):
     """The first `length` keys and values held by the blocks of `block_table`, as [length, kv_heads, d]."""
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-    return (key_cache[block_table].view(-1, num_kv_heads, head_dim)[:length],
-            value_cache[block_table].view(-1, num_kv_heads, head_dim)[:length])
+    return (
+        key_cache[block_table].view(-1, num_kv_heads, head_dim)[:length],
+        value_cache[block_table].view(-1, num_kv_heads, head_dim)[:length],
+    )
 
 
 def _windowed_decode_span(g: DecodeGroup, window: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,8 +170,14 @@ def _windowed_decode_span(g: DecodeGroup, window: int, block_size: int) -> tuple
     return g.block_tables[:, first_block:], g.mask[:, offset:] & in_window
 
 
-def _decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      block_tables: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def _decode_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """One query token per sequence against its paged context, in one fused attention call.
 
     Each sequence's blocks are gathered whole (a copy of contiguous rows, no per-element indexing) into
@@ -165,6 +191,7 @@ def _decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     flat_tables = block_tables.reshape(-1)
     keys = key_cache.index_select(0, flat_tables).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
     values = value_cache.index_select(0, flat_tables).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask.view(num_seqs, 1, 1, -1),
-                                         scale=scale, enable_gqa=True)
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), keys, values, attn_mask=mask.view(num_seqs, 1, 1, -1), scale=scale, enable_gqa=True
+    )
     return out.squeeze(2)

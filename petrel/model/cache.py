@@ -1,5 +1,6 @@
 """petrel's on-disk cache (PETREL_CACHE, default ~/.cache/petrel): what is slow to derive from a model file
 (its tokenizer converted from GGUF, its GGUF index) is kept per file, keyed by path, size and mtime."""
+
 from __future__ import annotations
 
 import hashlib

@@ -1,12 +1,16 @@
 """The architecture facts petrel needs about a model, read from a Hugging Face config or GGUF metadata."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
 # GGUF `general.architecture` -> the Hugging Face architecture it holds (the same metadata keys for each)
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                      "gemma3": "Gemma3ForCausalLM"}
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
 
 
 @dataclass
@@ -24,19 +28,19 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
     tie_word_embeddings: bool = False
-    attention_bias: bool = False     # bias on q, k, v and o projections (Llama's flag)
-    qkv_bias: bool = False           # bias on q, k, v only (Qwen2)
-    qk_norm: bool = False            # RMS norm over each head of q and k, before rotary (Qwen3)
+    attention_bias: bool = False  # bias on q, k, v and o projections (Llama's flag)
+    qkv_bias: bool = False  # bias on q, k, v only (Qwen2)
+    qk_norm: bool = False  # RMS norm over each head of q and k, before rotary (Qwen3)
     mlp_bias: bool = False
     sliding_windows: list[int | None] = field(default_factory=list)  # per layer: keys a query sees, None = all
-    rope_local_theta: float | None = None   # rotary base of the sliding-window layers (Gemma 3); None = rope_theta
-    query_pre_attn_scalar: float | None = None   # attention scale is this ** -0.5 (Gemma); None = head_dim
-    final_logit_softcapping: float | None = None   # logits = cap * tanh(logits / cap) (Gemma)
+    rope_local_theta: float | None = None  # rotary base of the sliding-window layers (Gemma 3); None = rope_theta
+    query_pre_attn_scalar: float | None = None  # attention scale is this ** -0.5 (Gemma); None = head_dim
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap) (Gemma)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
-    def from_hf_config(cls, cfg: dict) -> "ModelConfig":
+    def from_hf_config(cls, cfg: dict) -> ModelConfig:
         archs = cfg.get("architectures") or []
         architecture = archs[0] if archs else cfg.get("model_type", "?")
         heads = cfg["num_attention_heads"]
@@ -70,9 +74,9 @@ class ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta or 10000.0,
             rope_scaling=rope_scaling,
-            tie_word_embeddings=cfg.get("tie_word_embeddings", gemma),   # Gemma's config default is tied
+            tie_word_embeddings=cfg.get("tie_word_embeddings", gemma),  # Gemma's config default is tied
             attention_bias=cfg.get("attention_bias", False),
-            qkv_bias=architecture == "Qwen2ForCausalLM",   # Qwen2 always has them; the config does not say
+            qkv_bias=architecture == "Qwen2ForCausalLM",  # Qwen2 always has them; the config does not say
             qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
             mlp_bias=cfg.get("mlp_bias", False),
             sliding_windows=_gemma3_sliding_windows(cfg) if gemma else _sliding_windows(cfg),
@@ -97,10 +101,12 @@ class ModelConfig:
         return None
 
     @classmethod
-    def from_gguf_metadata(cls, meta: dict, has_output_tensor: bool) -> "ModelConfig":
+    def from_gguf_metadata(cls, meta: dict, has_output_tensor: bool) -> ModelConfig:
         arch = meta["general.architecture"]
         if arch not in GGUF_ARCHITECTURES:
-            raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHITECTURES)})")
+            raise ValueError(
+                f"GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHITECTURES)})"
+            )
 
         def get(key, default=None):
             return meta.get(f"{arch}.{key}", default)
@@ -117,16 +123,19 @@ class ModelConfig:
         layers = get("block_count")
         windows: list[int | None] = []
         if gemma and get("attn_logit_softcapping") is not None:
-            raise ValueError(f"attention logit soft-capping (attn_logit_softcapping {get('attn_logit_softcapping')}) "
-                             f"is not supported")
-        if gemma:   # every 6th layer global unless the file says otherwise (llama.cpp's default for gemma3)
+            raise ValueError(
+                f"attention logit soft-capping (attn_logit_softcapping {get('attn_logit_softcapping')}) "
+                f"is not supported"
+            )
+        if gemma:  # every 6th layer global unless the file says otherwise (llama.cpp's default for gemma3)
             pattern = get("attention.sliding_window_pattern", 6)
             window = get("attention.sliding_window")
-            if isinstance(pattern, list):   # per layer, True = sliding
+            if isinstance(pattern, list):  # per layer, True = sliding
                 windows = [window if sliding else None for sliding in pattern]
             else:
-                windows = _gemma3_sliding_windows({"sliding_window": window, "num_hidden_layers": layers,
-                                                   "sliding_window_pattern": pattern})
+                windows = _gemma3_sliding_windows(
+                    {"sliding_window": window, "num_hidden_layers": layers, "sliding_window_pattern": pattern}
+                )
         return cls(
             architecture=architecture,
             vocab_size=get("vocab_size") or len(meta["tokenizer.ggml.tokens"]),
@@ -183,8 +192,9 @@ def _gemma3_rope(cfg: dict) -> tuple[float, dict | None, float]:
 
 def _check_gemma3(cfg: dict) -> None:
     if cfg.get("attn_logit_softcapping") is not None:
-        raise ValueError(f"attention logit soft-capping (attn_logit_softcapping {cfg['attn_logit_softcapping']}) "
-                         f"is not supported")
+        raise ValueError(
+            f"attention logit soft-capping (attn_logit_softcapping {cfg['attn_logit_softcapping']}) is not supported"
+        )
     if cfg.get("use_bidirectional_attention"):
         raise ValueError("bidirectional attention (use_bidirectional_attention) is not supported")
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"

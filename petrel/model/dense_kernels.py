@@ -6,6 +6,7 @@ quantized: see Weight).
 Each function here returns None when its kernel does not apply (not a CPU float32 tensor of a supported shape, or
 no kernels on this machine: see native.load; switch PETREL_DENSE_KERNELS=0); the caller then runs its torch path,
 which computes the same thing."""
+
 from __future__ import annotations
 
 import ctypes
@@ -14,7 +15,8 @@ from typing import NamedTuple
 import torch
 
 from petrel.model import native, quant_kernels
-from petrel.model.quantization import GEMM_MAX_ROWS as QUANT_GEMM_MAX_ROWS, QuantizedWeight
+from petrel.model.quantization import GEMM_MAX_ROWS as QUANT_GEMM_MAX_ROWS
+from petrel.model.quantization import QuantizedWeight
 
 _P = ctypes.c_void_p
 
@@ -23,6 +25,7 @@ class Weight(ctypes.Structure):
     """A projection's weight as decode_layer reads it (kernels.h's `weight`, field for field): float32 rows (bits
     32), or a QuantizedWeight's codes, scales and mins (bits 4 or 8, groups of 2**gshift), products by
     quant_kernels.c."""
+
     _fields_ = [("data", _P), ("scale", _P), ("mins", _P), ("bits", ctypes.c_int32), ("gshift", ctypes.c_int32)]
 
 
@@ -33,16 +36,22 @@ def describe(weight: torch.Tensor | QuantizedWeight) -> Weight | None:
         if not codes.is_cpu or weight.shape[1] % 32 or quant_kernels.library() is None:
             return None
         mins = weight.mins
-        return Weight(codes.data_ptr(), weight.scale.data_ptr(), None if mins is None else mins.data_ptr(),
-                      weight.bits, weight.group_shift)
+        return Weight(
+            codes.data_ptr(),
+            weight.scale.data_ptr(),
+            None if mins is None else mins.data_ptr(),
+            weight.bits,
+            weight.group_shift,
+        )
     if not (_is_cpu_f32(weight) and weight.is_contiguous()):
         return None
     return Weight(weight.data_ptr(), None, None, 32, 0)
 
-GEMV_MAX_ROWS = 256     # measured (2 threads): 1.2-2x torch up to 128 rows, even at 256, behind torch's GEMM from 512
-_MAX_GROUP, _MAX_HEAD_DIMS = 64, 16384   # query heads per KV head; query heads x head_dim (dense_kernels.c)
+
+GEMV_MAX_ROWS = 256  # measured (2 threads): 1.2-2x torch up to 128 rows, even at 256, behind torch's GEMM from 512
+_MAX_GROUP, _MAX_HEAD_DIMS = 64, 16384  # query heads per KV head; query heads x head_dim (dense_kernels.c)
 _MAX_BLOCK_SIZE = 256
-_MAX_PREFILL_HEAD_DIM = 256         # MAX_D in prefill_attention.c
+_MAX_PREFILL_HEAD_DIM = 256  # MAX_D in prefill_attention.c
 
 
 def library() -> ctypes.CDLL | None:
@@ -50,25 +59,42 @@ def library() -> ctypes.CDLL | None:
 
 
 def _is_cpu_f32(*tensors: torch.Tensor) -> bool:
-    for t in tensors:     # a plain loop: called several times per layer, where every microsecond shows at one row
+    for t in tensors:  # a plain loop: called several times per layer, where every microsecond shows at one row
         if not t.is_cpu or t.dtype is not torch.float32:
             return False
     return True
 
 
-def _attention_fits(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, block_tables: torch.Tensor,
-                    context_lens: torch.Tensor) -> bool:
+def _attention_fits(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+) -> bool:
     """Whether paged_decode_attention (alone or inside decode_layer) takes these heads, blocks and index tensors."""
-    return (head_dim % 8 == 0 and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= _MAX_GROUP
-            and num_heads * head_dim <= _MAX_HEAD_DIMS and block_size <= _MAX_BLOCK_SIZE
-            and block_tables.dtype == torch.int64 and context_lens.dtype == torch.int64)
+    return (
+        head_dim % 8 == 0
+        and num_heads % num_kv_heads == 0
+        and num_heads // num_kv_heads <= _MAX_GROUP
+        and num_heads * head_dim <= _MAX_HEAD_DIMS
+        and block_size <= _MAX_BLOCK_SIZE
+        and block_tables.dtype == torch.int64
+        and context_lens.dtype == torch.int64
+    )
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """x [M, K] @ weight[N, K]^T for M <= GEMV_MAX_ROWS, or None."""
     m, k = x.shape
-    if (m > GEMV_MAX_ROWS or k % 16 or not _is_cpu_f32(x, weight) or not weight.is_contiguous()
-            or (lib := library()) is None):
+    if (
+        m > GEMV_MAX_ROWS
+        or k % 16
+        or not _is_cpu_f32(x, weight)
+        or not weight.is_contiguous()
+        or (lib := library()) is None
+    ):
         return None
     x = x.contiguous()
     y = torch.empty(m, weight.shape[0], dtype=torch.float32)
@@ -91,39 +117,76 @@ def gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     return y
 
 
-def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, scale: float, sliding_window: int | None) -> torch.Tensor | None:
+def decode_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor | None:
     """One query per sequence against its paged context. q [S, heads, d]; key/value_cache [blocks, block_size,
     kv_heads, d]; block_tables [S, width] int64; context_lens [S] int64 (this step's token included). Returns
     [S, heads, d], or None."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
-    if (not _attention_fits(num_heads, num_kv_heads, head_dim, block_size, block_tables, context_lens)
-            or not _is_cpu_f32(q, key_cache, value_cache)
-            or not (key_cache.is_contiguous() and value_cache.is_contiguous()) or (lib := library()) is None):
+    if (
+        not _attention_fits(num_heads, num_kv_heads, head_dim, block_size, block_tables, context_lens)
+        or not _is_cpu_f32(q, key_cache, value_cache)
+        or not (key_cache.is_contiguous() and value_cache.is_contiguous())
+        or (lib := library()) is None
+    ):
         return None
-    if q.stride(2) != 1 or q.stride(1) != head_dim:     # heads must be contiguous within a row; rows may be apart
+    if q.stride(2) != 1 or q.stride(1) != head_dim:  # heads must be contiguous within a row; rows may be apart
         q = q.contiguous()
     block_tables, context_lens = block_tables.contiguous(), context_lens.contiguous()
     out = torch.empty(q.shape, dtype=torch.float32)
-    lib.paged_decode_attention(q.data_ptr(), q.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
-                               block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), num_seqs,
-                               num_heads, num_kv_heads, head_dim, block_size, sliding_window or 0, scale,
-                               out.data_ptr(), torch.get_num_threads())
+    lib.paged_decode_attention(
+        q.data_ptr(),
+        q.stride(0),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.shape[1],
+        context_lens.data_ptr(),
+        num_seqs,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        sliding_window or 0,
+        scale,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
     return out
 
 
-def prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
-                      first_pos: int, scale: float, sliding_window: int | None) -> torch.Tensor | None:
+def prefill_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    first_pos: int,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor | None:
     """A prompt chunk's queries against every key they see (causal; windowed when sliding_window is set), read
     from the paged cache, which already holds the chunk's own keys and values. q [n, heads, d] at positions
     first_pos .. first_pos+n-1; key/value_cache [blocks, block_size, kv_heads, d]; block_table [>= blocks of the
     context] int64. Returns [n, heads, d], or None."""
     n, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
-    if (head_dim % 16 or head_dim > _MAX_PREFILL_HEAD_DIM or num_heads % num_kv_heads
-            or block_table.dtype != torch.int64 or not _is_cpu_f32(q, key_cache, value_cache)
-            or not (key_cache.is_contiguous() and value_cache.is_contiguous()) or (lib := library()) is None):
+    if (
+        head_dim % 16
+        or head_dim > _MAX_PREFILL_HEAD_DIM
+        or num_heads % num_kv_heads
+        or block_table.dtype != torch.int64
+        or not _is_cpu_f32(q, key_cache, value_cache)
+        or not (key_cache.is_contiguous() and value_cache.is_contiguous())
+        or (lib := library()) is None
+    ):
         return None
     if q.stride(2) != 1 or q.stride(1) != head_dim:
         q = q.contiguous()
@@ -131,9 +194,24 @@ def prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     window, threads = sliding_window or 0, torch.get_num_threads()
     workspace = torch.empty(lib.prefill_attention_workspace(n, first_pos, window, num_kv_heads, head_dim))
     out = torch.empty(q.shape, dtype=torch.float32)
-    lib.paged_prefill_attention(q.data_ptr(), q.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
-                                block_table.data_ptr(), n, first_pos, num_heads, num_kv_heads, head_dim, block_size,
-                                window, scale, out.data_ptr(), workspace.data_ptr(), threads)
+    lib.paged_prefill_attention(
+        q.data_ptr(),
+        q.stride(0),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        block_table.data_ptr(),
+        n,
+        first_pos,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        window,
+        scale,
+        out.data_ptr(),
+        workspace.data_ptr(),
+        threads,
+    )
     return out
 
 
@@ -147,21 +225,44 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     if not (_rows(x) and _is_cpu_f32(weight) and weight.is_contiguous()) or (lib := library()) is None:
         return None
     out = torch.empty(x.shape, dtype=torch.float32)
-    lib.rms_norm(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), weight.data_ptr(), eps, out.data_ptr(),
-                 torch.get_num_threads())
+    lib.rms_norm(
+        x.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        x.stride(0),
+        weight.data_ptr(),
+        eps,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
     return out
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
     """x [T, heads, D] (heads contiguous, any row stride), cos/sin [T, 1, D] -> rotate-half rotary, or None."""
     num_tokens, heads, dim = x.shape
-    if (dim % 16 or x.stride(2) != 1 or x.stride(1) != dim or not _is_cpu_f32(x, cos, sin)
-            or not (cos.is_contiguous() and sin.is_contiguous()) or cos.numel() != num_tokens * dim
-            or (lib := library()) is None):
+    if (
+        dim % 16
+        or x.stride(2) != 1
+        or x.stride(1) != dim
+        or not _is_cpu_f32(x, cos, sin)
+        or not (cos.is_contiguous() and sin.is_contiguous())
+        or cos.numel() != num_tokens * dim
+        or (lib := library()) is None
+    ):
         return None
     out = torch.empty(x.shape, dtype=torch.float32)
-    lib.rotary(x.data_ptr(), num_tokens, heads, dim, x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
-               torch.get_num_threads())
+    lib.rotary(
+        x.data_ptr(),
+        num_tokens,
+        heads,
+        dim,
+        x.stride(0),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
     return out
 
 
@@ -178,6 +279,7 @@ class LayerParts(NamedTuple):
     """A plain Llama decoder layer as decode_layer takes it: norms (input, post-attention RMS norm weights) and
     their eps; weights (float32 tensors or QuantizedWeights): qkv [(NH + 2 KVH) D, hidden], o [hidden, NH D],
     gate_up [2 I, hidden], down [hidden, I]; heads (NH, KVH, D); the attention's scale and sliding window."""
+
     norms: tuple[torch.Tensor, torch.Tensor]
     eps: float
     weights: tuple[torch.Tensor | QuantizedWeight, ...]
@@ -195,40 +297,93 @@ class LayerParts(NamedTuple):
         """Whether the kernels take this layer for `rows` decode rows (its weights apart: see describe)."""
         head_dim = self.heads[2]
         hidden, inter = self.weights[0].shape[1], self.weights[3].shape[1]
-        return (rows <= self.max_rows and hidden % 16 == 0
-                and inter % 16 == 0 and head_dim % 16 == 0       # the products', rotary's
-                and _is_cpu_f32(*self.norms) and all(t.is_contiguous() for t in self.norms))
+        return (
+            rows <= self.max_rows
+            and hidden % 16 == 0
+            and inter % 16 == 0
+            and head_dim % 16 == 0  # the products', rotary's
+            and _is_cpu_f32(*self.norms)
+            and all(t.is_contiguous() for t in self.norms)
+        )
 
 
-def _step_fits(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
-               block_tables: torch.Tensor, context_lens: torch.Tensor, heads: tuple[int, int, int]) -> bool:
+def _step_fits(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slots: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    heads: tuple[int, int, int],
+) -> bool:
     """Whether a decode step's rows, rotary tables, cache and index tensors are what decode_layer(s) take."""
-    return (cos.numel() == x.shape[0] * heads[2] and slots.dtype == torch.int64
-            and _attention_fits(*heads, kv_cache.shape[2], block_tables, context_lens)
-            and _is_cpu_f32(x, kv_cache, cos, sin)
-            and x.is_contiguous() and kv_cache.is_contiguous() and cos.is_contiguous() and sin.is_contiguous())
+    return (
+        cos.numel() == x.shape[0] * heads[2]
+        and slots.dtype == torch.int64
+        and _attention_fits(*heads, kv_cache.shape[2], block_tables, context_lens)
+        and _is_cpu_f32(x, kv_cache, cos, sin)
+        and x.is_contiguous()
+        and kv_cache.is_contiguous()
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+    )
 
 
-def decode_layer(x: torch.Tensor, layer: LayerParts, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                 slots: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor | None:
+def decode_layer(
+    x: torch.Tensor,
+    layer: LayerParts,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slots: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+) -> torch.Tensor | None:
     """A whole Llama decoder layer for T decode rows (see decode_layer in dense_kernels.c), or None.
 
     x [T, hidden]; cos/sin [T, 1, D]; kv_cache [2, blocks, block_size, KVH, D]; slots [T]; block_tables [T, width];
     context_lens [T]. With quantized weights, up to quantization.GEMM_MAX_ROWS rows."""
     num_heads, num_kv_heads, head_dim = layer.heads
-    if (not layer.fits(x.shape[0])
-            or not _step_fits(x, cos, sin, kv_cache, slots, block_tables, context_lens, layer.heads)
-            or None in (described := [describe(w) for w in layer.weights]) or (lib := library()) is None):
+    if (
+        not layer.fits(x.shape[0])
+        or not _step_fits(x, cos, sin, kv_cache, slots, block_tables, context_lens, layer.heads)
+        or None in (described := [describe(w) for w in layer.weights])
+        or (lib := library()) is None
+    ):
         return None
     w_qkv, w_o, w_gate_up, w_down = (ctypes.byref(w) for w in described)
     block_tables, context_lens = block_tables.contiguous(), context_lens.contiguous()
     out = torch.empty_like(x)
-    if lib.decode_layer(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], layer.norms[0].data_ptr(),
-                        layer.norms[1].data_ptr(), layer.eps, w_qkv, w_o, w_gate_up, w_down,
-                        layer.weights[3].shape[1], num_heads, num_kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
-                        kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), slots.data_ptr(), block_tables.data_ptr(),
-                        block_tables.shape[1], context_lens.data_ptr(), kv_cache.shape[2], layer.sliding_window or 0,
-                        layer.scale, torch.get_num_threads()):
+    if lib.decode_layer(
+        x.data_ptr(),
+        out.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        layer.norms[0].data_ptr(),
+        layer.norms[1].data_ptr(),
+        layer.eps,
+        w_qkv,
+        w_o,
+        w_gate_up,
+        w_down,
+        layer.weights[3].shape[1],
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        kv_cache[0].data_ptr(),
+        kv_cache[1].data_ptr(),
+        slots.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.shape[1],
+        context_lens.data_ptr(),
+        kv_cache.shape[2],
+        layer.sliding_window or 0,
+        layer.scale,
+        torch.get_num_threads(),
+    ):
         raise native.out_of_memory("decode_layer")
     return out
 
@@ -240,7 +395,7 @@ class DecoderStack:
     def __init__(self, lib, layers: list[LayerParts], kv_caches: list[torch.Tensor], weights):
         n = len(layers)
         self.lib, self.first = lib, layers[0]
-        self.kv_caches = kv_caches     # kept alive with the pointers below
+        self.kv_caches = kv_caches  # kept alive with the pointers below
         pointers = ctypes.c_void_p * n
         self.norm1 = pointers(*(p.norms[0].data_ptr() for p in layers))
         self.norm2 = pointers(*(p.norms[1].data_ptr() for p in layers))
@@ -251,34 +406,72 @@ class DecoderStack:
         self.max_rows = min(p.max_rows for p in layers)
 
     @classmethod
-    def build(cls, layers: list[LayerParts], kv_caches: list[torch.Tensor]) -> "DecoderStack | None":
+    def build(cls, layers: list[LayerParts], kv_caches: list[torch.Tensor]) -> DecoderStack | None:
         """The stack, or None where one call cannot run it: a layer the kernels do not take, layers that differ
         in shape, eps or scale, caches of another shape, or no kernels here."""
         first = layers[0]
-        same = all(p.heads == first.heads and p.eps == first.eps and p.scale == first.scale
-                   and p.weights[0].shape == first.weights[0].shape and p.weights[3].shape == first.weights[3].shape
-                   for p in layers)
-        if (not same or not all(p.fits(1) for p in layers) or (lib := library()) is None
-                or len({tuple(c.shape) for c in kv_caches}) != 1
-                or None in (weights := [describe(w) for p in layers for w in p.weights])):
+        same = all(
+            p.heads == first.heads
+            and p.eps == first.eps
+            and p.scale == first.scale
+            and p.weights[0].shape == first.weights[0].shape
+            and p.weights[3].shape == first.weights[3].shape
+            for p in layers
+        )
+        if (
+            not same
+            or not all(p.fits(1) for p in layers)
+            or (lib := library()) is None
+            or len({tuple(c.shape) for c in kv_caches}) != 1
+            or None in (weights := [describe(w) for p in layers for w in p.weights])
+        ):
             return None
         return cls(lib, layers, kv_caches, weights)
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
-                 block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor | None:
+    def __call__(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+    ) -> torch.Tensor | None:
         """x [T, hidden] through every layer (see decode_layer for the other arguments), or None."""
         first, num_tokens = self.first, x.shape[0]
         num_heads, num_kv_heads, head_dim = first.heads
-        if (num_tokens > self.max_rows
-                or not _step_fits(x, cos, sin, self.kv_caches[0], slots, block_tables, context_lens, first.heads)):
+        if num_tokens > self.max_rows or not _step_fits(
+            x, cos, sin, self.kv_caches[0], slots, block_tables, context_lens, first.heads
+        ):
             return None
         block_tables, context_lens = block_tables.contiguous(), context_lens.contiguous()
         out = torch.empty_like(x)
-        if self.lib.decode_layers(len(self.windows), x.data_ptr(), out.data_ptr(), num_tokens, x.shape[1],
-                                  self.norm1, self.norm2, first.eps, self.weights, first.weights[3].shape[1],
-                                  num_heads, num_kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(), self.key_caches,
-                                  self.value_caches, slots.data_ptr(), block_tables.data_ptr(),
-                                  block_tables.shape[1], context_lens.data_ptr(), self.kv_caches[0].shape[2],
-                                  self.windows, first.scale, torch.get_num_threads()):
+        if self.lib.decode_layers(
+            len(self.windows),
+            x.data_ptr(),
+            out.data_ptr(),
+            num_tokens,
+            x.shape[1],
+            self.norm1,
+            self.norm2,
+            first.eps,
+            self.weights,
+            first.weights[3].shape[1],
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            self.key_caches,
+            self.value_caches,
+            slots.data_ptr(),
+            block_tables.data_ptr(),
+            block_tables.shape[1],
+            context_lens.data_ptr(),
+            self.kv_caches[0].shape[2],
+            self.windows,
+            first.scale,
+            torch.get_num_threads(),
+        ):
             raise native.out_of_memory("decode_layers")
         return out

@@ -7,6 +7,7 @@ query_pre_attn_scalar ** -0.5; sliding-window layers are interleaved with global
 base (rope_local_base_freq) while global layers use rope_theta (with its scaling); optional final logit
 soft-capping. Weights load as Llama's do (q/k/v and gate/up fused).
 """
+
 from __future__ import annotations
 
 import torch
@@ -16,8 +17,14 @@ from petrel.model.attention import AttentionMetadata, per_layer
 from petrel.model.config import ModelConfig
 from petrel.model.layers import RotaryEmbedding
 from petrel.model.llama import LlamaAttention, LlamaForCausalLM
-from petrel.model.parallel import (SINGLE, ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TensorParallel,
-                                   VocabParallelEmbedding)
+from petrel.model.parallel import (
+    SINGLE,
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    TensorParallel,
+    VocabParallelEmbedding,
+)
 
 
 class GemmaRMSNorm(nn.Module):
@@ -35,6 +42,7 @@ class GemmaRMSNorm(nn.Module):
 
 class Gemma3Attention(LlamaAttention):
     """Llama's attention with Gemma's q/k norms (cfg.qk_norm is set for Gemma 3) and its query_pre_attn_scalar."""
+
     norm_class = GemmaRMSNorm
 
 
@@ -59,7 +67,7 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
         self.mlp = Gemma3MLP(cfg, tp)
         self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
-        self.is_local = self.self_attn.sliding_window is not None   # sliding layers use the local rotary table
+        self.is_local = self.self_attn.sliding_window is not None  # sliding layers use the local rotary table
 
     def forward(self, x, cos_sin, kv_cache, meta):
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta))
@@ -87,12 +95,18 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.embed_scale = cfg.hidden_size ** 0.5
+        self.embed_scale = cfg.hidden_size**0.5
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata, num_layers: int | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        num_layers: int | None = None,
+    ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
-        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)   # scaled in the embedding dtype, as transformers does
+        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)  # scaled in the embedding dtype, as transformers does
         global_cs = self.model.rotary.for_positions(positions, x.dtype)
         local_cs = self.model.rotary_local.for_positions(positions, x.dtype)
         for layer, kv_cache, layer_meta in zip(self.model.layers[:num_layers], kv_caches, per_layer(meta)):

@@ -8,17 +8,18 @@ Each reader takes a tensor's raw blocks ([rows, bytes per row] uint8, as GGUFInd
 scale and mins: float32 [rows, groups]; mins None where the format has no offset. The products d * sub-scale of the
 K-quants are taken in float32, as the dequantized reference takes them.
 """
+
 from __future__ import annotations
 
 import numpy as np
 
-QK = 32      # elements of a Q4_0 .. Q8_0 block
-QK_K = 256   # elements of a K-quant super-block
+QK = 32  # elements of a Q4_0 .. Q8_0 block
+QK_K = 256  # elements of a K-quant super-block
 
 
 def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
     """The float16 at byte offset start of each block, as float32 [blocks, 1]."""
-    return np.ascontiguousarray(blocks[:, start:start + 2]).view(np.float16).astype(np.float32)
+    return np.ascontiguousarray(blocks[:, start : start + 2]).view(np.float16).astype(np.float32)
 
 
 def _pack_nibbles(codes: np.ndarray) -> np.ndarray:
@@ -28,7 +29,7 @@ def _pack_nibbles(codes: np.ndarray) -> np.ndarray:
 
 def _fifth_bits(qh: np.ndarray) -> np.ndarray:
     """Q5_0/Q5_1's 32 high bits (a little-endian uint32 per block) -> [blocks, 32] of 0/16."""
-    bits = np.unpackbits(qh, axis=-1, bitorder="little")   # bit j of the uint32 is element j's
+    bits = np.unpackbits(qh, axis=-1, bitorder="little")  # bit j of the uint32 is element j's
     return bits.astype(np.uint8) << 4
 
 
@@ -76,14 +77,14 @@ def _k_affine(b):
 
 def _q4_k(b):
     scale, mins = _k_affine(b)
-    qs = b[:, 16:144].reshape(-1, 4, 32)   # 64 elements per 32 bytes: low nibbles, then high nibbles
+    qs = b[:, 16:144].reshape(-1, 4, 32)  # 64 elements per 32 bytes: low nibbles, then high nibbles
     codes = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 8, 32)
     return _pack_nibbles(codes).reshape(len(b), -1), scale, mins
 
 
 def _q5_k(b):
     scale, mins = _k_affine(b)
-    qh = b[:, 16:48]                        # bit j of byte l: the fifth bit of sub-block j's element l
+    qh = b[:, 16:48]  # bit j of byte l: the fifth bit of sub-block j's element l
     qs = b[:, 48:176].reshape(-1, 4, 32)
     low = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 8, 32)
     high = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1
@@ -93,9 +94,9 @@ def _q5_k(b):
 def _q6_k(b):
     ql = b[:, 0:128].reshape(-1, 2, 64)
     qh = b[:, 128:192].reshape(-1, 2, 32)
-    sc = b[:, 192:208].view(np.int8).astype(np.float32)   # one per 16 elements
+    sc = b[:, 192:208].view(np.int8).astype(np.float32)  # one per 16 elements
     d = _f16(b, 208)
-    low = np.concatenate([ql & 0x0F, ql >> 4], axis=-1)                       # [blocks, 2, 128]
+    low = np.concatenate([ql & 0x0F, ql >> 4], axis=-1)  # [blocks, 2, 128]
     high = np.stack([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=2).reshape(-1, 2, 128)
     codes = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8)
     return codes.reshape(len(b), -1), d * sc, None
@@ -103,9 +104,14 @@ def _q6_k(b):
 
 # GGML type name -> (reader, block elements, block bytes, code bits, group shift)
 READERS = {
-    "Q8_0": (_q8_0, QK, 34, 8, 5), "Q4_0": (_q4_0, QK, 18, 4, 5), "Q4_1": (_q4_1, QK, 20, 4, 5),
-    "Q5_0": (_q5_0, QK, 22, 8, 5), "Q5_1": (_q5_1, QK, 24, 8, 5),
-    "Q4_K": (_q4_k, QK_K, 144, 4, 5), "Q5_K": (_q5_k, QK_K, 176, 8, 5), "Q6_K": (_q6_k, QK_K, 210, 8, 4),
+    "Q8_0": (_q8_0, QK, 34, 8, 5),
+    "Q4_0": (_q4_0, QK, 18, 4, 5),
+    "Q4_1": (_q4_1, QK, 20, 4, 5),
+    "Q5_0": (_q5_0, QK, 22, 8, 5),
+    "Q5_1": (_q5_1, QK, 24, 8, 5),
+    "Q4_K": (_q4_k, QK_K, 144, 4, 5),
+    "Q5_K": (_q5_k, QK_K, 176, 8, 5),
+    "Q6_K": (_q6_k, QK_K, 210, 8, 4),
 }
 
 

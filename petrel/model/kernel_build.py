@@ -9,6 +9,7 @@ setup.py loads this file by its path, before petrel or torch can be imported: it
 The flags target x86-64 with AVX2 + FMA, never the build machine's own CPU (-march=native): the library runs on any
 AVX2 CPU, and the AVX-512 functions (gemm_avx512.c) carry their own target attribute and run only where
 native.cpu_has_avx512 says so, so one build serves every x86-64 machine the checkout runs on."""
+
 from __future__ import annotations
 
 import hashlib
@@ -19,12 +20,21 @@ import subprocess
 import sysconfig
 
 DIRECTORY = os.path.dirname(os.path.abspath(__file__))
-HEADER = "kernels.h"     # the exported functions' declarations (native.py reads them for ctypes)
-SOURCES = ("dense_kernels.c", "prefill_attention.c", "quant_kernels.c", "gemm_avx512.c", "thread_pool.c",
-           "build_info.c", HEADER, "thread_pool.h", "simd.h")
+HEADER = "kernels.h"  # the exported functions' declarations (native.py reads them for ctypes)
+SOURCES = (
+    "dense_kernels.c",
+    "prefill_attention.c",
+    "quant_kernels.c",
+    "gemm_avx512.c",
+    "thread_pool.c",
+    "build_info.c",
+    HEADER,
+    "thread_pool.h",
+    "simd.h",
+)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-pthread", "-shared", "-fPIC")
 LIBRARIES = ("-lm",)
-INSTALLED_NAME = "petrel.model._kernels"     # setup.py's extension: petrel/model/_kernels<EXT_SUFFIX>
+INSTALLED_NAME = "petrel.model._kernels"  # setup.py's extension: petrel/model/_kernels<EXT_SUFFIX>
 
 
 class BuildError(Exception):
@@ -62,8 +72,15 @@ def build(output: str, compiler: str | None = None, directory: str = DIRECTORY, 
         raise BuildError("no C compiler found (looked for $CC, cc and gcc on PATH)")
     c_files = [os.path.join(directory, name) for name in SOURCES if name.endswith(".c")]
     tmp = f"{output}.tmp{os.getpid()}"
-    command = [compiler, *FLAGS, f'-DPETREL_KERNELS_DIGEST="{source_digest(directory)}"', *c_files, "-o", tmp,
-               *LIBRARIES]
+    command = [
+        compiler,
+        *FLAGS,
+        f'-DPETREL_KERNELS_DIGEST="{source_digest(directory)}"',
+        *c_files,
+        "-o",
+        tmp,
+        *LIBRARIES,
+    ]
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     try:
         subprocess.run(command, check=True, capture_output=True, timeout=timeout)

@@ -1,4 +1,5 @@
 """Small building blocks of a decoder: RMS norm, rotary embedding, gated MLP activation."""
+
 from __future__ import annotations
 
 import math
@@ -43,7 +44,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and (out := dense_kernels.rms_norm(x, self.weight, self.eps)) is not None:
             return out
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:   # one fused op, same math
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:  # one fused op, same math
             return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()

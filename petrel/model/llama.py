@@ -4,9 +4,10 @@ Llama 2/3, SmolLM2 and Mistral (sliding window included), and the families that 
 config flag: Qwen2 / Qwen2.5 (bias on q, k, v), Qwen3 (RMS norm on each q and k head before rotary). Phi-3 is
 Llama with q/k/v and gate/up stored fused in the checkpoint, as petrel holds them.
 """
+
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -15,13 +16,21 @@ from petrel.model import dense_kernels
 from petrel.model.attention import AttentionMetadata, paged_attention, per_layer
 from petrel.model.config import ModelConfig
 from petrel.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
-from petrel.model.parallel import (SHARDED_LAYERS, SINGLE, AttentionHeads, ColumnParallelLinear, ParallelLMHead,
-                                   RowParallelLinear, TensorParallel, VocabParallelEmbedding)
+from petrel.model.parallel import (
+    SHARDED_LAYERS,
+    SINGLE,
+    AttentionHeads,
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    TensorParallel,
+    VocabParallelEmbedding,
+)
 from petrel.model.quantization import QuantizedLinear
 
 
 class LlamaAttention(nn.Module):
-    norm_class = RMSNorm     # of the per-head q/k norms (cfg.qk_norm); Gemma's scales by 1 + weight
+    norm_class = RMSNorm  # of the per-head q/k norms (cfg.qk_norm); Gemma's scales by 1 + weight
 
     def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel = SINGLE):
         super().__init__()
@@ -30,10 +39,12 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = heads.num_heads, heads.num_kv_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, heads.qkv_pieces, heads.qkv_shards,
-                                             bias=cfg.attention_bias or cfg.qkv_bias)
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, heads.o_columns, cfg.hidden_size,
-                                        bias=cfg.attention_bias, tp=tp)
+        self.qkv_proj = ColumnParallelLinear(
+            cfg.hidden_size, heads.qkv_pieces, heads.qkv_shards, bias=cfg.attention_bias or cfg.qkv_bias
+        )
+        self.o_proj = RowParallelLinear(
+            cfg.num_attention_heads * cfg.head_dim, heads.o_columns, cfg.hidden_size, bias=cfg.attention_bias, tp=tp
+        )
         if cfg.qk_norm:
             self.q_norm = self.norm_class(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = self.norm_class(self.head_dim, cfg.rms_norm_eps)
@@ -43,8 +54,8 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x)
         heads = self.num_heads
         # queries and keys side by side, as [T, heads + kv_heads, head_dim]: one rotary pass for both
-        qk = qkv[:, :self.q_size + self.kv_size].view(-1, heads + self.num_kv_heads, self.head_dim)
-        v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
+        qk = qkv[:, : self.q_size + self.kv_size].view(-1, heads + self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             qk = torch.cat([self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])], dim=1)
         qk = RotaryEmbedding.rotate(qk, cos_sin)
@@ -55,7 +66,9 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear.even(cfg.hidden_size, [cfg.intermediate_size] * 2, tp, bias=cfg.mlp_bias)
+        self.gate_up_proj = ColumnParallelLinear.even(
+            cfg.hidden_size, [cfg.intermediate_size] * 2, tp, bias=cfg.mlp_bias
+        )
         self.down_proj = RowParallelLinear.even(cfg.intermediate_size, cfg.hidden_size, tp, bias=cfg.mlp_bias)
 
     def forward(self, x):
@@ -83,31 +96,39 @@ class LlamaDecoderLayer(nn.Module):
         if meta.prefills or len(meta.decode_groups) != 1 or (parts := self.one_call_parts()) is None:
             return None
         group = meta.decode_groups[0]
-        return dense_kernels.decode_layer(x, parts, cos_sin[0], cos_sin[1], kv_cache, meta.slot_mapping,
-                                          group.block_tables, group.context_lens_t)
+        return dense_kernels.decode_layer(
+            x, parts, cos_sin[0], cos_sin[1], kv_cache, meta.slot_mapping, group.block_tables, group.context_lens_t
+        )
 
     def one_call_parts(self) -> dense_kernels.LayerParts | None:
         """What dense_kernels needs of this layer to run it as one call, or None when it is not plain."""
         attn, mlp = self.self_attn, self.mlp
         projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        cached = self.__dict__.get("_plain")      # (projections, whether plain), kept while they stay the same
+        cached = self.__dict__.get("_plain")  # (projections, whether plain), kept while they stay the same
         if cached is None or any(a is not b for a, b in zip(cached[0], projections)):
             cached = self.__dict__["_plain"] = (projections, self._is_plain(projections))
         if not cached[1]:
             return None
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         return dense_kernels.LayerParts(
-            (norm1.weight, norm2.weight), norm1.eps,
+            (norm1.weight, norm2.weight),
+            norm1.eps,
             tuple(m.qweight if type(m) is QuantizedLinear else m.weight for m in projections),
-            (attn.num_heads, attn.num_kv_heads, attn.head_dim), attn.scale, attn.sliding_window)
+            (attn.num_heads, attn.num_kv_heads, attn.head_dim),
+            attn.scale,
+            attn.sliding_window,
+        )
 
     def _is_plain(self, projections) -> bool:
         dense_kinds = (ColumnParallelLinear, RowParallelLinear, ColumnParallelLinear, RowParallelLinear)
-        return (all(type(m) in (kind, QuantizedLinear) for m, kind in zip(projections, dense_kinds))
-                and all(getattr(m, "tp", SINGLE).size == 1 and m.bias is None for m in projections)
-                and not hasattr(self.self_attn, "q_norm")
-                and type(self.input_layernorm) is RMSNorm and type(self.post_attention_layernorm) is RMSNorm
-                and self.input_layernorm.eps == self.post_attention_layernorm.eps)
+        return (
+            all(type(m) in (kind, QuantizedLinear) for m, kind in zip(projections, dense_kinds))
+            and all(getattr(m, "tp", SINGLE).size == 1 and m.bias is None for m in projections)
+            and not hasattr(self.self_attn, "q_norm")
+            and type(self.input_layernorm) is RMSNorm
+            and type(self.post_attention_layernorm) is RMSNorm
+            and self.input_layernorm.eps == self.post_attention_layernorm.eps
+        )
 
 
 class LlamaModel(nn.Module):
@@ -122,8 +143,11 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     # checkpoint name fragment -> (fused parameter fragment, shard index)
     fused_shards = {
-        ".q_proj.": (".qkv_proj.", 0), ".k_proj.": (".qkv_proj.", 1), ".v_proj.": (".qkv_proj.", 2),
-        ".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1),
+        ".q_proj.": (".qkv_proj.", 0),
+        ".k_proj.": (".qkv_proj.", 1),
+        ".v_proj.": (".qkv_proj.", 2),
+        ".gate_proj.": (".gate_up_proj.", 0),
+        ".up_proj.": (".gate_up_proj.", 1),
     }
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
@@ -134,8 +158,14 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata, num_layers: int | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        num_layers: int | None = None,
+    ) -> torch.Tensor:
         """Flat batch in ([T] ids and positions), final hidden states out ([T, hidden]).
 
         num_layers: run only the first layers, then the final norm (early exit, for self-speculation)."""
@@ -159,13 +189,19 @@ class LlamaForCausalLM(nn.Module):
         as one kernel call (dense_kernels.decode_layers); None otherwise (then each layer decides for itself)."""
         if not isinstance(meta, AttentionMetadata) or meta.prefills or len(meta.decode_groups) != 1:
             return None
-        stack = self.__dict__.get("_decode_stack")    # (key, dense_kernels.DecoderStack or None)
-        key = (len(layers), kv_caches[0].data_ptr(), layers[0].input_layernorm.weight.data_ptr(),
-               tuple((*layer.self_attn._modules.values(), *layer.mlp._modules.values(), layer.self_attn.sliding_window)
-                     for layer in layers))
+        stack = self.__dict__.get("_decode_stack")  # (key, dense_kernels.DecoderStack or None)
+        key = (
+            len(layers),
+            kv_caches[0].data_ptr(),
+            layers[0].input_layernorm.weight.data_ptr(),
+            tuple(
+                (*layer.self_attn._modules.values(), *layer.mlp._modules.values(), layer.self_attn.sliding_window)
+                for layer in layers
+            ),
+        )
         if stack is None or stack[0] != key:
             parts = [layer.one_call_parts() for layer in layers]
-            built = None if None in parts else dense_kernels.DecoderStack.build(parts, kv_caches[:len(layers)])
+            built = None if None in parts else dense_kernels.DecoderStack.build(parts, kv_caches[: len(layers)])
             stack = self.__dict__["_decode_stack"] = (key, built)
         if stack[1] is None:
             return None
@@ -181,6 +217,7 @@ class LlamaForCausalLM(nn.Module):
         loaded with quantization 'gguf', one rank only) are gathered by parameter and shard and put in place as
         quantized modules."""
         from petrel.model.quantization import QuantizedLoads, QuantizedWeight
+
         quantized = QuantizedLoads()
         cfg = self.config
         params = dict(self.named_parameters())
@@ -204,11 +241,13 @@ class LlamaForCausalLM(nn.Module):
                 loaded.update(_add_quantized(quantized, name, target, module, piece, tensor))
                 continue
             if isinstance(module, SHARDED_LAYERS):
-                pieces = module.load(kind, tensor, piece, name)   # the fused pieces filled (q/k/v, gate/up), or None
+                pieces = module.load(kind, tensor, piece, name)  # the fused pieces filled (q/k/v, gate/up), or None
                 loaded.update([target] if pieces is None else [f"{target}#{i}" for i in pieces])
                 continue
             if params[target].shape != tensor.shape:
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[target].shape)}")
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[target].shape)}"
+                )
             params[target].data.copy_(tensor)
             loaded.add(target)
         expected = set()

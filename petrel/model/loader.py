@@ -1,4 +1,5 @@
 """Find a model (default GGUF, GGUF file, Hugging Face directory or hub id) and load it into a petrel model."""
+
 from __future__ import annotations
 
 import contextlib
@@ -6,8 +7,8 @@ import glob
 import importlib.util
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -23,9 +24,9 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 @dataclass
 class ModelSource:
-    kind: str        # "gguf" or "hf"
-    path: str        # the .gguf file, or the Hugging Face directory
-    name: str        # what the user asked for (served model name)
+    kind: str  # "gguf" or "hf"
+    path: str  # the .gguf file, or the Hugging Face directory
+    name: str  # what the user asked for (served model name)
 
 
 def default_model_path() -> str:
@@ -56,13 +57,16 @@ def resolve_model(model: str | None) -> ModelSource:
         raise ValueError(f"model {model!r}: the directory holds neither config.json nor exactly one .gguf file")
     if os.sep in model.strip("/") and model.count("/") == 1 and not model.startswith((".", "/", "~")):
         return ModelSource("hf", _hub_snapshot(model), model)
-    raise ValueError(f"model {model!r}: no such file or directory, and not a hub id (owner/name); "
-                     f"petrel loads GGUF files and Hugging Face directories of: {', '.join(sorted(MODEL_CLASSES))}")
+    raise ValueError(
+        f"model {model!r}: no such file or directory, and not a hub id (owner/name); "
+        f"petrel loads GGUF files and Hugging Face directories of: {', '.join(sorted(MODEL_CLASSES))}"
+    )
 
 
 def _hub_snapshot(repo_id: str) -> str:
     """A hub id through the Hugging Face cache (downloads when online, the cache alone when offline)."""
     from huggingface_hub import snapshot_download
+
     patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
     try:
         return snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True)
@@ -71,28 +75,47 @@ def _hub_snapshot(repo_id: str) -> str:
     try:
         return snapshot_download(repo_id, allow_patterns=patterns)
     except Exception as exc:
-        raise ValueError(f"model {repo_id!r}: not in the Hugging Face cache and could not be downloaded ({exc})") from None
+        raise ValueError(
+            f"model {repo_id!r}: not in the Hugging Face cache and could not be downloaded ({exc})"
+        ) from None
 
 
 # ---------------------------------------------------------------- GGUF
 
 _GGUF_NAMES = {
-    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
 }
 # Gemma 3's four norms per layer: llama.cpp's ffn_norm is the norm before the MLP, and two more follow
-_GGUF_NAMES_GEMMA3 = {**_GGUF_NAMES, "ffn_norm": "pre_feedforward_layernorm",
-                      "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+_GGUF_NAMES_GEMMA3 = {
+    **_GGUF_NAMES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 
 
 def read_gguf_metadata(reader) -> dict:
     meta = {}
     for key, field in reader.fields.items():
-        if key.startswith("tokenizer.ggml.") and key != "tokenizer.ggml.model" and not key.endswith("_id") \
-                and not key.startswith("tokenizer.ggml.add_"):
+        if (
+            key.startswith("tokenizer.ggml.")
+            and key != "tokenizer.ggml.model"
+            and not key.endswith("_id")
+            and not key.startswith("tokenizer.ggml.add_")
+        ):
             if key == "tokenizer.ggml.tokens":
                 meta[key] = len(field.data)  # only the count is needed here
             continue
@@ -103,9 +126,9 @@ def read_gguf_metadata(reader) -> dict:
 @dataclass
 class IndexedTensor:
     name: str
-    tensor_type: object          # gguf.GGMLQuantizationType
-    shape: list[int]             # GGUF order (innermost first)
-    data: np.ndarray             # memory-mapped, laid out as gguf.GGUFReader lays it out
+    tensor_type: object  # gguf.GGMLQuantizationType
+    shape: list[int]  # GGUF order (innermost first)
+    data: np.ndarray  # memory-mapped, laid out as gguf.GGUFReader lays it out
 
 
 class GGUFIndex:
@@ -121,27 +144,36 @@ class GGUFIndex:
     def __init__(self, path: str, doc: dict):
         import gguf
         from gguf.quants import quant_shape_to_byte_shape
+
         self.path = path
         self.metadata = dict(doc["metadata"])
         if "tokenizer.ggml.tokens" in self.metadata:
             self.metadata["tokenizer.ggml.tokens"] = range(self.metadata["tokenizer.ggml.tokens"])
         self.gemma_end_of_turn = doc["gemma_end_of_turn"]
         raw = np.memmap(path, dtype=np.uint8, mode="r")
-        dense = {gguf.GGMLQuantizationType.F16: np.float16, gguf.GGMLQuantizationType.F32: np.float32,
-                 gguf.GGMLQuantizationType.F64: np.float64, gguf.GGMLQuantizationType.I8: np.int8,
-                 gguf.GGMLQuantizationType.I16: np.int16, gguf.GGMLQuantizationType.I32: np.int32,
-                 gguf.GGMLQuantizationType.I64: np.int64}
+        dense = {
+            gguf.GGMLQuantizationType.F16: np.float16,
+            gguf.GGMLQuantizationType.F32: np.float32,
+            gguf.GGMLQuantizationType.F64: np.float64,
+            gguf.GGMLQuantizationType.I8: np.int8,
+            gguf.GGMLQuantizationType.I16: np.int16,
+            gguf.GGMLQuantizationType.I32: np.int32,
+            gguf.GGMLQuantizationType.I64: np.int64,
+        }
         self.tensors = []
         for t in doc["tensors"]:
             qtype = gguf.GGMLQuantizationType(t["type"])
             dims = tuple(reversed(t["shape"]))
             block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
             n_bytes = int(np.prod(t["shape"])) * type_size // block_size
-            chunk = raw[t["offset"]:t["offset"] + n_bytes]
+            chunk = raw[t["offset"] : t["offset"] + n_bytes]
             if len(chunk) != n_bytes:
                 raise ValueError(f"tensor {t['name']} runs past the end of the file")
-            data = chunk.view(dense[qtype]).reshape(dims) if qtype in dense else \
-                chunk.reshape(quant_shape_to_byte_shape(dims, qtype))
+            data = (
+                chunk.view(dense[qtype]).reshape(dims)
+                if qtype in dense
+                else chunk.reshape(quant_shape_to_byte_shape(dims, qtype))
+            )
             self.tensors.append(IndexedTensor(t["name"], qtype, list(t["shape"]), data))
 
     @property
@@ -149,8 +181,9 @@ class GGUFIndex:
         return any(t.name == "output.weight" for t in self.tensors)
 
     @classmethod
-    def open(cls, path: str) -> "GGUFIndex":
+    def open(cls, path: str) -> GGUFIndex:
         from petrel.model.cache import cache_key, petrel_cache_dir
+
         cached = os.path.join(petrel_cache_dir("gguf-index"), cache_key(path) + ".json")
         try:
             with open(cached) as f:
@@ -158,13 +191,25 @@ class GGUFIndex:
             if doc.get("version") == cls.VERSION:
                 return cls(path, doc)
         except (OSError, ValueError, KeyError, TypeError):
-            pass   # no cache entry yet, or a damaged one: parse the file
+            pass  # no cache entry yet, or a damaged one: parse the file
         import gguf
+
         reader = gguf.GGUFReader(path)
         metadata = read_gguf_metadata(reader)
-        doc = {"version": cls.VERSION, "metadata": metadata, "gemma_end_of_turn": _has_gemma_end_of_turn(reader),
-               "tensors": [{"name": t.name, "type": int(t.tensor_type), "shape": [int(d) for d in t.shape],
-                            "offset": int(t.data_offset)} for t in reader.tensors]}
+        doc = {
+            "version": cls.VERSION,
+            "metadata": metadata,
+            "gemma_end_of_turn": _has_gemma_end_of_turn(reader),
+            "tensors": [
+                {
+                    "name": t.name,
+                    "type": int(t.tensor_type),
+                    "shape": [int(d) for d in t.shape],
+                    "offset": int(t.data_offset),
+                }
+                for t in reader.tensors
+            ],
+        }
         try:
             os.makedirs(os.path.dirname(cached), exist_ok=True)
             tmp = f"{cached}.tmp{os.getpid()}"
@@ -172,7 +217,7 @@ class GGUFIndex:
                 json.dump(doc, f, default=_json_value)
             os.replace(tmp, cached)
         except (OSError, TypeError, ValueError):
-            pass   # a read-only home, or metadata JSON cannot hold: parse each time
+            pass  # a read-only home, or metadata JSON cannot hold: parse each time
         return cls(path, json.loads(json.dumps(doc, default=_json_value)))
 
 
@@ -193,9 +238,11 @@ def gguf_weights(reader, cfg: ModelConfig, keep_quantized: bool = False) -> Iter
     """(Hugging Face name, float32 tensor) per GGUF tensor; with keep_quantized, a QuantizedWeight instead for each
     2-D tensor of a block type petrel multiplies natively (petrel.model.gguf_quants.READERS)."""
     from gguf.quants import dequantize
+
     from petrel.model.gguf_quants import READERS
     from petrel.model.quantization import QuantizedWeight
-    permuted = cfg.architecture == "LlamaForCausalLM"   # llama.cpp permutes q/k rows for llama only
+
+    permuted = cfg.architecture == "LlamaForCausalLM"  # llama.cpp permutes q/k rows for llama only
     gemma = cfg.architecture == "Gemma3ForCausalLM"
     names = _GGUF_NAMES_GEMMA3 if gemma else _GGUF_NAMES
     for t in reader.tensors:
@@ -210,8 +257,11 @@ def gguf_weights(reader, cfg: ModelConfig, keep_quantized: bool = False) -> Iter
             rows, cols = int(t.shape[1]), int(t.shape[0])
             weight = QuantizedWeight.from_gguf(t.tensor_type.name, t.data, rows, cols)
             if keep_quantized:
-                heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}.get(parts[2]) \
-                    if permuted and parts[0] == "blk" else None
+                heads = (
+                    {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}.get(parts[2])
+                    if permuted and parts[0] == "blk"
+                    else None
+                )
                 yield name, weight if heads is None else weight.permute_rows(_unpermute_rope(np.arange(rows), heads))
                 continue
             # the same float32 values as gguf's numpy dequantizer (tests/test_quantization.py), about 3x faster
@@ -219,7 +269,7 @@ def gguf_weights(reader, cfg: ModelConfig, keep_quantized: bool = False) -> Iter
         else:
             data = dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
         if gemma and name.endswith("norm.weight"):
-            data = data - 1.0   # llama.cpp stores Gemma's norm weights as 1 + w (what they multiply by)
+            data = data - 1.0  # llama.cpp stores Gemma's norm weights as 1 + w (what they multiply by)
         if permuted and parts[0] == "blk" and parts[2] == "attn_q":
             data = _unpermute_rope(data, cfg.num_attention_heads)
         elif permuted and parts[0] == "blk" and parts[2] == "attn_k":
@@ -229,8 +279,10 @@ def gguf_weights(reader, cfg: ModelConfig, keep_quantized: bool = False) -> Iter
 
 # ---------------------------------------------------------------- Hugging Face directories
 
+
 def hf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
+
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"model {path!r}: no .safetensors files (petrel reads safetensors checkpoints)")
@@ -270,8 +322,11 @@ def _has_gemma_end_of_turn(reader) -> bool:
     not in GGUF's eos_token_id: it is added when the vocabulary has it there."""
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     end_of_turn = 106
-    return tokens is not None and len(tokens.data) > end_of_turn and \
-        bytes(tokens.parts[tokens.data[end_of_turn]]) == b"<end_of_turn>"
+    return (
+        tokens is not None
+        and len(tokens.data) > end_of_turn
+        and bytes(tokens.parts[tokens.data[end_of_turn]]) == b"<end_of_turn>"
+    )
 
 
 class _ReadingFiles:
@@ -286,19 +341,24 @@ class _ReadingFiles:
     def __exit__(self, kind, exc, tb):
         if exc is None or isinstance(exc, (KeyboardInterrupt, MemoryError)):
             return False
-        raise ValueError(f"could not read the model at {self.source.path}: {type(exc).__name__}: {exc} "
-                         f"(is the file complete and not corrupt?)") from exc
+        raise ValueError(
+            f"could not read the model at {self.source.path}: {type(exc).__name__}: {exc} "
+            f"(is the file complete and not corrupt?)"
+        ) from exc
 
 
-def load_model(source: ModelSource, dtype: torch.dtype, device: str,
-               quantization: str | None = None, tp: TensorParallel = SINGLE) -> tuple[torch.nn.Module, ModelConfig]:
+def load_model(
+    source: ModelSource, dtype: torch.dtype, device: str, quantization: str | None = None, tp: TensorParallel = SINGLE
+) -> tuple[torch.nn.Module, ModelConfig]:
     """quantization (petrel.model.quantization): None or 'none', 'int8' (any checkpoint), 'gguf' (GGUF files).
     tp: with tensor parallelism, this rank's shard of the model (each checkpoint tensor is read whole and the rank
     keeps its slice; quantization stays 'none')."""
     quantization = quantization or "none"
     if quantization == "gguf" and source.kind != "gguf":
-        raise ValueError(f"quantization 'gguf' keeps a GGUF file's blocks, and model {source.name!r} is not a GGUF "
-                         f"file (use quantization 'int8' for other checkpoints)")
+        raise ValueError(
+            f"quantization 'gguf' keeps a GGUF file's blocks, and model {source.name!r} is not a GGUF "
+            f"file (use quantization 'int8' for other checkpoints)"
+        )
     with _ReadingFiles(source):
         reader = _gguf_reader(source) if source.kind == "gguf" else None
         cfg = load_model_config(source, reader)
@@ -313,6 +373,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: str,
             model.load_weights(hf_weights(source.path))
     if quantization == "int8":
         from petrel.model.quantization import quantize_int8
+
         quantize_int8(model)
     if quantization != "none":
         _return_freed_memory()
@@ -323,9 +384,10 @@ def _return_freed_memory() -> None:
     """Hand the float weights that quantization replaced back to the OS (glibc keeps some freed memory)."""
     try:
         import ctypes
+
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
-        pass   # not glibc
+        pass  # not glibc
 
 
 @contextlib.contextmanager

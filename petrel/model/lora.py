@@ -1,12 +1,14 @@
 """Multi-LoRA: PEFT adapter loading, the LoRA-aware linear wrapper and the slot manager.
 
 With enable_lora every projection of the decoder (fused qkv_proj and gate_up_proj, o_proj, down_proj) is wrapped by
-a LoRALinear holding max_loras adapter slots: A [max_loras, s * max_lora_rank, in] and B [max_loras, out, s * max_lora_rank]
+a LoRALinear holding max_loras adapter slots: A [max_loras, s * max_lora_rank, in] and
+B [max_loras, out, s * max_lora_rank]
 (s = 3 for qkv_proj, 2 for gate_up_proj, else 1: the sub-projections' A matrices stacked along the rank, B block
 diagonal over the output slices; unused rank rows and empty slots are zeros). Before each forward the runner gives
 the manager one slot per token (-1: the base model); every wrapped layer then adds, for each slot present,
 (x[rows] @ A^T) @ B^T to those rows (the alpha/r scale is folded into B when the adapter is loaded).
 """
+
 from __future__ import annotations
 
 import json
@@ -23,15 +25,22 @@ from petrel.lora import LoRARequest
 
 SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # PEFT module name -> (petrel module path inside a decoder layer, slice index in it)
-TARGET_MAP = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1), "v_proj": ("self_attn.qkv_proj", 2),
-              "o_proj": ("self_attn.o_proj", 0), "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1),
-              "down_proj": ("mlp.down_proj", 0)}
+TARGET_MAP = {
+    "q_proj": ("self_attn.qkv_proj", 0),
+    "k_proj": ("self_attn.qkv_proj", 1),
+    "v_proj": ("self_attn.qkv_proj", 2),
+    "o_proj": ("self_attn.o_proj", 0),
+    "gate_proj": ("mlp.gate_up_proj", 0),
+    "up_proj": ("mlp.gate_up_proj", 1),
+    "down_proj": ("mlp.down_proj", 0),
+}
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
 @dataclass
 class LoRAAdapter:
     """An adapter's tensors on CPU: (layer, petrel module path) -> {slice: (A [r, in], B*scale [out_slice, r])}."""
+
     request: LoRARequest
     rank: int
     weights: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]]
@@ -75,12 +84,13 @@ def load_adapter(request: LoRARequest, cfg, max_rank: int) -> LoRAAdapter:
             unsupported.append(f"target_modules {bad} (supported: {', '.join(SUPPORTED_TARGETS)})")
     if unsupported:
         raise ValueError(f"{where}: unsupported adapter option(s): {'; '.join(unsupported)}")
-    scale = alpha / (rank ** 0.5 if config.get("use_rslora") else rank)
+    scale = alpha / (rank**0.5 if config.get("use_rslora") else rank)
 
     weights_file = os.path.join(path, "adapter_model.safetensors")
     if not os.path.isfile(weights_file):
         raise ValueError(f"{where}: no adapter_model.safetensors there")
     from safetensors.torch import load_file
+
     try:
         tensors = load_file(weights_file)
     except Exception as exc:  # noqa: BLE001 - a corrupt file, reported as the bad input it is
@@ -89,8 +99,10 @@ def load_adapter(request: LoRARequest, cfg, max_rank: int) -> LoRAAdapter:
     for key, tensor in tensors.items():
         m = _KEY.match(key)
         if m is None or m.group(3) not in TARGET_MAP:
-            raise ValueError(f"{where}: unexpected tensor {key!r} (only lora_A/lora_B of "
-                             f"{', '.join(SUPPORTED_TARGETS)} in decoder layers are supported)")
+            raise ValueError(
+                f"{where}: unexpected tensor {key!r} (only lora_A/lora_B of "
+                f"{', '.join(SUPPORTED_TARGETS)} in decoder layers are supported)"
+            )
         layer = int(m.group(1))
         if layer >= cfg.num_hidden_layers:
             raise ValueError(f"{where}: tensor {key!r} names layer {layer}; the model has {cfg.num_hidden_layers}")
@@ -104,8 +116,10 @@ def load_adapter(request: LoRARequest, cfg, max_rank: int) -> LoRAAdapter:
         out_size, in_size = sizes[module][index], sizes[module + ".in"]
         a, b = ab["A"], ab["B"]
         if tuple(a.shape) != (rank, in_size) or tuple(b.shape) != (out_size, rank):
-            raise ValueError(f"{where}: layer {layer} {name} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, "
-                             f"expected {(rank, in_size)} and {(out_size, rank)} (adapter for another model?)")
+            raise ValueError(
+                f"{where}: layer {layer} {name} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, "
+                f"expected {(rank, in_size)} and {(out_size, rank)} (adapter for another model?)"
+            )
         weights.setdefault((layer, module), {})[index] = (a, b * scale)
     return LoRAAdapter(request, rank, weights)
 
@@ -113,8 +127,16 @@ def load_adapter(request: LoRARequest, cfg, max_rank: int) -> LoRAAdapter:
 def _slice_sizes(cfg) -> dict:
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     h, i = cfg.hidden_size, cfg.intermediate_size
-    return {"self_attn.qkv_proj": [q, kv, kv], "self_attn.qkv_proj.in": h, "self_attn.o_proj": [h], "self_attn.o_proj.in": q,
-            "mlp.gate_up_proj": [i, i], "mlp.gate_up_proj.in": h, "mlp.down_proj": [h], "mlp.down_proj.in": i}
+    return {
+        "self_attn.qkv_proj": [q, kv, kv],
+        "self_attn.qkv_proj.in": h,
+        "self_attn.o_proj": [h],
+        "self_attn.o_proj.in": q,
+        "mlp.gate_up_proj": [i, i],
+        "mlp.gate_up_proj.in": h,
+        "mlp.down_proj": [h],
+        "mlp.down_proj.in": i,
+    }
 
 
 class LoRAMapping:
@@ -122,7 +144,7 @@ class LoRAMapping:
 
     def __init__(self):
         self.num_tokens = 0
-        self.segments: list[tuple[int, torch.Tensor | None]] = []   # (slot, row indices or None for all rows)
+        self.segments: list[tuple[int, torch.Tensor | None]] = []  # (slot, row indices or None for all rows)
 
     def set(self, token_slots: list[int], device) -> None:
         self.num_tokens = len(token_slots)
@@ -151,7 +173,7 @@ class LoRALinear(nn.Module):
         self.mapping = mapping
         out_size, in_size = base.out_features, base.in_features
         width = len(slice_sizes) * max_rank
-        like = base.weight if isinstance(base, nn.Linear) else base.marker   # QuantizedLinear: the model's dtype
+        like = base.weight if isinstance(base, nn.Linear) else base.marker  # QuantizedLinear: the model's dtype
         kw = dict(dtype=like.dtype, device=like.device)
         self.register_buffer("lora_a", torch.zeros(max_loras, width, in_size, **kw), persistent=False)
         self.register_buffer("lora_b", torch.zeros(max_loras, out_size, width, **kw), persistent=False)
@@ -165,8 +187,8 @@ class LoRALinear(nn.Module):
             if slices and index in slices:
                 a, b = slices[index]
                 r0 = index * self.max_rank
-                self.lora_a[slot, r0:r0 + a.shape[0]].copy_(a)
-                self.lora_b[slot, offset:offset + size, r0:r0 + a.shape[0]].copy_(b)
+                self.lora_a[slot, r0 : r0 + a.shape[0]].copy_(a)
+                self.lora_b[slot, offset : offset + size, r0 : r0 + a.shape[0]].copy_(b)
             offset += size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -203,9 +225,9 @@ class LoRAManager:
                 wrapped = LoRALinear(getattr(parent, attr), sizes[path], max_loras, max_rank, self.mapping)
                 setattr(parent, attr, wrapped)
                 self.layers[(i, path)] = wrapped
-        self._cpu: dict[int, LoRAAdapter] = {}          # lora_int_id -> adapter (any thread, under the lock)
+        self._cpu: dict[int, LoRAAdapter] = {}  # lora_int_id -> adapter (any thread, under the lock)
         self._lock = threading.Lock()
-        self.slots: OrderedDict[int, int] = OrderedDict()   # lora_int_id -> slot, least recently used first
+        self.slots: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, least recently used first
         self.num_loads = 0
 
     def register(self, request: LoRARequest) -> None:
@@ -214,8 +236,10 @@ class LoRAManager:
             known = self._cpu.get(request.lora_int_id)
         if known is not None:
             if os.path.abspath(known.request.lora_path) != os.path.abspath(request.lora_path):
-                raise ValueError(f"lora_request: lora_int_id {request.lora_int_id} is already used by adapter "
-                                 f"{known.request.lora_name!r} at {known.request.lora_path}")
+                raise ValueError(
+                    f"lora_request: lora_int_id {request.lora_int_id} is already used by adapter "
+                    f"{known.request.lora_name!r} at {known.request.lora_path}"
+                )
             return
         adapter = load_adapter(request, self.cfg, self.max_rank)
         with self._lock:

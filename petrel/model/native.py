@@ -14,6 +14,7 @@ compiler, a failed build, or the caller's environment switch set to 0. Every cal
 that computes the same thing; one WARNING says what is lost, unless PETREL_REQUIRE_KERNELS=1 (CI), which makes it
 an error instead.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -34,9 +35,11 @@ from petrel.model.cache import petrel_cache_dir
 logger = logging.getLogger("petrel")
 
 REQUIRE_SWITCH = "PETREL_REQUIRE_KERNELS"
-LOST = ("float32 decode (few-row products, paged attention, whole decoder layers in one call), quantized-weight "
-        "products and the AVX-512 prefill product run in torch instead: the same results, about half the decode "
-        "speed (W1 roughly halves)")
+LOST = (
+    "float32 decode (few-row products, paged attention, whole decoder layers in one call), quantized-weight "
+    "products and the AVX-512 prefill product run in torch instead: the same results, about half the decode "
+    "speed (W1 roughly halves)"
+)
 
 
 class KernelsUnavailable(RuntimeError):
@@ -53,18 +56,26 @@ def _cpu_flags() -> frozenset[str]:
 
 
 def cpu_has_avx2_fma() -> bool:
-    return (torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-            and {"avx2", "fma"} <= _cpu_flags())
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and {"avx2", "fma"} <= _cpu_flags()
 
 
 def cpu_has_avx512() -> bool:
     """Whether the AVX-512 kernels (gemm_avx512.c) may run: the CPU has AVX-512F and PETREL_AVX512 is not 0."""
-    return (os.environ.get("PETREL_AVX512", "1") != "0" and cpu_has_avx2_fma()
-            and torch.backends.cpu.get_cpu_capability() == "AVX512" and "avx512f" in _cpu_flags())
+    return (
+        os.environ.get("PETREL_AVX512", "1") != "0"
+        and cpu_has_avx2_fma()
+        and torch.backends.cpu.get_cpu_capability() == "AVX512"
+        and "avx512f" in _cpu_flags()
+    )
 
 
-_C_TYPES = {"int": ctypes.c_int, "int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64, "float": ctypes.c_float,
-            "void": None}
+_C_TYPES = {
+    "int": ctypes.c_int,
+    "int32_t": ctypes.c_int32,
+    "int64_t": ctypes.c_int64,
+    "float": ctypes.c_float,
+    "void": None,
+}
 _PROTOTYPE = re.compile(r"([A-Za-z_][\w\s*]*?)\s*\b(\w+)\s*\(([^()]*)\)\s*;")
 
 
@@ -126,8 +137,10 @@ def find_library() -> tuple[ctypes.CDLL | None, str]:
             logger.info("the installed kernels (%s) were built from other sources: building these", path)
     compiler = kernel_build.find_compiler()
     if compiler is None:
-        return None, ("no C compiler ($CC, cc or gcc on PATH) and no library built at install from these "
-                      "sources; install gcc and reinstall petrel, or set CC")
+        return None, (
+            "no C compiler ($CC, cc or gcc on PATH) and no library built at install from these "
+            "sources; install gcc and reinstall petrel, or set CC"
+        )
     key = hashlib.sha256(f"{compiler} {digest}".encode()).hexdigest()[:16]
     path = os.path.join(petrel_cache_dir("kernels"), f"petrel_kernels_{key}.so")
     try:
@@ -151,7 +164,7 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
 
 
 _lock = threading.Lock()
-_loaded: dict[str, ctypes.CDLL | None] = {}    # by switch
+_loaded: dict[str, ctypes.CDLL | None] = {}  # by switch
 
 
 def load(switch: str, what: str) -> ctypes.CDLL | None:
@@ -168,8 +181,7 @@ def load(switch: str, what: str) -> ctypes.CDLL | None:
                 else:
                     lib, where = _library()
                     if lib is None and os.environ.get(REQUIRE_SWITCH) == "1":
-                        raise KernelsUnavailable(f"{REQUIRE_SWITCH}=1, but petrel's C kernels cannot run here: "
-                                                 f"{where}")
+                        raise KernelsUnavailable(f"{REQUIRE_SWITCH}=1, but petrel's C kernels cannot run here: {where}")
                 _loaded[switch] = lib
     return _loaded[switch]
 

@@ -14,6 +14,7 @@ With one rank (TensorParallel(), the default) every layer here has its plain lay
 are skipped, so the single-process model runs exactly as before. Each layer's `load` copies its own slice of a
 full checkpoint tensor, so a rank never keeps more than its shard.
 """
+
 from __future__ import annotations
 
 import torch
@@ -54,15 +55,18 @@ SINGLE = TensorParallel()
 
 
 def partition(total: int, parts: int, index: int) -> tuple[int, int]:
-    """[start, stop) of part `index` when `total` units are cut into `parts` contiguous parts differing by one at most."""
+    """[start, stop) of part `index` when `total` units are cut into `parts` contiguous parts (sizes differ by one
+    at most)."""
     return total * index // parts, total * (index + 1) // parts
 
 
 def check_tensor_parallel(cfg, size: int) -> None:
     """ValueError unless the model can be split over `size` ranks (each needs a KV head and a slice of the MLP)."""
     if size > cfg.num_key_value_heads:
-        raise ValueError(f"tensor_parallel_size={size} is larger than the model's {cfg.num_key_value_heads} key/value "
-                         f"heads: every rank needs at least one (use tensor_parallel_size <= {cfg.num_key_value_heads})")
+        raise ValueError(
+            f"tensor_parallel_size={size} is larger than the model's {cfg.num_key_value_heads} key/value "
+            f"heads: every rank needs at least one (use tensor_parallel_size <= {cfg.num_key_value_heads})"
+        )
     if size > cfg.intermediate_size:
         raise ValueError(f"tensor_parallel_size={size} is larger than the model's MLP width {cfg.intermediate_size}")
 
@@ -78,9 +82,9 @@ class AttentionHeads:
         d = head_dim
         q_rows = (self.kv_start * group * d, self.kv_stop * group * d)
         kv_rows = (self.kv_start * d, self.kv_stop * d)
-        self.qkv_pieces = [num_heads * d, num_kv_heads * d, num_kv_heads * d]   # checkpoint q, k, v rows
-        self.qkv_shards = [q_rows, kv_rows, kv_rows]                            # the rows this rank holds of each
-        self.o_columns = q_rows                                                 # o_proj's input columns
+        self.qkv_pieces = [num_heads * d, num_kv_heads * d, num_kv_heads * d]  # checkpoint q, k, v rows
+        self.qkv_shards = [q_rows, kv_rows, kv_rows]  # the rows this rank holds of each
+        self.o_columns = q_rows  # o_proj's input columns
 
 
 def local_kv_heads(num_kv_heads: int, tp: TensorParallel) -> int:
@@ -107,7 +111,7 @@ class ColumnParallelLinear(Linear):
         self.pieces, self.shards = pieces, shards
 
     @classmethod
-    def even(cls, in_features: int, pieces: list[int], tp: TensorParallel, bias: bool) -> "ColumnParallelLinear":
+    def even(cls, in_features: int, pieces: list[int], tp: TensorParallel, bias: bool) -> ColumnParallelLinear:
         """Each piece cut into near-equal contiguous slices, one per rank."""
         return cls(in_features, pieces, [partition(p, tp.size, tp.rank) for p in pieces], bias)
 
@@ -123,7 +127,7 @@ class ColumnParallelLinear(Linear):
             offset_of.append(offset_of[-1] + stop - start)
         for i, part in zip(which, tensor.split([self.pieces[i] for i in which])):
             start, stop = self.shards[i]
-            param[offset_of[i]:offset_of[i + 1]].copy_(part[start:stop])
+            param[offset_of[i] : offset_of[i + 1]].copy_(part[start:stop])
         return which
 
 
@@ -136,7 +140,7 @@ class RowParallelLinear(Linear):
         self.full_in_features, self.columns, self.tp = in_features, columns, tp
 
     @classmethod
-    def even(cls, in_features: int, out_features: int, tp: TensorParallel, bias: bool) -> "RowParallelLinear":
+    def even(cls, in_features: int, out_features: int, tp: TensorParallel, bias: bool) -> RowParallelLinear:
         return cls(in_features, partition(in_features, tp.size, tp.rank), out_features, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -146,7 +150,7 @@ class RowParallelLinear(Linear):
     def load(self, kind: str, tensor: torch.Tensor, piece: int | None, name: str) -> None:
         if kind == "weight":
             _check_shape(name, tensor, (self.out_features, self.full_in_features))
-            self.weight.data.copy_(tensor[:, self.columns[0]:self.columns[1]])
+            self.weight.data.copy_(tensor[:, self.columns[0] : self.columns[1]])
         else:
             _check_shape(name, tensor, (self.out_features,))
             self.bias.data.copy_(tensor if self.tp.rank == 0 else torch.zeros_like(tensor))
@@ -186,7 +190,7 @@ class ParallelLMHead(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)
-        return out if self.tp.size == 1 else self.tp.all_gather(out)[..., :self.vocab_size]
+        return out if self.tp.size == 1 else self.tp.all_gather(out)[..., : self.vocab_size]
 
     def load(self, kind: str, tensor: torch.Tensor, piece: int | None, name: str) -> None:
         load_vocab_rows(self.weight, tensor, self.first, self.vocab_size, name)
@@ -194,9 +198,9 @@ class ParallelLMHead(Linear):
 
 def load_vocab_rows(weight: nn.Parameter, tensor: torch.Tensor, first: int, vocab_size: int, name: str) -> None:
     _check_shape(name, tensor, (vocab_size, weight.shape[1]))
-    rows = tensor[first:first + weight.shape[0]]
-    weight.data[:rows.shape[0]].copy_(rows)
-    weight.data[rows.shape[0]:].zero_()   # padding past the vocabulary: never looked up, its logits cut off
+    rows = tensor[first : first + weight.shape[0]]
+    weight.data[: rows.shape[0]].copy_(rows)
+    weight.data[rows.shape[0] :].zero_()  # padding past the vocabulary: never looked up, its logits cut off
 
 
 SHARDED_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ParallelLMHead)

@@ -2,6 +2,7 @@
 
 library() is None where the kernels cannot run (see native.load; switch: PETREL_QUANT_KERNELS=0): QuantizedLinear
 then dequantizes with torch instead (same results, slower)."""
+
 from __future__ import annotations
 
 import ctypes
@@ -16,31 +17,89 @@ def library() -> ctypes.CDLL | None:
     return native.load("PETREL_QUANT_KERNELS", "quantized layers")
 
 
-def gemv(lib, bits: int, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None,
-         gshift: int, n: int) -> torch.Tensor:
+def gemv(
+    lib,
+    bits: int,
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    mins: torch.Tensor | None,
+    gshift: int,
+    n: int,
+) -> torch.Tensor:
     """x [M, K] float32 contiguous -> [M, n] float32 (few rows: each weight read once per four rows)."""
     m, k = x.shape
     y = torch.empty(m, n, dtype=torch.float32)
-    if lib.quant_gemv(bits, x.data_ptr(), m, k, codes.data_ptr(), scale.data_ptr(),
-                      None if mins is None else mins.data_ptr(), gshift, y.data_ptr(), n, torch.get_num_threads()):
+    if lib.quant_gemv(
+        bits,
+        x.data_ptr(),
+        m,
+        k,
+        codes.data_ptr(),
+        scale.data_ptr(),
+        None if mins is None else mins.data_ptr(),
+        gshift,
+        y.data_ptr(),
+        n,
+        torch.get_num_threads(),
+    ):
         raise native.out_of_memory("quant_gemv")
     return y
 
 
-def gemm(lib, bits: int, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None,
-         gshift: int, n: int) -> torch.Tensor:
+def gemm(
+    lib,
+    bits: int,
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    mins: torch.Tensor | None,
+    gshift: int,
+    n: int,
+) -> torch.Tensor:
     """x [M, K] float32 contiguous -> [M, n] float32 (tens of rows: 12 weight rows at a time dequantized into a
     float32 tile that every row of x passes over while it is in cache)."""
     m, k = x.shape
     y = torch.empty(m, n, dtype=torch.float32)
-    if lib.quant_gemm(bits, x.data_ptr(), m, k, codes.data_ptr(), scale.data_ptr(),
-                      None if mins is None else mins.data_ptr(), gshift, y.data_ptr(), n, torch.get_num_threads()):
+    if lib.quant_gemm(
+        bits,
+        x.data_ptr(),
+        m,
+        k,
+        codes.data_ptr(),
+        scale.data_ptr(),
+        None if mins is None else mins.data_ptr(),
+        gshift,
+        y.data_ptr(),
+        n,
+        torch.get_num_threads(),
+    ):
         raise native.out_of_memory("quant_gemm")
     return y
 
 
-def dequantize_rows(lib, bits: int, k: int, codes: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None,
-                    gshift: int, out: torch.Tensor, n0: int, n1: int) -> None:
+def dequantize_rows(
+    lib,
+    bits: int,
+    k: int,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    mins: torch.Tensor | None,
+    gshift: int,
+    out: torch.Tensor,
+    n0: int,
+    n1: int,
+) -> None:
     """Weight rows n0..n1 as float32 into out[:n1 - n0] (contiguous)."""
-    lib.quant_dequant(bits, k, codes.data_ptr(), scale.data_ptr(), None if mins is None else mins.data_ptr(),
-                      gshift, out.data_ptr(), n0, n1, torch.get_num_threads())
+    lib.quant_dequant(
+        bits,
+        k,
+        codes.data_ptr(),
+        scale.data_ptr(),
+        None if mins is None else mins.data_ptr(),
+        gshift,
+        out.data_ptr(),
+        n0,
+        n1,
+        torch.get_num_threads(),
+    )

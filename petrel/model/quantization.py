@@ -9,6 +9,7 @@ Products run in quant_kernels.c (AVX2): weights are widened to float in register
 activations, so a product equals the dequantized weight's up to the order of float additions. At batch 1 a
 decode step reads every weight once, so fewer bytes per weight is what makes it faster.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -18,10 +19,10 @@ from torch import nn
 from petrel.model import quant_kernels
 
 QUANTIZATION_METHODS = ("none", "int8", "gguf")
-ROW_GROUP = 62        # group shift meaning "one group per row" (per-output-channel scales)
-GEMV_MAX_ROWS = 12    # up to this many rows of x the register kernel wins; beyond, dequantized tiles:
-GEMM_MAX_ROWS = 256   # up to this many, 12-row tiles under the float32 decode kernel (one call, quant_kernels.gemm);
-TILE_ELEMENTS = 1 << 18   # beyond, tiles of this many weights (1 MB of float32: stays in cache) and torch's GEMM
+ROW_GROUP = 62  # group shift meaning "one group per row" (per-output-channel scales)
+GEMV_MAX_ROWS = 12  # up to this many rows of x the register kernel wins; beyond, dequantized tiles:
+GEMM_MAX_ROWS = 256  # up to this many, 12-row tiles under the float32 decode kernel (one call, quant_kernels.gemm);
+TILE_ELEMENTS = 1 << 18  # beyond, tiles of this many weights (1 MB of float32: stays in cache) and torch's GEMM
 
 
 class QuantizedWeight(nn.Module):
@@ -31,8 +32,16 @@ class QuantizedWeight(nn.Module):
     bits 8: codes [out, in] int8, groups of 2**group_shift (group_shift ROW_GROUP: one group per row).
     A module so that .to(device) moves it; its buffers keep their dtypes through model.to(dtype)."""
 
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None, bits: int,
-                 group_shift: int, shape: tuple[int, int], kind: str):
+    def __init__(
+        self,
+        codes: torch.Tensor,
+        scale: torch.Tensor,
+        mins: torch.Tensor | None,
+        bits: int,
+        group_shift: int,
+        shape: tuple[int, int],
+        kind: str,
+    ):
         super().__init__()
         self.bits, self.group_shift, self.shape, self.kind = bits, group_shift, tuple(shape), kind
         self.register_buffer("codes", codes)
@@ -59,27 +68,36 @@ class QuantizedWeight(nn.Module):
     # ---------------------------------------------------------------- building
 
     @classmethod
-    def from_gguf(cls, type_name: str, raw: np.ndarray, rows: int, cols: int) -> "QuantizedWeight":
+    def from_gguf(cls, type_name: str, raw: np.ndarray, rows: int, cols: int) -> QuantizedWeight:
         from petrel.model.gguf_quants import read_blocks
+
         codes, scale, mins, bits, shift = read_blocks(type_name, raw, rows, cols)
-        return cls(torch.from_numpy(codes), torch.from_numpy(scale),
-                   None if mins is None else torch.from_numpy(mins), bits, shift, (rows, cols), type_name)
+        return cls(
+            torch.from_numpy(codes),
+            torch.from_numpy(scale),
+            None if mins is None else torch.from_numpy(mins),
+            bits,
+            shift,
+            (rows, cols),
+            type_name,
+        )
 
     @classmethod
-    def int8_per_channel(cls, weight: torch.Tensor) -> "QuantizedWeight":
+    def int8_per_channel(cls, weight: torch.Tensor) -> QuantizedWeight:
         """Symmetric int8 with one scale per output row (absmax / 127)."""
         w = weight.detach().float()
         scale = (w.abs().amax(dim=1, keepdim=True) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
         codes = torch.round(w / scale).clamp_(-127, 127).to(torch.int8)
         return cls(codes, scale.contiguous(), None, 8, ROW_GROUP, tuple(w.shape), "int8")
 
-    def permute_rows(self, order: np.ndarray) -> "QuantizedWeight":
+    def permute_rows(self, order: np.ndarray) -> QuantizedWeight:
         index = torch.from_numpy(np.asarray(order, dtype=np.int64))
-        pick = lambda t: None if t is None else t[index].contiguous()   # noqa: E731
-        return QuantizedWeight(pick(self.codes), pick(self.scale), pick(self.mins), self.bits, self.group_shift,
-                               self.shape, self.kind)
+        pick = lambda t: None if t is None else t[index].contiguous()  # noqa: E731
+        return QuantizedWeight(
+            pick(self.codes), pick(self.scale), pick(self.mins), self.bits, self.group_shift, self.shape, self.kind
+        )
 
-    def as_int8(self, group_shift: int) -> "QuantizedWeight":
+    def as_int8(self, group_shift: int) -> QuantizedWeight:
         """The same weights as 8-bit codes in groups of 2**group_shift (a divisor of this one's group): exact."""
         rows, cols = self.shape
         codes = self.codes
@@ -87,12 +105,20 @@ class QuantizedWeight(nn.Module):
             codes = torch.cat([codes & 0x0F, codes >> 4], dim=-1).reshape(rows, cols).to(torch.int8)
         repeat = self.group_size >> group_shift
         mins = self.mins if self.mins is not None else torch.zeros_like(self.scale)
-        return QuantizedWeight(codes, self.scale.repeat_interleave(repeat, dim=1),
-                               mins.repeat_interleave(repeat, dim=1), 8, group_shift, self.shape, self.kind)
+        return QuantizedWeight(
+            codes,
+            self.scale.repeat_interleave(repeat, dim=1),
+            mins.repeat_interleave(repeat, dim=1),
+            8,
+            group_shift,
+            self.shape,
+            self.kind,
+        )
 
     @staticmethod
-    def concat(parts: list["QuantizedWeight"]) -> "QuantizedWeight":
-        """Row blocks (fused q/k/v or gate/up) as one weight; mixed formats meet as 8-bit codes in the smallest group."""
+    def concat(parts: list[QuantizedWeight]) -> QuantizedWeight:
+        """Row blocks (fused q/k/v or gate/up) as one weight; mixed formats meet as 8-bit codes in the smallest
+        group."""
         if len(parts) == 1:
             return parts[0]
         cols = parts[0].shape[1]
@@ -103,8 +129,15 @@ class QuantizedWeight(nn.Module):
         p0 = parts[0]
         mins = None if p0.mins is None else torch.cat([p.mins for p in parts])
         kinds = "+".join(dict.fromkeys(p.kind for p in parts))
-        return QuantizedWeight(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), mins,
-                               p0.bits, p0.group_shift, (sum(p.shape[0] for p in parts), cols), kinds)
+        return QuantizedWeight(
+            torch.cat([p.codes for p in parts]),
+            torch.cat([p.scale for p in parts]),
+            mins,
+            p0.bits,
+            p0.group_shift,
+            (sum(p.shape[0] for p in parts), cols),
+            kinds,
+        )
 
     # ---------------------------------------------------------------- using
 
@@ -114,9 +147,9 @@ class QuantizedWeight(nn.Module):
         codes, scale = self.codes[sel], self.scale[sel]
         n = codes.shape[0]
         if self.bits == 4:
-            q = torch.cat([codes & 0x0F, codes >> 4], dim=-1).float()           # [n, groups, 32]
+            q = torch.cat([codes & 0x0F, codes >> 4], dim=-1).float()  # [n, groups, 32]
         else:
-            q = codes.float().view(n, scale.shape[1], -1)                      # [n, groups, group]
+            q = codes.float().view(n, scale.shape[1], -1)  # [n, groups, group]
         w = q * scale.unsqueeze(-1)
         if self.mins is not None:
             w += self.mins[sel].unsqueeze(-1)
@@ -137,9 +170,10 @@ class QuantizedWeight(nn.Module):
         for n0 in range(0, out_features, tile):
             n1 = min(out_features, n0 + tile)
             if lib is not None:
-                quant_kernels.dequantize_rows(lib, self.bits, in_features, self.codes, self.scale, mins,
-                                              self.group_shift, buffer, n0, n1)
-                weights = buffer[:n1 - n0]
+                quant_kernels.dequantize_rows(
+                    lib, self.bits, in_features, self.codes, self.scale, mins, self.group_shift, buffer, n0, n1
+                )
+                weights = buffer[: n1 - n0]
             else:
                 weights = self.dequantize(slice(n0, n1))
             torch.mm(weights, x.t(), out=out_t[n0:n1])
@@ -184,6 +218,7 @@ class QuantizedEmbedding(nn.Module):
 
 # ---------------------------------------------------------------- putting them in a model
 
+
 def _replace(model: nn.Module, path: str, module: nn.Module) -> None:
     parent, _, attr = path.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, attr, module)
@@ -219,7 +254,7 @@ class QuantizedLoads:
                     model.lm_head = QuantizedLinear(qweight)
             else:
                 for offset, qweight in shards.values():
-                    params[name].data[offset:offset + qweight.shape[0]].copy_(qweight.dequantize())
+                    params[name].data[offset : offset + qweight.shape[0]].copy_(qweight.dequantize())
 
 
 def quantize_int8(model: nn.Module) -> None:
@@ -240,8 +275,11 @@ def quantize_int8(model: nn.Module) -> None:
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of a model's parameters and quantized weights, each tensor counted once (tied ones too)."""
     seen, total = set(), 0
-    for tensor in [*model.parameters(), *(m.codes for m in model.modules() if isinstance(m, QuantizedWeight)),
-                   *(t for m in model.modules() if isinstance(m, QuantizedWeight) for t in (m.scale, m.mins))]:
+    for tensor in [
+        *model.parameters(),
+        *(m.codes for m in model.modules() if isinstance(m, QuantizedWeight)),
+        *(t for m in model.modules() if isinstance(m, QuantizedWeight) for t in (m.scale, m.mins)),
+    ]:
         if tensor is not None and tensor.data_ptr() not in seen:
             seen.add(tensor.data_ptr())
             total += tensor.numel() * tensor.element_size()

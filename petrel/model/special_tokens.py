@@ -8,18 +8,20 @@ template arguments) is replaced by a marker; after rendering, the text between m
 and each marker becomes the special-token string tokenized as plain text (split into ordinary tokens).
 Values without special-token strings are untouched, so the usual prompt tokenizes exactly as before.
 """
+
 from __future__ import annotations
 
 import re
 import secrets
 from dataclasses import dataclass, field
 
-_OPEN, _CLOSE = "\ue000", "\ue001"     # private-use characters: no tokenizer's special token contains them
+_OPEN, _CLOSE = "\ue000", "\ue001"  # private-use characters: no tokenizer's special token contains them
 
 
 @dataclass
 class Escapes:
     """What escape() replaced: originals[k] is marker k's special-token string."""
+
     nonce: str
     originals: list[str] = field(default_factory=list)
 
@@ -37,8 +39,9 @@ class SpecialTokenText:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
-        specials = sorted({t.content for t in decoder.values() if getattr(t, "special", False) and t.content},
-                          key=len, reverse=True)
+        specials = sorted(
+            {t.content for t in decoder.values() if getattr(t, "special", False) and t.content}, key=len, reverse=True
+        )
         self._specials = re.compile("|".join(map(re.escape, specials))) if specials else None
 
     def escape(self, value) -> tuple[object, Escapes]:
@@ -64,6 +67,7 @@ class SpecialTokenText:
             if isinstance(v, (list, tuple)):
                 return type(v)(walk(x) for x in v)
             return v
+
         try:
             return walk(value), escapes
         except RecursionError:
@@ -79,12 +83,15 @@ class SpecialTokenText:
         ids: list[int] = []
         for i, part in enumerate(parts):
             if i % 2:
-                ids += tok(escapes.originals[int(part)], add_special_tokens=False,
-                           split_special_tokens=True)["input_ids"]
+                ids += tok(escapes.originals[int(part)], add_special_tokens=False, split_special_tokens=True)[
+                    "input_ids"
+                ]
                 continue
             if escapes.nonce in part:
-                raise ValueError("messages: the chat template altered text that holds special-token strings, so "
-                                 "petrel cannot keep them as text")
+                raise ValueError(
+                    "messages: the chat template altered text that holds special-token strings, so "
+                    "petrel cannot keep them as text"
+                )
             if part:
                 ids += tok(part, add_special_tokens=False)["input_ids"]
         return ids

@@ -1,4 +1,5 @@
 """Tokenizer loading: a Hugging Face directory as is, a GGUF file's vocabulary converted once and cached."""
+
 from __future__ import annotations
 
 import functools
@@ -9,8 +10,9 @@ from petrel.model.loader import ModelSource
 from petrel.model.special_tokens import SpecialTokenText
 
 
-def chat_prompt(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                chat_template_kwargs: dict | None = None) -> dict:
+def chat_prompt(
+    tokenizer, messages: list[dict], add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None
+) -> dict:
     """The chat template applied to messages: {"prompt": text, "prompt_token_ids": ids} (the template
     writes the special tokens itself, so none are added when encoding). Special-token strings inside the
     messages or arguments are text, not control tokens (petrel/model/special_tokens.py): a message cannot
@@ -20,8 +22,9 @@ def chat_prompt(tokenizer, messages: list[dict], add_generation_prompt: bool = T
         raise ValueError("this model's tokenizer has no chat template")
     guard = special_token_text(tokenizer)
     (messages, kwargs), escapes = guard.escape((messages, dict(chat_template_kwargs or {})))
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         **kwargs)
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+    )
     return {"prompt": guard.restore(text, escapes), "prompt_token_ids": guard.encode(text, escapes)}
 
 
@@ -39,6 +42,7 @@ def special_token_text(tokenizer) -> SpecialTokenText:
 
 def load_tokenizer(source: ModelSource, tokenizer: str | None = None):
     from transformers import AutoTokenizer
+
     if tokenizer is not None:
         return AutoTokenizer.from_pretrained(tokenizer)
     if source.kind == "hf":

@@ -13,6 +13,7 @@ transfer endpoint in --kv-transfer-peers, and both with the same --kv-transfer-s
 authenticates with it, so the router needs no credential of its own beyond the client's API key, which it
 passes on to both.
 """
+
 from __future__ import annotations
 
 import logging
@@ -21,8 +22,14 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from petrel.route.router import (Router, _pass_through, add_completion_routes, forwarded_headers, json_body,
-                                 router_base_app)
+from petrel.route.router import (
+    Router,
+    _pass_through,
+    add_completion_routes,
+    forwarded_headers,
+    json_body,
+    router_base_app,
+)
 from petrel.serve.errors import APIError
 from petrel.serve.limits import DEFAULT_MAX_REQUEST_BYTES
 
@@ -31,8 +38,13 @@ logger = logging.getLogger("petrel.route")
 PARAM = "disaggregated_params"
 
 
-def build_disagg_app(prefill_url: str, decode_url: str, health_interval: float = 2.0,
-                     timeout: float = 600.0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+def build_disagg_app(
+    prefill_url: str,
+    decode_url: str,
+    health_interval: float = 2.0,
+    timeout: float = 600.0,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+) -> FastAPI:
     router = Router([prefill_url, decode_url])
     prefill, decode = router.backends
     app, state = router_base_app(router, "petrel route (disaggregated)", health_interval, timeout, max_request_bytes)
@@ -41,13 +53,17 @@ def build_disagg_app(prefill_url: str, decode_url: str, health_interval: float =
         client: httpx.AsyncClient = state["client"]
         backend.in_flight += 1
         try:
-            upstream = await client.send(client.build_request("POST", backend.url + path, json=body, headers=headers),
-                                         stream=stream)
+            upstream = await client.send(
+                client.build_request("POST", backend.url + path, json=body, headers=headers), stream=stream
+            )
         except httpx.HTTPError as exc:
             backend.in_flight -= 1
             router.mark_down(backend, f"{type(exc).__name__}: {exc}")
-            raise APIError(f"the {'prefill' if backend is prefill else 'decode'} server {backend.url} is unreachable: "
-                           f"{type(exc).__name__}", 503) from None
+            raise APIError(
+                f"the {'prefill' if backend is prefill else 'decode'} server {backend.url} is unreachable: "
+                f"{type(exc).__name__}",
+                503,
+            ) from None
         backend.served += 1
         if not stream:
             backend.in_flight -= 1
@@ -66,11 +82,11 @@ def build_disagg_app(prefill_url: str, decode_url: str, health_interval: float =
         answer = await send(prefill, path, context, headers, stream=False)
         if answer.status_code != 200:
             error = _error_param(answer)
-            if answer.status_code in (400, 429) and error == PARAM:   # not splittable, or no room to pin now:
-                return await whole_to_decode(path, body, headers)       # the decode server does it all
+            if answer.status_code in (400, 429) and error == PARAM:  # not splittable, or no room to pin now:
+                return await whole_to_decode(path, body, headers)  # the decode server does it all
             return JSONResponse(answer.json(), status_code=answer.status_code)
         params = answer.json()["choices"][0].get(PARAM)
-        if not params or not params.get("opaque_state"):      # the first token ended it (EOS, stop, max_tokens=1)
+        if not params or not params.get("opaque_state"):  # the first token ended it (EOS, stop, max_tokens=1)
             return await whole_to_decode(path, body, headers)
         generation = dict(body, disaggregated_params=dict(params, request_type="generation_only"))
         upstream = await send(decode, path, generation, headers, stream=True)

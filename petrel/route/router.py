@@ -19,6 +19,7 @@ others is never cut short by it; `timeout` bounds the wait for any one byte rega
 while its request is being answered makes the router close the backend's connection, so the backend aborts the
 request and frees its KV cache. Request bodies over `max_request_bytes` are refused (413) before any is read.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -41,7 +42,7 @@ logger = logging.getLogger("petrel.route")
 # what a backend needs from the client's request headers
 _FORWARDED_HEADERS = ("authorization", "content-type", "accept")
 
-DEFAULT_BACKEND_TIMEOUT = 30.0   # seconds a backend may be silent (not even answering /health) before it is given up
+DEFAULT_BACKEND_TIMEOUT = 30.0  # seconds a backend may be silent (not even answering /health) before it is given up
 
 
 class BackendSilent(Exception):
@@ -57,15 +58,21 @@ class Backend:
     url: str
     healthy: bool = True
     in_flight: int = 0
-    served: int = 0              # requests this backend answered
-    failures: int = 0            # times a request could not be handed to it
+    served: int = 0  # requests this backend answered
+    failures: int = 0  # times a request could not be handed to it
     last_error: str | None = None
     down_since: float | None = field(default=None, repr=False)
-    last_heard: float = field(default_factory=time.monotonic, repr=False)   # its last reply of any kind
+    last_heard: float = field(default_factory=time.monotonic, repr=False)  # its last reply of any kind
 
     def status(self) -> dict:
-        return {"url": self.url, "healthy": self.healthy, "in_flight": self.in_flight, "served": self.served,
-                "failures": self.failures, "last_error": self.last_error}
+        return {
+            "url": self.url,
+            "healthy": self.healthy,
+            "in_flight": self.in_flight,
+            "served": self.served,
+            "failures": self.failures,
+            "last_error": self.last_error,
+        }
 
 
 class Router:
@@ -86,15 +93,19 @@ class Router:
         if target is not None:
             chosen = self.backend(target)
             if chosen is None:
-                raise APIError(f"target_endpoint {_shown(target)} is not one of this router's backends "
-                               f"({', '.join(b.url for b in self.backends)})", 400, param="target_endpoint")
+                raise APIError(
+                    f"target_endpoint {_shown(target)} is not one of this router's backends "
+                    f"({', '.join(b.url for b in self.backends)})",
+                    400,
+                    param="target_endpoint",
+                )
             return [chosen] + [b for b in healthy if b is not chosen]
-        key = prefix[:self.prefix_chars].encode()
+        key = prefix[: self.prefix_chars].encode()
         ranked = sorted(healthy, key=lambda b: hashlib.sha256(b.url.encode() + b"\0" + key).digest(), reverse=True)
         if ranked:
             least = min(b.in_flight for b in ranked)
             if ranked[0].in_flight - least > self.max_imbalance:
-                ranked.sort(key=lambda b: b.in_flight)    # stable: ties keep the prefix order
+                ranked.sort(key=lambda b: b.in_flight)  # stable: ties keep the prefix order
         return ranked
 
     def mark_down(self, backend: Backend, error: str) -> None:
@@ -116,7 +127,7 @@ def prefix_of(body: dict) -> str:
         return json.dumps(body.get("messages"), sort_keys=True, ensure_ascii=False)
     prompt = body.get("prompt", "")
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        prompt = prompt[0]                       # a batch of prompts: route by the first
+        prompt = prompt[0]  # a batch of prompts: route by the first
     return prompt if isinstance(prompt, str) else json.dumps(prompt)
 
 
@@ -129,7 +140,7 @@ async def _check_health(router: Router, backend: Backend, client: httpx.AsyncCli
     while True:
         try:
             r = await client.get(f"{backend.url}/health", timeout=max(1.0, interval))
-            backend.last_heard = time.monotonic()     # any reply: the process is alive, if perhaps unhealthy
+            backend.last_heard = time.monotonic()  # any reply: the process is alive, if perhaps unhealthy
             if r.status_code == 200:
                 router.mark_up(backend)
             else:
@@ -144,12 +155,19 @@ def check_backend_timeout(backend_timeout: float, health_interval: float) -> Non
     as long again to answer: a backend timeout shorter than 3 of those would give up on healthy backends."""
     least = 3 * max(1.0, health_interval)
     if not backend_timeout >= least:
-        raise ValueError(f"backend_timeout ({backend_timeout} s) must be at least 3 x max(1, health_interval) = "
-                         f"{least:g} s, or a busy backend could be taken for a silent one")
+        raise ValueError(
+            f"backend_timeout ({backend_timeout} s) must be at least 3 x max(1, health_interval) = "
+            f"{least:g} s, or a busy backend could be taken for a silent one"
+        )
 
 
-def router_base_app(router: Router, title: str, health_interval: float, timeout: float,
-                    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> tuple[FastAPI, dict]:
+def router_base_app(
+    router: Router,
+    title: str,
+    health_interval: float,
+    timeout: float,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+) -> tuple[FastAPI, dict]:
     """The app both fronts build on: for its lifetime one pooled HTTP client (state["client"]; `timeout` bounds the
     wait for any one byte from a backend) and the health loop over the router's backends; API errors answered as
     OpenAI-style JSON; request bodies over `max_request_bytes` refused with 413."""
@@ -159,8 +177,11 @@ def router_base_app(router: Router, title: str, health_interval: float, timeout:
 
     @asynccontextmanager
     async def lifespan(app):
-        client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0), trust_env=False,
-                                   limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        client = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout, connect=5.0),
+            trust_env=False,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        )
         state["client"] = client
         checker = asyncio.create_task(_health_loop(router, client, health_interval))
         try:
@@ -182,26 +203,38 @@ def router_base_app(router: Router, title: str, health_interval: float, timeout:
 
 def add_completion_routes(app: FastAPI, handle) -> None:
     """POST /v1/completions and /v1/chat/completions, each answered by `await handle(request, path)`."""
+
     def endpoint_for(path: str):
         async def endpoint(request: Request):
             return await handle(request, path)
+
         return endpoint
 
     for path in ("/v1/completions", "/v1/chat/completions"):
         app.add_api_route(path, endpoint_for(path), methods=["POST"])
 
 
-def build_router_app(router: Router, health_interval: float = 2.0, timeout: float = 600.0,
-                     backend_timeout: float = DEFAULT_BACKEND_TIMEOUT,
-                     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+def build_router_app(
+    router: Router,
+    health_interval: float = 2.0,
+    timeout: float = 600.0,
+    backend_timeout: float = DEFAULT_BACKEND_TIMEOUT,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+) -> FastAPI:
     check_backend_timeout(backend_timeout, health_interval)
     app, state = router_base_app(router, "petrel route", health_interval, timeout, max_request_bytes)
 
     async def forward(request: Request, path: str):
         body = await json_body(request)
         target = target_endpoint(body, request.headers)
-        exchange = _Exchange(state["client"], path, json.dumps(body).encode(), forwarded_headers(request),
-                             backend_timeout, asyncio.ensure_future(client_disconnected(request)))
+        exchange = _Exchange(
+            state["client"],
+            path,
+            json.dumps(body).encode(),
+            forwarded_headers(request),
+            backend_timeout,
+            asyncio.ensure_future(client_disconnected(request)),
+        )
         tried, silent = [], []
         try:
             for backend in router.candidates(prefix_of(body), target):
@@ -214,12 +247,16 @@ def build_router_app(router: Router, health_interval: float = 2.0, timeout: floa
                 except _Unanswered as exc:
                     router.mark_down(backend, str(exc))
         except ClientGone:
-            return Response(status_code=499)       # nobody to answer; the backend was told by the closed connection
+            return Response(status_code=499)  # nobody to answer; the backend was told by the closed connection
         finally:
             exchange.client_gone.cancel()
         if silent:
-            raise APIError(f"no backend answered in time: {'; '.join(silent)} (tried: {', '.join(tried)})", 504,
-                           code="backend_timeout", type="server_error")
+            raise APIError(
+                f"no backend answered in time: {'; '.join(silent)} (tried: {', '.join(tried)})",
+                504,
+                code="backend_timeout",
+                type="server_error",
+            )
         raise APIError(f"no backend could take the request (tried: {', '.join(tried) or 'none healthy'})", 503)
 
     add_completion_routes(app, forward)
@@ -247,8 +284,10 @@ def build_router_app(router: Router, health_interval: float = 2.0, timeout: floa
 
     @app.get("/health")
     async def health():
-        body = {"status": "ok" if any(b.healthy for b in router.backends) else "unavailable",
-                "backends": [b.status() for b in router.backends]}
+        body = {
+            "status": "ok" if any(b.healthy for b in router.backends) else "unavailable",
+            "backends": [b.status() for b in router.backends],
+        }
         return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
 
     return app
@@ -275,8 +314,12 @@ def target_endpoint(body: dict, headers) -> str | None:
         if value is None:
             return None
     if not isinstance(value, str) or not value.strip():
-        raise APIError(f"target_endpoint must be the URL of one of this router's backends, a non-empty string; "
-                       f"{where} is {_shown(value)}", 400, param="target_endpoint")
+        raise APIError(
+            f"target_endpoint must be the URL of one of this router's backends, a non-empty string; "
+            f"{where} is {_shown(value)}",
+            400,
+            param="target_endpoint",
+        )
     return value.strip()
 
 
@@ -304,8 +347,15 @@ class _Exchange:
     """One client request as sent to a backend: `ask` returns the response to give the client, or raises
     _Unanswered / BackendSilent (try the next backend) or ClientGone (the client hung up meanwhile)."""
 
-    def __init__(self, client: httpx.AsyncClient, path: str, payload: bytes, headers: dict, silence: float,
-                 client_gone: asyncio.Future):
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        path: str,
+        payload: bytes,
+        headers: dict,
+        silence: float,
+        client_gone: asyncio.Future,
+    ):
         self.client, self.path, self.payload, self.headers = client, path, payload, headers
         self.silence, self.client_gone = silence, client_gone
 
@@ -318,10 +368,10 @@ class _Exchange:
             raise
         if is_event_stream(upstream):
             backend.served += 1
-            return _pass_through(upstream, backend, self.silence)   # in_flight is given back when the stream ends
+            return _pass_through(upstream, backend, self.silence)  # in_flight is given back when the stream ends
         try:
             content = await heard_from(upstream.aread(), backend, self.silence, self.client_gone)
-        except httpx.HTTPError as exc:                  # dropped mid-body: nothing has reached the client yet
+        except httpx.HTTPError as exc:  # dropped mid-body: nothing has reached the client yet
             raise _Unanswered(f"{type(exc).__name__}: {exc}") from None
         finally:
             await upstream.aclose()
@@ -331,18 +381,16 @@ class _Exchange:
 
     async def _send(self, backend: Backend) -> httpx.Response:
         """The backend's response, headers read (for a non-streamed request they come with the whole answer)."""
-        request = self.client.build_request("POST", backend.url + self.path, content=self.payload,
-                                            headers=self.headers)
+        request = self.client.build_request("POST", backend.url + self.path, content=self.payload, headers=self.headers)
         try:
-            upstream = await heard_from(self.client.send(request, stream=True), backend, self.silence,
-                                        self.client_gone)
+            upstream = await heard_from(self.client.send(request, stream=True), backend, self.silence, self.client_gone)
         except httpx.TimeoutException as exc:
             if isinstance(exc, httpx.ConnectTimeout):
                 raise _Unanswered(f"{type(exc).__name__}: {exc}") from None
             raise BackendSilent(f"sent nothing within the router's read timeout ({type(exc).__name__})") from None
-        except httpx.HTTPError as exc:                 # refused, reset, or dropped before any answer
+        except httpx.HTTPError as exc:  # refused, reset, or dropped before any answer
             raise _Unanswered(f"{type(exc).__name__}: {exc}") from None
-        if upstream.status_code == 503:                # its engine is gone or stuck: try the next one
+        if upstream.status_code == 503:  # its engine is gone or stuck: try the next one
             await upstream.aclose()
             raise _Unanswered("answered 503")
         return upstream
@@ -408,6 +456,7 @@ def _pass_through(upstream: httpx.Response, backend: Backend, silence: float | N
         finally:
             await upstream.aclose()
             backend.in_flight -= 1
+
     return StreamingResponse(body(), status_code=upstream.status_code, headers=answer_headers(upstream, backend))
 
 
@@ -429,9 +478,16 @@ def _whole_events(data: bytes) -> tuple[bytes, bytes]:
 
 def _stream_error_events(backend: Backend, exc: Exception) -> bytes:
     if isinstance(exc, BackendSilent):
-        error = APIError(f"the backend {backend.url} {exc}; the answer is cut short", 504, code="backend_timeout",
-                         type="server_error")
+        error = APIError(
+            f"the backend {backend.url} {exc}; the answer is cut short",
+            504,
+            code="backend_timeout",
+            type="server_error",
+        )
     else:
-        error = APIError(f"the backend {backend.url} broke off the answer ({type(exc).__name__}); it is cut short",
-                         502, code="backend_disconnected")
+        error = APIError(
+            f"the backend {backend.url} broke off the answer ({type(exc).__name__}); it is cut short",
+            502,
+            code="backend_disconnected",
+        )
     return b"data: " + json.dumps(error.body()).encode() + b"\n\n" + _SSE_DONE + b"\n\n"

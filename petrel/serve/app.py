@@ -1,4 +1,5 @@
 """The FastAPI app: OpenAI-compatible routes over one LLM. `build_app(llm, ...)` is all a server needs."""
+
 from __future__ import annotations
 
 import asyncio
@@ -7,12 +8,12 @@ import secrets
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
-from fastapi.staticfiles import StaticFiles
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.staticfiles import StaticFiles
 
 import petrel
-from petrel.serve.chat import create_chat_completion
 from petrel.model.tokenizer import longest_token_chars
+from petrel.serve.chat import create_chat_completion
 from petrel.serve.chat_template import ChatTemplate, conversation_chars, messages_for_template
 from petrel.serve.completions import create_completion
 from petrel.serve.errors import ERROR_RESPONSES, APIError, install_error_handlers
@@ -20,19 +21,29 @@ from petrel.serve.limits import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES,
 from petrel.serve.logprobs import TokenText
 from petrel.serve.metrics import ServerMetrics
 from petrel.serve.params import ServerLimits, check_prompt_chars
-from petrel.serve.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-                                   CompletionRequest, CompletionResponse, CompletionStreamResponse,
-                                   DetokenizeRequest, DetokenizeResponse, ErrorResponse, HealthResponse, ModelCard,
-                                   ModelList, TokenizeRequest, TokenizeResponse)
+from petrel.serve.protocol import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    HealthResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from petrel.serve.streams import ServeState
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-DEFAULT_MAX_QUEUE_LEN = 1024     # requests waiting beyond the running batch before new ones get 429
+DEFAULT_MAX_QUEUE_LEN = 1024  # requests waiting beyond the running batch before new ones get 429
 
 _bearer = HTTPBearer(auto_error=False, description="the server's --api-key, when it has one")
 STATIC_DIR = os.path.join(os.path.dirname(__file__), "static")
-
-
 
 
 def _add_stream_schemas(app: FastAPI, models) -> None:
@@ -50,21 +61,25 @@ def _add_stream_schemas(app: FastAPI, models) -> None:
                 schemas.setdefault(model.__name__, schema)
             app.openapi_schema = doc
         return app.openapi_schema
+
     app.openapi = openapi
 
 
 def _responses(model, stream_model=None) -> dict:
     ok = {"model": model, "description": "the result (application/json)"}
     if stream_model is not None:
-        ok["description"] = (f"stream=false: the {model.__name__} (application/json). stream=true: server-sent "
-                             f"events (text/event-stream), each `data: <{stream_model.__name__} JSON>`, "
-                             "then `data: [DONE]`")
+        ok["description"] = (
+            f"stream=false: the {model.__name__} (application/json). stream=true: server-sent "
+            f"events (text/event-stream), each `data: <{stream_model.__name__} JSON>`, "
+            "then `data: [DONE]`"
+        )
         ok["content"] = {"text/event-stream": {"schema": {"$ref": f"#/components/schemas/{stream_model.__name__}"}}}
     return {200: ok, **ERROR_RESPONSES}
 
 
 def _lora_requests(llm, base_name: str, lora_modules: dict[str, str]) -> dict:
     from petrel.lora import LoRARequest
+
     if lora_modules and not getattr(llm.config, "enable_lora", False):
         raise ValueError("lora_modules need an engine started with enable_lora=True (petrel serve --enable-lora)")
     loras = {}
@@ -76,11 +91,19 @@ def _lora_requests(llm, base_name: str, lora_modules: dict[str, str]) -> dict:
     return loras
 
 
-def build_app(llm, served_model_name: str | None = None, api_key: str | None = None,
-              chat_template: str | None = None, max_n: int = 16, health_timeout: float = 5.0,
-              max_queue_len: int | None = DEFAULT_MAX_QUEUE_LEN,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, lora_modules: dict[str, str] | None = None,
-              body_timeout: float | None = DEFAULT_BODY_TIMEOUT, trust_special_tokens: bool = False) -> FastAPI:
+def build_app(
+    llm,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    chat_template: str | None = None,
+    max_n: int = 16,
+    health_timeout: float = 5.0,
+    max_queue_len: int | None = DEFAULT_MAX_QUEUE_LEN,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    lora_modules: dict[str, str] | None = None,
+    body_timeout: float | None = DEFAULT_BODY_TIMEOUT,
+    trust_special_tokens: bool = False,
+) -> FastAPI:
     """An app serving `llm` (a petrel.LLM). `chat_template` is Jinja source overriding the model's.
     lora_modules: served name -> PEFT LoRA adapter directory (the engine needs enable_lora); a request's `model`
     naming one runs with that adapter. Each adapter is read now: a bad one is a ValueError here.
@@ -90,66 +113,108 @@ def build_app(llm, served_model_name: str | None = None, api_key: str | None = N
     by default they are text, so no message can forge another turn)."""
     name = served_model_name or getattr(llm.config, "model", None) or DEFAULT_MODEL_NAME
     core = llm.engine.core
-    limits = ServerLimits(max_model_len=llm.engine.max_model_len, vocab_size=core.model_config.vocab_size,
-                          max_n=max_n, max_prompt_chars=llm.engine.max_model_len * longest_token_chars(llm.tokenizer))
+    limits = ServerLimits(
+        max_model_len=llm.engine.max_model_len,
+        vocab_size=core.model_config.vocab_size,
+        max_n=max_n,
+        max_prompt_chars=llm.engine.max_model_len * longest_token_chars(llm.tokenizer),
+    )
     loras = _lora_requests(llm, name, lora_modules or {})
-    state = ServeState(llm=llm, model_name=name, limits=limits, lora_modules=loras,
-                       template=ChatTemplate(llm.tokenizer, chat_template, trust_special_tokens),
-                       metrics=ServerMetrics(name),
-                       token_text=TokenText(llm.tokenizer), api_key=api_key, health_timeout=health_timeout,
-                       max_pending=None if max_queue_len is None else llm.config.max_num_seqs + max_queue_len)
+    state = ServeState(
+        llm=llm,
+        model_name=name,
+        limits=limits,
+        lora_modules=loras,
+        template=ChatTemplate(llm.tokenizer, chat_template, trust_special_tokens),
+        metrics=ServerMetrics(name),
+        token_text=TokenText(llm.tokenizer),
+        api_key=api_key,
+        health_timeout=health_timeout,
+        max_pending=None if max_queue_len is None else llm.config.max_num_seqs + max_queue_len,
+    )
 
     async def check_key(creds: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
         if state.api_key is None:
             return
         if creds is None or not secrets.compare_digest(creds.credentials.encode(), state.api_key.encode()):
-            raise APIError("Incorrect or missing API key: send `Authorization: Bearer <key>`", 401,
-                           code="invalid_api_key")
+            raise APIError(
+                "Incorrect or missing API key: send `Authorization: Bearer <key>`", 401, code="invalid_api_key"
+            )
 
-    app = FastAPI(title="petrel", version=petrel.__version__,
-                  description="An OpenAI-compatible server for the petrel inference engine.")
+    app = FastAPI(
+        title="petrel",
+        version=petrel.__version__,
+        description="An OpenAI-compatible server for the petrel inference engine.",
+    )
     app.state.petrel = state
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes, body_timeout=body_timeout)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
     extra = APIRouter(dependencies=[Depends(check_key)])
 
-    @v1.post("/completions", response_model=None, responses=_responses(CompletionResponse, CompletionStreamResponse),
-             summary="Create a completion (OpenAI legacy completions)")
+    @v1.post(
+        "/completions",
+        response_model=None,
+        responses=_responses(CompletionResponse, CompletionStreamResponse),
+        summary="Create a completion (OpenAI legacy completions)",
+    )
     async def completions(body: CompletionRequest, request: Request):
         return await create_completion(state, body, request)
 
-    @v1.post("/chat/completions", response_model=None,
-             responses=_responses(ChatCompletionResponse, ChatCompletionChunk), summary="Create a chat completion")
+    @v1.post(
+        "/chat/completions",
+        response_model=None,
+        responses=_responses(ChatCompletionResponse, ChatCompletionChunk),
+        summary="Create a chat completion",
+    )
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await create_chat_completion(state, body, request)
 
     @v1.get("/models", response_model=ModelList, responses=ERROR_RESPONSES, summary="The served model")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=name, created=state.created, root=getattr(llm.config, "model", None),
-                                         max_model_len=limits.max_model_len)] +
-                         [ModelCard(id=n, created=state.created, root=lr.lora_path, parent=name,
-                                    max_model_len=limits.max_model_len) for n, lr in loras.items()])
+        return ModelList(
+            data=[
+                ModelCard(
+                    id=name,
+                    created=state.created,
+                    root=getattr(llm.config, "model", None),
+                    max_model_len=limits.max_model_len,
+                )
+            ]
+            + [
+                ModelCard(
+                    id=n, created=state.created, root=lr.lora_path, parent=name, max_model_len=limits.max_model_len
+                )
+                for n, lr in loras.items()
+            ]
+        )
 
-    @extra.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES,
-                summary="Token ids of a prompt, or of messages through the chat template")
+    @extra.post(
+        "/tokenize",
+        response_model=TokenizeResponse,
+        responses=ERROR_RESPONSES,
+        summary="Token ids of a prompt, or of messages through the chat template",
+    )
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         state.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError("give exactly one of prompt and messages", 400, param="prompt")
         if body.prompt is not None:
             check_prompt_chars(len(body.prompt), limits, "prompt")
-            ids = (await state.run_blocking(lambda: llm.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)
-                                            ))["input_ids"]
+            ids = (
+                await state.run_blocking(lambda: llm.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens))
+            )["input_ids"]
         else:
             messages = messages_for_template(body.messages, state.template.supports_tools)
             check_prompt_chars(conversation_chars(messages), limits, "messages")
-            ids = await state.run_blocking(lambda: state.template.encode(
-                messages, add_generation_prompt=body.add_generation_prompt))
+            ids = await state.run_blocking(
+                lambda: state.template.encode(messages, add_generation_prompt=body.add_generation_prompt)
+            )
         return TokenizeResponse(count=len(ids), max_model_len=limits.max_model_len, tokens=ids)
 
-    @extra.post("/detokenize", response_model=DetokenizeResponse, responses=ERROR_RESPONSES,
-                summary="The text of token ids")
+    @extra.post(
+        "/detokenize", response_model=DetokenizeResponse, responses=ERROR_RESPONSES, summary="The text of token ids"
+    )
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         state.check_model(body.model)
         bad = [t for t in body.tokens if not 0 <= t < limits.vocab_size]
@@ -157,9 +222,12 @@ def build_app(llm, served_model_name: str | None = None, api_key: str | None = N
             raise APIError(f"tokens outside the vocabulary (size {limits.vocab_size}): {bad[:5]}", 400, param="tokens")
         return DetokenizeResponse(prompt=await state.run_blocking(llm.tokenizer.decode, body.tokens))
 
-    @app.get("/health", response_model=HealthResponse,
-             summary="200 when the engine loop is in a step (not stalled) or answers in time",
-             responses={503: {"model": ErrorResponse, "description": "the engine loop is stuck or gone"}})
+    @app.get(
+        "/health",
+        response_model=HealthResponse,
+        summary="200 when the engine loop is in a step (not stalled) or answers in time",
+        responses={503: {"model": ErrorResponse, "description": "the engine loop is stuck or gone"}},
+    )
     async def health():
         try:
             await asyncio.to_thread(llm.engine.check_health, state.health_timeout)
@@ -167,9 +235,17 @@ def build_app(llm, served_model_name: str | None = None, api_key: str | None = N
             return APIError(f"the engine did not answer: {type(exc).__name__}: {exc}", 503).response()
         return JSONResponse(HealthResponse().model_dump())
 
-    @app.get("/metrics", summary="Prometheus metrics", response_class=Response,
-             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
-                              "description": "Prometheus text exposition format"}})
+    @app.get(
+        "/metrics",
+        summary="Prometheus metrics",
+        response_class=Response,
+        responses={
+            200: {
+                "content": {"text/plain": {"schema": {"type": "string"}}},
+                "description": "Prometheus text exposition format",
+            }
+        },
+    )
     async def metrics():
         data = await state.metrics.render(llm.engine)
         return Response(data, media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -184,4 +260,3 @@ def build_app(llm, served_model_name: str | None = None, api_key: str | None = N
     app.include_router(extra)
     _add_stream_schemas(app, [CompletionStreamResponse, ChatCompletionChunk])
     return app
-

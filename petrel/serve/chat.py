@@ -1,5 +1,6 @@
 """POST /v1/chat/completions: messages -> chat template -> SamplingParams -> a response or SSE chunks,
 with tool calls parsed out of the model's text (tool_parser) in both."""
+
 from __future__ import annotations
 
 import time
@@ -8,16 +9,29 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from petrel.serve import disagg
 from petrel.serve.chat_template import conversation_chars, messages_for_template
 from petrel.serve.completions import api_finish_reason
-from petrel.serve import disagg
 from petrel.serve.errors import APIError, from_value_error
 from petrel.serve.guided import Guided, compile_guided, guided_from_request, guided_value_error
 from petrel.serve.logprobs import chat_logprobs
 from petrel.serve.params import build_sampling_params, check_prompt_chars, check_prompt_length, resolve_max_tokens
-from petrel.serve.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-                                   ChatStreamChoice, ChoiceLogprobs, DeltaFunctionCall, DeltaMessage, DeltaToolCall,
-                                   FunctionCall, PromptTokensDetails, ResponseMessage, ToolCall, Usage)
+from petrel.serve.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatStreamChoice,
+    ChoiceLogprobs,
+    DeltaFunctionCall,
+    DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    PromptTokensDetails,
+    ResponseMessage,
+    ToolCall,
+    Usage,
+)
 from petrel.serve.streams import SSE_DONE, ServeState, merged, new_id, outputs_or_none, sse
 from petrel.serve.tool_grammar import CALL_START, any_call_grammar, named_call_grammar, named_prefill
 from petrel.serve.tool_grammar import available as tool_grammar_available
@@ -29,10 +43,11 @@ TOOL_CALL_STOP = "</tool_call>"
 @dataclass
 class ToolPlan:
     """How tools shape this request: parse the output? what the server prefilled for the model to continue."""
+
     parse: bool = False
     prefill: str = ""
-    single: bool = False        # parallel_tool_calls=false: keep the first call
-    guided: Guided | None = None   # a forced call: the grammar its arguments follow
+    single: bool = False  # parallel_tool_calls=false: keep the first call
+    guided: Guided | None = None  # a forced call: the grammar its arguments follow
 
 
 def plan_tools(req: ChatCompletionRequest) -> ToolPlan:
@@ -47,8 +62,11 @@ def plan_tools(req: ChatCompletionRequest) -> ToolPlan:
     forced = None
     if not isinstance(choice, str) and choice is not None:
         if choice.function.name not in names:
-            raise APIError(f"tool_choice names {choice.function.name!r}, which is not among the tools {names}", 400,
-                           param="tool_choice")
+            raise APIError(
+                f"tool_choice names {choice.function.name!r}, which is not among the tools {names}",
+                400,
+                param="tool_choice",
+            )
         forced = choice.function.name
     elif choice == "required" and len(names) == 1:
         forced = names[0]
@@ -64,8 +82,9 @@ def plan_tools(req: ChatCompletionRequest) -> ToolPlan:
         elif choice == "required":
             plan.prefill = CALL_START if constrain else CALL_START + '{"name": "'
             if constrain:
-                plan.guided = Guided(any_call_grammar([(t.function.name, t.function.parameters) for t in tools]),
-                                     "tools")
+                plan.guided = Guided(
+                    any_call_grammar([(t.function.name, t.function.parameters) for t in tools]), "tools"
+                )
     except ValueError as exc:
         raise APIError(str(exc), 400, param="tools") from None
     if plan.prefill:
@@ -79,8 +98,10 @@ def _check_unsupported(req: ChatCompletionRequest) -> None:
 
 
 def _call_objects(calls, prefix: str) -> list[ToolCall]:
-    return [ToolCall(id=new_id(prefix).replace("-", "_"), function=FunctionCall(name=c.name, arguments=c.arguments))
-            for c in calls]
+    return [
+        ToolCall(id=new_id(prefix).replace("-", "_"), function=FunctionCall(name=c.name, arguments=c.arguments))
+        for c in calls
+    ]
 
 
 async def create_chat_completion(state: ServeState, req: ChatCompletionRequest, request: Request) -> Response:
@@ -91,32 +112,49 @@ async def create_chat_completion(state: ServeState, req: ChatCompletionRequest, 
     plan = plan_tools(req)
     if plan.guided is not None:
         if guided is not None:
-            raise APIError(f"tool_choice {'required' if req.tool_choice == 'required' else 'naming a function'} "
-                           f"constrains the output to a tool call; it cannot be combined with {guided.param}", 400,
-                           param=guided.param)
+            raise APIError(
+                f"tool_choice {'required' if req.tool_choice == 'required' else 'naming a function'} "
+                f"constrains the output to a tool call; it cannot be combined with {guided.param}",
+                400,
+                param=guided.param,
+            )
         guided = plan.guided
     template = state.template
     messages = messages_for_template(req.messages, template.supports_tools)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if plan.parse else None
     check_prompt_chars(conversation_chars(messages, tools), state.limits, "messages")
-    ids = await state.run_blocking(template.encode, messages, tools, req.add_generation_prompt,
-                                   req.continue_final_message, req.chat_template_kwargs, plan.prefill)
+    ids = await state.run_blocking(
+        template.encode,
+        messages,
+        tools,
+        req.add_generation_prompt,
+        req.continue_final_message,
+        req.chat_template_kwargs,
+        plan.prefill,
+    )
     check_prompt_length(len(ids), state.limits, "messages")
-    param = "max_tokens" if req.max_completion_tokens is None and req.max_tokens is not None else "max_completion_tokens"
+    param = (
+        "max_tokens" if req.max_completion_tokens is None and req.max_tokens is not None else "max_completion_tokens"
+    )
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = resolve_max_tokens(requested, None, len(ids), state.limits, param)
     k = (req.top_logprobs or 0) if req.logprobs else None
-    params = build_sampling_params(req, max_tokens=max_tokens, limits=state.limits, logprobs=k,
-                                   extra_stop=[TOOL_CALL_STOP] if plan.prefill else None,
-                                   renames={"max_tokens": param, "logprobs": "top_logprobs"},
-                                   guided_decoding=guided.params if guided else None)
+    params = build_sampling_params(
+        req,
+        max_tokens=max_tokens,
+        limits=state.limits,
+        logprobs=k,
+        extra_stop=[TOOL_CALL_STOP] if plan.prefill else None,
+        renames={"max_tokens": param, "logprobs": "top_logprobs"},
+        guided_decoding=guided.params if guided else None,
+    )
     await compile_guided(state, guided)
     state.check_capacity(req.n)
     try:
         future = await disagg.submit(state, ids, params, req.stream, req.cache_salt, lora_request, dp)
     except ValueError as exc:
         raise guided_value_error(exc, guided) or from_value_error(exc, {"prompt": "messages"}) from None
-    except RuntimeError as exc:   # the engine is shut down
+    except RuntimeError as exc:  # the engine is shut down
         raise APIError(str(exc), 503) from None
     rid, created = new_id("chatcmpl"), int(time.time())
     if req.stream:
@@ -137,25 +175,42 @@ async def create_chat_completion(state: ServeState, req: ChatCompletionRequest, 
                 finish = "tool_calls"
             else:
                 message = ResponseMessage(content=parsed.content)
-        choice = ChatChoice(index=co.index, message=message, finish_reason=finish, stop_reason=co.stop_reason,
-                            disaggregated_params=disagg.choice_params(out))
+        choice = ChatChoice(
+            index=co.index,
+            message=message,
+            finish_reason=finish,
+            stop_reason=co.stop_reason,
+            disaggregated_params=disagg.choice_params(out),
+        )
         if k is not None:
-            choice.logprobs = ChoiceLogprobs(content=chat_logprobs(co.token_ids, co.logprobs or [], k, state.token_text))
+            choice.logprobs = ChoiceLogprobs(
+                content=chat_logprobs(co.token_ids, co.logprobs or [], k, state.token_text)
+            )
         if req.return_token_ids:
             choice.token_ids = co.token_ids
         choices.append(choice)
     state.metrics.record_request(out, [c.finish_reason for c in choices])
-    body = ChatCompletionResponse(id=rid, created=created, model=state.response_model(req.model), choices=choices,
-                                  usage=_usage(out), prompt_token_ids=ids if req.return_token_ids else None)
+    body = ChatCompletionResponse(
+        id=rid,
+        created=created,
+        model=state.response_model(req.model),
+        choices=choices,
+        usage=_usage(out),
+        prompt_token_ids=ids if req.return_token_ids else None,
+    )
     return JSONResponse(body.model_dump(mode="json"))
 
 
 def _usage(out) -> Usage:
     prompt = len(out.prompt_token_ids)
     completion = sum(len(co.token_ids) for co in out.outputs)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens),
-                 kv_transfer=disagg.kv_transfer_usage([out]))
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens),
+        kv_transfer=disagg.kv_transfer_usage([out]),
+    )
 
 
 async def _stream(state: ServeState, req: ChatCompletionRequest, plan: ToolPlan, future, ids, rid: str, created: int):
@@ -171,12 +226,18 @@ async def _stream(state: ServeState, req: ChatCompletionRequest, plan: ToolPlan,
 
     def deltas(i: int, content: str, calls) -> DeltaMessage:
         if plan.single:
-            calls = calls[:max(0, 1 - num_calls[i])]
+            calls = calls[: max(0, 1 - num_calls[i])]
         tool_deltas = []
         for c in calls:
             tc = _call_objects([c], "call")[0]
-            tool_deltas.append(DeltaToolCall(index=num_calls[i], id=tc.id, type="function",
-                                             function=DeltaFunctionCall(name=c.name, arguments=c.arguments)))
+            tool_deltas.append(
+                DeltaToolCall(
+                    index=num_calls[i],
+                    id=tc.id,
+                    type="function",
+                    function=DeltaFunctionCall(name=c.name, arguments=c.arguments),
+                )
+            )
             num_calls[i] += 1
         return DeltaMessage(content=content or None, tool_calls=tool_deltas or None)
 
@@ -184,9 +245,9 @@ async def _stream(state: ServeState, req: ChatCompletionRequest, plan: ToolPlan,
         yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
         if plan.parse:
             parsers[i] = ToolCallParser()
-            parsers[i].feed(plan.prefill)   # the prefill opens a call block: it yields nothing by itself
+            parsers[i].feed(plan.prefill)  # the prefill opens a call block: it yields nothing by itself
     try:
-        async for _, c in merged([future]):   # events straight from each step's chunks
+        async for _, c in merged([future]):  # events straight from each step's chunks
             i = c.index
             done = c.finish_reason is not None
             if plan.parse:
@@ -206,20 +267,26 @@ async def _stream(state: ServeState, req: ChatCompletionRequest, plan: ToolPlan,
                 yield chunk(choice)
             if done:
                 reason = "tool_calls" if num_calls[i] else api_finish_reason(c.completion_finish_reason)
-                yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(), finish_reason=reason,
-                                             stop_reason=c.completion_stop_reason))
+                yield chunk(
+                    ChatStreamChoice(
+                        index=i, delta=DeltaMessage(), finish_reason=reason, stop_reason=c.completion_stop_reason
+                    )
+                )
     except RuntimeError as exc:
         yield sse(APIError(str(exc), 500).body())
         yield SSE_DONE
         return
-    finally:   # the client went away (cancelled or closed generator): free the request's KV blocks
+    finally:  # the client went away (cancelled or closed generator): free the request's KV blocks
         if not future.done():
             state.metrics.aborted.inc()
             future.abort()
     last = future.result(timeout=0)
-    state.metrics.record_request(last, ["tool_calls" if num_calls[co.index] else api_finish_reason(co.finish_reason)
-                                        for co in last.outputs])
+    state.metrics.record_request(
+        last, ["tool_calls" if num_calls[co.index] else api_finish_reason(co.finish_reason) for co in last.outputs]
+    )
     if include_usage:
-        body = ChatCompletionChunk(id=rid, created=created, model=state.response_model(req.model), choices=[], usage=_usage(last))
+        body = ChatCompletionChunk(
+            id=rid, created=created, model=state.response_model(req.model), choices=[], usage=_usage(last)
+        )
         yield sse(body.model_dump(mode="json"))
     yield SSE_DONE

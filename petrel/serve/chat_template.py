@@ -9,6 +9,7 @@ system message as DEFAULT_TOOL_PROMPT describes, assistant tool calls are writte
 <tool_call> blocks and tool results keep the `tool` role, so the model sees the same format it is asked
 to write.
 """
+
 from __future__ import annotations
 
 import json
@@ -86,59 +87,86 @@ class ChatTemplate:
         self.trust_special_tokens = trust_special_tokens
         self.special_text = special_token_text(tokenizer)
         source = override if override is not None else getattr(tokenizer, "chat_template", None)
-        if isinstance(source, dict):   # named templates: the default one
+        if isinstance(source, dict):  # named templates: the default one
             source = source.get("default") or next(iter(source.values()))
         self.source: str | None = source
         self.tokenizer = tokenizer
         self.bos_token = getattr(tokenizer, "bos_token", None) or ""
         self.eos_token = getattr(tokenizer, "eos_token", None) or ""
         if source is not None:
-            _compile(source)   # a broken override fails at start-up, not on the first request
+            _compile(source)  # a broken override fails at start-up, not on the first request
 
     @property
     def supports_tools(self) -> bool:
         return self.source is not None and "tools" in self.source
 
-    def render(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
-               continue_final_message: bool = False, kwargs: dict | None = None) -> str:
+    def render(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        kwargs: dict | None = None,
+    ) -> str:
         if self.source is None:
-            raise APIError("this model has no chat template: start the server with --chat-template", 400,
-                           param="messages")
+            raise APIError(
+                "this model has no chat template: start the server with --chat-template", 400, param="messages"
+            )
         kwargs = dict(kwargs or {})
         reserved = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"} & set(kwargs)
         if reserved:
             raise APIError(f"chat_template_kwargs may not set {sorted(reserved)}", 400, param="chat_template_kwargs")
         if continue_final_message:
             if add_generation_prompt:
-                raise APIError("continue_final_message needs add_generation_prompt=false", 400,
-                               param="continue_final_message")
+                raise APIError(
+                    "continue_final_message needs add_generation_prompt=false", 400, param="continue_final_message"
+                )
             if messages[-1]["role"] != "assistant" or not messages[-1].get("content"):
-                raise APIError("continue_final_message needs a final assistant message with content", 400,
-                               param="continue_final_message")
+                raise APIError(
+                    "continue_final_message needs a final assistant message with content",
+                    400,
+                    param="continue_final_message",
+                )
         if tools and not self.supports_tools:
             messages = self._with_tool_prompt(messages, tools)
             tools = None
         try:
-            text = _compile(self.source).render(messages=messages, tools=tools,
-                                                add_generation_prompt=add_generation_prompt,
-                                                bos_token=self.bos_token, eos_token=self.eos_token, **kwargs)
+            text = _compile(self.source).render(
+                messages=messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+                **kwargs,
+            )
         except jinja2.TemplateError as exc:
             raise APIError(f"the chat template failed: {exc}", 400, param="messages") from None
         except Exception as exc:  # noqa: BLE001 - a template is code: ZeroDivisionError, RecursionError, MemoryError,
             # OverflowError (the sandbox's range limit), ... on these messages are the request's problem, not a 500
-            raise APIError(f"the chat template failed on these messages: {type(exc).__name__}: {exc}", 400,
-                           param="messages") from None
+            raise APIError(
+                f"the chat template failed on these messages: {type(exc).__name__}: {exc}", 400, param="messages"
+            ) from None
         if continue_final_message:
             final = messages[-1]["content"]
             at = text.rfind(final)
             if at < 0:
-                raise APIError("the chat template changed the final message; cannot continue it", 400,
-                               param="continue_final_message")
-            text = text[:at + len(final)]
+                raise APIError(
+                    "the chat template changed the final message; cannot continue it",
+                    400,
+                    param="continue_final_message",
+                )
+            text = text[: at + len(final)]
         return text
 
-    def encode(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
-               continue_final_message: bool = False, kwargs: dict | None = None, prefill: str = "") -> list[int]:
+    def encode(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        kwargs: dict | None = None,
+        prefill: str = "",
+    ) -> list[int]:
         """Token ids of the rendered conversation followed by `prefill` (the server's own text, tokenized as
         written). Special-token strings in the request's values stay text unless trust_special_tokens."""
         if self.trust_special_tokens:
@@ -161,9 +189,11 @@ class ChatTemplate:
             messages.insert(0, {"role": "system", "content": prompt})
         for m in messages:
             if m["role"] == "assistant" and m.get("tool_calls"):
-                blocks = [f'<tool_call>\n{{"name": {json.dumps(c["function"]["name"])}, '
-                          f'"arguments": {_arguments_text(c["function"]["arguments"])}}}\n</tool_call>'
-                          for c in m["tool_calls"]]
+                blocks = [
+                    f'<tool_call>\n{{"name": {json.dumps(c["function"]["name"])}, '
+                    f'"arguments": {_arguments_text(c["function"]["arguments"])}}}\n</tool_call>'
+                    for c in m["tool_calls"]
+                ]
                 m["content"] = "\n".join(([m["content"]] if m.get("content") else []) + blocks)
                 del m["tool_calls"]
         return messages
@@ -184,8 +214,11 @@ def messages_for_template(messages, supports_tools: bool) -> list[dict]:
             texts = []
             for j, part in enumerate(content):
                 if part.type != "text" or part.text is None:
-                    raise APIError(f"content parts of type {part.type!r} are not supported (text only)", 400,
-                                   param=f"messages.{i}.content.{j}.type")
+                    raise APIError(
+                        f"content parts of type {part.type!r} are not supported (text only)",
+                        400,
+                        param=f"messages.{i}.content.{j}.type",
+                    )
                 texts.append(part.text)
             content = "\n".join(texts)
         role = "system" if m.role == "developer" else m.role
@@ -198,7 +231,7 @@ def messages_for_template(messages, supports_tools: bool) -> list[dict]:
             calls = []
             for c in m.tool_calls:
                 args = c.function.arguments
-                if supports_tools:   # templates that know tools expect a mapping
+                if supports_tools:  # templates that know tools expect a mapping
                     try:
                         args = json.loads(args)
                     except json.JSONDecodeError:

@@ -1,4 +1,5 @@
 """POST /v1/completions: prompts -> SamplingParams -> futures -> a CompletionResponse or SSE chunks."""
+
 from __future__ import annotations
 
 import time
@@ -11,11 +12,17 @@ from petrel.serve.errors import APIError, from_value_error
 from petrel.serve.guided import compile_guided, guided_from_request, guided_value_error
 from petrel.serve.logprobs import completion_logprobs
 from petrel.serve.params import build_sampling_params, check_prompt_chars, check_prompt_length, resolve_max_tokens
-from petrel.serve.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, CompletionStreamResponse,
-                                   PromptTokensDetails, Usage)
+from petrel.serve.protocol import (
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    PromptTokensDetails,
+    Usage,
+)
 from petrel.serve.streams import SSE_DONE, ServeState, abort_unfinished, merged, new_id, outputs_or_none, sse
 
-DEFAULT_MAX_TOKENS = 16   # OpenAI's default for the legacy endpoint
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy endpoint
 
 
 def api_finish_reason(reason: str | None) -> str | None:
@@ -47,8 +54,11 @@ def _prompt_items(state: ServeState, prompt) -> list:
     if not items:
         raise APIError("prompt is an empty list", 400, param="prompt")
     if len(items) > state.limits.max_prompts:
-        raise APIError(f"prompt has {len(items)} prompts; this server allows {state.limits.max_prompts} per request",
-                       400, param="prompt")
+        raise APIError(
+            f"prompt has {len(items)} prompts; this server allows {state.limits.max_prompts} per request",
+            400,
+            param="prompt",
+        )
     return items
 
 
@@ -62,8 +72,9 @@ def _tokenize_prompts(state: ServeState, items: list) -> list[tuple[str, list[in
         else:
             bad = [t for t in item if not 0 <= t < vocab]
             if bad:
-                raise APIError(f"prompt has token ids outside the vocabulary (size {vocab}): {bad[:5]}", 400,
-                               param="prompt")
+                raise APIError(
+                    f"prompt has token ids outside the vocabulary (size {vocab}): {bad[:5]}", 400, param="prompt"
+                )
             out.append((tok.decode(item), list(item)))
     return out
 
@@ -71,9 +82,13 @@ def _tokenize_prompts(state: ServeState, items: list) -> list[tuple[str, list[in
 def _usage(outputs) -> Usage:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(co.token_ids) for o in outputs for co in o.outputs)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(o.num_cached_tokens for o in outputs)),
-                 kv_transfer=disagg.kv_transfer_usage(outputs))
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(o.num_cached_tokens for o in outputs)),
+        kv_transfer=disagg.kv_transfer_usage(outputs),
+    )
 
 
 async def create_completion(state: ServeState, req: CompletionRequest, request: Request) -> Response:
@@ -81,8 +96,9 @@ async def create_completion(state: ServeState, req: CompletionRequest, request: 
     if req.suffix:
         raise APIError("suffix is not supported", 400, param="suffix")
     if req.best_of is not None and req.best_of != req.n:
-        raise APIError("best_of is supported only equal to n (petrel returns every sequence it samples)", 400,
-                       param="best_of")
+        raise APIError(
+            "best_of is supported only equal to n (petrel returns every sequence it samples)", 400, param="best_of"
+        )
     prompts = await _prompts(state, req.prompt)
     dp = disagg.from_request(req, len(prompts))
     guided = guided_from_request(req)
@@ -91,10 +107,16 @@ async def create_completion(state: ServeState, req: CompletionRequest, request: 
     for _, ids in prompts:
         check_prompt_length(len(ids), state.limits, "prompt")
         max_tokens = resolve_max_tokens(requested, DEFAULT_MAX_TOKENS, len(ids), state.limits, "max_tokens")
-        params_list.append(build_sampling_params(
-            req, max_tokens=max_tokens, limits=state.limits, logprobs=req.logprobs,
-            prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
-            guided_decoding=guided.params if guided else None))
+        params_list.append(
+            build_sampling_params(
+                req,
+                max_tokens=max_tokens,
+                limits=state.limits,
+                logprobs=req.logprobs,
+                prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
+                guided_decoding=guided.params if guided else None,
+            )
+        )
     await compile_guided(state, guided)
     state.check_capacity(len(prompts) * req.n)
     futures = []
@@ -104,7 +126,7 @@ async def create_completion(state: ServeState, req: CompletionRequest, request: 
     except ValueError as exc:
         abort_unfinished(futures)
         raise guided_value_error(exc, guided) or from_value_error(exc) from None
-    except RuntimeError as exc:   # the engine is shut down
+    except RuntimeError as exc:  # the engine is shut down
         abort_unfinished(futures)
         raise APIError(str(exc), 503) from None
     rid, created = new_id("cmpl"), int(time.time())
@@ -117,9 +139,13 @@ async def create_completion(state: ServeState, req: CompletionRequest, request: 
     for p, ((text, ids), out) in enumerate(zip(prompts, outputs)):
         state.metrics.record_request(out, [api_finish_reason(co.finish_reason) for co in out.outputs])
         for co in out.outputs:
-            choice = CompletionChoice(index=p * req.n + co.index, text=(text if req.echo else "") + co.text,
-                                      finish_reason=api_finish_reason(co.finish_reason), stop_reason=co.stop_reason,
-                                      disaggregated_params=disagg.choice_params(out))
+            choice = CompletionChoice(
+                index=p * req.n + co.index,
+                text=(text if req.echo else "") + co.text,
+                finish_reason=api_finish_reason(co.finish_reason),
+                stop_reason=co.stop_reason,
+                disaggregated_params=disagg.choice_params(out),
+            )
             if req.logprobs is not None:
                 toks = (ids if req.echo else []) + co.token_ids
                 entries = (list(out.prompt_logprobs or [None] * len(ids)) if req.echo else []) + list(co.logprobs or [])
@@ -127,7 +153,9 @@ async def create_completion(state: ServeState, req: CompletionRequest, request: 
             if req.return_token_ids:
                 choice.prompt_token_ids, choice.token_ids = ids, co.token_ids
             choices.append(choice)
-    body = CompletionResponse(id=rid, created=created, model=state.response_model(req.model), choices=choices, usage=_usage(outputs))
+    body = CompletionResponse(
+        id=rid, created=created, model=state.response_model(req.model), choices=choices, usage=_usage(outputs)
+    )
     return JSONResponse(body.model_dump(mode="json"))
 
 
@@ -138,13 +166,15 @@ async def _stream(state: ServeState, req: CompletionRequest, prompts, futures, r
     want_tokens = req.logprobs is not None or req.return_token_ids
     n = req.n
     echoed: set[int] = set()
-    finished = [0] * len(futures)              # per prompt: choices finished
+    finished = [0] * len(futures)  # per prompt: choices finished
     offsets: dict[int, int] = {}
-    prompt_entries: dict[int, list] = {}       # per prompt: its logprob entries (echo), from the chunk carrying them
+    prompt_entries: dict[int, list] = {}  # per prompt: its logprob entries (echo), from the chunk carrying them
     final_outputs = [None] * len(futures)
 
     def event(choice: CompletionChoice) -> str:
-        body = CompletionStreamResponse(id=rid, created=created, model=state.response_model(req.model), choices=[choice])
+        body = CompletionStreamResponse(
+            id=rid, created=created, model=state.response_model(req.model), choices=[choice]
+        )
         return sse(body.model_dump(mode="json", exclude=exclude))
 
     try:
@@ -164,10 +194,12 @@ async def _stream(state: ServeState, req: CompletionRequest, prompts, futures, r
             choice = CompletionChoice(index=idx, text=text)
             if req.logprobs is not None:
                 all_toks = (ids if prompt_part else []) + toks
-                all_entries = ((prompt_entries.get(p) or [None] * len(ids)) if prompt_part else []) \
-                    + c.logprob_entries()
-                choice.logprobs = completion_logprobs(all_toks, all_entries, req.logprobs, state.token_text,
-                                                      offsets.get(idx, 0))
+                all_entries = (
+                    (prompt_entries.get(p) or [None] * len(ids)) if prompt_part else []
+                ) + c.logprob_entries()
+                choice.logprobs = completion_logprobs(
+                    all_toks, all_entries, req.logprobs, state.token_text, offsets.get(idx, 0)
+                )
                 offsets[idx] = offsets.get(idx, 0) + sum(len(t) for t in choice.logprobs.tokens)
             if req.return_token_ids:
                 choice.token_ids = toks
@@ -179,19 +211,20 @@ async def _stream(state: ServeState, req: CompletionRequest, prompts, futures, r
             yield event(choice)
             if done:
                 finished[p] += 1
-                if finished[p] == n:   # the prompt's request is over: count it
+                if finished[p] == n:  # the prompt's request is over: count it
                     out = final_outputs[p] = futures[p].result(timeout=0)
                     state.metrics.record_request(out, [api_finish_reason(co.finish_reason) for co in out.outputs])
     except RuntimeError as exc:
         yield sse(APIError(str(exc), 500).body())
         yield SSE_DONE
         return
-    finally:   # the client went away (cancelled or closed generator): free the requests' KV blocks
+    finally:  # the client went away (cancelled or closed generator): free the requests' KV blocks
         if not all(f.done() for f in futures):
             state.metrics.aborted.inc()
         abort_unfinished(futures)
     if include_usage:
-        body = CompletionStreamResponse(id=rid, created=created, model=state.response_model(req.model), choices=[],
-                                        usage=_usage(final_outputs))
+        body = CompletionStreamResponse(
+            id=rid, created=created, model=state.response_model(req.model), choices=[], usage=_usage(final_outputs)
+        )
         yield sse(body.model_dump(mode="json"))
     yield SSE_DONE

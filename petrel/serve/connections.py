@@ -15,6 +15,7 @@ headers hold every descriptor, /health stops answering, and asyncio logs "Too ma
   max_lingering such sockets, it is closed at once). A connection serving a request is never evicted, so under
   a flood of slow connections a client that sends its request promptly (a /health probe) still gets in.
 """
+
 from __future__ import annotations
 
 import errno
@@ -30,10 +31,10 @@ import uvicorn
 logger = logging.getLogger("petrel.serve.connections")
 
 DEFAULT_HEADER_TIMEOUT = 10.0
-EVICT_AFTER = 0.1          # seconds a connection may wait for its headers before a newcomer at the cap may evict it
+EVICT_AFTER = 0.1  # seconds a connection may wait for its headers before a newcomer at the cap may evict it
 MAX_DEFAULT_CONNECTIONS = 4096
-REFUSAL_LINGER = 1.0       # seconds a refused connection stays half-closed, its input discarded
-REPORT_INTERVAL = 10.0     # seconds between the guard's (and the exhaustion filter's) log lines
+REFUSAL_LINGER = 1.0  # seconds a refused connection stays half-closed, its input discarded
+REPORT_INTERVAL = 10.0  # seconds between the guard's (and the exhaustion filter's) log lines
 _EXHAUSTION_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 
 
@@ -73,8 +74,10 @@ def _raw_error_response(status: int, reason: str, message: str, type_: str, code
     """A complete HTTP/1.1 response with an OpenAI-style error body that closes the connection, as bytes to write
     straight to a socket (no request was parsed, so there is no ASGI cycle to answer through)."""
     body = json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
-    head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
-            f"{extra}connection: close\r\n\r\n")
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+        f"{extra}connection: close\r\n\r\n"
+    )
     return head.encode() + body
 
 
@@ -83,8 +86,12 @@ class ConnectionGuard:
     admitted, and those waiting for request headers in the order they began to wait (oldest first), the ones yet
     to send a first request apart from idle keep-alive ones."""
 
-    def __init__(self, header_timeout: float = DEFAULT_HEADER_TIMEOUT, max_connections: int | None = None,
-                 evict_after: float = EVICT_AFTER):
+    def __init__(
+        self,
+        header_timeout: float = DEFAULT_HEADER_TIMEOUT,
+        max_connections: int | None = None,
+        evict_after: float = EVICT_AFTER,
+    ):
         if header_timeout <= 0:
             raise ValueError(f"header_timeout must be positive, got {header_timeout}")
         max_connections = default_max_connections() if max_connections is None else max_connections
@@ -92,25 +99,35 @@ class ConnectionGuard:
             raise ValueError(f"max_connections must be at least 1, got {max_connections}")
         self.header_timeout, self.max_connections, self.evict_after = header_timeout, max_connections, evict_after
         self.admitted: set = set()
-        self.lingering = 0                             # refused connections not closed yet
+        self.lingering = 0  # refused connections not closed yet
         self.max_lingering = max(16, max_connections // 16)
-        self.waiting_first: OrderedDict = OrderedDict()   # connection -> monotonic time it connected
-        self.waiting_again: OrderedDict = OrderedDict()   # connection -> monotonic time of its last response
-        self.totals: Counter = Counter()              # refused / evicted / header_timeout, since start
+        self.waiting_first: OrderedDict = OrderedDict()  # connection -> monotonic time it connected
+        self.waiting_again: OrderedDict = OrderedDict()  # connection -> monotonic time of its last response
+        self.totals: Counter = Counter()  # refused / evicted / header_timeout, since start
         self._window: Counter = Counter()
         self._last_report = float("-inf")
         self.refusal = _raw_error_response(
-            503, "Service Unavailable", f"the server has too many open connections ({max_connections}); retry later",
-            "service_unavailable", "too_many_connections", extra="retry-after: 1\r\n")
+            503,
+            "Service Unavailable",
+            f"the server has too many open connections ({max_connections}); retry later",
+            "service_unavailable",
+            "too_many_connections",
+            extra="retry-after: 1\r\n",
+        )
         self.timeout_response = _raw_error_response(
-            408, "Request Timeout", f"the request headers did not arrive within {header_timeout:g} s",
-            "invalid_request_error", "request_timeout")
+            408,
+            "Request Timeout",
+            f"the request headers did not arrive within {header_timeout:g} s",
+            "invalid_request_error",
+            "request_timeout",
+        )
 
     def protocol_class(self, base: type | None = None) -> type:
         """uvicorn's HTTP protocol (`base`, default the one uvicorn picks) guarded by this guard: pass it as
         uvicorn.Config(http=...)."""
         if base is None:
             from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
             base = AutoHTTPProtocol
         return type(f"Guarded{base.__name__}", (_GuardedConnection, base), {"guard": self})
 
@@ -156,8 +173,14 @@ class ConnectionGuard:
             since = "" if self._last_report == float("-inf") else f" in the last {now - self._last_report:.0f} s"
             counts = ", ".join(f"{n} {event}" for event, n in sorted(self._window.items()))
             at_cap = self._window["refused"] or self._window["evicted"]
-            logger.log(logging.WARNING if at_cap else logging.INFO, "connections: %s%s (%d open, cap %d)", counts,
-                       since, len(self.admitted), self.max_connections)
+            logger.log(
+                logging.WARNING if at_cap else logging.INFO,
+                "connections: %s%s (%d open, cap %d)",
+                counts,
+                since,
+                len(self.admitted),
+                self.max_connections,
+            )
             self._window.clear()
             self._last_report = now
 
@@ -165,12 +188,13 @@ class ConnectionGuard:
 class _GuardedConnection:
     """Mixed in before uvicorn's HTTP protocol (h11 or httptools: both set `self.cycle` when a request's headers
     are complete and call on_response_complete() after each response)."""
+
     guard: ConnectionGuard
     _refused = False
-    _timer = None              # the request-header deadline, or a refused connection's end of lingering
-    _waiting_cycle = None      # the cycle current when the wait for request headers began: a new one ends it
-    _partial = False           # bytes of the awaited request have arrived
-    _lingering = False         # refused, half-closed, counted in guard.lingering
+    _timer = None  # the request-header deadline, or a refused connection's end of lingering
+    _waiting_cycle = None  # the cycle current when the wait for request headers began: a new one ends it
+    _partial = False  # bytes of the awaited request have arrived
+    _lingering = False  # refused, half-closed, counted in guard.lingering
 
     def connection_made(self, transport) -> None:
         if not self.guard.admit(self):
@@ -202,13 +226,13 @@ class _GuardedConnection:
             self._request_started()
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()       # may start a pipelined request (a new cycle)
+        super().on_response_complete()  # may start a pipelined request (a new cycle)
         if not self.transport.is_closing() and getattr(self.cycle, "response_complete", True):
             self._await_request(first=False)
 
     def eof_received(self):
         if self._refused:
-            return None                      # the client read the 503 and closed: close our side too
+            return None  # the client read the 503 and closed: close our side too
         return super().eof_received()
 
     def connection_lost(self, exc) -> None:
@@ -261,6 +285,7 @@ class _GuardedConnection:
 
 # ------------------------------------------------------------------------------------------- log rate limit
 
+
 def is_resource_exhaustion(record: logging.LogRecord) -> bool:
     """A record about running out of file descriptors or socket memory: asyncio's failed accept(), or a request
     handler failing with EMFILE (uvicorn's "Exception in ASGI application"), directly or as the cause of another
@@ -296,8 +321,10 @@ class RateLimitedLogFilter(logging.Filter):
                 self.suppressed += 1
                 return False
             if self.suppressed:
-                record.msg = (f"{record.getMessage()}\n({self.suppressed} more like this in the last "
-                              f"{now - self._last:.0f} s were not logged)")
+                record.msg = (
+                    f"{record.getMessage()}\n({self.suppressed} more like this in the last "
+                    f"{now - self._last:.0f} s were not logged)"
+                )
                 record.args = None
             self._last, self.suppressed = now, 0
             return True

@@ -2,6 +2,7 @@
 submitted (a generation-only one fetches its prompt's KV first, on a pool of its own: a slow peer holds neither
 the event loop nor the threads /health and /metrics use), and what the response carries back (a context-only
 choice's DisaggregatedParams, a generation-only usage's KV transfer)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -26,8 +27,10 @@ class FetchPool:
 
     async def run(self, call):
         if self.in_flight >= self.max_fetches:
-            raise KVTransferBusy(f"disaggregated_params: {self.in_flight} KV fetches are running, the most this "
-                                 "server allows at once (kv_transfer_max_fetches); retry later")
+            raise KVTransferBusy(
+                f"disaggregated_params: {self.in_flight} KV fetches are running, the most this "
+                "server allows at once (kv_transfer_max_fetches); retry later"
+            )
         self.in_flight += 1
         try:
             return await asyncio.get_running_loop().run_in_executor(self._pool, call)
@@ -35,7 +38,7 @@ class FetchPool:
             self.in_flight -= 1
 
 
-_fetch_pools: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # LLM -> its server's FetchPool
+_fetch_pools: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # LLM -> its server's FetchPool
 
 
 def fetch_pool(llm) -> FetchPool:
@@ -53,11 +56,15 @@ def from_request(req, num_prompts: int) -> DisaggregatedParams | None:
     if dp.request_type == "context_and_generation":
         return None
     if num_prompts != 1:
-        raise APIError(f"disaggregated_params: a {dp.request_type} request takes one prompt, got {num_prompts}", 400,
-                       param=PARAM)
+        raise APIError(
+            f"disaggregated_params: a {dp.request_type} request takes one prompt, got {num_prompts}", 400, param=PARAM
+        )
     if dp.is_context_only and req.stream:
-        raise APIError("disaggregated_params: a context_only request returns one token and its parameters: "
-                       "it cannot stream", 400, param=PARAM)
+        raise APIError(
+            "disaggregated_params: a context_only request returns one token and its parameters: it cannot stream",
+            400,
+            param=PARAM,
+        )
     return dp
 
 
@@ -70,10 +77,11 @@ async def submit(state, ids, params, stream: bool, cache_salt, lora_request, dp:
 
     def call():
         return state.generate_async(ids, params, stream, cache_salt, lora_request, disaggregated_params=dp)
+
     try:
         if dp.is_generation_only and state.llm.config.fetches_kv:
             return await fetch_pool(state.llm).run(call)
-        return call()     # nothing to fetch, or refused before any fetch
+        return call()  # nothing to fetch, or refused before any fetch
     except ValueError as exc:
         if str(exc).startswith(PARAM):
             raise APIError(str(exc), 400, param=PARAM) from None
@@ -93,5 +101,8 @@ def kv_transfer_usage(outputs) -> dict | None:
     stats = [o.kv_transfer for o in outputs if o is not None and o.kv_transfer is not None]
     if not stats:
         return None
-    return {"bytes": sum(s.num_bytes for s in stats), "seconds": round(sum(s.seconds for s in stats), 6),
-            "tokens": sum(s.num_tokens for s in stats)}
+    return {
+        "bytes": sum(s.num_bytes for s in stats),
+        "seconds": round(sum(s.seconds for s in stats), 6),
+        "tokens": sum(s.num_tokens for s in stats),
+    }

@@ -1,4 +1,5 @@
 """OpenAI-shaped errors: {"error": {"message", "type", "param", "code"}} for every failure the server reports."""
+
 from __future__ import annotations
 
 import logging
@@ -12,23 +13,39 @@ from petrel.serve.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger("petrel.serve")
 
-_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
-          429: "rate_limit_error", 500: "server_error", 502: "server_error", 503: "service_unavailable"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    502: "server_error",
+    503: "service_unavailable",
+}
 
 
 class APIError(Exception):
     """Raised anywhere in a handler; becomes an OpenAI error response with this status."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+    ):
         super().__init__(message)
         self.message, self.status, self.param, self.code = message, status, param, code
         self.type = type or _TYPES.get(status, "invalid_request_error")
 
     def body(self) -> dict:
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
-                                             code=self.code)).model_dump(mode="json")
+        return ErrorResponse(
+            error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        ).model_dump(mode="json")
 
     def response(self) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
@@ -36,9 +53,27 @@ class APIError(Exception):
 
 
 # the SamplingParams / engine fields a ValueError may name, and the request field each one is
-_PARAM_NAMES = ["max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                "presence_penalty", "frequency_penalty", "logit_bias", "seed", "stop_token_ids", "stop", "n",
-                "logprobs", "prompt_logprobs", "cache_salt", "prompt_token_ids", "prompt"]
+_PARAM_NAMES = [
+    "max_tokens",
+    "min_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "seed",
+    "stop_token_ids",
+    "stop",
+    "n",
+    "logprobs",
+    "prompt_logprobs",
+    "cache_salt",
+    "prompt_token_ids",
+    "prompt",
+]
 
 
 def from_value_error(exc: ValueError, renames: dict[str, str] | None = None) -> APIError:
@@ -70,8 +105,9 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     # a union reports one error per member: name the field, not pydantic's member tags
     param = ".".join(p for p in loc if not _is_union_tag(p)) or None
     if first.get("type") == "extra_forbidden":
-        return APIError(f"Unrecognized request argument supplied: {param}", 400, param=param,
-                        code="unrecognized_argument")
+        return APIError(
+            f"Unrecognized request argument supplied: {param}", 400, param=param, code="unrecognized_argument"
+        )
     more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
     return APIError(f"{param}: {first.get('msg')}{more}", 400, param=param)
 
@@ -107,7 +143,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         response = _body_parse_error(exc) or APIError(str(exc.detail), exc.status_code).response()
-        response.headers.update(exc.headers or {})    # a 405's Allow, for one
+        response.headers.update(exc.headers or {})  # a 405's Allow, for one
         return response
 
     @app.exception_handler(Exception)
@@ -116,14 +152,20 @@ def install_error_handlers(app: FastAPI) -> None:
         return APIError(f"internal error: {type(exc).__name__}: {exc}", 500).response()
 
 
-ERROR_RESPONSES = {status: {"model": ErrorResponse, "description": text} for status, text in (
-    (400, "invalid request: bad JSON, wrong types, unknown fields, values out of range, too long a prompt"),
-    (401, "missing or wrong API key (when the server runs with --api-key)"),
-    (404, "unknown model"),
-    (413, "the request body is larger than the server accepts (--max-request-bytes)"),
-    (429, "the server is full: more sequences in flight than --max-num-seqs + --max-queue-len, or disaggregated "
-          "serving at its limits (pinned prompts, fetches at once); retry later"),
-    (500, "an error inside the engine"),
-    (502, "disaggregated_params: fetching the prompt's KV from the context server failed"),
-    (503, "the engine is shut down"),
-)}
+ERROR_RESPONSES = {
+    status: {"model": ErrorResponse, "description": text}
+    for status, text in (
+        (400, "invalid request: bad JSON, wrong types, unknown fields, values out of range, too long a prompt"),
+        (401, "missing or wrong API key (when the server runs with --api-key)"),
+        (404, "unknown model"),
+        (413, "the request body is larger than the server accepts (--max-request-bytes)"),
+        (
+            429,
+            "the server is full: more sequences in flight than --max-num-seqs + --max-queue-len, or disaggregated "
+            "serving at its limits (pinned prompts, fetches at once); retry later",
+        ),
+        (500, "an error inside the engine"),
+        (502, "disaggregated_params: fetching the prompt's KV from the context server failed"),
+        (503, "the engine is shut down"),
+    )
+}

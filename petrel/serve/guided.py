@@ -6,6 +6,7 @@ the grammar compiler's workers (petrel/engine/grammar.py), before the request is
 neither the event loop nor /health, and a bad, oversized or too slow schema, regex or grammar is a 400 naming its
 field. The engine then finds the compiled grammar again rather than compiling it a second time.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,8 +26,8 @@ JSON_ANY_WHITESPACE = False
 @dataclass
 class Guided:
     params: GuidedDecodingParams
-    param: str        # the request field it came from, named in errors
-    compiled: object = None   # its compiled grammar, once compile_guided has it
+    param: str  # the request field it came from, named in errors
+    compiled: object = None  # its compiled grammar, once compile_guided has it
 
 
 def guided_fields(req) -> list[str]:
@@ -43,15 +44,16 @@ def guided_from_request(req) -> Guided | None:
     if not given:
         return None
     if len(given) > 1:
-        raise APIError(f"at most one guided decoding option per request; this one sets {', '.join(given)}", 400,
-                       param=given[1])
+        raise APIError(
+            f"at most one guided decoding option per request; this one sets {', '.join(given)}", 400, param=given[1]
+        )
     field = given[0]
     try:
         if field == "response_format":
             params = _response_format(req.response_format)
         elif field == "guided_json":
             params = GuidedDecodingParams(json=req.guided_json, any_whitespace=JSON_ANY_WHITESPACE)
-            params.schema_text()     # not JSON, or not an object: a ValueError now
+            params.schema_text()  # not JSON, or not an object: a ValueError now
         elif field == "guided_regex":
             params = GuidedDecodingParams(regex=req.guided_regex)
         elif field == "guided_grammar":
@@ -68,8 +70,11 @@ def _response_format(fmt) -> GuidedDecodingParams:
         # any JSON object (xgrammar's built-in JSON grammar would also allow a top-level array)
         return GuidedDecodingParams(json={"type": "object"}, any_whitespace=JSON_ANY_WHITESPACE)
     if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-        raise APIError("response_format type 'json_schema' needs json_schema.schema (the JSON schema to follow)",
-                       400, param="response_format")
+        raise APIError(
+            "response_format type 'json_schema' needs json_schema.schema (the JSON schema to follow)",
+            400,
+            param="response_format",
+        )
     return GuidedDecodingParams(json=fmt.json_schema.schema_, any_whitespace=JSON_ANY_WHITESPACE)
 
 

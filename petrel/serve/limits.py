@@ -1,6 +1,7 @@
 """Request-body limits as ASGI middleware: a body over `max_bytes` is a 413 before any handler parses it, a body
 that stalls for `body_timeout` seconds between chunks is a 408 (a slow-POST client cannot hold a request open
 forever), and after a large body the memory its request freed is handed back to the OS."""
+
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +11,7 @@ from petrel.serve.errors import APIError
 
 DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
 DEFAULT_BODY_TIMEOUT = 30.0
-TRIM_AFTER_BYTES = 1024 * 1024      # a body this large makes its request free enough memory to hand back
+TRIM_AFTER_BYTES = 1024 * 1024  # a body this large makes its request free enough memory to hand back
 
 
 class HeapTrimmer:
@@ -45,8 +46,13 @@ class BodySizeLimit:
     seconds (None: forever) for each chunk, then hands it to the app; later receive() calls go to the client
     connection, so disconnects are still seen. After a body of TRIM_AFTER_BYTES or more, `trimmer` runs."""
 
-    def __init__(self, app, max_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-                 body_timeout: float | None = DEFAULT_BODY_TIMEOUT, trimmer: HeapTrimmer | None = None):
+    def __init__(
+        self,
+        app,
+        max_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        body_timeout: float | None = DEFAULT_BODY_TIMEOUT,
+        trimmer: HeapTrimmer | None = None,
+    ):
         self.app = app
         self.max_bytes = max_bytes
         self.body_timeout = body_timeout
@@ -60,19 +66,19 @@ class BodySizeLimit:
             return await self._refuse(scope, receive, send)
         received = 0
         try:
-            body, more = bytearray(), True   # bytes += would copy the whole body per chunk: O(n^2) on the loop
+            body, more = bytearray(), True  # bytes += would copy the whole body per chunk: O(n^2) on the loop
             while more:
                 message = await self._next_chunk(receive)
                 if message is None:
                     return await self._time_out(scope, receive, send)
-                if message["type"] != "http.request":     # the client left while sending
+                if message["type"] != "http.request":  # the client left while sending
                     return
                 body += message.get("body", b"")
                 received, more = len(body), message.get("more_body", False)
                 if received > self.max_bytes:
                     return await self._refuse(scope, receive, send)
             data = bytes(body)
-            del body                         # the app holds one copy of the body, not two
+            del body  # the app holds one copy of the body, not two
             return await self.app(scope, self._replay(data, receive), send)
         finally:
             if received >= TRIM_AFTER_BYTES:
@@ -89,6 +95,7 @@ class BodySizeLimit:
                 replayed = True
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
+
         return replay
 
     async def _next_chunk(self, receive):
@@ -96,18 +103,22 @@ class BodySizeLimit:
         if self.body_timeout is None:
             return await receive()
         try:
-            async with asyncio.timeout(self.body_timeout):    # a timer, not a task per chunk as wait_for makes
+            async with asyncio.timeout(self.body_timeout):  # a timer, not a task per chunk as wait_for makes
                 return await receive()
         except TimeoutError:
             return None
 
     async def _refuse(self, scope, receive, send):
-        response = APIError(f"the request body is larger than this server accepts ({self.max_bytes} bytes)", 413,
-                            code="request_too_large").response()
+        response = APIError(
+            f"the request body is larger than this server accepts ({self.max_bytes} bytes)",
+            413,
+            code="request_too_large",
+        ).response()
         await response(scope, receive, send)
 
     async def _time_out(self, scope, receive, send):
-        response = APIError(f"the request body stalled: no data for {self.body_timeout:g} s", 408,
-                            code="request_timeout").response()
-        response.headers["connection"] = "close"      # the rest of the body is not read: end the connection
+        response = APIError(
+            f"the request body stalled: no data for {self.body_timeout:g} s", 408, code="request_timeout"
+        ).response()
+        response.headers["connection"] = "close"  # the rest of the body is not read: end the connection
         await response(scope, receive, send)

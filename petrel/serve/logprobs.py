@@ -1,4 +1,5 @@
 """petrel's per-token logprob dicts -> OpenAI's two logprob shapes (legacy completions, chat)."""
+
 from __future__ import annotations
 
 from functools import lru_cache
@@ -27,7 +28,7 @@ class TokenText:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        try:   # byte-level BPE (GPT-2 style) writes " a" as "Ġa"
+        try:  # byte-level BPE (GPT-2 style) writes " a" as "Ġa"
             pieces = tokenizer.convert_ids_to_tokens(tokenizer(" a", add_special_tokens=False)["input_ids"])
             self.byte_level = any(p.startswith("\u0120") for p in pieces)
         except Exception:  # noqa: BLE001 - any other tokenizer: bytes from the decoded text
@@ -48,12 +49,12 @@ class TokenText:
 
 def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     """The k most likely alternatives, by rank (the sampled token's entry is there even when outside top k)."""
-    return sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None and lp.rank <= k),
-                  key=lambda x: x[1].rank)
+    return sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None and lp.rank <= k), key=lambda x: x[1].rank)
 
 
-def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob] | None], k: int,
-                        texts: TokenText, offset: int = 0) -> CompletionLogprobs:
+def completion_logprobs(
+    token_ids: list[int], entries: list[dict[int, Logprob] | None], k: int, texts: TokenText, offset: int = 0
+) -> CompletionLogprobs:
     """Legacy shape; `entries[i]` is None where there is no logprob (the first prompt token)."""
     out = CompletionLogprobs()
     for tok, entry in zip(token_ids, entries):
@@ -73,11 +74,13 @@ def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob] |
     return out
 
 
-def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], k: int,
-                  texts: TokenText) -> list[TokenLogprob]:
+def chat_logprobs(
+    token_ids: list[int], entries: list[dict[int, Logprob]], k: int, texts: TokenText
+) -> list[TokenLogprob]:
     content = []
     for tok, entry in zip(token_ids, entries):
         top = [TopLogprob(token=texts.text(t), logprob=lp.logprob, bytes=texts.bytes(t)) for t, lp in _top(entry, k)]
-        content.append(TokenLogprob(token=texts.text(tok), logprob=entry[tok].logprob, bytes=texts.bytes(tok),
-                                    top_logprobs=top))
+        content.append(
+            TokenLogprob(token=texts.text(tok), logprob=entry[tok].logprob, bytes=texts.bytes(tok), top_logprobs=top)
+        )
     return content

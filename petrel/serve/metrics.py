@@ -9,6 +9,7 @@ petrel_prefix_cache_hit_rate, petrel_prefix_cache_queries_tokens, petrel_prefix_
 petrel_num_preemptions, and with speculative decoding petrel_spec_decode_num_draft_tokens,
 petrel_spec_decode_num_accepted_tokens, petrel_spec_decode_acceptance_rate (accepted / drafted since start).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -35,16 +36,21 @@ class ServerMetrics:
             return Histogram(name, doc, ["model_name"], buckets=buckets, registry=r).labels(**labels)
 
         self._labels = labels
-        self.request_success = counter("petrel_request_success", "Finished sequences by finish reason",
-                                       ["finished_reason"])
-        self.aborted = counter("petrel_request_aborted", "Requests aborted because the client went away").labels(**labels)
-        self.rejected = counter("petrel_request_rejected", "Requests refused with 429 because the server was full"
-                                ).labels(**labels)
+        self.request_success = counter(
+            "petrel_request_success", "Finished sequences by finish reason", ["finished_reason"]
+        )
+        self.aborted = counter("petrel_request_aborted", "Requests aborted because the client went away").labels(
+            **labels
+        )
+        self.rejected = counter(
+            "petrel_request_rejected", "Requests refused with 429 because the server was full"
+        ).labels(**labels)
         self.prompt_tokens = counter("petrel_prompt_tokens", "Prompt tokens of finished requests").labels(**labels)
         self.generation_tokens = counter("petrel_generation_tokens", "Generated tokens").labels(**labels)
         self.ttft = histogram("petrel_time_to_first_token_seconds", "Time to first token", _LATENCY_BUCKETS)
-        self.tpot = histogram("petrel_time_per_output_token_seconds", "Time per output token after the first",
-                              _TPOT_BUCKETS)
+        self.tpot = histogram(
+            "petrel_time_per_output_token_seconds", "Time per output token after the first", _TPOT_BUCKETS
+        )
         self.e2e = histogram("petrel_e2e_request_latency_seconds", "Arrival to last token", _LATENCY_BUCKETS)
         self.running = gauge("petrel_num_requests_running", "Sequences in the running batch")
         self.waiting = gauge("petrel_num_requests_waiting", "Sequences waiting to be scheduled")
@@ -99,7 +105,14 @@ class ServerMetrics:
 def _engine_state(core) -> dict:
     bm, sched = core.block_manager, core.scheduler
     queried, hits = sched.prefix_queried_tokens, sched.prefix_hit_tokens
-    return {"running": len(sched.running), "waiting": len(sched.waiting),
-            "kv_usage": bm.num_used_blocks / bm.num_blocks if bm.num_blocks else 0.0,
-            "hit_rate": hits / queried if queried else 0.0, "queried": queried, "hits": hits,
-            "preemptions": sched.num_preemptions, "drafted": core.num_draft_tokens, "accepted": core.num_accepted_tokens}
+    return {
+        "running": len(sched.running),
+        "waiting": len(sched.waiting),
+        "kv_usage": bm.num_used_blocks / bm.num_blocks if bm.num_blocks else 0.0,
+        "hit_rate": hits / queried if queried else 0.0,
+        "queried": queried,
+        "hits": hits,
+        "preemptions": sched.num_preemptions,
+        "drafted": core.num_draft_tokens,
+        "accepted": core.num_accepted_tokens,
+    }

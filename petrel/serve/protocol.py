@@ -4,14 +4,15 @@ Requests forbid unknown fields, so a parameter petrel does not know is a 400 nam
 silently ignored one. petrel's own extras (top_k, min_p, ...) are listed after the OpenAI fields.
 Responses drop the optional keys OpenAI leaves out (a delta's missing role, a message without tool calls).
 """
+
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
-MAX_LOGPROBS = 20   # most alternatives per token a request may ask for (OpenAI: 5 legacy, 20 chat)
+MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (OpenAI: 5 legacy, 20 chat)
 
 
 class _Request(BaseModel):
@@ -27,7 +28,7 @@ class _Request(BaseModel):
         return value
 
 
-MAX_ITEMS = 2 ** 18    # most items of any one list or object in a request: more than any context holds as token ids
+MAX_ITEMS = 2**18  # most items of any one list or object in a request: more than any context holds as token ids
 
 
 def _check_text(value) -> None:
@@ -43,8 +44,10 @@ def _check_text(value) -> None:
                 try:
                     item.encode("utf-8")
                 except UnicodeEncodeError as exc:
-                    raise ValueError(f"the text has a lone UTF-16 surrogate ({item[exc.start]!r} at character "
-                                     f"{exc.start}), which is not valid Unicode") from None
+                    raise ValueError(
+                        f"the text has a lone UTF-16 surrogate ({item[exc.start]!r} at character "
+                        f"{exc.start}), which is not valid Unicode"
+                    ) from None
         elif isinstance(item, (list, tuple)):
             stack.extend(x for x in item if not isinstance(x, (int, float)))
         elif isinstance(item, dict):
@@ -54,7 +57,7 @@ def _check_text(value) -> None:
 
 class _Response(BaseModel):
     model_config = ConfigDict(protected_namespaces=())
-    _omit_none: tuple[str, ...] = ()   # keys written only when set
+    _omit_none: tuple[str, ...] = ()  # keys written only when set
 
     @model_serializer(mode="wrap")
     def _drop_unset_optionals(self, handler):
@@ -67,6 +70,7 @@ class _Response(BaseModel):
 
 # ------------------------------------------------------------------------------------------ shared pieces
 
+
 class StreamOptions(_Request):
     include_usage: bool = False
 
@@ -74,6 +78,7 @@ class StreamOptions(_Request):
 class DisaggregatedParamsField(_Request):
     """Disaggregated serving (TensorRT-LLM's names): context_only prefills here and returns these parameters on
     its choice; generation_only (on another server) carries them back, with the same prompt, to decode."""
+
     request_type: Literal["context_only", "generation_only", "context_and_generation"]
     first_gen_tokens: list[int] | None = None
     ctx_request_id: int | str | None = None
@@ -84,25 +89,30 @@ class DisaggregatedParamsField(_Request):
 
 class SamplingExtras(_Request):
     """petrel's sampling options beyond OpenAI's (vLLM-compatible names)."""
+
     top_k: int | None = Field(None, description="keep the k most likely tokens; 0 or -1 keeps all")
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
     min_tokens: int | None = Field(None, ge=0)
     ignore_eos: bool = False
-    cache_salt: str | None = Field(None, max_length=512,
-                                   description="requests with different salts never share prefix-cache blocks")
+    cache_salt: str | None = Field(
+        None, max_length=512, description="requests with different salts never share prefix-cache blocks"
+    )
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = Field(False, description="add prompt_token_ids and token_ids to each choice")
     # guided (constrained) decoding: at most one of these (and, in chat, of response_format) per request
     guided_json: dict[str, Any] | str | None = Field(
-        None, description="constrain the output to this JSON schema (an object, or its JSON text)")
+        None, description="constrain the output to this JSON schema (an object, or its JSON text)"
+    )
     guided_regex: str | None = Field(None, description="constrain the output to match this regular expression")
     guided_grammar: str | None = Field(
-        None, description="constrain the output to this EBNF grammar (xgrammar's GBNF dialect, start rule `root`)")
-    guided_choice: list[str] | None = Field(None, min_length=1,
-                                            description="the output is exactly one of these strings")
+        None, description="constrain the output to this EBNF grammar (xgrammar's GBNF dialect, start rule `root`)"
+    )
+    guided_choice: list[str] | None = Field(
+        None, min_length=1, description="the output is exactly one of these strings"
+    )
     disaggregated_params: DisaggregatedParamsField | None = None
 
 
@@ -122,7 +132,7 @@ class Usage(_Response):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
-    kv_transfer: KVTransferUsage | None = None   # a generation_only request: its prompt's KV fetch
+    kv_transfer: KVTransferUsage | None = None  # a generation_only request: its prompt's KV fetch
 
 
 class ErrorInfo(_Response):
@@ -138,7 +148,7 @@ class ErrorResponse(_Response):
 
 # ------------------------------------------------------------------------------------------ /v1/completions
 
-Prompt = Union[str, list[str], list[int], list[list[int]]]
+Prompt = str | list[str] | list[int] | list[list[int]]
 
 
 class CompletionRequest(SamplingExtras):
@@ -178,7 +188,7 @@ class CompletionChoice(_Response):
     stop_reason: int | str | None = None
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
-    disaggregated_params: dict[str, Any] | None = None   # a context_only answer: what generation_only needs
+    disaggregated_params: dict[str, Any] | None = None  # a context_only answer: what generation_only needs
 
 
 class CompletionResponse(_Response):
@@ -196,6 +206,7 @@ class CompletionStreamResponse(CompletionResponse):
 
 
 # ------------------------------------------------------------------------------------------ /v1/chat/completions
+
 
 class ContentPart(_Request):
     model_config = ConfigDict(extra="allow", strict=True)
@@ -241,6 +252,7 @@ def check_json_schema(schema: dict) -> None:
     prompt and the tool-call grammar read it, and `"properties": {"a": 5}` is no schema to read."""
     import jsonschema
     from jsonschema.validators import validator_for
+
     try:
         validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:
@@ -268,14 +280,16 @@ class JsonSchemaFormat(_Request):
     model_config = ConfigDict(extra="forbid", protected_namespaces=(), populate_by_name=True, strict=True)
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$", description="a name for the output format")
     description: str | None = Field(None, description="what the output is for (not used to constrain it)")
-    schema_: dict[str, Any] | None = Field(None, alias="schema",
-                                           description="the JSON schema the output must match (required here)")
+    schema_: dict[str, Any] | None = Field(
+        None, alias="schema", description="the JSON schema the output must match (required here)"
+    )
     strict: bool | None = Field(None, description="accepted; petrel always constrains the output to the schema")
 
 
 class ResponseFormat(_Request):
     type: Literal["text", "json_object", "json_schema"] = Field(
-        description="text: free text; json_object: any JSON object; json_schema: JSON matching json_schema.schema")
+        description="text: free text; json_object: any JSON object; json_schema: JSON matching json_schema.schema"
+    )
     json_schema: JsonSchemaFormat | None = Field(None, description="with type json_schema: the schema")
 
 
@@ -341,7 +355,7 @@ class ChatChoice(_Response):
     finish_reason: ChatFinishReason
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
-    disaggregated_params: dict[str, Any] | None = None   # a context_only answer: what generation_only needs
+    disaggregated_params: dict[str, Any] | None = None  # a context_only answer: what generation_only needs
 
 
 class ChatCompletionResponse(_Response):
@@ -399,13 +413,14 @@ class ChatCompletionChunk(_Response):
 
 # ------------------------------------------------------------------------------------------ the rest
 
+
 class ModelCard(_Response):
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "petrel"
     root: str | None = None
-    parent: str | None = None          # a LoRA adapter: the base model it runs on
+    parent: str | None = None  # a LoRA adapter: the base model it runs on
     max_model_len: int | None = None
 
 

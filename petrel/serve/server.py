@@ -1,4 +1,5 @@
 """`petrel serve`: options, the engine, uvicorn. BackgroundServer runs the app in a thread (tests, benchmarks)."""
+
 from __future__ import annotations
 
 import argparse
@@ -15,8 +16,13 @@ from concurrent.futures import ThreadPoolExecutor
 import uvicorn
 
 from petrel.cli_options import parallel_arguments, parallel_options, speculative_config_json
-from petrel.serve.connections import (DEFAULT_HEADER_TIMEOUT, ConnectionGuard, default_max_connections,
-                                      guarded_config, raise_open_file_limit)
+from petrel.serve.connections import (
+    DEFAULT_HEADER_TIMEOUT,
+    ConnectionGuard,
+    default_max_connections,
+    guarded_config,
+    raise_open_file_limit,
+)
 from petrel.serve.limits import DEFAULT_BODY_TIMEOUT
 
 # A server's step budget: a burst of requests gets its first tokens a few prompts at a time instead of a 2048-token
@@ -26,93 +32,178 @@ SERVE_MAX_NUM_BATCHED_TOKENS = 512
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("--model", default=None, help="GGUF file, Hugging Face directory or hub id (default: SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--model", default=None, help="GGUF file, Hugging Face directory or hub id (default: SmolLM2-135M-Instruct)"
+    )
     p.add_argument("--tokenizer", default=None, help="another tokenizer directory or hub id")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("PETREL_API_KEY"),
-                   help="require `Authorization: Bearer KEY` on /v1, /tokenize and /detokenize "
-                        "(default: $PETREL_API_KEY, else none)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("PETREL_API_KEY"),
+        help="require `Authorization: Bearer KEY` on /v1, /tokenize and /detokenize "
+        "(default: $PETREL_API_KEY, else none)",
+    )
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: the model's)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template (file or text) overriding the model's")
-    p.add_argument("--trust-special-tokens-in-messages", action="store_true",
-                   help="special-token strings (e.g. <|im_start|>) written in chat messages act as control tokens; "
-                        "only for trusted clients: by default they are text, so no message can forge another turn")
+    p.add_argument(
+        "--trust-special-tokens-in-messages",
+        action="store_true",
+        help="special-token strings (e.g. <|im_start|>) written in chat messages act as control tokens; "
+        "only for trusted clients: by default they are text, so no message can forge another turn",
+    )
     p.add_argument("--max-n", type=int, default=16, help="most choices (n) per request")
-    p.add_argument("--max-queue-len", type=int, default=1024,
-                   help="requests that may wait beyond the running batch; more get 429 (-1: no limit)")
+    p.add_argument(
+        "--max-queue-len",
+        type=int,
+        default=1024,
+        help="requests that may wait beyond the running batch; more get 429 (-1: no limit)",
+    )
     p.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024, help="larger bodies get 413")
-    p.add_argument("--max-connections", type=int, default=None,
-                   help="open connections at most; at the cap a new one evicts the connection waiting longest "
-                        "for its request headers, else gets 503 (default: half the open-file limit, at most 4096)")
-    p.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT,
-                   help="seconds a connection may take to send a request's headers, from connecting or the "
-                        f"previous response; then it is closed (default {DEFAULT_HEADER_TIMEOUT:g})")
-    p.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT,
-                   help="seconds a request body may stall between chunks before a 408 (default "
-                        f"{DEFAULT_BODY_TIMEOUT:g}; 0: no limit)")
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        help="open connections at most; at the cap a new one evicts the connection waiting longest "
+        "for its request headers, else gets 503 (default: half the open-file limit, at most 4096)",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=DEFAULT_HEADER_TIMEOUT,
+        help="seconds a connection may take to send a request's headers, from connecting or the "
+        f"previous response; then it is closed (default {DEFAULT_HEADER_TIMEOUT:g})",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT,
+        help="seconds a request body may stall between chunks before a 408 (default "
+        f"{DEFAULT_BODY_TIMEOUT:g}; 0: no limit)",
+    )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     g = p.add_argument_group("engine options (see petrel/config.py)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--device", default="cpu")
-    g.add_argument("--quantization", default=None, choices=["none", "int8", "gguf"],
-                   help="weights kept quantized: int8 per row (any model) or the GGUF's own blocks (default: none)")
+    g.add_argument(
+        "--quantization",
+        default=None,
+        choices=["none", "int8", "gguf"],
+        help="weights kept quantized: int8 per row (any model) or the GGUF's own blocks (default: none)",
+    )
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--block-size", type=int, default=None)
     g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
     g.add_argument("--max-num-seqs", type=int, default=None)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help=f"tokens per step (default {SERVE_MAX_NUM_BATCHED_TOKENS} with chunked prefill: the first "
-                        "tokens of a burst of requests come sooner; offline LLM's default is larger, for throughput)")
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help=f"tokens per step (default {SERVE_MAX_NUM_BATCHED_TOKENS} with chunked prefill: the first "
+        "tokens of a burst of requests come sooner; offline LLM's default is larger, for throughput)",
+    )
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
     g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (see --lora-modules)")
-    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
-                   help="PEFT LoRA adapters served under NAME (a request's `model` picks one); needs --enable-lora")
+    g.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="PEFT LoRA adapters served under NAME (a request's `model` picks one); needs --enable-lora",
+    )
     g.add_argument("--max-loras", type=int, default=None, help="LoRA adapters resident (and running) at once")
     g.add_argument("--max-lora-rank", type=int, default=None, help="largest LoRA rank accepted")
-    g.add_argument("--speculative-config", type=speculative_config_json, default=None, metavar="JSON",
-                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
-                        '(methods: ngram, draft_model with "draft_model": PATH, self with "draft_num_layers": N)')
+    g.add_argument(
+        "--speculative-config",
+        type=speculative_config_json,
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+        '(methods: ngram, draft_model with "draft_model": PATH, self with "draft_num_layers": N)',
+    )
     d = p.add_argument_group("disaggregated serving (off unless --kv-transfer-role is given)")
-    d.add_argument("--kv-transfer-role", default=None, choices=["prefill", "decode", "both"],
-                   help="prefill: answer context_only requests and serve their prompt KV; decode: answer "
-                        "generation_only requests, fetching it from a --kv-transfer-peers server; both")
-    d.add_argument("--kv-transfer-peers", nargs="+", default=None, metavar="HOST:PORT",
-                   help="decode: the prefill servers' KV transfer endpoints it may fetch from (as they advertise "
-                        "them in ctx_info_endpoint); any other is refused without connecting")
-    d.add_argument("--kv-transfer-secret", default=os.environ.get("PETREL_KV_TRANSFER_SECRET"),
-                   help="the secret every prefill and decode server shares: a fetch without it is refused "
-                        "(default: $PETREL_KV_TRANSFER_SECRET, else the --api-key)")
-    d.add_argument("--kv-transfer-host", default=None,
-                   help="prefill: the address its KV transfer server listens on (127.0.0.1)")
+    d.add_argument(
+        "--kv-transfer-role",
+        default=None,
+        choices=["prefill", "decode", "both"],
+        help="prefill: answer context_only requests and serve their prompt KV; decode: answer "
+        "generation_only requests, fetching it from a --kv-transfer-peers server; both",
+    )
+    d.add_argument(
+        "--kv-transfer-peers",
+        nargs="+",
+        default=None,
+        metavar="HOST:PORT",
+        help="decode: the prefill servers' KV transfer endpoints it may fetch from (as they advertise "
+        "them in ctx_info_endpoint); any other is refused without connecting",
+    )
+    d.add_argument(
+        "--kv-transfer-secret",
+        default=os.environ.get("PETREL_KV_TRANSFER_SECRET"),
+        help="the secret every prefill and decode server shares: a fetch without it is refused "
+        "(default: $PETREL_KV_TRANSFER_SECRET, else the --api-key)",
+    )
+    d.add_argument(
+        "--kv-transfer-host", default=None, help="prefill: the address its KV transfer server listens on (127.0.0.1)"
+    )
     d.add_argument("--kv-transfer-port", type=int, default=None, help="and its port (default: one the OS picks)")
-    d.add_argument("--kv-transfer-timeout", type=float, default=None,
-                   help="seconds a context_only request's prompt KV stays pinned waiting to be fetched, and a "
-                        "fetch's deadline (60)")
-    d.add_argument("--kv-transfer-max-pinned", type=int, default=None,
-                   help="prefill: context_only prompts pinned at once; more get 429 (64)")
-    d.add_argument("--kv-transfer-max-pinned-share", type=float, default=None,
-                   help="prefill: the most of the KV cache they may hold, 0..1; more get 429 (0.25)")
-    d.add_argument("--kv-transfer-max-fetches", type=int, default=None,
-                   help="decode: KV fetches at once; more get 429 (4)")
+    d.add_argument(
+        "--kv-transfer-timeout",
+        type=float,
+        default=None,
+        help="seconds a context_only request's prompt KV stays pinned waiting to be fetched, and a "
+        "fetch's deadline (60)",
+    )
+    d.add_argument(
+        "--kv-transfer-max-pinned",
+        type=int,
+        default=None,
+        help="prefill: context_only prompts pinned at once; more get 429 (64)",
+    )
+    d.add_argument(
+        "--kv-transfer-max-pinned-share",
+        type=float,
+        default=None,
+        help="prefill: the most of the KV cache they may hold, 0..1; more get 429 (0.25)",
+    )
+    d.add_argument(
+        "--kv-transfer-max-fetches", type=int, default=None, help="decode: KV fetches at once; more get 429 (4)"
+    )
     parallel_arguments(g)
     return p
 
 
 def engine_options(args) -> dict:
     options = {"dtype": args.dtype, "device": args.device}
-    for key in ("tokenizer", "max_model_len", "block_size", "kv_cache_memory", "max_num_seqs",
-                "max_num_batched_tokens", "seed", "num_threads", "speculative_config", "max_loras", "max_lora_rank",
-                "kv_transfer_host", "kv_transfer_port", "kv_transfer_timeout", "quantization", "kv_transfer_role",
-                "kv_transfer_peers", "kv_transfer_max_pinned", "kv_transfer_max_pinned_share",
-                "kv_transfer_max_fetches"):
+    for key in (
+        "tokenizer",
+        "max_model_len",
+        "block_size",
+        "kv_cache_memory",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "seed",
+        "num_threads",
+        "speculative_config",
+        "max_loras",
+        "max_lora_rank",
+        "kv_transfer_host",
+        "kv_transfer_port",
+        "kv_transfer_timeout",
+        "quantization",
+        "kv_transfer_role",
+        "kv_transfer_peers",
+        "kv_transfer_max_pinned",
+        "kv_transfer_max_pinned_share",
+        "kv_transfer_max_fetches",
+    ):
         value = getattr(args, key)
         if value is not None:
             options[key] = value
-    if args.kv_transfer_role is not None:   # the secret travels only to an instance that takes a role
+    if args.kv_transfer_role is not None:  # the secret travels only to an instance that takes a role
         options["kv_transfer_secret"] = args.kv_transfer_secret or args.api_key
     if args.no_prefix_caching:
         options["enable_prefix_caching"] = False
@@ -143,6 +234,7 @@ def lora_modules(args) -> dict[str, str]:
 
 def run(args) -> int:
     from petrel import LLM
+
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.body_timeout < 0:
         raise ValueError(f"--body-timeout must be positive, or 0 for no limit; got {args.body_timeout:g}")
@@ -151,22 +243,31 @@ def run(args) -> int:
     loras = lora_modules(args)
     with ThreadPoolExecutor(1, thread_name_prefix="petrel-load") as pool:
         loading = pool.submit(LLM, args.model, **engine_options(args))
-        try:   # FastAPI and the app's modules import while the model loads (most of loading frees the GIL)
+        try:  # FastAPI and the app's modules import while the model loads (most of loading frees the GIL)
             from petrel.serve.app import build_app
             from petrel.serve.chat_template import load_template_source
+
             template = load_template_source(args.chat_template)
         except BaseException:
             loading.add_done_callback(lambda f: f.exception() is None and f.result().shutdown())
             raise
         llm = loading.result()
     try:
-        app = build_app(llm, args.served_model_name, args.api_key, template, max_n=args.max_n,
-                        trust_special_tokens=args.trust_special_tokens_in_messages,
-                        max_queue_len=None if args.max_queue_len < 0 else args.max_queue_len,
-                        max_request_bytes=args.max_request_bytes, lora_modules=loras,
-                        body_timeout=args.body_timeout or None)
-        config = guarded_config(app, guard, host=args.host, port=args.port, log_level=args.log_level,
-                                timeout_graceful_shutdown=5)
+        app = build_app(
+            llm,
+            args.served_model_name,
+            args.api_key,
+            template,
+            max_n=args.max_n,
+            trust_special_tokens=args.trust_special_tokens_in_messages,
+            max_queue_len=None if args.max_queue_len < 0 else args.max_queue_len,
+            max_request_bytes=args.max_request_bytes,
+            lora_modules=loras,
+            body_timeout=args.body_timeout or None,
+        )
+        config = guarded_config(
+            app, guard, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
+        )
         print(startup_banner(llm, app.state.petrel.model_name, args.host, args.port), file=sys.stderr, flush=True)
         # uvicorn re-raises the signal that stopped it once it has shut down; with these handlers that
         # ends here, so a drained SIGTERM / Ctrl-C exits 0 instead of dying by the signal
@@ -184,13 +285,15 @@ def startup_banner(llm, model_name: str, host: str, port: int) -> str:
     bm = llm.engine.core.block_manager
     shown = f"[{host}]" if ":" in host else host
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else shown}:{port}"
-    return (f"petrel serve: model {model_name} ({getattr(llm.config, 'model', None) or 'default'}), "
-            f"dtype {llm.config.dtype}, device {llm.config.device}, "
-            f"KV cache {llm.engine.kv_cache_tokens} tokens ({bm.num_blocks} blocks of {bm.block_size}"
-            f"{f' shared by {bm.num_groups} layer groups' if bm.num_groups > 1 else ''}), "
-            f"max model len {llm.engine.max_model_len}\n"
-            f"{kv_transfer_banner(llm)}"
-            f"petrel serve: API at {url}/v1, chat page at {url}/")
+    return (
+        f"petrel serve: model {model_name} ({getattr(llm.config, 'model', None) or 'default'}), "
+        f"dtype {llm.config.dtype}, device {llm.config.device}, "
+        f"KV cache {llm.engine.kv_cache_tokens} tokens ({bm.num_blocks} blocks of {bm.block_size}"
+        f"{f' shared by {bm.num_groups} layer groups' if bm.num_groups > 1 else ''}), "
+        f"max model len {llm.engine.max_model_len}\n"
+        f"{kv_transfer_banner(llm)}"
+        f"petrel serve: API at {url}/v1, chat page at {url}/"
+    )
 
 
 def kv_transfer_banner(llm) -> str:
@@ -229,8 +332,15 @@ class BackgroundServer:
     """uvicorn serving `app` on 127.0.0.1 in a daemon thread, on a free port picked by the OS, through a
     ConnectionGuard (`self.guard`) with these limits (as `petrel serve`'s --header-timeout, --max-connections)."""
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
-                 header_timeout: float = DEFAULT_HEADER_TIMEOUT, max_connections: int | None = None):
+    def __init__(
+        self,
+        app,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        log_level: str = "warning",
+        header_timeout: float = DEFAULT_HEADER_TIMEOUT,
+        max_connections: int | None = None,
+    ):
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
@@ -238,14 +348,15 @@ class BackgroundServer:
         self.guard = ConnectionGuard(header_timeout, max_connections)
         config = guarded_config(app, self.guard, log_level=log_level, timeout_graceful_shutdown=2)
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                       name="petrel-serve", daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, name="petrel-serve", daemon=True
+        )
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self, timeout: float = 30.0) -> "BackgroundServer":
+    def start(self, timeout: float = 30.0) -> BackgroundServer:
         self.thread.start()
         deadline = time.monotonic() + timeout
         while not self.server.started:
@@ -259,7 +370,7 @@ class BackgroundServer:
         self.thread.join(timeout=10)
         self.sock.close()
 
-    def __enter__(self) -> "BackgroundServer":
+    def __enter__(self) -> BackgroundServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -1,15 +1,16 @@
 """Request plumbing shared by the endpoints: the server's state, SSE framing, merged streams, and aborting
 requests whose client went away."""
+
 from __future__ import annotations
 
 import asyncio
 import json
 import secrets
 import time
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 from fastapi import Request
 
@@ -19,7 +20,6 @@ from petrel.serve.errors import APIError
 from petrel.serve.logprobs import TokenText
 from petrel.serve.metrics import ServerMetrics
 from petrel.serve.params import ServerLimits
-
 
 TOKENIZE_THREADS = 2
 
@@ -34,12 +34,15 @@ class ServeState:
     token_text: TokenText
     api_key: str | None = None
     health_timeout: float = 5.0
-    max_pending: int | None = None     # most sequences in flight (running + queued); past it: 429
+    max_pending: int | None = None  # most sequences in flight (running + queued); past it: 429
     created: int = field(default_factory=lambda: int(time.time()))
-    lora_modules: dict = field(default_factory=dict)   # served name -> petrel.LoRARequest (`petrel serve --lora-modules`)
+    lora_modules: dict = field(
+        default_factory=dict
+    )  # served name -> petrel.LoRARequest (`petrel serve --lora-modules`)
     # rendering and tokenizing prompts: off the event loop, and off the default executor that /health uses
     tokenize_pool: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="petrel-tokenize"))
+        default_factory=lambda: ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="petrel-tokenize")
+    )
 
     async def run_blocking(self, fn, *args):
         """fn(*args) on the tokenize pool (CPU work that would otherwise stall every other client)."""
@@ -53,8 +56,12 @@ class ServeState:
         pending = self.llm.engine.num_unfinished_sequences
         if pending + num_new > self.max_pending:
             self.metrics.rejected.inc()
-            raise APIError(f"the server is full ({pending} sequences in flight, this request adds {num_new}, limit "
-                           f"{self.max_pending}); retry later", 429, code="server_overloaded")
+            raise APIError(
+                f"the server is full ({pending} sequences in flight, this request adds {num_new}, limit "
+                f"{self.max_pending}); retry later",
+                429,
+                code="server_overloaded",
+            )
 
     def check_model(self, model: str | None):
         """The LoRARequest the `model` field names (None: the base model); 404 for an unknown name."""
@@ -63,8 +70,12 @@ class ServeState:
         if model in self.lora_modules:
             return self.lora_modules[model]
         served = ", ".join(f"`{n}`" for n in [self.model_name, *self.lora_modules])
-        raise APIError(f"The model `{model}` does not exist. This server serves {served}.", 404,
-                       param="model", code="model_not_found")
+        raise APIError(
+            f"The model `{model}` does not exist. This server serves {served}.",
+            404,
+            param="model",
+            code="model_not_found",
+        )
 
     def response_model(self, model: str | None) -> str:
         """The `model` a response reports: the adapter's name when the request chose one, else the base model's."""
@@ -99,7 +110,7 @@ async def merged(futures) -> AsyncIterator[tuple[int, OutputChunk]]:
     (the futures keep no text or logprobs of their own: the events are built from the chunks). An engine error
     ends the stream with RuntimeError; leaving the loop early (client gone, error) aborts the requests that are
     still running."""
-    if len(futures) == 1:   # one request (every chat, most completions): no merging
+    if len(futures) == 1:  # one request (every chat, most completions): no merging
         try:
             async with aclosing(_chunks(futures[0])) as chunks:
                 async for chunk in chunks:

@@ -2,8 +2,10 @@
 arguments match the tool's `parameters` JSON schema, closed by </tool_call>.
 
 Two shapes (the prefill is what the server appends to the prompt; the grammar constrains the rest):
-  one function   prefill `<tool_call>\\n{"name": "<fn>", "arguments":`   grammar ` <parameters JSON>}\\n</tool_call>`
-  several        prefill `<tool_call>\\n`   grammar `<one of {"name": <fn>, "arguments": <its parameters>}>\\n</tool_call>`
+  one function   prefill `<tool_call>\\n{"name": "<fn>", "arguments":`
+                 grammar ` <parameters JSON>}\\n</tool_call>`
+  several        prefill `<tool_call>\\n`
+                 grammar `<one of {"name": <fn>, "arguments": <its parameters>}>\\n</tool_call>`
 Each is a JSON constraint with literal text around it (GuidedDecodingParams json_prefix / json_suffix), so turning
 the schemas into a grammar happens where every guided constraint compiles: in the grammar compiler's worker
 processes, under its size limits and compile timeout (a `pattern` such as `a{10000}` took seconds to convert, and
@@ -11,6 +13,7 @@ used to stall the event loop). The JSON is compact (", " and ": " separators, no
 cannot pad endlessly.
 Without xgrammar installed (`available()` is False) the server opens the call but cannot constrain it.
 """
+
 from __future__ import annotations
 
 import functools
@@ -44,12 +47,19 @@ def _parameters(parameters: dict | None) -> dict:
 
 def named_call_grammar(parameters: dict | None) -> GuidedDecodingParams:
     """After named_prefill(name): ` <arguments object>}` then the closing tag."""
-    return GuidedDecodingParams(json=_parameters(parameters), any_whitespace=False, json_prefix=" ",
-                                json_suffix="}\n</tool_call>")
+    return GuidedDecodingParams(
+        json=_parameters(parameters), any_whitespace=False, json_prefix=" ", json_suffix="}\n</tool_call>"
+    )
 
 
 def any_call_grammar(tools: list[tuple[str, dict | None]]) -> GuidedDecodingParams:
     """After CALL_START: `{"name": <one of the tools>, "arguments": <that tool's arguments>}` then the closing tag."""
-    options = [{"type": "object", "properties": {"name": {"const": name}, "arguments": _parameters(parameters)},
-                "required": ["name", "arguments"]} for name, parameters in tools]
+    options = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": name}, "arguments": _parameters(parameters)},
+            "required": ["name", "arguments"],
+        }
+        for name, parameters in tools
+    ]
     return GuidedDecodingParams(json={"anyOf": options}, any_whitespace=False, json_suffix="\n</tool_call>")

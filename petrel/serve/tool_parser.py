@@ -12,6 +12,7 @@ Recognised:
   [{"name": "f", "arguments": {...}}, ...]                   ... or a list of them
 A block whose JSON does not parse as a call stays in the content, as written.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,7 +24,7 @@ START, END = "<tool_call>", "</tool_call>"
 @dataclass
 class ParsedToolCall:
     name: str
-    arguments: str   # JSON text
+    arguments: str  # JSON text
 
 
 @dataclass
@@ -31,7 +32,7 @@ class ParserOutput:
     content: str = ""
     calls: list[ParsedToolCall] = field(default_factory=list)
 
-    def __iadd__(self, other: "ParserOutput") -> "ParserOutput":
+    def __iadd__(self, other: ParserOutput) -> ParserOutput:
         self.content += other.content
         self.calls.extend(other.calls)
         return self
@@ -80,9 +81,9 @@ def _held_prefix(text: str, tag: str) -> int:
 class ToolCallParser:
     def __init__(self, allow_bare_json: bool = True):
         self.allow_bare_json = allow_bare_json
-        self.state = "start"      # start -> text | call | bare
-        self.buffer = ""          # text not decided yet
-        self.pending_ws = ""      # whitespace held until non-whitespace content follows it
+        self.state = "start"  # start -> text | call | bare
+        self.buffer = ""  # text not decided yet
+        self.pending_ws = ""  # whitespace held until non-whitespace content follows it
         self.num_calls = 0
         self.finished = False
 
@@ -98,7 +99,7 @@ class ToolCallParser:
             return ParserOutput()
         out = self._advance(final=True)
         self.finished = True
-        if self.num_calls == 0 and self.pending_ws:   # plain text keeps its trailing whitespace
+        if self.num_calls == 0 and self.pending_ws:  # plain text keeps its trailing whitespace
             out.content += self.pending_ws
         self.pending_ws = ""
         return out
@@ -113,11 +114,11 @@ class ToolCallParser:
         if not stripped:
             self.pending_ws = text
             return
-        self.pending_ws = text[len(stripped):]
+        self.pending_ws = text[len(stripped) :]
         out.content += stripped
 
     def _calls(self, out: ParserOutput, calls: list[ParsedToolCall]) -> None:
-        self.pending_ws = ""      # whitespace between calls is layout, not content
+        self.pending_ws = ""  # whitespace between calls is layout, not content
         out.calls.extend(calls)
         self.num_calls += len(calls)
 
@@ -135,12 +136,12 @@ class ToolCallParser:
                     self.state = "bare"
                     continue
                 if START.startswith(body) and not final:
-                    return out            # may still be the start tag
+                    return out  # may still be the start tag
                 self.state = "text"
                 continue
             if self.state == "bare":
                 if not final:
-                    return out            # a bare call is known only when the output ends
+                    return out  # a bare call is known only when the output ends
                 calls = parse_calls(self.buffer)
                 if calls:
                     self._calls(out, calls)
@@ -152,8 +153,8 @@ class ToolCallParser:
                 at = self.buffer.find(START)
                 if at < 0:
                     keep = 0 if final else _held_prefix(self.buffer, START)
-                    self._content(out, self.buffer[:len(self.buffer) - keep])
-                    self.buffer = self.buffer[len(self.buffer) - keep:]
+                    self._content(out, self.buffer[: len(self.buffer) - keep])
+                    self.buffer = self.buffer[len(self.buffer) - keep :]
                     return out
                 self._content(out, self.buffer[:at])
                 self.buffer = self.buffer[at:]
@@ -164,12 +165,12 @@ class ToolCallParser:
                 if end < 0:
                     if not final:
                         return out
-                    block, rest = self.buffer, ""       # an unclosed block at the end of the output
+                    block, rest = self.buffer, ""  # an unclosed block at the end of the output
                 else:
-                    block, rest = self.buffer[:end + len(END)], self.buffer[end + len(END):]
-                inner = block[len(START):]
+                    block, rest = self.buffer[: end + len(END)], self.buffer[end + len(END) :]
+                inner = block[len(START) :]
                 if inner.endswith(END):
-                    inner = inner[:-len(END)]
+                    inner = inner[: -len(END)]
                 calls = parse_calls(inner)
                 if calls:
                     self._calls(out, calls)

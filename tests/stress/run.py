@@ -21,6 +21,7 @@ bombs: one after another, a few requests each (4 at a time): huge prompts (10 MB
     the RSS must come back within 10% afterwards.
 Prints one JSON object with the figures; exits 1 when a check fails.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,16 @@ from collections import Counter, deque
 import httpx
 import psutil
 
-PROMPTS = ["The capital of France is", "Write a haiku about the sea:", "1, 2, 3, 4,", "Once upon a time",
-           "def fibonacci(n):", "The best way to learn a language is", "Q: What is 2 + 2?\nA:", "Dear Sir,"]
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea:",
+    "1, 2, 3, 4,",
+    "Once upon a time",
+    "def fibonacci(n):",
+    "The best way to learn a language is",
+    "Q: What is 2 + 2?\nA:",
+    "Dear Sir,",
+]
 
 
 def free_port() -> int:
@@ -54,12 +63,24 @@ class Server:
     def __init__(self, extra_args=()):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "petrel.cli", "serve", "--port", str(self.port),
-                                      "--log-level", "warning", *extra_args],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "petrel.cli",
+                "serve",
+                "--port",
+                str(self.port),
+                "--log-level",
+                "warning",
+                *extra_args,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         self.ps = psutil.Process(self.proc.pid)
-        self.log_lines, self.log_tail = 0, deque(maxlen=40)    # what the server wrote to stderr
+        self.log_lines, self.log_tail = 0, deque(maxlen=40)  # what the server wrote to stderr
         threading.Thread(target=self._read_log, daemon=True).start()
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
@@ -121,15 +142,20 @@ async def sample(server: Server, stop: asyncio.Event, out: dict) -> None:
             out["rss"] = max(out["rss"], server.rss())
             try:
                 await asyncio.wait_for(stop.wait(), 0.2)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
 
 async def metrics(client: httpx.AsyncClient, base: str) -> dict:
     out = {}
     for line in (await client.get(f"{base}/metrics")).text.splitlines():
-        for name in ("petrel_num_requests_running", "petrel_num_requests_waiting", "petrel_kv_cache_usage_perc",
-                     "petrel_request_rejected_total", "petrel_request_aborted_total"):
+        for name in (
+            "petrel_num_requests_running",
+            "petrel_num_requests_waiting",
+            "petrel_kv_cache_usage_perc",
+            "petrel_request_rejected_total",
+            "petrel_request_aborted_total",
+        ):
             if line.startswith(name + "{"):
                 out[name] = float(line.rsplit(" ", 1)[1])
     return out
@@ -139,14 +165,18 @@ async def settle(client: httpx.AsyncClient, base: str, seconds: float = 60) -> d
     deadline = time.monotonic() + seconds
     while True:
         m = await metrics(client, base)
-        idle = (m.get("petrel_num_requests_running") == 0 and m.get("petrel_num_requests_waiting") == 0
-                and m.get("petrel_kv_cache_usage_perc") == 0)
+        idle = (
+            m.get("petrel_num_requests_running") == 0
+            and m.get("petrel_num_requests_waiting") == 0
+            and m.get("petrel_kv_cache_usage_perc") == 0
+        )
         if idle or time.monotonic() > deadline:
             return m
         await asyncio.sleep(0.5)
 
 
 # ------------------------------------------------------------------------------------------------ overload
+
 
 async def one_stream(client, base, i, max_tokens, results) -> None:
     body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
@@ -193,24 +223,36 @@ async def overload(server: Server, n: int, max_tokens: int) -> dict:
         statuses[str(r["status"])] = statuses.get(str(r["status"]), 0) + 1
     ttfts = [r["ttft"] for r in results if r.get("ttft") is not None]
     health = [lat for lat, status in side["health"] if status == 200]
-    return {"requests": n, "max_tokens": max_tokens, "wall_s": round(wall, 1), "statuses": statuses,
-            "accepted": statuses.get("200", 0), "rejected_429": statuses.get("429", 0),
-            "completed_with_done": sum(1 for r in results if r.get("done")),
-            "ttft_p50_s": round(pct(ttfts, 50), 3) if ttfts else None,
-            "ttft_p99_s": round(pct(ttfts, 99), 3) if ttfts else None,
-            "server_peak_rss_mib": round(side["rss"] / 2**20),
-            "health_samples": len(side["health"]), "health_ok": len(health),
-            "health_p50_s": round(pct(health, 50), 3) if health else None,
-            "health_max_s": round(max(health), 3) if health else None,
-            "after": after}
+    return {
+        "requests": n,
+        "max_tokens": max_tokens,
+        "wall_s": round(wall, 1),
+        "statuses": statuses,
+        "accepted": statuses.get("200", 0),
+        "rejected_429": statuses.get("429", 0),
+        "completed_with_done": sum(1 for r in results if r.get("done")),
+        "ttft_p50_s": round(pct(ttfts, 50), 3) if ttfts else None,
+        "ttft_p99_s": round(pct(ttfts, 99), 3) if ttfts else None,
+        "server_peak_rss_mib": round(side["rss"] / 2**20),
+        "health_samples": len(side["health"]),
+        "health_ok": len(health),
+        "health_p50_s": round(pct(health, 50), 3) if health else None,
+        "health_max_s": round(max(health), 3) if health else None,
+        "after": after,
+    }
 
 
 # ------------------------------------------------------------------------------------------------ fault soak
 
+
 async def faulty_request(client, base, rng: random.Random, tally: dict) -> None:
     kind = rng.choice(["complete", "complete_stream", "disconnect", "timeout", "cancel"])
-    body = {"prompt": rng.choice(PROMPTS), "max_tokens": rng.randint(2, 12), "ignore_eos": True,
-            "stream": kind != "complete"}
+    body = {
+        "prompt": rng.choice(PROMPTS),
+        "max_tokens": rng.randint(2, 12),
+        "ignore_eos": True,
+        "stream": kind != "complete",
+    }
     url = f"{base}/v1/completions"
 
     async def stream(read_events: int | None):
@@ -223,7 +265,7 @@ async def faulty_request(client, base, rng: random.Random, tally: dict) -> None:
                 if line.startswith("data: "):
                     seen += 1
                     if read_events is not None and seen >= read_events:
-                        return "disconnected"          # leaving the block closes the connection mid-stream
+                        return "disconnected"  # leaving the block closes the connection mid-stream
             return 200
 
     try:
@@ -244,7 +286,7 @@ async def faulty_request(client, base, rng: random.Random, tally: dict) -> None:
                 outcome = await task
             except asyncio.CancelledError:
                 outcome = "cancelled"
-    except asyncio.TimeoutError:
+    except TimeoutError:
         outcome = "timed_out"
     except httpx.HTTPError as exc:
         outcome = type(exc).__name__
@@ -275,13 +317,21 @@ async def soak(server: Server, n: int, concurrency: int, seed: int = 0) -> dict:
         settle_s = time.perf_counter() - t1
         ok = (await client.post(f"{server.base}/v1/completions", json={"prompt": "hi", "max_tokens": 2})).status_code
     health = [lat for lat, status in side["health"] if status == 200]
-    return {"requests": n, "concurrency": concurrency, "wall_s": round(wall, 1), "outcomes": dict(sorted(tally.items())),
-            "after": after, "settle_s": round(settle_s, 1), "next_request_status": ok,
-            "server_peak_rss_mib": round(side["rss"] / 2**20),
-            "health_max_s": round(max(health), 3) if health else None}
+    return {
+        "requests": n,
+        "concurrency": concurrency,
+        "wall_s": round(wall, 1),
+        "outcomes": dict(sorted(tally.items())),
+        "after": after,
+        "settle_s": round(settle_s, 1),
+        "next_request_status": ok,
+        "server_peak_rss_mib": round(side["rss"] / 2**20),
+        "health_max_s": round(max(health), 3) if health else None,
+    }
 
 
 # ------------------------------------------------------------------------------------------------ shared
+
 
 async def probe_health(base: str, stop: asyncio.Event, fresh: bool, out: list) -> None:
     """/health every 0.2 s until `stop`, on a new connection each time (`fresh`: it must get past the connection
@@ -297,7 +347,7 @@ async def probe_health(base: str, stop: asyncio.Event, fresh: bool, out: list) -
             out.append(time.perf_counter() - t0 if ok else None)
             try:
                 await asyncio.wait_for(stop.wait(), 0.2)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
 
@@ -308,7 +358,7 @@ async def watch_server(server: Server, stop: asyncio.Event, out: dict) -> None:
         out["peak_fds"] = max(out.get("peak_fds", 0), server.fds())
         try:
             await asyncio.wait_for(stop.wait(), 0.2)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
 
@@ -316,16 +366,22 @@ async def under_watch(server: Server, attack) -> tuple[object, dict]:
     """Runs the coroutine `attack` while /health is probed (fresh and kept-alive connections) and the server
     watched; returns its result and the figures."""
     stop, fresh, kept, peaks = asyncio.Event(), [], [], {}
-    watchers = [asyncio.create_task(probe_health(server.base, stop, True, fresh)),
-                asyncio.create_task(probe_health(server.base, stop, False, kept)),
-                asyncio.create_task(watch_server(server, stop, peaks))]
+    watchers = [
+        asyncio.create_task(probe_health(server.base, stop, True, fresh)),
+        asyncio.create_task(probe_health(server.base, stop, False, kept)),
+        asyncio.create_task(watch_server(server, stop, peaks)),
+    ]
     try:
         result = await attack
     finally:
         stop.set()
         await asyncio.gather(*watchers)
-    return result, {**health_figures(fresh + kept), "health_fresh_connection": health_figures(fresh),
-                    "peak_rss_mib": round(peaks.get("peak_rss", 0) / 2**20), "peak_fds": peaks.get("peak_fds")}
+    return result, {
+        **health_figures(fresh + kept),
+        "health_fresh_connection": health_figures(fresh),
+        "peak_rss_mib": round(peaks.get("peak_rss", 0) / 2**20),
+        "peak_fds": peaks.get("peak_fds"),
+    }
 
 
 def health_figures(latencies: list) -> dict:
@@ -335,9 +391,14 @@ def health_figures(latencies: list) -> dict:
 
     def shown(v):
         return None if v is None or v == float("inf") else round(v, 3)
-    return {"health_samples": len(latencies), "health_failed": sum(lat is None for lat in latencies),
-            "health_p50_s": shown(pct(ranked, 50)), "health_p99_s": shown(pct(ranked, 99)),
-            "health_max_s": shown(max(ranked)) if ranked else None}
+
+    return {
+        "health_samples": len(latencies),
+        "health_failed": sum(lat is None for lat in latencies),
+        "health_p50_s": shown(pct(ranked, 50)),
+        "health_p99_s": shown(pct(ranked, 99)),
+        "health_max_s": shown(max(ranked)) if ranked else None,
+    }
 
 
 async def rss_recovery(server: Server, baseline: int, seconds: float = 30.0) -> dict:
@@ -346,9 +407,14 @@ async def rss_recovery(server: Server, baseline: int, seconds: float = 30.0) -> 
     while True:
         rss = server.rss()
         if rss <= baseline * 1.10 or time.monotonic() - t0 > seconds:
-            return {"rss_before_mib": round(baseline / 2**20), "rss_after_mib": round(rss / 2**20),
-                    "rss_after_vs_before": round(rss / baseline, 3), "rss_recovered": rss <= baseline * 1.10,
-                    "rss_recovery_s": round(time.monotonic() - t0, 1), "fds_after": server.fds()}
+            return {
+                "rss_before_mib": round(baseline / 2**20),
+                "rss_after_mib": round(rss / 2**20),
+                "rss_after_vs_before": round(rss / baseline, 3),
+                "rss_recovered": rss <= baseline * 1.10,
+                "rss_recovery_s": round(time.monotonic() - t0, 1),
+                "fds_after": server.fds(),
+            }
         await asyncio.sleep(1.0)
 
 
@@ -382,7 +448,7 @@ async def _slow_connection(port: int, start: float, deadline: float, trickle: fl
     while time.monotonic() < deadline:
         try:
             reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 10)
-        except (OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, OSError) as exc:
             stats["outcomes"][f"connect_{type(exc).__name__}"] += 1
             await asyncio.sleep(0.2)
             continue
@@ -405,18 +471,23 @@ async def _slow_connection(port: int, start: float, deadline: float, trickle: fl
 
 
 async def _slowloris_attack(port: int, connections: int, seconds: float, trickle: float, ramp: float) -> dict:
-    logging.getLogger("asyncio").setLevel(logging.CRITICAL)    # writes to sockets the server closed
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # writes to sockets the server closed
     stats = {"outcomes": Counter(), "longest_held_s": 0.0, "oldest_open_at_end_s": 0.0}
     t0 = time.monotonic()
-    await asyncio.gather(*(_slow_connection(port, t0 + ramp * i / connections, t0 + seconds, trickle, stats)
-                           for i in range(connections)))
-    return {"outcomes": dict(stats["outcomes"]), "longest_held_s": round(stats["longest_held_s"], 2),
-            "oldest_open_at_end_s": round(stats["oldest_open_at_end_s"], 2)}
+    await asyncio.gather(
+        *(_slow_connection(port, t0 + ramp * i / connections, t0 + seconds, trickle, stats) for i in range(connections))
+    )
+    return {
+        "outcomes": dict(stats["outcomes"]),
+        "longest_held_s": round(stats["longest_held_s"], 2),
+        "oldest_open_at_end_s": round(stats["oldest_open_at_end_s"], 2),
+    }
 
 
 def slowloris_process(port: int, connections: int, seconds: float, trickle: float, ramp: float, results) -> None:
     """The attack in a process of its own, so that its event loop does not delay the /health probes."""
     import resource
+
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     results.put(asyncio.run(_slowloris_attack(port, connections, seconds, trickle, ramp)))
@@ -426,42 +497,70 @@ async def slowloris(server: Server, connections: int, seconds: float, trickle: f
     baseline, fds_before, log_before = await warm_up(server), server.fds(), server.log_lines
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    attacker = ctx.Process(target=slowloris_process, args=(server.port, connections, seconds, trickle,
-                                                           min(5.0, seconds / 4), results), daemon=True)
+    attacker = ctx.Process(
+        target=slowloris_process,
+        args=(server.port, connections, seconds, trickle, min(5.0, seconds / 4), results),
+        daemon=True,
+    )
     attacker.start()
 
     async def attack():
         while attacker.is_alive() and results.empty():
             await asyncio.sleep(0.2)
         return await asyncio.to_thread(results.get, timeout=120)
+
     t0 = time.perf_counter()
     outcome, figures = await under_watch(server, attack())
     wall = time.perf_counter() - t0
     attacker.join(30)
     recovery = await rss_recovery(server, baseline)
-    return {"connections": connections, "attack_s": seconds, "trickle_s": trickle, "wall_s": round(wall, 1),
-            **outcome, **figures, "fds_before": fds_before, **recovery,
-            "server_log_lines": server.log_lines - log_before, "server_log_tail": list(server.log_tail)[-5:]}
+    return {
+        "connections": connections,
+        "attack_s": seconds,
+        "trickle_s": trickle,
+        "wall_s": round(wall, 1),
+        **outcome,
+        **figures,
+        "fds_before": fds_before,
+        **recovery,
+        "server_log_lines": server.log_lines - log_before,
+        "server_log_tail": list(server.log_tail)[-5:],
+    }
 
 
 # ------------------------------------------------------------------------------------------------ bombs
 
+
 def _bomb_requests(server_port: int, tarpit_port: int, closed_port: int) -> dict[str, list[tuple[str, str, bytes]]]:
     """Each bomb: (label, path, JSON body) requests."""
+
     def body(**fields) -> bytes:
         return json.dumps(fields).encode()
-    huge_text = "lorem ipsum " * (10 * 2**20 // 12)                    # 10 MB
+
+    huge_text = "lorem ipsum " * (10 * 2**20 // 12)  # 10 MB
     grammar_rules = "\n".join(f'r{i} ::= "a" r{i + 1} | "b"' for i in range(20_000)) + '\nr20000 ::= "c"'
     deep_schema: dict = {"type": "string"}
     for _ in range(400):
         deep_schema = {"type": "object", "properties": {"a": deep_schema}, "required": ["a"]}
-    wide_schema = {"type": "object", "properties": {f"field_{i}": {"type": "integer"} for i in range(50_000)},
-                   "required": [f"field_{i}" for i in range(50_000)]}
+    wide_schema = {
+        "type": "object",
+        "properties": {f"field_{i}": {"type": "integer"} for i in range(50_000)},
+        "required": [f"field_{i}" for i in range(50_000)],
+    }
 
     def generation_only(endpoint: str) -> bytes:
-        return body(prompt="hi", max_tokens=4, disaggregated_params={
-            "request_type": "generation_only", "first_gen_tokens": [42], "ctx_request_id": 1,
-            "opaque_state": "0" * 64, "ctx_info_endpoint": endpoint})
+        return body(
+            prompt="hi",
+            max_tokens=4,
+            disaggregated_params={
+                "request_type": "generation_only",
+                "first_gen_tokens": [42],
+                "ctx_request_id": 1,
+                "opaque_state": "0" * 64,
+                "ctx_info_endpoint": endpoint,
+            },
+        )
+
     completions, chat = "/v1/completions", "/v1/chat/completions"
     return {
         "huge_prompt": [
@@ -470,22 +569,35 @@ def _bomb_requests(server_port: int, tarpit_port: int, closed_port: int) -> dict
             ("completion_2M_token_ids", completions, body(prompt=[42] * 2_000_000, max_tokens=1)),
         ],
         "grammar_bomb": [
-            ("guided_choice_100k", completions,
-             body(prompt="hi", max_tokens=4, guided_choice=[f"choice number {i:06d}" for i in range(100_000)])),
+            (
+                "guided_choice_100k",
+                completions,
+                body(prompt="hi", max_tokens=4, guided_choice=[f"choice number {i:06d}" for i in range(100_000)]),
+            ),
             ("guided_json_400_deep", completions, body(prompt="hi", max_tokens=4, guided_json=deep_schema)),
             ("guided_json_50k_properties", completions, body(prompt="hi", max_tokens=4, guided_json=wide_schema)),
-            ("guided_regex_repeat_bomb", completions,
-             body(prompt="hi", max_tokens=4, guided_regex="((a|b){1,1000}){1,1000}c{1,100000}")),
-            ("guided_grammar_20k_rules", completions,
-             body(prompt="hi", max_tokens=4, guided_grammar="root ::= r0\n" + grammar_rules)),
+            (
+                "guided_regex_repeat_bomb",
+                completions,
+                body(prompt="hi", max_tokens=4, guided_regex="((a|b){1,1000}){1,1000}c{1,100000}"),
+            ),
+            (
+                "guided_grammar_20k_rules",
+                completions,
+                body(prompt="hi", max_tokens=4, guided_grammar="root ::= r0\n" + grammar_rules),
+            ),
         ],
         "disagg_abuse": [
             ("generation_only_from_tarpit", completions, generation_only(f"127.0.0.1:{tarpit_port}")),
             ("generation_only_from_own_http_port", completions, generation_only(f"127.0.0.1:{server_port}")),
             ("generation_only_from_closed_port", completions, generation_only(f"127.0.0.1:{closed_port}")),
-            ("context_only_flood", completions,
-             body(prompt="Tell me a story. " * 50, max_tokens=1,
-                  disaggregated_params={"request_type": "context_only"})),
+            (
+                "context_only_flood",
+                completions,
+                body(
+                    prompt="Tell me a story. " * 50, max_tokens=1, disaggregated_params={"request_type": "context_only"}
+                ),
+            ),
         ],
     }
 
@@ -497,6 +609,7 @@ async def _tarpit() -> tuple[asyncio.AbstractServer, int]:
     async def hold(reader, writer):
         held.append(writer)
         await asyncio.sleep(3600)
+
     srv = await asyncio.start_server(hold, "127.0.0.1", 0)
     return srv, srv.sockets[0].getsockname()[1]
 
@@ -504,8 +617,12 @@ async def _tarpit() -> tuple[asyncio.AbstractServer, int]:
 async def _send_bomb(client, base, label, path, payload, deadline: float) -> dict:
     t0 = time.perf_counter()
     try:
-        r = await client.post(f"{base}{path}", content=payload, headers={"content-type": "application/json"},
-                              timeout=max(60.0, deadline * 4))
+        r = await client.post(
+            f"{base}{path}",
+            content=payload,
+            headers={"content-type": "application/json"},
+            timeout=max(60.0, deadline * 4),
+        )
         status, code, message = r.status_code, None, None
         try:
             error = r.json().get("error") or {}
@@ -525,10 +642,13 @@ async def bomb(server: Server, requests: list, repeat: int, concurrency: int, de
 
     async def attack():
         async with httpx.AsyncClient(limits=limits) as client:
+
             async def one(req):
                 async with sem:
                     return await _send_bomb(client, server.base, *req, deadline)
+
             return await asyncio.gather(*(one(req) for req in requests * repeat))
+
     t0 = time.perf_counter()
     results, figures = await under_watch(server, attack())
     wall = time.perf_counter() - t0
@@ -537,18 +657,27 @@ async def bomb(server: Server, requests: list, repeat: int, concurrency: int, de
     recovery = await rss_recovery(server, baseline)
     by_label = {}
     for r in results:
-        entry = by_label.setdefault(r["label"], {"statuses": Counter(), "codes": Counter(), "max_s": 0.0,
-                                                 "message": r["message"]})
+        entry = by_label.setdefault(
+            r["label"], {"statuses": Counter(), "codes": Counter(), "max_s": 0.0, "message": r["message"]}
+        )
         entry["statuses"][str(r["status"])] += 1
         entry["codes"][str(r["code"])] += 1
         entry["max_s"] = round(max(entry["max_s"], r["seconds"]), 3)
-    refused_fast = [isinstance(r["status"], int) and 400 <= r["status"] < 500 and r["seconds"] < deadline
-                    for r in results]
-    return {"requests": len(results), "wall_s": round(wall, 1), "all_refused_fast": all(refused_fast),
-            "refused_fast": sum(refused_fast),
-            "by_request": {k: {**v, "statuses": dict(v["statuses"]), "codes": dict(v["codes"])}
-                           for k, v in by_label.items()},
-            **figures, **recovery, "after": after}
+    refused_fast = [
+        isinstance(r["status"], int) and 400 <= r["status"] < 500 and r["seconds"] < deadline for r in results
+    ]
+    return {
+        "requests": len(results),
+        "wall_s": round(wall, 1),
+        "all_refused_fast": all(refused_fast),
+        "refused_fast": sum(refused_fast),
+        "by_request": {
+            k: {**v, "statuses": dict(v["statuses"]), "codes": dict(v["codes"])} for k, v in by_label.items()
+        },
+        **figures,
+        **recovery,
+        "after": after,
+    }
 
 
 async def bombs(server: Server, repeat: int, concurrency: int, deadline: float, flood: int) -> dict:
@@ -557,7 +686,7 @@ async def bombs(server: Server, repeat: int, concurrency: int, deadline: float, 
     out = {}
     try:
         for name, requests in _bomb_requests(server.port, tarpit_port, closed_port).items():
-            if name == "disagg_abuse":        # the flood: many context_only requests, each pinning its prompt's KV
+            if name == "disagg_abuse":  # the flood: many context_only requests, each pinning its prompt's KV
                 flood_req = requests[-1]
                 requests = requests[:-1] + [flood_req] * max(1, flood // repeat)
             out[name] = await bomb(server, requests, repeat, concurrency, deadline)
@@ -585,10 +714,15 @@ def bombs_failures(report: dict, deadline: float) -> list[str]:
     failures, four_xx = [], {str(s) for s in range(400, 500)}
     for name, r in report.items():
         if not r["all_refused_fast"]:
-            missed = {label: [v["statuses"], v["max_s"]] for label, v in r["by_request"].items()
-                      if set(v["statuses"]) - four_xx or v["max_s"] >= deadline}
-            failures.append(f"bombs.{name}: {r['requests'] - r['refused_fast']} of {r['requests']} requests not "
-                            f"refused with a 4xx within {deadline} s: {json.dumps(missed)}")
+            missed = {
+                label: [v["statuses"], v["max_s"]]
+                for label, v in r["by_request"].items()
+                if set(v["statuses"]) - four_xx or v["max_s"] >= deadline
+            }
+            failures.append(
+                f"bombs.{name}: {r['requests'] - r['refused_fast']} of {r['requests']} requests not "
+                f"refused with a 4xx within {deadline} s: {json.dumps(missed)}"
+            )
         if r["health_p99_s"] is None or r["health_p99_s"] >= 1.0:
             failures.append(f"bombs.{name}: /health p99 {r['health_p99_s']} s (>= 1 s or over 1% failed)")
         if not r["rss_recovered"]:
@@ -609,8 +743,12 @@ def main(argv=None) -> int:
     p.add_argument("--slow-connections", type=int, default=5000, help="slowloris: attacking connections")
     p.add_argument("--slow-seconds", type=float, default=30.0, help="slowloris: how long the attack lasts")
     p.add_argument("--slow-trickle", type=float, default=2.0, help="slowloris: seconds between header lines")
-    p.add_argument("--header-timeout", type=float, default=10.0,
-                   help="slowloris: the server's --header-timeout (the check allows 3 s more)")
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="slowloris: the server's --header-timeout (the check allows 3 s more)",
+    )
     p.add_argument("--bomb-repeat", type=int, default=3, help="bombs: times each request is sent")
     p.add_argument("--bomb-concurrency", type=int, default=4, help="bombs: requests at once")
     p.add_argument("--bomb-deadline", type=float, default=2.0, help="bombs: seconds a refusal may take")
@@ -636,19 +774,24 @@ def main(argv=None) -> int:
             s = report["soak"] = asyncio.run(soak(server, args.soak_requests, args.soak_concurrency))
             print(json.dumps({"soak": s}), flush=True)
             a = s["after"]
-            if not (a.get("petrel_num_requests_running") == 0 and a.get("petrel_num_requests_waiting") == 0
-                    and a.get("petrel_kv_cache_usage_perc") == 0):
+            if not (
+                a.get("petrel_num_requests_running") == 0
+                and a.get("petrel_num_requests_waiting") == 0
+                and a.get("petrel_kv_cache_usage_perc") == 0
+            ):
                 failures.append(f"soak: the engine is not empty afterwards: {a}")
             if s["next_request_status"] != 200:
                 failures.append("soak: the server did not serve a request afterwards")
         if "slowloris" in args.runs:
-            sl = report["slowloris"] = asyncio.run(slowloris(server, args.slow_connections, args.slow_seconds,
-                                                             args.slow_trickle))
+            sl = report["slowloris"] = asyncio.run(
+                slowloris(server, args.slow_connections, args.slow_seconds, args.slow_trickle)
+            )
             print(json.dumps({"slowloris": sl}), flush=True)
             failures += slowloris_failures(sl, args.header_timeout)
         if "bombs" in args.runs:
-            b = report["bombs"] = asyncio.run(bombs(server, args.bomb_repeat, args.bomb_concurrency,
-                                                    args.bomb_deadline, args.context_only_flood))
+            b = report["bombs"] = asyncio.run(
+                bombs(server, args.bomb_repeat, args.bomb_concurrency, args.bomb_deadline, args.context_only_flood)
+            )
             failures += bombs_failures(b, args.bomb_deadline)
     finally:
         report["server_exit_code"] = server.stop()
