@@ -215,6 +215,9 @@ class LLM:
         arrived = threading.Event()
         for f in futures:
             f._outputs.signal = arrived
+            # without stop strings nothing needs finding between steps: wake when a sequence ends, so this thread
+            # does not compete with the engine's threads every step (the rest is processed at the end)
+            f._outputs.signal_final_only = not f._processor.has_stop_strings
         try:
             waiting = list(futures)
             while waiting:

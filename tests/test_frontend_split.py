@@ -259,3 +259,33 @@ def test_a_finished_stream_keeps_no_chunks(llm):
     future, text = asyncio.run(server_style())
     result = future.result(timeout=0).outputs[0]
     assert len(result.token_ids) == 50 and text and result.text == "" and result.logprobs is None
+
+
+def test_a_batch_without_stop_strings_wakes_its_caller_only_when_sequences_end(llm, monkeypatch):
+    """LLM.generate's thread sleeps through the steps of requests that have nothing to find between steps (no stop
+    strings), so it does not compete with the engine's threads every step; with a stop string it wakes each step."""
+    import types
+
+    import petrel.llm
+
+    waits = []
+
+    class CountingEvent(threading.Event):
+        def wait(self, timeout=None):
+            waits.append(1)
+            return super().wait(timeout)
+
+    monkeypatch.setattr(petrel.llm, "threading", types.SimpleNamespace(Event=CountingEvent))
+    prompts = [[9, 10, 11], [12, 13], [14, 15, 16, 17]]
+    quiet = llm.generate(prompts, SamplingParams(max_tokens=40, **LONG), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in quiet] == [40, 40, 40]
+    assert len(waits) <= len(prompts), len(waits)  # at most once per finished request
+    # the outputs are the same as when processed step by step
+    streamed = [list(llm.generate_async(p, SamplingParams(max_tokens=40, **LONG), streaming=True))[-1] for p in prompts]
+    assert [o.outputs[0].text for o in quiet] == [s.outputs[0].text for s in streamed]
+
+    waits.clear()
+    stop, shown = _stop_inside(quiet[0].outputs[0].text)
+    stopped = llm.generate(prompts[:1], SamplingParams(max_tokens=40, stop=[stop], **LONG), use_tqdm=False)[0]
+    assert stopped.outputs[0].text == shown and stopped.outputs[0].finish_reason == "stop"
+    assert len(waits) >= len(stopped.outputs[0].token_ids) // 2  # woken by the steps, to find the stop string

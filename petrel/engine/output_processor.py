@@ -30,6 +30,11 @@ class RequestOutputProcessor:
     def all_finished(self) -> bool:
         return len(self.finished) >= self.num_sequences
 
+    @property
+    def has_stop_strings(self) -> bool:
+        """Whether this side may end a sequence (a stop string matched in its text)."""
+        return bool(self.params.stop) and self.params.detokenize and self.tokenizer is not None
+
     def _detokenizer(self, index: int) -> IncrementalDetokenizer | None:
         if index not in self._detokenizers:
             p = self.params

@@ -32,6 +32,7 @@ class OutputQueue:
         self._version = 0
         self._waiters: list[AsyncWaiter] = []
         self.signal: threading.Event | None = None  # also set on each put (one wait over several queues)
+        self.signal_final_only = False  # ... or only on a put that ends a sequence (finish_reason set)
 
     @property
     def version(self) -> int:
@@ -46,7 +47,7 @@ class OutputQueue:
             self._cond.notify_all()
             waiters = self._take_waiters()
         self._wake_async(waiters)
-        if self.signal is not None:
+        if self.signal is not None and (not self.signal_final_only or item.finish_reason is not None):
             self.signal.set()
 
     # ------------------------------------------------------------------ the consumer's side
