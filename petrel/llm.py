@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import threading
 import time
@@ -21,6 +22,8 @@ from petrel.sampling_params import SamplingParams
 from petrel.text_request import TextGenerationRequest
 
 __all__ = ["LLM", "RequestFuture"]
+
+logger = logging.getLogger("petrel")
 
 PromptType = str | list[int]
 
@@ -104,7 +107,8 @@ class LLM:
     ):
         """Tokenize and check one prompt now; return submit(streaming, timeout) -> RequestFuture that queues it."""
         request_id = None
-        if isinstance(prompt, TextGenerationRequest):
+        request = prompt if isinstance(prompt, TextGenerationRequest) else None
+        if request is not None:
             if sampling_params is not None:
                 raise ValueError("sampling_params: a TextGenerationRequest carries its own")
             request_id, cache_salt = prompt.request_id, prompt.cache_salt
@@ -122,7 +126,7 @@ class LLM:
             disagg.check(dp, params, ids, self._engine, self.config)
 
         def submit(streaming: bool, timeout: float | None) -> RequestFuture:
-            arrival = _now()
+            arrival = _now() if request is None else _arrival(request.timestamp_ns)
             options, kv_stats = disagg.request_options(dp, ids, self._engine.model_config, self.config)
             future = RequestFuture(
                 next(self._ids) if request_id is None else request_id,
@@ -135,6 +139,8 @@ class LLM:
                 arrival,
             )
             future._builder.kv_transfer = kv_stats
+            if request is not None:
+                _apply_request_options(future, request, text, ids, self.tokenizer)
             if lora_request is not None:
                 options["lora_request"] = lora_request
             self._add(future, ids, params, timeout, cache_salt, options, dp)
@@ -291,6 +297,26 @@ class LLM:
 
 def _now() -> float:
     return time.monotonic()
+
+
+def _arrival(timestamp_ns: int) -> float:
+    """The monotonic arrival time: now, or when the request was received (wall-clock timestamp_ns > 0), so queue
+    time counts from then (a timestamp in the future counts as now)."""
+    now = _now()
+    if timestamp_ns <= 0:
+        return now
+    return now - max(0, time.time_ns() - timestamp_ns) / 1e9
+
+
+def _apply_request_options(future: RequestFuture, request: TextGenerationRequest, text, ids, tokenizer) -> None:
+    """A TextGenerationRequest's output options on its future: echo, tool-call parsing, request_path."""
+    builder = future._builder
+    path = request.normalized_request_path
+    builder.metrics.request_path = path
+    if request.echo:
+        builder.echo(text if text is not None else tokenizer.decode(ids))
+    builder.parse_tools = request.tools is not None
+    logger.info("request %r: path=%s prompt_tokens=%d", future.request_id, path, len(ids))
 
 
 def _per_prompt(value, name: str, num_prompts: int) -> list:

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
 FinishReason = Literal["stop", "length", "timeout", "cancelled"]
+AbortCode = Literal["cancelled", "timeout", "error"]
+ABORT_CODES = ("cancelled", "timeout", "error")
 
 
 class Logprob(NamedTuple):
@@ -28,6 +30,30 @@ class FinishDetails:
     matched_token: int | tuple[int, ...] | None = None  # a stop token id, or a multi-token stop word
     matched_stop: str | None = None
     message: str | None = None  # for aborts: 'cancelled' or 'timeout' or an error text
+    code: AbortCode | None = None  # for aborts: 'cancelled' | 'timeout' | 'error' (derived from message when unset)
+
+    def __post_init__(self):
+        if self.type == "abort" and self.code is None:
+            self.code = self.message if self.message in ("cancelled", "timeout") else "error"
+        if self.code is not None and self.code not in ABORT_CODES:
+            raise ValueError(f"FinishDetails.code must be one of {ABORT_CODES}, got {self.code!r}")
+
+
+@dataclass
+class FunctionCall:
+    """A tool call's function: its name and its arguments as JSON text (OpenAI's shape)."""
+
+    name: str
+    arguments: str
+
+
+@dataclass
+class ToolCall:
+    """One tool call parsed out of a sequence's text (OpenAI's `message.tool_calls[i]`)."""
+
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
 
 
 @dataclass
@@ -127,6 +153,7 @@ class RequestPerfMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_generated_tokens: int = 0
+    request_path: str | None = None  # a TextGenerationRequest's request_path (normalized, capped)
 
     @property
     def queue_time(self) -> float | None:
@@ -169,6 +196,9 @@ class CompletionOutput:
     request_perf_metrics: RequestPerfMetrics | None = None
     spec_verify_ct: int | None = None  # speculative decoding: verify rounds so far
     accept_draft_tokens: float | None = None  # accepted draft tokens per verify round, once finished
+    # a TextGenerationRequest with tools: the calls parsed out of `text` once the sequence finished (the server's
+    # tool parser, petrel/serve/tool_parser.py); `text` stays the model's text as written. None without tools.
+    tool_calls: list[ToolCall] | None = None
     # where the previous streamed snapshot ended, for the *_diff properties
     _last_text_len: int = field(default=0, repr=False)
     _last_token_len: int = field(default=0, repr=False)

@@ -9,12 +9,22 @@ built without copying, and an update never changes after later steps. The final 
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable
 from dataclasses import replace
 from typing import NamedTuple
 
 from petrel.disagg.requests import context_params
-from petrel.outputs import CompletionOutput, OutputChunk, RequestOutput, RequestPerfMetrics, TokenLogprobs
+from petrel.outputs import (
+    CompletionOutput,
+    FunctionCall,
+    OutputChunk,
+    RequestOutput,
+    RequestPerfMetrics,
+    TokenLogprobs,
+    ToolCall,
+)
+from petrel.serve.tool_parser import parse_all
 
 
 class HistoryMark(NamedTuple):
@@ -74,6 +84,7 @@ class SequenceHistory:
         self.spec_verify_ct: int | None = None
         self.accept_draft_tokens: float | None = None
         self.additional_context_outputs: dict | None = None
+        self.tool_calls: list[ToolCall] | None = None
         self._joined, self._joined_pieces = "", 0
 
     def mark(self) -> HistoryMark:
@@ -189,8 +200,16 @@ class RequestOutputBuilder:
         self.kv_transfer = None  # generation-only: the KV fetch's KVTransferStats
         self.kv_endpoint: str | None = None  # context-only: this instance's KV transfer server
         self.error: str | None = None  # an abort's message when it is an error
+        self.echo_chars = 0  # echo: each sequence's text starts with this many characters of prompt text
+        self.parse_tools = False  # tools: parse each finished sequence's text for tool calls
         self.finished = False
         self.version = 0  # chunks applied
+
+    def echo(self, prompt_text: str) -> None:
+        """Start every sequence's text with the prompt's text (a TextGenerationRequest's echo); before any chunk."""
+        for seq in self.sequences:
+            seq.text_pieces.insert(0, prompt_text)
+        self.echo_chars = len(prompt_text)
 
     def drop_history(self) -> None:
         """Keep token ids and counts only from now on (no text, logprobs or logits): for a consumer that streams
@@ -252,6 +271,11 @@ class RequestOutputBuilder:
     def _finish(self, seq: SequenceHistory, chunk: OutputChunk) -> None:
         seq.finish_reason = chunk.completion_finish_reason
         seq.stop_reason = chunk.completion_stop_reason
+        if self.parse_tools and seq.keep:
+            calls = parse_all(seq.text()[self.echo_chars :]).calls
+            seq.tool_calls = [
+                ToolCall(f"call_{secrets.token_hex(12)}", FunctionCall(c.name, c.arguments)) for c in calls
+            ]
         if chunk.error is not None:
             self.error = chunk.error
 
@@ -299,6 +323,7 @@ class RequestOutputBuilder:
             "request_perf_metrics": metrics,
             "spec_verify_ct": seq.spec_verify_ct,
             "accept_draft_tokens": seq.accept_draft_tokens,
+            "tool_calls": None if seq.tool_calls is None else list(seq.tool_calls),
         }
 
     def _request_output(self, outputs: list[CompletionOutput], metrics: RequestPerfMetrics | None) -> RequestOutput:

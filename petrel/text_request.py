@@ -17,6 +17,7 @@ from petrel.model.tokenizer import chat_prompt
 from petrel.sampling_params import SamplingParams
 
 MAX_CACHE_SALT_CHARS = 512
+MAX_REQUEST_PATH_CHARS = 128
 
 
 @dataclass(frozen=True)
@@ -25,15 +26,21 @@ class TextGenerationRequest:
     model_name: str | None = None  # must name the loaded model when given
     prompt: str | Sequence[int] | None = None  # text or token ids (exclusive with messages)
     messages: list[dict] = field(default_factory=list)  # chat turns: {"role": ..., "content": ...}
-    tools: list[dict] | None = None  # function tools, rendered through the chat template
+    images: list[bytes] = field(default_factory=list)  # image bytes (refused: no vision model yet)
+    videos: list[bytes] = field(default_factory=list)  # video bytes (refused: no vision model yet)
+    decoded_images: list[Any] = field(default_factory=list)  # PIL images matching `images` 1:1 (refused likewise)
+    # function tools ({"type": "function", "function": {...}}): rendered into the prompt as `petrel serve` does,
+    # and each finished sequence's tool calls parsed into CompletionOutput.tool_calls
+    tools: list[dict] | None = None
     response_format: dict | None = None  # structured output: json_object or json_schema (guided decoding)
-    timestamp_ns: int = 0  # when the client sent it (kept, not interpreted)
-    request_path: str = "/"
+    timestamp_ns: int = 0  # wall-clock time.time_ns() the request was received; > 0: queue time counts from it
+    request_path: str = "/"  # in the request's log line and its perf metrics (normalized: no query, capped)
     logprobs: int = 0  # top logprobs per generated token (0: none)
-    echo: bool = False  # also score the prompt (prompt logprobs when logprobs > 0)
+    echo: bool = False  # the output's text starts with the prompt's text (and prompt logprobs when logprobs > 0)
     chat_template_options: dict | None = None  # extra chat-template variables (add_generation_prompt, ...)
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
-    target_endpoint: str | None = None  # routing hint for a multi-engine deployment (one engine here)
+    target_endpoint: str | None = None  # routing hint: `petrel route` routes by it; a lone engine refuses a value
+    dkv_cache_hint: dict[str, Any] | None = None  # distributed-KV hint: validated and kept (not used yet)
     cache_salt: str | None = None  # isolates this request's prefix-cache entries
 
     def __post_init__(self):
@@ -47,8 +54,58 @@ class TextGenerationRequest:
             raise ValueError(f"logprobs must be an integer >= 0, got {self.logprobs!r}")
         if self.response_format is not None:
             self._guided_decoding()  # validates it
-        if self.tools is not None and not self.messages:
-            raise ValueError("tools need chat messages")
+        if self.tools is not None:
+            if not self.messages:
+                raise ValueError("tools need chat messages")
+            if not isinstance(self.tools, list) or not all(isinstance(t, dict) for t in self.tools):
+                raise ValueError("tools must be a list of tool objects (dicts)")
+        if isinstance(self.timestamp_ns, bool) or not isinstance(self.timestamp_ns, int) or self.timestamp_ns < 0:
+            raise ValueError(f"timestamp_ns must be an integer >= 0 (time.time_ns()), got {self.timestamp_ns!r}")
+        if not isinstance(self.request_path, str):
+            raise ValueError(f"request_path must be a string, got {type(self.request_path).__name__}")
+        if self.dkv_cache_hint is not None and (
+            not isinstance(self.dkv_cache_hint, dict) or not all(isinstance(k, str) for k in self.dkv_cache_hint)
+        ):
+            raise ValueError("dkv_cache_hint must be a dict with string keys, or None")
+        for name in ("images", "videos", "decoded_images"):
+            if not isinstance(getattr(self, name), list):
+                raise ValueError(f"{name} must be a list")
+
+    def images_for_processing(self) -> list[Any]:
+        """The images for preprocessing: the pre-decoded `decoded_images` when there are any, else `images` bytes."""
+        return list(self.decoded_images) if self.decoded_images else list(self.images)
+
+    @property
+    def number_of_images(self) -> int:
+        """Image-type content parts across all messages."""
+        return _count_parts(self.messages, ("image", "image_url"))
+
+    @property
+    def number_of_videos(self) -> int:
+        """Video-type content parts across all messages."""
+        return _count_parts(self.messages, ("video", "video_url"))
+
+    @property
+    def normalized_request_path(self) -> str:
+        """request_path as logs and metrics carry it: no query or fragment, at most MAX_REQUEST_PATH_CHARS."""
+        return normalize_request_path(self.request_path)
+
+    def _refuse_unsupported(self) -> None:
+        """ValueError naming what a lone text engine cannot honour."""
+        if self.target_endpoint:
+            raise ValueError(
+                f"target_endpoint {self.target_endpoint!r}: this is one engine, not a router; "
+                "route by target_endpoint with `petrel route`"
+            )
+        for name, count in (
+            ("images", len(self.images)),
+            ("decoded_images", len(self.decoded_images)),
+            ("videos", len(self.videos)),
+            ("messages (image content)", self.number_of_images),
+            ("messages (video content)", self.number_of_videos),
+        ):
+            if count:
+                raise ValueError(f"{name}: this model has no vision input (text only)")
 
     def _guided_decoding(self) -> GuidedDecodingParams | None:
         """response_format ({"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}})
@@ -72,13 +129,17 @@ class TextGenerationRequest:
             raise ValueError(
                 f"model_name {self.model_name!r} is not loaded here; this engine serves {list(model_names)}"
             )
+        self._refuse_unsupported()
         if self.messages:
             options = dict(self.chat_template_options or {})
             add_generation_prompt = options.pop("add_generation_prompt", True)
             if self.tools is not None:
-                options["tools"] = self.tools
-            rendered = chat_prompt(tokenizer, list(self.messages), add_generation_prompt, options)
-            text, ids = rendered["prompt"], rendered["prompt_token_ids"]
+                text, ids = _render_with_tools(
+                    tokenizer, list(self.messages), self.tools, add_generation_prompt, options
+                )
+            else:
+                rendered = chat_prompt(tokenizer, list(self.messages), add_generation_prompt, options)
+                text, ids = rendered["prompt"], rendered["prompt_token_ids"]
         elif isinstance(self.prompt, str):
             text, ids = self.prompt, tokenizer(self.prompt)["input_ids"]
         else:
@@ -97,3 +158,32 @@ class TextGenerationRequest:
         if changes:
             params = dataclasses.replace(params, **changes)
         return text, ids, params
+
+
+def normalize_request_path(path: str) -> str:
+    """A request path fit for a log line or a metric: no query or fragment, printable, at most
+    MAX_REQUEST_PATH_CHARS characters (a path is user input: this bounds what a metric may carry)."""
+    path = path.split("?", 1)[0].split("#", 1)[0]
+    path = "".join(c if c.isprintable() and not c.isspace() else "_" for c in path) or "/"
+    return path[:MAX_REQUEST_PATH_CHARS]
+
+
+def _count_parts(messages: list[dict], kinds: tuple[str, ...]) -> int:
+    return sum(
+        1
+        for m in messages
+        if isinstance(m, dict) and isinstance(m.get("content"), list)
+        for part in m["content"]
+        if isinstance(part, dict) and part.get("type") in kinds
+    )
+
+
+def _render_with_tools(tokenizer, messages, tools, add_generation_prompt, options) -> tuple[str, list[int]]:
+    """The prompt `petrel serve` builds for these messages and tools (its ChatTemplate, shared)."""
+    from petrel.serve.chat_template import ChatTemplate
+    from petrel.serve.errors import APIError
+
+    try:
+        return ChatTemplate(tokenizer).prompt(messages, tools, add_generation_prompt, False, options)
+    except APIError as exc:
+        raise ValueError(str(exc)) from None

@@ -169,13 +169,26 @@ class ChatTemplate:
     ) -> list[int]:
         """Token ids of the rendered conversation followed by `prefill` (the server's own text, tokenized as
         written). Special-token strings in the request's values stay text unless trust_special_tokens."""
+        return self.prompt(messages, tools, add_generation_prompt, continue_final_message, kwargs, prefill)[1]
+
+    def prompt(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        kwargs: dict | None = None,
+        prefill: str = "",
+    ) -> tuple[str, list[int]]:
+        """(text, token ids) of the rendered conversation followed by `prefill`: what `encode` returns, with its
+        text (the server and LLM.generate's TextGenerationRequest with tools both render through here)."""
         if self.trust_special_tokens:
-            text = self.render(messages, tools, add_generation_prompt, continue_final_message, kwargs)
-            return self.tokenizer(text + prefill, add_special_tokens=False)["input_ids"]
+            text = self.render(messages, tools, add_generation_prompt, continue_final_message, kwargs) + prefill
+            return text, self.tokenizer(text, add_special_tokens=False)["input_ids"]
         try:
             (messages, tools, kwargs), escapes = self.special_text.escape((messages, tools, kwargs))
-            text = self.render(messages, tools, add_generation_prompt, continue_final_message, kwargs)
-            return self.special_text.encode(text + prefill, escapes)
+            text = self.render(messages, tools, add_generation_prompt, continue_final_message, kwargs) + prefill
+            return self.special_text.restore(text, escapes), self.special_text.encode(text, escapes)
         except ValueError as exc:
             raise APIError(str(exc), 400, param="messages") from None
 
