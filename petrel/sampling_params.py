@@ -63,6 +63,10 @@ class SamplingParams:
     return_generation_logits: bool = False
     additional_model_outputs: list[str] | None = None  # 'hidden_states' (final normed) for context and generation
     guided_decoding: GuidedDecodingParams | None = None  # constrain the output (JSON schema, regex, grammar, ...)
+    # speculative decoding: token ids the caller proposes as the continuation; verified like petrel's own drafts
+    external_draft_tokens: list[int] | None = None
+    # prompt tuning: a [num_virtual_tokens, hidden] tensor; prompt ids >= vocab_size take row (id - vocab_size)
+    prompt_embedding_table: object = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -75,6 +79,8 @@ class SamplingParams:
         self.bad_words_token_ids = [list(w) for w in (self.bad_words_token_ids or [])]
         self.stop_token_sequences = [list(w) for w in (self.stop_token_sequences or [])]
         self.additional_model_outputs = list(self.additional_model_outputs or [])
+        if self.external_draft_tokens is not None:
+            self.external_draft_tokens = list(self.external_draft_tokens)
         self.validate()
 
     @property
@@ -146,6 +152,7 @@ class SamplingParams:
             )
         if self.guided_decoding is not None and not isinstance(self.guided_decoding, GuidedDecodingParams):
             bad("guided_decoding", "must be a GuidedDecodingParams")
+        self._validate_speculation_and_prompt_tuning(bad)
         if self.use_beam_search:
             self._validate_beam_search(bad)
         elif self.beam_width not in (None, 1):
@@ -156,6 +163,24 @@ class SamplingParams:
                     raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {tok!r}")
                 if isinstance(bias, bool) or not isinstance(bias, numbers.Real) or not -100.0 <= bias <= 100.0:
                     raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {tok}")
+
+    def _validate_speculation_and_prompt_tuning(self, bad) -> None:
+        drafts = self.external_draft_tokens
+        if drafts is not None:
+            if any(not _is_int(t) or t < 0 for t in drafts):
+                bad("external_draft_tokens", "must be a list of token ids (ints >= 0)")
+            if self.use_beam_search and drafts:
+                bad("external_draft_tokens", "cannot be verified with beam search")
+        table = self.prompt_embedding_table
+        if table is not None:
+            shape = tuple(getattr(table, "shape", ()))
+            if len(shape) != 2 or shape[0] < 1 or not getattr(table, "is_floating_point", lambda: False)():
+                raise ValueError(
+                    "prompt_embedding_table (prompt_tuning_config.embedding_table) must be a floating-point tensor "
+                    f"[num_virtual_tokens >= 1, hidden_size], got {type(table).__name__} of shape {shape}"
+                )
+            if self.prompt_logprobs is not None:
+                bad("prompt_logprobs", "cannot score virtual prompt tokens (prompt_embedding_table is set)")
 
     def _validate_beam_search(self, bad) -> None:
         width = self.num_beams
@@ -184,6 +209,7 @@ class SamplingParams:
             )
         words = [t for w in self.bad_words_token_ids + self.stop_token_sequences for t in w]
         for name, ids in (
+            ("external_draft_tokens", self.external_draft_tokens or []),
             ("stop_token_ids", self.stop_token_ids),
             ("logit_bias", list(self.logit_bias or {})),
             ("bad_words/stop words", words),

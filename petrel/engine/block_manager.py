@@ -113,17 +113,22 @@ class BlockManager:
         assert all(self.hash_to_block[h] == b for b, h in self.block_hash.items() if h in self.hash_to_block)
 
     # ------------------------------------------------------------------ hashing
-    def root_hash(self, cache_salt: str | None, lora_int_id: int = 0) -> bytes:
-        """The chain's root: the hash seed, the request's cache salt and its LoRA adapter (0: none), so that
-        different adapters never share KV blocks of the same tokens."""
+    def root_hash(self, cache_salt: str | None, lora_int_id: int = 0, prompt_table: str = "") -> bytes:
+        """The chain's root: the hash seed, the request's cache salt, its LoRA adapter (0: none) and its prompt
+        tuning table's digest ('': none), so that different adapters or tables never share KV blocks of the same
+        tokens."""
         lora = f":lora={lora_int_id}" if lora_int_id else ""
-        return hashlib.sha256(f"petrel:{self.hash_seed}:{cache_salt or ''}{lora}".encode()).digest()
+        table = f":prompt_table={prompt_table}" if prompt_table else ""
+        return hashlib.sha256(f"petrel:{self.hash_seed}:{cache_salt or ''}{lora}{table}".encode()).digest()
 
     def _extend_hashes(self, seq: Sequence, num_full_blocks: int) -> None:
         bs = self.block_size
         while len(seq.block_hashes) < num_full_blocks:
             i = len(seq.block_hashes)
-            parent = seq.block_hashes[-1] if i else self.root_hash(seq.request.cache_salt, seq.request.lora_int_id)
+            req = seq.request
+            parent = (
+                seq.block_hashes[-1] if i else self.root_hash(req.cache_salt, req.lora_int_id, req.prompt_table_digest)
+            )
             tokens = seq.token_ids[i * bs : (i + 1) * bs]
             seq.block_hashes.append(hashlib.sha256(parent + repr(tokens).encode()).digest())
 

@@ -21,6 +21,7 @@ from petrel.engine.kv_export import write_imported_kv
 from petrel.engine.model_runner import ModelRunner
 from petrel.engine.parallel_sampling import fork_parallel_samples, new_sequence
 from petrel.engine.pinned_prompts import PinnedPrompts
+from petrel.engine.prompt_tuning import check_prompt_tuning_engine, table_digest
 from petrel.engine.request_checks import check_request
 from petrel.engine.sampler import Sampler
 from petrel.engine.scheduler import Scheduler
@@ -73,9 +74,12 @@ class EngineCore:
 
             self.runner = TensorParallelRunner(workers, *shape, kv_groups=self.kv_groups)
         self.sampler = Sampler(model_config.vocab_size, config.seed, batched_post_processor)
-        self.speculator = None
+        vocab = model_config.vocab_size
+        self.speculator = None  # the engine's own speculative decoding (speculative_config)
         if config.speculative_config is not None:
-            self.speculator = Speculator(config, self.runner, draft_model, num_blocks, self.max_model_len)
+            self.speculator = Speculator(config, self.runner, draft_model, num_blocks, self.max_model_len, vocab)
+        # drafts verified each step: the speculator's, or (without one) only requests' external_draft_tokens
+        self.drafting = self.speculator or Speculator(config, self.runner, None, num_blocks, self.max_model_len, vocab)
         self.beams = BeamSearchDriver(self.scheduler, self.block_manager, self.max_model_len)
         self.requests: dict[object, EngineRequest] = {}
         self.iteration = 0
@@ -86,11 +90,17 @@ class EngineCore:
     # ------------------------------------------------------------------ requests
     def validate(self, prompt_token_ids: list[int], params) -> None:
         """Raise ValueError for a request the engine could not serve (called before it is queued)."""
-        check_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
+        check_request(
+            prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len, self.model_config.hidden_size
+        )
+        if params.prompt_embedding_table is not None:
+            check_prompt_tuning_engine(self.runner.model, self.config.speculative_config)
 
     def add_request(self, request: EngineRequest) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in flight")
+        if request.params.prompt_embedding_table is not None and not request.prompt_table_digest:
+            request.prompt_table_digest = table_digest(request.params.prompt_embedding_table)
         seq = new_sequence(
             request, 0, request.prompt_token_ids + request.first_gen_tokens, len(request.prompt_token_ids)
         )
@@ -137,8 +147,7 @@ class EngineCore:
     def step(self) -> list[EngineOutput]:
         """Schedule, run the model, sample, update: the outputs of the sequences that moved (or ended)."""
         t0 = time.monotonic()  # schedule (room for drafts first), then ready the batch
-        if self.speculator is not None:
-            self.speculator.reserve_lookahead(self.scheduler.running)
+        self.drafting.reserve_lookahead(self.scheduler.running)
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -147,8 +156,7 @@ class EngineCore:
                 seq.request.first_scheduled_time = t0
             if seq.request.imported_kv is not None:  # disaggregated decode: the prompt's KV, fetched beforehand
                 write_imported_kv(self.runner, seq)
-        if self.speculator is not None:
-            self.speculator.propose(batch)
+        self.drafting.propose(batch)
         if self.lora_manager is not None:
             ids = {seq.request.lora_int_id for seq in batch.seqs} - {0}
             if ids:
@@ -169,7 +177,7 @@ class EngineCore:
         for request_id, message in failed.items():
             outputs.extend(self.abort_request(request_id, message))
         # after the step: drafts verified, blocks behind a window given back, stats
-        num_draft = self.speculator.finish_verification(batch, self.block_manager) if self.speculator else 0
+        num_draft = self.drafting.finish_verification(batch, self.block_manager)
         if self.block_manager.frees_blocks:  # forked children too: give back what fell behind a window
             for seq in self.scheduler.running:
                 self.block_manager.free_behind_window(seq)
@@ -210,7 +218,7 @@ class EngineCore:
                 s.spec.draft_token_ids[position] if position < len(s.spec.draft_token_ids) else None for s in seqs
             ]
             extras = generation_rows(seqs, logits, step_logits.sample_hidden, rows)
-            result = self.sampler.sample(logits, seqs, drafts if self.speculator is not None else None)
+            result = self.sampler.sample(logits, seqs, drafts if any(d is not None for d in drafts) else None)
             for i, message in result.errors.items():
                 failed.setdefault(seqs[i].request.request_id, message)
             next_seqs, next_rows = [], []
@@ -240,8 +248,8 @@ class EngineCore:
             if req.finished:
                 self.requests.pop(req.request_id, None)
         for seq, out in merged.items():  # a failed request's finished sequences keep their final output
-            if self.speculator is not None:
-                self.speculator.report(out, seq)
+            if self.speculator is not None or seq.params.external_draft_tokens:
+                self.drafting.report(out, seq)
             outputs.append(out)
         return outputs, num_generated, num_accepted
 

@@ -8,6 +8,7 @@ import torch
 
 from petrel.engine.block_manager import FREED
 from petrel.engine.kv_groups import KVGroups, single_group
+from petrel.engine.prompt_tuning import virtual_token_embeddings
 from petrel.engine.scheduler import ScheduledBatch
 from petrel.engine.sequence import Sequence
 from petrel.model import dense_kernels
@@ -19,17 +20,20 @@ from petrel.model.parallel import SINGLE, TensorParallel, local_kv_heads, max_lo
 @dataclass
 class QuerySpan:
     """Consecutive tokens of one sequence to run through the model: their ids, first position, block table
-    (group 0's; group_tables: every KV group's, when the runner has more than one group)."""
+    (group 0's; group_tables: every KV group's, when the runner has more than one group); embedding_table: the
+    request's prompt-tuning table, which ids >= vocab_size index (petrel/engine/prompt_tuning.py)."""
 
     token_ids: list[int]
     start: int
     block_table: list[int]
     group_tables: list[list[int]] | None = None
+    embedding_table: torch.Tensor | None = None
 
     @staticmethod
     def of(seq: Sequence, token_ids: list[int], start: int) -> QuerySpan:
         tables = seq.block_tables
-        return QuerySpan(token_ids, start, tables[0], tables if len(tables) > 1 else None)
+        table = seq.params.prompt_embedding_table if start < seq.num_prompt_tokens else None
+        return QuerySpan(token_ids, start, tables[0], tables if len(tables) > 1 else None, table)
 
 
 @dataclass
@@ -235,7 +239,13 @@ class ModelRunner:
         """Run a plan: (hidden states of every row, logits of plan.logits_rows or None when there are none)."""
         self.copy_blocks(plan.block_copies)
         input_ids, positions, meta = self.build_inputs(plan.spans)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, num_layers=plan.num_layers)
+        extra = {}
+        if any(span.embedding_table is not None for span in plan.spans):
+            embeds = virtual_token_embeddings(plan.spans, self.cfg.vocab_size, self.device, self.cache_tensors[0].dtype)
+            if embeds is not None:
+                input_ids[embeds[0]] = 0  # any id the embedding matrix has: the model puts the table's row there
+                extra["input_embeds"] = embeds
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, num_layers=plan.num_layers, **extra)
         logits = self.model.compute_logits(hidden[self._tensor(plan.logits_rows)]) if plan.logits_rows else None
         return hidden, logits
 

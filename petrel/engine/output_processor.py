@@ -40,8 +40,11 @@ class RequestOutputProcessor:
             p = self.params
             detok = None
             if p.detokenize and self.tokenizer is not None:
+                context = self.prompt_token_ids
+                if p.prompt_embedding_table is not None:  # prompt tuning's virtual ids are no tokenizer's tokens
+                    context = [t for t in context if t < len(self.tokenizer)]
                 detok = IncrementalDetokenizer(
-                    self.tokenizer, self.prompt_token_ids, p.skip_special_tokens, p.stop, p.include_stop_str_in_output
+                    self.tokenizer, context, p.skip_special_tokens, p.stop, p.include_stop_str_in_output
                 )
             self._detokenizers[index] = detok
         return self._detokenizers[index]

@@ -5,12 +5,23 @@ from __future__ import annotations
 from petrel.sampling_params import SamplingParams
 
 
-def check_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
-    """The prompt is non-empty, inside the vocabulary and shorter than the context; the sampling parameters fit
-    the model (SamplingParams.validate_for_model)."""
+def check_request(
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    vocab_size: int,
+    max_model_len: int,
+    hidden_size: int | None = None,
+) -> None:
+    """The prompt is non-empty, inside the vocabulary (or its prompt_embedding_table's virtual ids) and shorter than
+    the context; the sampling parameters fit the model (SamplingParams.validate_for_model)."""
     if not prompt_token_ids:
         raise ValueError("prompt is empty: at least one token is needed")
-    bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+    if params.prompt_embedding_table is None:
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+    else:
+        from petrel.engine.prompt_tuning import check_virtual_tokens
+
+        bad = check_virtual_tokens(prompt_token_ids, params.prompt_embedding_table, vocab_size, hidden_size)
     if bad:
         raise ValueError(f"prompt_token_ids has ids outside the vocabulary (size {vocab_size}): {bad[:5]}")
     if len(prompt_token_ids) >= max_model_len:

@@ -217,7 +217,9 @@ class Sampler:
                 continue
             row = logits[i]
             if p.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=row.device)
+                # a prompt's virtual tokens (prompt tuning, ids >= vocab) are no vocabulary token to penalise
+                ids = sorted(t for t in set(seq.token_ids) if t < row.shape[0])
+                seen = torch.tensor(ids, dtype=torch.long, device=row.device)
                 vals = row[seen]
                 row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
             if (p.presence_penalty or p.frequency_penalty) and seq.num_output_tokens:

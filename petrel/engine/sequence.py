@@ -55,6 +55,7 @@ class EngineRequest:
     context_only: bool = False
     imported_kv: object = None  # torch.Tensor [layers, 2, prompt_len, kv_heads, head_dim]
     first_gen_tokens: list[int] = field(default_factory=list)
+    prompt_table_digest: str = ""  # params.prompt_embedding_table's digest, in the prefix cache's root hash
 
     @property
     def lora_int_id(self) -> int:

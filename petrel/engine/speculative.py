@@ -90,23 +90,54 @@ def build_proposer(cfg: SpeculativeConfig, target: ModelRunner, draft: ModelRunn
     return ModelDrafter(draft, None, own_cache=True)
 
 
-class Speculator:
-    """Speculative decoding in the engine step (petrel/engine/engine_core.py): lookahead, drafts, bookkeeping."""
+MAX_EXTERNAL_DRAFTS = 32  # external draft tokens verified per step (a verify round): the rest wait for the next
 
-    def __init__(self, config: EngineConfig, target: ModelRunner, draft_model, num_blocks: int, max_model_len: int):
+
+def external_drafts(seq: Sequence) -> list[int]:
+    """What is left of the request's external_draft_tokens (the caller's proposed continuation) after the tokens
+    generated so far; [] once the output has left it (a draft was rejected) or used it up."""
+    proposed = seq.params.external_draft_tokens
+    m = seq.num_output_tokens
+    if not proposed or m >= len(proposed) or seq.token_ids[seq.num_prompt_tokens :] != proposed[:m]:
+        return []
+    return proposed[m:]
+
+
+class Speculator:
+    """Speculative decoding in the engine step (petrel/engine/engine_core.py): lookahead, drafts, bookkeeping.
+
+    Without a speculative_config (config.speculative_config None) it has no proposer and only verifies the
+    external_draft_tokens that requests bring; a request's external drafts take precedence over the proposer's
+    while its output follows them."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        target: ModelRunner,
+        draft_model,
+        num_blocks: int,
+        max_model_len: int,
+        vocab_size: int | None = None,
+    ):
         """draft_model: (model, model_config) for method 'draft_model'; it gets a cache of num_blocks blocks,
-        indexed by the target's block tables."""
+        indexed by the target's block tables. vocab_size: drafts are cut before an id outside it (a prompt's
+        virtual token, which prompt lookup could propose)."""
         self.config = config.speculative_config
         draft = None
         if draft_model is not None:
             draft = ModelRunner(
                 draft_model[0], draft_model[1], num_blocks, config.block_size, config.torch_dtype, config.device
             )
-        self.proposer = build_proposer(self.config, target, draft)
+        self.proposer = None if self.config is None else build_proposer(self.config, target, draft)
         self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
 
     def reserve_lookahead(self, running: list[Sequence]) -> None:
         """Before scheduling: the draft slots each running sequence may use this step."""
+        if self.proposer is None:  # external drafts only
+            for seq in running:
+                seq.spec.num_lookahead = self._lookahead(seq) if seq.params.external_draft_tokens else 0
+            return
         for seq in running:
             seq.spec.num_lookahead = self._lookahead(seq)
 
@@ -115,7 +146,14 @@ class Speculator:
         p = seq.params
         if p.use_beam_search or seq.num_output_tokens == 0 or seq.num_computed_tokens != seq.num_tokens - 1:
             return 0
-        k = min(self.config.num_speculative_tokens, self.max_model_len - seq.num_tokens)
+        external = external_drafts(seq)
+        if external:
+            k = min(len(external), MAX_EXTERNAL_DRAFTS)
+        elif self.proposer is not None:
+            k = self.config.num_speculative_tokens
+        else:
+            return 0
+        k = min(k, self.max_model_len - seq.num_tokens)
         if p.max_tokens is not None:
             k = min(k, p.max_tokens - seq.num_output_tokens - 1)  # the step emits at most drafts + 1 tokens
         return max(k, 0)
@@ -129,10 +167,17 @@ class Speculator:
         ]
         if not picked:
             return
-        seqs = [batch.seqs[i] for i in picked]
-        drafts = self.proposer.propose(seqs, [batch.num_new_tokens[i] - 1 for i in picked])
-        for i, seq, draft in zip(picked, seqs, drafts):
-            seq.spec.draft_token_ids = draft[: batch.num_new_tokens[i] - 1]
+        drafts = {i: external_drafts(batch.seqs[i]) for i in picked}
+        proposed = [i for i in picked if not drafts[i]]
+        if proposed and self.proposer is not None:
+            seqs = [batch.seqs[i] for i in proposed]
+            for i, draft in zip(proposed, self.proposer.propose(seqs, [batch.num_new_tokens[i] - 1 for i in proposed])):
+                if self.vocab_size is not None:  # prompt lookup may continue into a prompt's virtual tokens
+                    draft = draft[: next((j for j, t in enumerate(draft) if t >= self.vocab_size), len(draft))]
+                drafts[i] = draft
+        for i in picked:
+            seq = batch.seqs[i]
+            seq.spec.draft_token_ids = drafts[i][: batch.num_new_tokens[i] - 1]
             batch.num_new_tokens[i] = 1 + len(seq.spec.draft_token_ids)
         batch.put_decodes_first()  # a sequence left without drafts is a plain decode again
 

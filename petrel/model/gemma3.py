@@ -88,6 +88,8 @@ class Gemma3Model(nn.Module):
 class Gemma3ForCausalLM(LlamaForCausalLM):
     """Same parameter names as petrel's Llama (fused qkv_proj and gate_up_proj), so Llama's load_weights serves."""
 
+    supports_prompt_tuning = False  # its forward (scaled embeddings) takes no input_embeds
+
     def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
         nn.Module.__init__(self)
         self.config = cfg

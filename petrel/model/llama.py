@@ -141,6 +141,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    supports_prompt_tuning = True  # forward takes input_embeds
     # checkpoint name fragment -> (fused parameter fragment, shard index)
     fused_shards = {
         ".q_proj.": (".qkv_proj.", 0),
@@ -165,11 +166,16 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
         num_layers: int | None = None,
+        input_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Flat batch in ([T] ids and positions), final hidden states out ([T, hidden]).
 
-        num_layers: run only the first layers, then the final norm (early exit, for self-speculation)."""
+        num_layers: run only the first layers, then the final norm (early exit, for self-speculation).
+        input_embeds: (rows, embeddings [len(rows), hidden]) that replace those rows' token embeddings (prompt
+        tuning's virtual tokens)."""
         x = self.model.embed_tokens(input_ids)
+        if input_embeds is not None:
+            x[input_embeds[0]] = input_embeds[1].to(x.dtype)
         cos_sin = self.model.rotary.for_positions(positions, x.dtype)
         layers = self.model.layers if num_layers is None else self.model.layers[:num_layers]
         if (out := self._decode_in_one_call(x, cos_sin, kv_caches, meta, layers)) is not None:
