@@ -92,7 +92,9 @@ class LLM:
         `disaggregated_params` (an instance with a kv_transfer_role only): request_type "context_only" (role
         'prefill') prefills, samples one token and returns the DisaggregatedParams a "generation_only" request on
         another instance (role 'decode') needs; that one fetches the prompt's KV here, from one of its
-        kv_transfer_peers, before it is queued. KVTransferBusy: no room to pin the prompt now."""
+        kv_transfer_peers, before it is queued. KVTransferBusy: no room to pin the prompt now.
+        Streaming beam search: an update after each step with the best n running beams, each whole (beams reorder
+        and fork, so an output's tokens may change from one update to the next); the last update is the final beams."""
         return self._prepare(prompt, sampling_params, cache_salt, lora_request, disaggregated_params)(
             streaming, timeout
         )
@@ -143,6 +145,8 @@ class LLM:
                 _apply_request_options(future, request, text, ids, self.tokenizer)
             if lora_request is not None:
                 options["lora_request"] = lora_request
+            if streaming and params.use_beam_search:  # each step's best beams, whole
+                options["stream_beams"] = True
             self._add(future, ids, params, timeout, cache_salt, options, dp)
             return future
 

@@ -79,7 +79,8 @@ class OutputChunk:
     input_token_ranks: list[int | None] | None = None
     timestamp: float = 0.0  # monotonic time the step ended
     scheduled_time: float | None = None  # monotonic time the request was first scheduled
-    cumulative_logprob: float | None = None  # beam search: the beam's score (sum of logprobs)
+    replaces: bool = False  # beam search: output_ids etc. are the whole output so far, replacing the earlier ones
+    cumulative_logprob: float | None = None  # the sum of the output tokens' logprobs so far (a beam: its score)
     context_logits: Any = None  # [prompt_len, vocab], in the first chunk, when asked for
     generation_logits: Any = None  # [len(output_ids), vocab], when asked for
     additional_context_outputs: dict | None = None  # name -> [prompt_len, ...], in the first chunk

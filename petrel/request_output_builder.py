@@ -1,7 +1,8 @@
 """OutputChunks -> RequestOutput, on the consumer's side: the final result, and streamed updates that cost what
 they added rather than the whole output so far.
 
-Each sequence's output is a SequenceHistory, only ever appended to. A streamed update's CompletionOutputs are
+Each sequence's output is a SequenceHistory, only ever appended to (a streamed beam's whole output is replaced
+each step by a new SequenceHistory, so earlier updates keep reading theirs). A streamed update's CompletionOutputs are
 StreamedCompletionOutputs: their `*_diff` properties read what the update added, and `text`, `token_ids`,
 `logprobs` and the generation outputs read the history up to that update when first asked for. So updates are
 built without copying, and an update never changes after later steps. The final result copies once.
@@ -34,6 +35,7 @@ class HistoryMark(NamedTuple):
     pieces: int = 0  # text pieces
     logit_chunks: int = 0  # chunks of generation logits
     extra_chunks: tuple = ()  # (name, chunks) of each additional generation output
+    history: int = 0  # which history of the sequence (a streamed beam's is replaced each step)
 
 
 _START = HistoryMark()
@@ -86,10 +88,18 @@ class SequenceHistory:
         self.additional_context_outputs: dict | None = None
         self.tool_calls: list[ToolCall] | None = None
         self._joined, self._joined_pieces = "", 0
+        self.generation = 0  # how many histories this sequence had before this one
 
     def mark(self) -> HistoryMark:
         extras = tuple((name, len(rows)) for name, rows in self.extras.items()) if self.extras else ()
-        return HistoryMark(len(self.token_ids), len(self.text_pieces), len(self.logits), extras)
+        return HistoryMark(len(self.token_ids), len(self.text_pieces), len(self.logits), extras, self.generation)
+
+    def successor(self) -> SequenceHistory:
+        """An empty history in this one's place (a streamed beam's whole output comes next)."""
+        new = SequenceHistory(self.index)
+        new.keep, new.generation = self.keep, self.generation + 1
+        new.additional_context_outputs = self.additional_context_outputs
+        return new
 
     def text(self, pieces: int | None = None) -> str:
         """The text of the first `pieces` pieces (all by default); joined once, extended as it grows."""
@@ -223,6 +233,10 @@ class RequestOutputBuilder:
         if chunk.scheduled_time is not None and m.first_scheduled_time is None:
             m.first_scheduled_time = chunk.scheduled_time
         seq = self.sequences[chunk.index]
+        added = len(chunk.output_ids)
+        if chunk.replaces and seq.finish_reason is None:
+            added -= len(seq.token_ids)
+            seq = self.sequences[chunk.index] = seq.successor()
         if seq.finish_reason is None:
             self._apply_to(seq, chunk)
         self.num_cached_tokens = max(self.num_cached_tokens, chunk.cached_tokens)
@@ -238,7 +252,7 @@ class RequestOutputBuilder:
         if chunk.output_ids:
             m.first_token_time = m.first_token_time or chunk.timestamp
             m.last_token_time = chunk.timestamp
-            m.num_generated_tokens += len(chunk.output_ids)
+            m.num_generated_tokens += max(added, 0)
         self.finished = all(s.finish_reason is not None for s in self.sequences)
         self.version += 1
 
@@ -259,7 +273,7 @@ class RequestOutputBuilder:
                 seq.logprobs += chunk.logprob_entries(self.decode_token)
             for lp in chunk.output_token_logprobs:
                 seq.cumulative_logprob += lp
-        if chunk.cumulative_logprob is not None:  # beam search: the beam's own score
+        if chunk.cumulative_logprob is not None:  # the sum so far (a beam: its own score)
             seq.cumulative_logprob = chunk.cumulative_logprob
         if chunk.spec_verify_ct is not None:
             seq.spec_verify_ct = chunk.spec_verify_ct
@@ -284,7 +298,7 @@ class RequestOutputBuilder:
         """A streamed update: what was added since `since` (the marks of the previous update; None: from the
         start), and the marks of this one."""
         marks = [seq.mark() for seq in self.sequences]
-        since = since or [_START] * len(marks)
+        since = [a if a.history == b.history else _START for a, b in zip(since or [_START] * len(marks), marks)]
         metrics = self._metrics_copy()
         outputs = [
             StreamedCompletionOutput.view(seq, a, b, **self._sequence_fields(seq, metrics))

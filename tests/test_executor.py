@@ -275,7 +275,9 @@ def test_beams(executor, prompt_ids):
             output_config=OutputConfig(return_log_probs=True),
         )
     )
-    [r] = collect(executor, rid)  # beams: one final Result, even when streaming
+    *steps, r = collect(executor, rid)  # streaming beams: a Result per step, then the final one
+    assert steps and not any(s.result.is_final for s in steps)
+    assert all(len(s.result.output_token_ids) == 3 for s in steps)
     res = r.result
     assert res.is_final and res.sequence_index == 0 and len(res.output_token_ids) == 3
     assert len({tuple(b) for b in res.output_token_ids}) == 3

@@ -171,7 +171,9 @@ class BeamSearchDriver:
             bs.done = True
         else:
             bs.update_done(max((c.cum_logprob for c in keep), default=None), length)
-        return self._finish(req, now) if bs.done else []
+        if bs.done:
+            return self._finish(req, now)
+        return self._snapshot(req, now) if req.stream_beams else []
 
     def _stop(self, beam: Sequence, token: int):
         return check_stop(beam, token, self.max_model_len)
@@ -233,6 +235,28 @@ class BeamSearchDriver:
         for name, new in rows.items():
             seq.extra_outputs.generation.setdefault(name, []).extend(new)
 
+    def _snapshot(self, req: EngineRequest, now: float) -> list[EngineOutput]:
+        """A streamed beam request's update after a step: its best n running beams (by score so far), each whole,
+        replacing the previous update's (beams reorder and fork, so a streamed output's tokens may change from one
+        step to the next; the final outputs are the best finished hypotheses)."""
+        p = req.params
+        live = sorted((s for s in req.seqs if not s.is_finished), key=lambda s: s.beam.cum_logprob, reverse=True)
+        return [
+            build_output(
+                req,
+                i,
+                seq.output_token_ids,
+                now,
+                seq=seq,
+                logprobs=list(seq.beam.token_logprobs) if p.logprobs is not None else None,
+                generation=_generation_lists(seq),
+                with_context=i == 0 and seq.num_output_tokens == 1,
+                cumulative_logprob=seq.beam.cum_logprob,
+                replaces=True,
+            )
+            for i, seq in enumerate(live[: p.n])
+        ]
+
     def _finish(self, req: EngineRequest, now: float) -> list[EngineOutput]:
         """The request's outputs: its best n hypotheses (fewer when a tiny vocabulary left fewer: the rest end
         empty); its sequences give their blocks back."""
@@ -255,10 +279,13 @@ class BeamSearchDriver:
                 generation=hyp.extras,
                 with_context=i == 0,
                 cumulative_logprob=hyp.cum_logprob,
+                replaces=True,
             )
             for i, hyp in enumerate(req.beam_search.best(p.n))
         ]
-        outputs += [build_output(req, i, [], now, finish_reason="stop") for i in range(len(outputs), p.n)]
+        outputs += [
+            build_output(req, i, [], now, finish_reason="stop", replaces=True) for i in range(len(outputs), p.n)
+        ]
         req.finished_indices.update(range(p.n))
         return outputs
 

@@ -59,13 +59,8 @@ class EngineCore:
 
             self.lora_manager = LoRAManager(model, model_config, config.max_loras, config.max_lora_rank)
         max_loras = config.max_loras if config.enable_lora else None
-        self.scheduler = Scheduler(
-            self.block_manager,
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            config.enable_chunked_prefill,
-            max_loras,
-        )
+        budget = (config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill)
+        self.scheduler = Scheduler(self.block_manager, *budget, max_loras)
         shape = (model, model_config, num_blocks, bs, config.torch_dtype, config.device)
         if workers is None:
             self.runner = ModelRunner(*shape, self.lora_manager, kv_groups=self.kv_groups)
@@ -222,7 +217,8 @@ class EngineCore:
             for i, message in result.errors.items():
                 failed.setdefault(seqs[i].request.request_id, message)
             next_seqs, next_rows = [], []
-            for i, (seq, token, lp) in enumerate(zip(seqs, result.token_ids, result.logprobs)):
+            chosen = zip(seqs, result.token_ids, result.logprobs, result.sampled_logprobs)
+            for i, (seq, token, lp, sampled) in enumerate(chosen):
                 if seq.request.request_id in failed:
                     continue
                 num_generated += 1
@@ -230,7 +226,8 @@ class EngineCore:
                     seq.beam.candidates = (result.beam_candidates[i], result.beam_logp.get(i), extras[i])
                     beam_requests[seq.request.request_id] = seq.request
                     continue
-                out = isolated(failed, seq.request.request_id, self._append_token, seq, token, lp, extras[i], now)
+                args = (seq, token, lp, sampled, extras[i], now)
+                out = isolated(failed, seq.request.request_id, self._append_token, *args)
                 if out is None:
                     continue
                 merged[seq] = merge_outputs(merged[seq], out) if seq in merged else out
@@ -253,8 +250,9 @@ class EngineCore:
             outputs.append(out)
         return outputs, num_generated, num_accepted
 
-    def _append_token(self, seq: Sequence, token: int, logprobs, extras: dict, now: float) -> EngineOutput:
-        """A sampled (or accepted draft) token onto its sequence: the stop check, the output, the end if it ends."""
+    def _append_token(self, seq: Sequence, token: int, logprobs, sampled, extras: dict, now: float) -> EngineOutput:
+        """A sampled (or accepted draft) token onto its sequence (its top logprobs when asked for, its own logprob
+        `sampled` always): the stop check, the output, the end if it ends."""
         req = seq.request
         stop = check_stop(
             seq, token, self.max_model_len, seq.grammar.accept_token(token) if seq.grammar is not None else None
@@ -280,6 +278,7 @@ class EngineCore:
             generation={name: [row] for name, row in extras.items()},
             with_context=seq.num_output_tokens == 1 and seq.index == 0,
             disaggregated_params=handoff,
+            sampled_logprobs=[sampled] if sampled is not None else None,
         )
         if finish_reason is not None:
             self._end(seq, finish_reason, stop_reason)

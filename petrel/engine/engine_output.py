@@ -30,6 +30,12 @@ class EngineOutput:
     timestamp: float = 0.0
     scheduled_time: float | None = None  # when the request was first scheduled (monotonic)
     cumulative_logprob: float | None = None  # beam search: the beam's sum of logprobs
+    # beam search: new_token_ids (and logprobs, generation rows) are the output's whole tokens so far, replacing
+    # what was reported for this index before (a streamed beam's tokens change as beams reorder)
+    replaces: bool = False
+    # other sequences: each sampled token's logprob (the last len(...) of new_token_ids), always reported; the
+    # output processor sums them into the chunk's cumulative_logprob
+    sampled_logprobs: list[float] | None = None
     context_logits: object = None  # [prompt_len, vocab] tensor, once, when asked for
     generation_logits: object = None  # [len(new_token_ids), vocab] tensor, when asked for
     additional_context_outputs: dict | None = None
@@ -110,7 +116,8 @@ def build_output(
     seq: the sequence reported: its counts (num_output_tokens overrides its output count: a beam hypothesis) and,
     with_context, the prompt's outputs it gathered (they ride once, on the request's first output).
     generation: per new token, the rows of generation logits / hidden states the request asked for.
-    fields: the other EngineOutput fields (abort_message, cumulative_logprob, disaggregated_params)."""
+    fields: the other EngineOutput fields (abort_message, cumulative_logprob, sampled_logprobs,
+    disaggregated_params)."""
     if num_output_tokens is None:
         num_output_tokens = seq.num_output_tokens if seq is not None else 0
     out = EngineOutput(
@@ -153,6 +160,8 @@ def merge_outputs(first: EngineOutput, later: EngineOutput) -> EngineOutput:
     first.new_token_ids += later.new_token_ids
     if first.new_logprobs is not None and later.new_logprobs is not None:
         first.new_logprobs += later.new_logprobs
+    if first.sampled_logprobs is not None and later.sampled_logprobs is not None:
+        first.sampled_logprobs += later.sampled_logprobs
     for name in ("finish_reason", "stop_reason", "num_output_tokens", "timestamp"):
         setattr(first, name, getattr(later, name))
     if first.generation_logits is not None and later.generation_logits is not None:

@@ -25,6 +25,7 @@ class RequestOutputProcessor:
         self.num_sequences = params.n
         self.finished: set[int] = set()  # sequences whose last chunk was made (later outputs of them are dropped)
         self._detokenizers: dict[int, IncrementalDetokenizer | None] = {}
+        self._cumulative: dict[int, float] = {}  # per sequence, the sum of its kept tokens' logprobs
 
     @property
     def all_finished(self) -> bool:
@@ -55,6 +56,8 @@ class RequestOutputProcessor:
         string yet, or reports the end it was told)."""
         if out.index in self.finished:
             return None, None
+        if out.replaces:  # a beam's whole output so far: its text starts over
+            self._detokenizers.pop(out.index, None)
         detokenizer = self._detokenizer(out.index)
         matched = None
         text = ""
@@ -82,7 +85,8 @@ class RequestOutputProcessor:
             spec_verify_ct=out.spec_verify_ct,
             accept_draft_tokens=out.accept_draft_tokens,
             scheduled_time=out.scheduled_time,
-            cumulative_logprob=out.cumulative_logprob,
+            cumulative_logprob=self._cumulative_logprob(out, len(new_ids), dropped),
+            replaces=out.replaces,
             context_logits=out.context_logits,
             generation_logits=out.generation_logits,
             additional_context_outputs=out.additional_context_outputs,
@@ -114,6 +118,19 @@ class RequestOutputProcessor:
             self.finished.add(out.index)
             self._detokenizers.pop(out.index, None)
         return chunk, matched
+
+    def _cumulative_logprob(self, out: EngineOutput, kept: int, dropped: int) -> float | None:
+        """The sequence's cumulative logprob after this output: a beam's own score, else the running sum of its
+        sampled tokens' logprobs (not those dropped after a stop string; a disaggregated request's first token,
+        sampled by the context instance, has none)."""
+        if out.cumulative_logprob is not None:
+            return out.cumulative_logprob
+        if out.sampled_logprobs is None:
+            return self._cumulative.get(out.index)
+        values = out.sampled_logprobs[: max(0, len(out.sampled_logprobs) - dropped)][-kept:] if kept else []
+        total = self._cumulative.get(out.index, 0.0) + sum(values)
+        self._cumulative[out.index] = total
+        return total
 
     def fail(self, message: str) -> list[OutputChunk]:
         """End every sequence not finished yet with an abort carrying `message` (the consumer could not process

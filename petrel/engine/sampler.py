@@ -36,6 +36,9 @@ class SampleResult:
     beam_candidates: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
     beam_logp: dict[int, torch.Tensor] = field(default_factory=dict)
     errors: dict[int, str] = field(default_factory=dict)  # rows whose request failed (a processor raised)
+    # per row, the chosen token's logprob under the processed distribution (None for beam rows): what
+    # cumulative_logprob sums, whether or not logprobs were asked for
+    sampled_logprobs: list[float | None] = field(default_factory=list)
 
 
 def token_logprobs(logp_row: torch.Tensor, token: int, k: int) -> TokenLogprobs:
@@ -141,7 +144,7 @@ class Sampler:
         self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[int | None] | None
     ) -> SampleResult:
         """_choose for each row alone; a row that raises gets an error instead of a token."""
-        result = SampleResult([0] * len(seqs), [None] * len(seqs))
+        result = SampleResult([0] * len(seqs), [None] * len(seqs), sampled_logprobs=[None] * len(seqs))
         for i, seq in enumerate(seqs):
             try:
                 row = self._choose(logits[i : i + 1], [seq], [drafts[i]] if drafts else None)
@@ -149,6 +152,7 @@ class Sampler:
                 result.errors[i] = f"sampling failed: {type(exc).__name__}: {exc}"
                 continue
             result.token_ids[i], result.logprobs[i] = row.token_ids[0], row.logprobs[0]
+            result.sampled_logprobs[i] = row.sampled_logprobs[0]
             if 0 in row.beam_candidates:
                 result.beam_candidates[i] = row.beam_candidates[0]
             if 0 in row.beam_logp:
@@ -189,14 +193,21 @@ class Sampler:
             )
             tokens[random_rows] = sampled
 
-        result = SampleResult(tokens.tolist(), [None] * len(seqs))
+        result = SampleResult(tokens.tolist(), [None] * len(seqs), sampled_logprobs=[None] * len(seqs))
         if beams:
             self._beam_candidates(logits, beams, params, result)
-        wanted = [i for i, p in enumerate(params) if p.logprobs is not None and not p.use_beam_search]
-        if wanted:
-            logp = torch.log_softmax(logits[wanted], dim=-1)
-            for i, lp in zip(wanted, _gather_logprobs(logp, tokens[wanted], [params[i].logprobs for i in wanted])):
-                result.logprobs[i] = lp
+        plain = [i for i, p in enumerate(params) if not p.use_beam_search]
+        if plain:  # every sampled token's logprob (cumulative_logprob), with the top-k and rank where asked for
+            logp = torch.log_softmax(logits[plain], dim=-1)  # on CPU cheaper than a logsumexp of the rows
+            chosen = tokens[plain]
+            for j, value in enumerate(logp.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()):
+                result.sampled_logprobs[plain[j]] = value
+            wanted = [j for j, i in enumerate(plain) if params[i].logprobs is not None]
+            if wanted:
+                rows = torch.tensor(wanted, device=logp.device)
+                entries = _gather_logprobs(logp[rows], chosen[rows], [params[plain[j]].logprobs for j in wanted])
+                for j, lp in zip(wanted, entries):
+                    result.logprobs[plain[j]] = lp
         return result
 
     def _beam_candidates(self, logits: torch.Tensor, rows: list[int], params, result: SampleResult) -> None:

@@ -49,6 +49,7 @@ class EngineRequest:
     beam_search: BeamSearch | None = None  # set when params.use_beam_search
     compiled_grammar: object = None  # xgrammar CompiledGrammar when params.guided_decoding is set
     finished_indices: set[int] = field(default_factory=set)  # output indices already reported finished
+    stream_beams: bool = False  # a streamed beam search: every step reports its current best beams, whole
     # disaggregated serving (petrel/disagg): a context-only request stops after its first token and leaves its
     # prompt's KV pinned; a generation-only one brings its prompt's KV (imported_kv, written at admission) and
     # the context instance's first token(s), and decodes on from there

@@ -8,9 +8,10 @@ executor spec:
   request's last one.
 - not streaming: one Result per sequence when it finishes, holding all its tokens (the prompt first,
   unless OutputConfig.exclude_input_from_output).
-- beam search: one final Result (sequence_index 0) holding the best `num_return_sequences` beams. Streaming
-  requests with beams also get only that final Result. Requests of different beam widths run in the same
-  steps (no reconfiguration between widths).
+- beam search: one Result (sequence_index 0) holding the best `num_return_sequences` beams (all `beam_width` of
+  them by default); streaming, one after each step too, holding the current best running beams whole (their
+  tokens may change from one step to the next as beams reorder and fork), the last one the final beams.
+  Requests of different beam widths run in the same steps (no reconfiguration between widths).
 A malformed request gets a Response with an error (never an exception from the loop); other requests go on.
 The engine loop only queues each request's raw outputs; they become chunks and Responses on the thread that awaits
 (or counts) responses.
@@ -153,7 +154,7 @@ class Executor:
                 f"sampling_config.beam_width {width} exceeds ExecutorConfig.max_beam_width "
                 f"({self.config.max_beam_width})"
             )
-        n = request.num_return_sequences or sc.num_return_sequences or 1
+        n = request.num_return_sequences or sc.num_return_sequences or width  # beams: all `width` by default
         if n > (width if width > 1 else self.config.max_num_return_sequences):
             raise ValueError(
                 f"num_return_sequences {n} exceeds "
@@ -197,6 +198,8 @@ class Executor:
             stop_token_ids=[request.end_id] if request.end_id is not None else None,
         )
         options = {"client_id": request.client_id, "priority": request.priority}
+        if request.streaming and width > 1:
+            options["stream_beams"] = True
         name = request.logits_post_processor_name
         if name is not None:
             if name == Request.BATCHED_POST_PROCESSOR_NAME:
@@ -248,6 +251,8 @@ class Executor:
             seq = state.seqs[i]
             if seq.finished:
                 continue
+            if chunk.replaces:  # a beam's whole output so far
+                state.seqs[i] = seq = _Sequence()
             seq.token_ids.extend(chunk.output_ids)
             seq.log_probs.extend(chunk.output_token_logprobs)
             if chunk.generation_logits is not None:
@@ -264,8 +269,9 @@ class Executor:
                 if all(s.finished for s in state.seqs)
                 else []
             )
-        if params.use_beam_search:
-            results = [self._beam_result(state, chunk)] if all(s.finished for s in state.seqs) else []
+        if params.use_beam_search:  # streaming: after each step's last beam too
+            update = all(s.finished for s in state.seqs) or (req.streaming and chunk.index == params.n - 1)
+            results = [self._beam_result(state, chunk)] if update else []
         elif chunk.finish_reason is None and (not req.streaming or not chunk.output_ids):
             results = []
         else:
@@ -325,19 +331,24 @@ class Executor:
         req, oc = state.request, state.request.output_config
         prefix = [] if req.streaming or oc.exclude_input_from_output else list(req.input_token_ids)
         beams = state.seqs
+        final = all(s.finished for s in beams)
         result = Result(
-            is_final=True,
+            is_final=final,
             output_token_ids=[prefix + s.token_ids for s in beams],
             finish_reasons=[s.finish_reason for s in beams],
             sequence_index=0,
-            is_sequence_final=True,
+            is_sequence_final=final,
             decoding_iter=max(s.decoding_iter for s in beams),
         )
         if oc.return_log_probs:
             result.log_probs = [list(s.log_probs) for s in beams]
             result.cum_log_probs = [sum(s.log_probs) for s in beams]
         if oc.return_generation_logits and all(s.generation_logits for s in beams):
-            result.generation_logits = [torch.cat(s.generation_logits) for s in beams]
+            result.generation_logits = _stack_beams([torch.cat(s.generation_logits) for s in beams])
+        for name in beams[0].generation_outputs:
+            if all(s.generation_outputs.get(name) for s in beams):
+                rows = _stack_beams([torch.cat(s.generation_outputs[name]) for s in beams])
+                result.additional_outputs.append(AdditionalOutput(name, rows))
         self._attach_context(state, result)
         return result
 
@@ -458,3 +469,9 @@ def _request_stats(core) -> list[RequestStats]:
             )
         )
     return stats
+
+
+def _stack_beams(rows: list[torch.Tensor]) -> torch.Tensor:
+    """[beams, tokens, ...]: each beam's own rows, zero-padded after a beam that ended early."""
+    longest = max(r.shape[0] for r in rows)
+    return torch.stack([torch.cat([r, r.new_zeros((longest - r.shape[0], *r.shape[1:]))]) for r in rows])
