@@ -29,7 +29,9 @@ def tokenizer_dir(tmp_path_factory):
 def executor(tiny, tokenizer_dir):
     ex = Executor(
         tiny(2, False).path,
-        executor_config=ExecutorConfig(max_beam_width=4),
+        executor_config=ExecutorConfig(
+            max_beam_width=4, additional_model_outputs=[AdditionalModelOutput("hidden_states")]
+        ),
         tokenizer=tokenizer_dir,
         kv_cache_memory=1 << 20,
     )

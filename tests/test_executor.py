@@ -45,6 +45,7 @@ def executor():
         logits_post_processor_config=LogitsPostProcessorConfig(
             processor_map={"ban": _ban}, processor_batched=_ban_batched
         ),
+        additional_model_outputs=[AdditionalModelOutput("hidden_states", gather_context=True)],
     )
     ex = Executor(executor_config=config)
     yield ex
@@ -320,7 +321,7 @@ def test_iteration_and_request_stats(executor, prompt_ids):
     executor.get_latest_iteration_stats()  # drop older ones
     rid = executor.enqueue_request(Request(prompt_ids, 300, streaming=True))
     executor.await_responses(rid, timeout=60)
-    [req] = [s for s in executor.get_latest_request_stats() if s.id == rid]
+    [req] = [s for s in executor.get_latest_request_stats()[-1].request_stats if s.id == rid]
     assert req.stage is RequestStage.GENERATION_IN_PROGRESS and req.scheduled
     assert req.context_prefill_position == len(prompt_ids) and req.allocated_blocks >= 1
     executor.cancel_request(rid)

@@ -61,6 +61,7 @@ class LLMEngine:
                 workers.shutdown()
             raise
         self.stats_history: deque = deque(maxlen=stats_history)  # IterationStats of recent steps
+        self.step_observer: Callable | None = None  # fn(core), called on the loop thread after each step
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._routes: dict[object, RequestRoute] = {}  # request id -> its route, from "add" to its end (loop thread)
         self._in_flight: dict[object, RequestRoute] = {}  # request id added and not finished (any thread, under
@@ -336,6 +337,11 @@ class LLMEngine:
                 stats = self.core.last_stats
                 if stats is not None and (not self.stats_history or self.stats_history[-1] is not stats):
                     self.stats_history.append(stats)
+                if self.step_observer is not None:
+                    try:
+                        self.step_observer(self.core)
+                    except Exception:  # noqa: BLE001 - an observer never stops the loop
+                        logger.exception("step observer failed")
                 self._dispatch(outputs)
 
     def _handle(self, cmd) -> None:

@@ -9,12 +9,12 @@ Logprobs come from the same processed distribution the token was drawn from, wit
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from petrel.engine.grammar import apply_grammar_masks
+from petrel.engine.post_processors import BatchedPostProcessor, run_post_processors
 from petrel.engine.sequence import Sequence
 
 
@@ -65,9 +65,6 @@ def _gather_logprobs(logp: torch.Tensor, tokens: torch.Tensor, ks: list[int]) ->
     return out
 
 
-BatchedPostProcessor = Callable[[list, list[torch.Tensor], list[list[list[int]]], list], None]
-
-
 class Sampler:
     def __init__(self, vocab_size: int, seed: int = 0, batched_post_processor: BatchedPostProcessor | None = None):
         self.vocab_size = vocab_size
@@ -75,37 +72,18 @@ class Sampler:
         self.batched_post_processor = batched_post_processor
 
     def _run_processors(self, logits: torch.Tensor, seqs: list[Sequence]) -> dict[int, str]:
-        """Run the requests' logits processors. A processor that raises fails its own rows only: the
-        returned {row: error} lets the core end those requests while the rest of the step goes on."""
+        """Run the requests' logits processors, then the executor's post-processors (named ones, then the batched
+        one), each getting a request's beams in one [beam_width, vocab] tensor. A processor that raises fails its
+        own rows only: the returned {row: error} lets the core end those requests while the rest of the step
+        goes on."""
         errors: dict[int, str] = {}
-        batched = []
         for i, seq in enumerate(seqs):
-            p, req = seq.params, seq.request
             try:
-                for fn in p.logits_processors or ():
+                for fn in seq.params.logits_processors or ():
                     logits[i] = fn(seq.output_token_ids, logits[i])
-                if req.logits_post_processor is not None:
-                    row = req.logits_post_processor(req.request_id, logits[i : i + 1], [seq.token_ids], req.client_id)
-                    if row is not None:
-                        logits[i] = row.reshape(-1)
             except Exception as exc:  # noqa: BLE001 - user code: fail that request, not the step
                 errors[i] = f"logits processor failed: {type(exc).__name__}: {exc}"
-                continue
-            if req.use_batched_post_processor:
-                batched.append(i)
-        if batched:
-            rows = [logits[i : i + 1] for i in batched]  # views: the callback edits them in place
-            try:
-                self.batched_post_processor(
-                    [seqs[i].request.request_id for i in batched],
-                    rows,
-                    [[seqs[i].token_ids] for i in batched],
-                    [seqs[i].request.client_id for i in batched],
-                )
-            except Exception as exc:  # noqa: BLE001
-                errors.update(
-                    {i: f"batched logits post-processor failed: {type(exc).__name__}: {exc}" for i in batched}
-                )
+        run_post_processors(logits, seqs, self.batched_post_processor, errors)
         return errors
 
     def _ban_bad_words(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:

@@ -42,7 +42,7 @@ class EngineRequest:
     first_scheduled_time: float | None = None
     client_id: int | None = None
     priority: float = 0.5  # 0..1; higher is admitted first among waiting requests
-    # executor-style logits post-processor: fn(request_id, logits [1, vocab], beam_tokens, client_id) -> logits
+    # executor logits post-processor: fn(request_id, logits [beam_width, vocab], beam_tokens, stream, client_id)
     logits_post_processor: Callable | None = None
     use_batched_post_processor: bool = False  # the engine's batched post-processor applies to this request
     seqs: list[Sequence] = field(default_factory=list)

@@ -7,10 +7,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-# fn(request_id, logits [1, vocab], beam_tokens [[token ids]], client_id) -> logits (or None after editing in place)
-LogitsPostProcessor = Callable[[int, Any, list[list[int]], int | None], Any]
-# fn(request_ids, logits (list of [1, vocab] views, edited in place), beam_tokens (list), client_ids (list))
-LogitsPostProcessorBatched = Callable[[list[int], list[Any], list[list[list[int]]], list[int | None]], None]
+# fn(request_id, logits [beam_width, vocab], beam_tokens [beam_width lists of token ids], stream, client_id)
+# -> logits (or None after editing in place). stream: None on CPU, torch.cuda.current_stream() on CUDA.
+LogitsPostProcessor = Callable[[int, Any, list[list[int]], Any, int | None], Any]
+# fn(request_ids, logits_list ([beam_width, vocab] each, edited in place), beam_tokens_list, stream, client_ids)
+LogitsPostProcessorBatched = Callable[[list[int], list[Any], list[list[list[int]]], Any, list[int | None]], None]
 
 
 class FinishReason(enum.Enum):
@@ -57,11 +58,91 @@ class AdditionalModelOutput:
 
 @dataclass
 class OutputConfig:
+    """The spec's order, so positional construction works: OutputConfig(False, False, False, True, False, False,
+    additional_outputs)."""
+
     return_log_probs: bool = False
     return_context_logits: bool = False
     return_generation_logits: bool = False
     exclude_input_from_output: bool = False  # non-streaming results start with the prompt unless this is set
-    additional_model_outputs: list[AdditionalModelOutput] | None = None
+    return_encoder_output: bool = False  # encoder-decoder models only: a ValueError on petrel's decoder-only models
+    return_perf_metrics: bool = False  # fills Result.request_perf_metrics
+    additional_model_outputs: list[AdditionalModelOutput] | None = None  # names ExecutorConfig was configured with
+
+
+@dataclass
+class PromptTuningConfig:
+    """Prompt tuning: a prompt id >= the vocabulary size is a virtual token whose input embedding is row
+    (id - vocab_size) of `embedding_table` ([num_virtual_tokens, hidden]). The prefix cache is keyed by the table,
+    so `input_token_extra_ids` (TensorRT-LLM's way to tell tables apart) is not needed and is refused."""
+
+    embedding_table: Any
+    input_token_extra_ids: list[int] | None = None
+
+
+@dataclass
+class ExternalDraftTokensConfig:
+    """Draft tokens the caller proposes as the continuation, verified exactly like petrel's own drafts (greedy:
+    kept while equal to the argmax; sampled: petrel's acceptance rule), so the output is what it would be without
+    them. Draft `logits`, `acceptance_threshold` and `fast_logits` are refused (petrel verifies against the
+    target model's own distribution)."""
+
+    tokens: list[int]
+    logits: Any = None
+    acceptance_threshold: float | None = None
+    fast_logits: bool | None = None
+
+
+@dataclass
+class LookaheadDecodingConfig:
+    """TensorRT-LLM's lookahead (Jacobi) decoding: refused per request. petrel's n-gram proposer is prompt lookup
+    (one continuation from an earlier n-gram, engine-wide: speculative_config={"method": "ngram"}), which honours
+    none of window_size / verification_set_size."""
+
+    window_size: int
+    ngram_size: int
+    verification_set_size: int
+
+
+@dataclass
+class LoraConfig:
+    """The LoRA adapter a request runs with, cached by task_id (TensorRT-LLM's behaviour): the first request with a
+    task_id gives `path`, later ones give only the task_id. The engine needs enable_lora=True.
+
+    `path` is petrel's extension: a PEFT adapter directory (adapter_config.json + adapter_model.safetensors).
+    TensorRT-LLM's packed `weights` / `config` tensors are not supported (a ValueError)."""
+
+    task_id: int
+    weights: Any = None
+    config: Any = None
+    path: str | None = None
+
+
+@dataclass
+class TimingMetrics:
+    """Monotonic times (time.monotonic(), seconds) of the request's life."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+
+@dataclass
+class KvCacheMetrics:
+    num_reused_blocks: int = 0  # prompt blocks served from the prefix cache
+    num_missed_blocks: int = 0  # full prompt blocks that had to be computed
+    kv_cache_hit_rate: float = 0.0  # reused / (reused + missed)
+
+
+@dataclass
+class RequestPerfMetrics:
+    """Result.request_perf_metrics with OutputConfig.return_perf_metrics (TensorRT-LLM's RequestPerfMetrics: the
+    timing and KV cache parts)."""
+
+    timing_metrics: TimingMetrics
+    kv_cache_metrics: KvCacheMetrics = field(default_factory=KvCacheMetrics)
+    num_generated_tokens: int = 0  # over all sequences of this Result so far
 
 
 class GuideType(enum.Enum):
@@ -114,6 +195,25 @@ class Request:
     guided_decoding_params: GuidedDecodingParams | None = None
     cache_salt: str | None = None
     priority: float = 0.5  # 0..1, higher is admitted first
+    embedding_bias: Any = None  # [vocab] tensor or list added to the logits before sampling
+    allotted_time_ms: int | None = None  # the request ends with FinishReason.TIMED_OUT after this long
+    lora_config: LoraConfig | None = None
+    prompt_tuning_config: PromptTuningConfig | None = None  # virtual prompt tokens (ids >= vocab) -> table rows
+    lookahead_config: LookaheadDecodingConfig | None = None  # refused: see LookaheadDecodingConfig
+    external_draft_tokens_config: ExternalDraftTokensConfig | None = None  # the caller's drafts, verified
+    # the spec's fields petrel does not support: setting one is a ValueError naming it
+    position_ids: Any = None
+    mrope_config: Any = None
+    multimodal_embedding: Any = None
+    multimodal_input: Any = None
+    encoder_input_token_ids: Any = None
+    encoder_input_features: Any = None
+    encoder_output_length: int | None = None
+    cross_attention_mask: Any = None
+    kv_cache_retention_config: Any = None
+    eagle_config: Any = None
+    skip_cross_attn_blocks: Any = None
+    language_adapter_uid: int | None = None
 
     BATCHED_POST_PROCESSOR_NAME = "batched"  # logits_post_processor_name that selects the batched callback
 
@@ -138,6 +238,7 @@ class Result:
     generation_logits: Any = None  # [beams, tokens, vocab]
     additional_outputs: list[AdditionalOutput] = field(default_factory=list)
     decoding_iter: int = 0  # decoding steps this sequence has taken
+    request_perf_metrics: RequestPerfMetrics | None = None  # with OutputConfig.return_perf_metrics
 
 
 @dataclass
@@ -158,11 +259,36 @@ class LogitsPostProcessorConfig:
 
 
 @dataclass
+class KvCacheConfig:
+    """The engine's KV cache. enable_block_reuse: prefix caching; max_tokens: the cache's size in tokens;
+    free_gpu_memory_fraction: the fraction of free accelerator memory it takes (CUDA only; with max_tokens too, the
+    smaller). The other fields are TensorRT-LLM's and not supported: setting one is a ValueError naming it."""
+
+    enable_block_reuse: bool = True
+    max_tokens: int | None = None
+    free_gpu_memory_fraction: float | None = None
+    max_attention_window: list[int] | None = None
+    sink_token_length: int | None = None
+    host_cache_size: int | None = None
+    onboard_blocks: bool | None = None
+    cross_kv_cache_fraction: float | None = None
+    secondary_offload_min_priority: int | None = None
+    event_buffer_max_size: int | None = None
+    enable_partial_reuse: bool | None = None
+    copy_on_partial_reuse: bool | None = None
+    use_uvm: bool | None = None
+
+
+@dataclass
 class ExecutorConfig:
     max_beam_width: int = 4
     logits_post_processor_config: LogitsPostProcessorConfig | None = None
     iter_stats_max_iterations: int = 1000
+    request_stats_max_iterations: int = 1000  # iterations of request stats kept for get_latest_request_stats
     max_num_return_sequences: int = 64
+    # outputs requests may ask for through OutputConfig.additional_model_outputs ('hidden_states')
+    additional_model_outputs: list[AdditionalModelOutput] | None = None
+    kv_cache_config: KvCacheConfig | None = None
 
 
 @dataclass
@@ -177,3 +303,9 @@ class RequestStats:
     allocated_blocks: int  # KV blocks held (shared blocks counted once per sequence)
     reused_blocks: int  # prompt blocks served from the prefix cache
     scheduled: bool  # holds KV memory now (running), not waiting
+
+
+@dataclass
+class RequestStatsPerIteration:
+    iter: int  # the engine iteration
+    request_stats: list[RequestStats]

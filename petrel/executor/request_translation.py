@@ -1,0 +1,256 @@
+"""Executor Requests and ExecutorConfig -> the engine's SamplingParams, request options and EngineConfig.
+
+Every field petrel cannot honour is a ValueError naming it (the Executor turns it into an error Response)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from petrel.config import EngineConfig
+from petrel.executor.types import ExecutorConfig, KvCacheConfig, LoraConfig, Request
+from petrel.lora import LoRARequest
+from petrel.sampling_params import ADDITIONAL_OUTPUTS, SamplingParams
+
+UNSUPPORTED_FIELDS = (
+    "position_ids",
+    "mrope_config",
+    "multimodal_embedding",
+    "multimodal_input",
+    "encoder_input_token_ids",
+    "encoder_input_features",
+    "encoder_output_length",
+    "cross_attention_mask",
+    "kv_cache_retention_config",
+    "eagle_config",
+    "skip_cross_attn_blocks",
+    "language_adapter_uid",
+)
+KV_CACHE_UNSUPPORTED = tuple(
+    f.name
+    for f in dataclasses.fields(KvCacheConfig)
+    if f.name not in ("enable_block_reuse", "max_tokens", "free_gpu_memory_fraction")
+)
+
+
+def speculation_and_prompt_tuning(request: Request) -> dict:
+    """The SamplingParams fields of a request's external_draft_tokens_config and prompt_tuning_config (ValueError
+    for lookahead_config and for the parts petrel cannot honour)."""
+    extra = {}
+    if request.lookahead_config is not None:
+        raise ValueError(
+            "Request.lookahead_config: per-request lookahead (Jacobi) decoding is not supported by petrel; "
+            "engine-wide prompt lookup is speculative_config={'method': 'ngram'}"
+        )
+    drafts = request.external_draft_tokens_config
+    if drafts is not None:
+        for name in ("logits", "acceptance_threshold", "fast_logits"):
+            if getattr(drafts, name, None) is not None:
+                raise ValueError(f"external_draft_tokens_config.{name} is not supported by petrel")
+        extra["external_draft_tokens"] = list(drafts.tokens)
+    tuning = request.prompt_tuning_config
+    if tuning is not None:
+        if tuning.input_token_extra_ids is not None:
+            raise ValueError(
+                "prompt_tuning_config.input_token_extra_ids is not supported: petrel keys the prefix cache by the "
+                "embedding table itself"
+            )
+        extra["prompt_embedding_table"] = tuning.embedding_table
+    return extra
+
+
+def configured_outputs(config: ExecutorConfig) -> set[str]:
+    """The names of ExecutorConfig.additional_model_outputs (ValueError for one petrel cannot produce)."""
+    names = {o.name for o in config.additional_model_outputs or []}
+    unknown = sorted(names - set(ADDITIONAL_OUTPUTS))
+    if unknown:
+        raise ValueError(
+            f"ExecutorConfig.additional_model_outputs has unknown names {unknown}; known: {list(ADDITIONAL_OUTPUTS)}"
+        )
+    return names
+
+
+def apply_kv_cache_config(kv: KvCacheConfig | None, engine_config: EngineConfig) -> EngineConfig:
+    """KvCacheConfig onto the engine's options: prefix caching, and the cache's size (kv_cache_memory bytes) from
+    max_tokens and/or free_gpu_memory_fraction (the smaller when both are set)."""
+    if kv is None:
+        return engine_config
+    unsupported = [name for name in KV_CACHE_UNSUPPORTED if getattr(kv, name) is not None]
+    if unsupported:
+        raise ValueError(f"kv_cache_config fields {unsupported} are not supported by petrel")
+    changes: dict = {"enable_prefix_caching": bool(kv.enable_block_reuse)}
+    budgets = []
+    if kv.max_tokens is not None:
+        if not isinstance(kv.max_tokens, int) or kv.max_tokens < 1:
+            raise ValueError(f"kv_cache_config.max_tokens must be an integer >= 1, got {kv.max_tokens!r}")
+        from petrel.engine.model_runner import kv_bytes_per_block
+        from petrel.model.loader import load_model_config, resolve_model
+
+        cfg = load_model_config(resolve_model(engine_config.model))
+        bs = engine_config.block_size
+        per_block = kv_bytes_per_block(cfg, bs, engine_config.torch_dtype, engine_config.tensor_parallel_size)
+        budgets.append(math.ceil(kv.max_tokens / bs) * per_block)
+    fraction = kv.free_gpu_memory_fraction
+    if fraction is not None:
+        if not 0.0 < fraction <= 1.0:
+            raise ValueError(f"kv_cache_config.free_gpu_memory_fraction must be in (0, 1], got {fraction!r}")
+        if not str(engine_config.device).startswith("cuda"):
+            raise ValueError(
+                f"kv_cache_config.free_gpu_memory_fraction needs a CUDA device (device={engine_config.device!r})"
+            )
+        budgets.append(int(torch.cuda.mem_get_info(torch.device(engine_config.device))[0] * fraction))
+    if budgets:
+        changes["kv_cache_memory"] = min(budgets)
+    return dataclasses.replace(engine_config, **changes)
+
+
+def lora_request_for(lora: LoraConfig, known: dict[int, LoRARequest]) -> LoRARequest:
+    """The adapter of a LoraConfig: a new task_id needs `path`; a known one may omit it."""
+    if not isinstance(lora, LoraConfig):
+        raise ValueError(f"lora_config must be an executor LoraConfig, got {type(lora).__name__}")
+    if lora.weights is not None or lora.config is not None:
+        raise ValueError("lora_config: packed weights/config tensors are not supported; give a PEFT adapter path")
+    task = lora.task_id
+    if not isinstance(task, int) or isinstance(task, bool) or task < 1:
+        raise ValueError(f"lora_config.task_id must be an integer >= 1, got {task!r}")
+    cached = known.get(task)
+    if lora.path is None:
+        if cached is None:
+            raise ValueError(f"lora_config: task_id {task} is not cached; its first request must give a path")
+        return cached
+    if cached is not None and cached.lora_path != str(lora.path):
+        raise ValueError(f"lora_config: task_id {task} is cached with another path ({cached.lora_path})")
+    return LoRARequest(f"task-{task}", task, str(lora.path))
+
+
+class _EmbeddingBias:
+    """A logits processor adding a [vocab] bias (moved to the logits' device on first use)."""
+
+    def __init__(self, bias: torch.Tensor):
+        self.bias = bias
+
+    def __call__(self, output_ids, row: torch.Tensor) -> torch.Tensor:
+        if self.bias.device != row.device:
+            self.bias = self.bias.to(row.device)
+        return row + self.bias
+
+
+def embedding_bias_processor(bias, vocab_size: int) -> _EmbeddingBias:
+    tensor = torch.as_tensor(bias, dtype=torch.float32).detach().cpu()
+    if tensor.dim() != 1 or tensor.shape[0] != vocab_size:
+        raise ValueError(
+            f"embedding_bias must be a 1-D tensor of the vocabulary's size {vocab_size}, got shape "
+            f"{tuple(tensor.shape)}"
+        )
+    return _EmbeddingBias(tensor)
+
+
+def translate_request(
+    request: Request,
+    config: ExecutorConfig,
+    post_processors: dict,
+    outputs_configured: set[str],
+    vocab_size: int,
+    loras: dict[int, LoRARequest],
+) -> tuple[SamplingParams, dict]:
+    """The request's SamplingParams and its engine request options (with 'timeout' and 'lora_request')."""
+    if not isinstance(request, Request):
+        raise TypeError(f"enqueue_request takes an executor Request, got {type(request).__name__}")
+    if not request.input_token_ids:
+        raise ValueError("input_token_ids is empty: at least one token is needed")
+    if not isinstance(request.max_tokens, int) or request.max_tokens < 1:
+        raise ValueError(f"max_tokens must be an integer >= 1, got {request.max_tokens!r}")
+    for name in UNSUPPORTED_FIELDS:
+        if getattr(request, name) is not None:
+            raise ValueError(f"Request.{name} is not supported by petrel")
+    extra = speculation_and_prompt_tuning(request)
+    sc, oc = request.sampling_config, request.output_config
+    if oc.return_encoder_output:
+        raise ValueError("output_config.return_encoder_output: the model is decoder-only (no encoder output)")
+    guided = request.guided_decoding_params.to_params() if request.guided_decoding_params is not None else None
+    width = sc.beam_width
+    if not isinstance(width, int) or width < 1:
+        raise ValueError(f"sampling_config.beam_width must be an integer >= 1, got {width!r}")
+    if width > config.max_beam_width:
+        raise ValueError(
+            f"sampling_config.beam_width {width} exceeds ExecutorConfig.max_beam_width ({config.max_beam_width})"
+        )
+    n = request.num_return_sequences or sc.num_return_sequences or width  # beams: all `width` by default
+    if n > (width if width > 1 else config.max_num_return_sequences):
+        raise ValueError(
+            f"num_return_sequences {n} exceeds "
+            + (
+                f"the beam width ({width})"
+                if width > 1
+                else f"ExecutorConfig.max_num_return_sequences ({config.max_num_return_sequences})"
+            )
+        )
+    names = [o.name for o in (oc.additional_model_outputs or [])]
+    missing = [name for name in names if name not in outputs_configured]
+    if missing:
+        raise ValueError(
+            f"output_config.additional_model_outputs {missing} are not in ExecutorConfig.additional_model_outputs "
+            f"({sorted(outputs_configured)})"
+        )
+    processors = []
+    if request.embedding_bias is not None:
+        processors.append(embedding_bias_processor(request.embedding_bias, vocab_size))
+    sampling = any(v is not None for v in (sc.temperature, sc.top_k, sc.top_p, sc.min_p))
+    early = sc.early_stopping
+    if isinstance(early, int) and not isinstance(early, bool):
+        early = bool(early)
+    params = SamplingParams(
+        n=n,
+        max_tokens=request.max_tokens,
+        min_tokens=sc.min_tokens or 0,
+        temperature=(1.0 if sc.temperature is None else sc.temperature) if sampling and width == 1 else 0.0,
+        top_k=sc.top_k or 0,
+        top_p=1.0 if sc.top_p in (None, 0.0) else sc.top_p,
+        min_p=sc.min_p or 0.0,
+        seed=sc.seed,
+        repetition_penalty=sc.repetition_penalty or 1.0,
+        presence_penalty=sc.presence_penalty or 0.0,
+        frequency_penalty=sc.frequency_penalty or 0.0,
+        stop_token_sequences=[list(w) for w in request.stop_words or []],
+        bad_words_token_ids=[list(w) for w in request.bad_words or []],
+        use_beam_search=width > 1,
+        beam_width=width if width > 1 else None,
+        length_penalty=1.0 if sc.length_penalty is None else sc.length_penalty,
+        early_stopping=False if early is None else early,
+        logprobs=0 if oc.return_log_probs else None,
+        return_context_logits=oc.return_context_logits,
+        return_generation_logits=oc.return_generation_logits,
+        additional_model_outputs=names,
+        detokenize=False,
+        guided_decoding=guided,
+        ignore_eos=request.end_id is not None,
+        stop_token_ids=[request.end_id] if request.end_id is not None else None,
+        logits_processors=processors or None,
+        **extra,
+    )
+    options: dict = {"client_id": request.client_id, "priority": request.priority}
+    if request.streaming and width > 1:
+        options["stream_beams"] = True
+    name = request.logits_post_processor_name
+    if name is not None:
+        if name == Request.BATCHED_POST_PROCESSOR_NAME:
+            options["use_batched_post_processor"] = True
+        elif name in post_processors:
+            options["logits_post_processor"] = post_processors[name]
+        else:
+            raise ValueError(
+                f"logits_post_processor_name {name!r} is not configured; known: "
+                f"{sorted(post_processors) + [Request.BATCHED_POST_PROCESSOR_NAME]}"
+            )
+    if not 0.0 <= request.priority <= 1.0:
+        raise ValueError(f"priority must be in [0, 1], got {request.priority!r}")
+    if request.allotted_time_ms is not None:
+        ms = request.allotted_time_ms
+        if isinstance(ms, bool) or not isinstance(ms, (int, float)) or ms <= 0:
+            raise ValueError(f"allotted_time_ms must be > 0, got {ms!r}")
+        options["timeout"] = ms / 1000.0
+    if request.lora_config is not None:
+        options["lora_request"] = lora_request_for(request.lora_config, loras)
+    return params, options
