@@ -197,6 +197,7 @@ class LlamaForCausalLM(nn.Module):
             return None
         stack = self.__dict__.get("_decode_stack")  # (key, dense_kernels.DecoderStack or None)
         key = (
+            dense_kernels.library() is not None,  # a stack built while the kernels were off is not kept for later
             len(layers),
             kv_caches[0].data_ptr(),
             layers[0].input_layernorm.weight.data_ptr(),
