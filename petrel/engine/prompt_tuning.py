@@ -37,9 +37,8 @@ def check_prompt_tuning_engine(model, speculative_config) -> None:
 
 def check_virtual_tokens(prompt_token_ids: list[int], table, vocab_size: int, hidden_size: int | None) -> list[int]:
     """ValueError for a table of the wrong width or virtual ids past its rows; returns the ids outside the
-    vocabulary that the table does not cover (the caller reports those as plain bad ids)."""
-    if table is None:
-        return [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+    vocabulary that the table does not cover (the caller reports those as plain bad ids). Without a table,
+    request_checks.check_request checks the ids itself."""
     rows = table.shape[0]
     if hidden_size is not None and table.shape[1] != hidden_size:
         raise ValueError(
