@@ -41,13 +41,29 @@ def test_linear_layer_uses_the_kernel_with_bias_and_falls_back():
     assert dense_kernels.linear(torch.randn(2, 64).double(), layer.weight.double()) is None
 
 
-needs_avx512 = pytest.mark.skipif(not native.cpu_has_avx512(), reason="no AVX-512 here: prefill products use torch")
+needs_avx512 = pytest.mark.skipif(not native.cpu_has_avx512(), reason="no AVX-512 here")
+# every many-row kernel this CPU can run: the AVX2 one runs everywhere the kernels do (forced with PETREL_AVX512=0 on
+# AVX-512 machines, so CI tests both ISAs' kernels there and the AVX2 one on AVX2-only machines)
+GEMM_ISAS = [pytest.param("avx2", id="avx2"), pytest.param("avx512", id="avx512", marks=needs_avx512)]
 
 
-@needs_avx512
-@pytest.mark.parametrize("rows", [257, 14 * 30, 1000])  # whole blocks of 14 rows, and a tail of 6 or 6 + 8
-@pytest.mark.parametrize("out_features,in_features", [(960, 576), (33, 1000), (7, 64), (48, 1)])
-def test_many_row_product_equals_matmul(rows, out_features, in_features):
+@pytest.fixture(params=GEMM_ISAS)
+def gemm_isa(request, monkeypatch):
+    """The ISA whose GEMM dense_kernels.gemm runs in this test; a spy on the library shows which one ran."""
+    if request.param == "avx2":
+        monkeypatch.setenv("PETREL_AVX512", "0")
+    lib, ran = dense_kernels.library(), []
+    for name in ("f32_gemm", "f32_gemm_avx2"):
+        kernel = getattr(lib, name)
+        monkeypatch.setattr(lib, name, lambda *a, kernel=kernel, name=name: ran.append(name) or kernel(*a))
+    yield request.param
+    assert ran and set(ran) == {"f32_gemm" if request.param == "avx512" else "f32_gemm_avx2"}, ran
+
+
+# whole blocks of rows (6 and 14: both kernels' block heights), and tails
+@pytest.mark.parametrize("rows", [257, 14 * 30, 1000])
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (33, 1000), (7, 64), (48, 1), (17, 5)])
+def test_many_row_product_equals_matmul(rows, out_features, in_features, gemm_isa):
     g = torch.Generator().manual_seed(rows + out_features)
     x = torch.randn(rows, in_features, generator=g)
     w = torch.randn(out_features, in_features, generator=g)
@@ -58,8 +74,16 @@ def test_many_row_product_equals_matmul(rows, out_features, in_features):
     torch.testing.assert_close(dense_kernels.gemm(x_strided, w), x_strided @ w.t(), atol=1e-4, rtol=1e-4)
 
 
-@needs_avx512
-def test_linear_layer_uses_the_gemm_for_prefill_with_bias(monkeypatch):
+def test_many_row_product_writes_no_column_past_n(gemm_isa):
+    """A partial last panel of W (N not a multiple of 16 or 32) must not write past each row's N columns: the rows
+    are packed, so a stray write would land in the next row's first columns."""
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(300, 40, generator=g), torch.randn(21, 40, generator=g)
+    got = dense_kernels.gemm(x, w)
+    torch.testing.assert_close(got, x @ w.t(), atol=1e-4, rtol=1e-4)
+
+
+def test_linear_layer_uses_the_gemm_for_prefill_with_bias(monkeypatch, gemm_isa):
     layer = Linear(64, 40, bias=True)
     x = torch.randn(Linear.SMALL_BATCH + 5, 64)
     calls = []
@@ -67,9 +91,7 @@ def test_linear_layer_uses_the_gemm_for_prefill_with_bias(monkeypatch):
     monkeypatch.setattr(dense_kernels, "gemm", lambda *a: calls.append(1) or gemm(*a))
     torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), atol=1e-4, rtol=1e-4)
     assert calls == [1]
-    assert dense_kernels.gemm(x.double(), layer.weight.double()) is None
-    monkeypatch.setenv("PETREL_AVX512", "0")
-    assert dense_kernels.gemm(x, layer.weight) is None
+    assert gemm(x.double(), layer.weight.double()) is None
 
 
 def _paged_case(num_seqs, heads, kv_heads, head_dim, block_size, lens, seed):

@@ -103,17 +103,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """x [M, K] @ weight[N, K]^T for many rows (prefill) with the AVX-512 kernel (gemm_avx512.c), or None where it
-    does not run (no AVX-512: see native.cpu_has_avx512; not CPU float32)."""
-    if not (_is_cpu_f32(x, weight) and weight.is_contiguous() and native.cpu_has_avx512()):
-        return None
-    if (lib := library()) is None:
+    """x [M, K] @ weight[N, K]^T for many rows (prefill) with the register-blocked kernel of this CPU's widest vectors:
+    gemm_avx512.c where native.cpu_has_avx512 says so, else gemm_avx2.c; None where neither runs (no kernel
+    library, not CPU float32)."""
+    if not (_is_cpu_f32(x, weight) and weight.is_contiguous()) or (lib := library()) is None:
         return None
     x = x.contiguous()
     (m, k), n, threads = x.shape, weight.shape[0], torch.get_num_threads()
     y = torch.empty(m, n, dtype=torch.float32)
-    workspace = torch.empty(lib.f32_gemm_workspace(k, threads), dtype=torch.float32)
-    lib.f32_gemm(x.data_ptr(), m, k, weight.data_ptr(), y.data_ptr(), n, workspace.data_ptr(), threads)
+    if native.cpu_has_avx512():
+        workspace = torch.empty(lib.f32_gemm_workspace(k, threads), dtype=torch.float32)
+        lib.f32_gemm(x.data_ptr(), m, k, weight.data_ptr(), y.data_ptr(), n, workspace.data_ptr(), threads)
+    else:
+        workspace = torch.empty(lib.f32_gemm_avx2_workspace(k, n, threads), dtype=torch.float32)
+        lib.f32_gemm_avx2(x.data_ptr(), m, k, weight.data_ptr(), y.data_ptr(), n, workspace.data_ptr(), threads)
     return y
 
 

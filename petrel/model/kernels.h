@@ -58,6 +58,11 @@ int64_t f32_gemm_workspace(int64_t K, int nthreads);
 void f32_gemm(const float *x, int64_t M, int64_t K, const float *W, float *y, int64_t N, float *workspace,
               int nthreads);
 
+/* gemm_avx2.c */
+int64_t f32_gemm_avx2_workspace(int64_t K, int64_t N, int nthreads);
+void f32_gemm_avx2(const float *x, int64_t M, int64_t K, const float *W, float *y, int64_t N, float *workspace,
+                   int nthreads);
+
 /* quant_kernels.c */
 int quant_gemv(int bits, const float *x, int64_t M, int64_t K, const void *codes, const float *scale,
                const float *mins, int gshift, float *y, int64_t N, int nthreads);

@@ -13,8 +13,8 @@ from petrel.model import dense_kernels
 class Linear(nn.Linear):
     """nn.Linear with faster paths on CPU. In float32, up to dense_kernels.GEMV_MAX_ROWS rows (decode): petrel's
     kernel, which streams the weight once at memory bandwidth for a few rows (torch's BLAS reaches about half of it)
-    and runs near the FMA peak at tens of rows; above (prefill), on CPUs with AVX-512, petrel's GEMM
-    (dense_kernels.gemm, up to ~10% faster than torch's on these shapes). Other dtypes, up to SMALL_BATCH rows:
+    and runs near the FMA peak at tens of rows; above (prefill), petrel's register-blocked GEMM for the CPU's
+    widest vectors (dense_kernels.gemm: AVX-512 or AVX2). Other dtypes, up to SMALL_BATCH rows:
     (W @ x^T)^T, with the weight as the left operand the CPU BLAS runs these skinny products 15-30% faster."""
 
     SMALL_BATCH = 256

@@ -1,0 +1,117 @@
+/* Float32 products of many rows (prefill) for x86-64 CPUs with AVX2 + FMA, loaded with ctypes (petrel/model/native.py).
+ *
+ * f32_gemm_avx2: y[M][N] = x[M][K] @ W[N][K]^T, gemm_avx512.c's scheme sized for 16 vector registers: the innermost
+ * loop keeps a 6 x 16 block of y in 12 registers and, per k, loads two vectors of W and broadcasts one value from
+ * each of 6 rows of x: 12 fused multiply-adds for 8 loads. W is first copied a panel of 16 columns at a time into
+ * k-major order ([K][16]), which stays in L2 while every 6-row block of x passes over it. Threads take panels of W.
+ * Built with the other kernels (-mavx2 -mfma): callers check native.cpu_has_avx2_fma, as for every kernel. */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "kernels.h"
+#include "thread_pool.h"
+
+#define MR 6
+#define NR 16
+
+/* y rows [0, mr) x columns [0, nr) = x rows [0, MR) (ldx floats apart) @ W panel. The twelve accumulators are
+ * named variables, not an array: gcc keeps an array of vectors in memory, a store per multiply-add. The block goes
+ * out through a stack tile, so that a partial panel (nr < NR) writes no column past N. */
+static void block_6x16(const float *x, int64_t ldx, const float *wp, int64_t K, float *y, int64_t ldy, int mr,
+                       int nr) {
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+    __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+    const float *x0 = x, *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx, *x4 = x + 4 * ldx, *x5 = x + 5 * ldx;
+    for (int64_t k = 0; k < K; k++, wp += NR) {
+        const __m256 w0 = _mm256_loadu_ps(wp), w1 = _mm256_loadu_ps(wp + 8);
+        __m256 xb = _mm256_broadcast_ss(x0 + k);
+        c00 = _mm256_fmadd_ps(w0, xb, c00), c01 = _mm256_fmadd_ps(w1, xb, c01);
+        xb = _mm256_broadcast_ss(x1 + k);
+        c10 = _mm256_fmadd_ps(w0, xb, c10), c11 = _mm256_fmadd_ps(w1, xb, c11);
+        xb = _mm256_broadcast_ss(x2 + k);
+        c20 = _mm256_fmadd_ps(w0, xb, c20), c21 = _mm256_fmadd_ps(w1, xb, c21);
+        xb = _mm256_broadcast_ss(x3 + k);
+        c30 = _mm256_fmadd_ps(w0, xb, c30), c31 = _mm256_fmadd_ps(w1, xb, c31);
+        xb = _mm256_broadcast_ss(x4 + k);
+        c40 = _mm256_fmadd_ps(w0, xb, c40), c41 = _mm256_fmadd_ps(w1, xb, c41);
+        xb = _mm256_broadcast_ss(x5 + k);
+        c50 = _mm256_fmadd_ps(w0, xb, c50), c51 = _mm256_fmadd_ps(w1, xb, c51);
+    }
+    float tile[MR][NR];
+    _mm256_storeu_ps(tile[0], c00), _mm256_storeu_ps(tile[0] + 8, c01);
+    _mm256_storeu_ps(tile[1], c10), _mm256_storeu_ps(tile[1] + 8, c11);
+    _mm256_storeu_ps(tile[2], c20), _mm256_storeu_ps(tile[2] + 8, c21);
+    _mm256_storeu_ps(tile[3], c30), _mm256_storeu_ps(tile[3] + 8, c31);
+    _mm256_storeu_ps(tile[4], c40), _mm256_storeu_ps(tile[4] + 8, c41);
+    _mm256_storeu_ps(tile[5], c50), _mm256_storeu_ps(tile[5] + 8, c51);
+    for (int i = 0; i < mr; i++) memcpy(y + i * ldy, tile[i], sizeof(float) * nr);
+}
+
+/* Rows of x a thread takes over its panels of W before the next rows: as many 6-row blocks as fit ~256 KB of L2
+ * (at least one), so that each packed panel is used by many blocks while those rows of x stay in cache. */
+static int64_t rows_per_pass(int64_t K) {
+    const int64_t blocks = (256 * 1024 / 4) / (MR * K);
+    return (blocks > 0 ? blocks : 1) * MR;
+}
+
+/* a thread's share of the columns, whole panels: at most this many */
+static int64_t columns_per_thread(int64_t N, int nthreads) {
+    return ((N + nthreads - 1) / nthreads + NR - 1) / NR * NR;
+}
+
+/* tail: the last M % MR rows of x followed by zero rows, [MR][K] (NULL when M is a multiple of MR); wp: each
+ * thread's packed panels [columns_per_thread / NR][K][NR] */
+typedef struct {
+    const float *x; int64_t M, K; const float *W; float *y; int64_t N; const float *tail; float *wp;
+} gemm_args;
+
+static void gemm_part(void *args, int t, int T) {
+    const gemm_args *a = args;
+    const int64_t M = a->M, K = a->K, N = a->N, full = M / MR, pass = rows_per_pass(K) / MR;
+    int64_t n0, n1;
+    split_range(N, t, T, NR, &n0, &n1);
+    float *const panels = a->wp + t * K * columns_per_thread(N, T);
+    for (int64_t n = n0; n < n1; n += NR) {      /* this thread's panels of W, each k-major; columns past N zero */
+        float *wp = panels + (n - n0) * K;
+        const int nr = n1 - n < NR ? (int)(n1 - n) : NR;
+        for (int j = 0; j < NR; j++) {
+            if (j < nr) {
+                const float *src = a->W + (n + j) * K;
+                for (int64_t k = 0; k < K; k++) wp[k * NR + j] = src[k];
+            } else {
+                for (int64_t k = 0; k < K; k++) wp[k * NR + j] = 0.f;
+            }
+        }
+    }
+    for (int64_t p0 = 0; p0 < full + (a->tail != NULL); p0 += pass) {
+        const int64_t p1 = p0 + pass < full ? p0 + pass : full;
+        for (int64_t n = n0; n < n1; n += NR) {
+            const float *wp = panels + (n - n0) * K;
+            const int nr = n1 - n < NR ? (int)(n1 - n) : NR;
+            for (int64_t p = p0; p < p1; p++)
+                block_6x16(a->x + p * MR * K, K, wp, K, a->y + p * MR * N + n, N, MR, nr);
+            if (a->tail && p1 == full && p0 + pass > full)
+                block_6x16(a->tail, K, wp, K, a->y + full * MR * N + n, N, (int)(M - full * MR), nr);
+        }
+    }
+}
+
+/* floats of workspace f32_gemm_avx2 needs */
+int64_t f32_gemm_avx2_workspace(int64_t K, int64_t N, int nthreads) {
+    return MR * K + (int64_t)nthreads * K * columns_per_thread(N, nthreads);
+}
+
+/* y[M][N] = x[M][K] @ W[N][K]^T (x, W, y contiguous rows); workspace: f32_gemm_avx2_workspace(K, N, nthreads)
+ * floats */
+void f32_gemm_avx2(const float *x, int64_t M, int64_t K, const float *W, float *y, int64_t N, float *workspace,
+                   int nthreads) {
+    const int64_t rest = M % MR;
+    float *tail = rest ? workspace : NULL;
+    if (tail) {
+        memcpy(tail, x + (M - rest) * K, sizeof(float) * rest * K);
+        memset(tail + rest * K, 0, sizeof(float) * (MR - rest) * K);
+    }
+    gemm_args a = {x, M, K, W, y, N, tail, workspace + MR * K};
+    parallel_run(gemm_part, &a, nthreads);
+}
