@@ -252,6 +252,8 @@ def test_the_packages_lazy_names_resolve():
     assert petrel.route.build_disagg_app is disagg.build_disagg_app
     assert petrel.bench.make_w2_prompts is workloads.make_w2_prompts and petrel.bench.QUICK is workloads.QUICK
     assert petrel.bench.PetrelRunner is runners.PetrelRunner and petrel.bench.run_w1 is in_process.run_w1
+    # petrel.bench keeps __all__ literal (type checkers read it statically): it must name exactly what it exports
+    assert set(petrel.bench.__all__) == {"main", *petrel.bench._EXPORTS}
     for package in (petrel.serve, petrel.route, petrel.bench):
         with pytest.raises(AttributeError):
             package.no_such_name  # noqa: B018

@@ -40,6 +40,8 @@ _EXPORTS |= {
     "run_w1": "petrel.bench.in_process",
     "run_batch": "petrel.bench.in_process",
 }
+# a literal list, not derived from _EXPORTS: type checkers and ruff read __all__ statically (test_imports checks
+# that the two agree)
 __all__ = [
     "main",
     "W1_USER_MESSAGE",
