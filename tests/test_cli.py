@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -15,6 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def petrel(*args, stdin: str | None = None, timeout: float = 120):
+    """`petrel ARGS` as a user's shell runs it: a new interpreter (exit code, stdout, stderr of the process)."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run(
         [sys.executable, "-m", "petrel.cli", *args],
@@ -25,6 +28,27 @@ def petrel(*args, stdin: str | None = None, timeout: float = 120):
         env=env,
         cwd=ROOT,
     )
+
+
+@pytest.fixture()
+def petrel_here(capsys, monkeypatch):
+    """`petrel ARGS` run by petrel.cli.main in this process, as `petrel` does (its exit code, stdout, stderr),
+    without an interpreter start-up per command: the exit code is main's return or argparse's SystemExit, and a
+    traceback would be an exception here that fails the test."""
+    from petrel.cli import main
+
+    def run(*args, stdin: str | None = None):
+        if stdin is not None:
+            monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+        monkeypatch.chdir(ROOT)
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse: --help and usage errors
+            code = exc.code
+        out = capsys.readouterr()
+        return types.SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
+
+    return run
 
 
 # ------------------------------------------------------------------------------------------- help
@@ -39,8 +63,8 @@ def petrel(*args, stdin: str | None = None, timeout: float = 120):
         (("serve",), ["--api-key", "examples:", "chat page"]),
     ],
 )
-def test_help_has_a_description_and_examples(command, expected):
-    r = petrel(*command, "--help")
+def test_help_has_a_description_and_examples(command, expected, petrel_here):
+    r = petrel_here(*command, "--help")
     assert r.returncode == 0, r.stderr
     for text in expected:
         assert text in r.stdout, (command, text)
@@ -68,8 +92,8 @@ def test_missing_model_is_one_clear_line(tmp_path):
         (("generate", "hi", "--speculative-config", '{"method": "medusa"}'), "speculative_config.method"),
     ],
 )
-def test_user_mistakes_exit_2_without_a_traceback(args, message):
-    r = petrel(*args)
+def test_user_mistakes_exit_2_without_a_traceback(args, message, petrel_here):
+    r = petrel_here(*args)
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr
     assert message in r.stderr
@@ -120,11 +144,11 @@ def test_chat_lines_ending_in_a_backslash_continue():
 
 
 @pytest.mark.e2e
-def test_generate_input_file_writes_jsonl(tmp_path):
+def test_generate_input_file_writes_jsonl(tmp_path, petrel_here):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("The capital of France is\nOne, two, three,\n")
     out = tmp_path / "out.jsonl"
-    r = petrel("generate", "--input", str(prompts), "--output", str(out), "--max-tokens", "4")
+    r = petrel_here("generate", "--input", str(prompts), "--output", str(out), "--max-tokens", "4")
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [row["prompt"] for row in rows] == ["The capital of France is", "One, two, three,"]
@@ -133,7 +157,7 @@ def test_generate_input_file_writes_jsonl(tmp_path):
         assert isinstance(row["text"], str) and row["finish_reason"] in ("length", "stop")
         assert 1 <= row["num_tokens"] <= 4
 
-    r = petrel("generate", "--input", "-", "--max-tokens", "2", stdin='{"prompt": "Hi"}\n')
+    r = petrel_here("generate", "--input", "-", "--max-tokens", "2", stdin='{"prompt": "Hi"}\n')
     assert r.returncode == 0, r.stderr
     (row,) = [json.loads(line) for line in r.stdout.splitlines()]
     assert row["prompt"] == "Hi" and row["num_tokens"] <= 2
