@@ -16,6 +16,7 @@ from petrel.model.tokenizer import longest_token_chars
 from petrel.serve.chat import create_chat_completion
 from petrel.serve.chat_template import ChatTemplate, conversation_chars, messages_for_template
 from petrel.serve.completions import create_completion
+from petrel.serve.embeddings import add_embedding_routes
 from petrel.serve.errors import ERROR_RESPONSES, APIError, install_error_handlers
 from petrel.serve.limits import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
 from petrel.serve.logprobs import TokenText
@@ -37,6 +38,8 @@ from petrel.serve.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from petrel.serve.responses import add_response_routes
+from petrel.serve.responses_protocol import ResponseStreamEvent
 from petrel.serve.streams import ServeState
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -103,6 +106,7 @@ def build_app(
     lora_modules: dict[str, str] | None = None,
     body_timeout: float | None = DEFAULT_BODY_TIMEOUT,
     trust_special_tokens: bool = False,
+    embedding_pooling: str = "last",
 ) -> FastAPI:
     """An app serving `llm` (a petrel.LLM). `chat_template` is Jinja source overriding the model's.
     lora_modules: served name -> PEFT LoRA adapter directory (the engine needs enable_lora); a request's `model`
@@ -110,7 +114,8 @@ def build_app(
     A body larger than max_request_bytes is a 413; one stalled body_timeout seconds between chunks a 408.
     At most max_num_seqs + max_queue_len sequences (n per request) are in flight (None: no limit); more get 429.
     trust_special_tokens: special-token strings in chat messages act as control tokens (only for trusted clients:
-    by default they are text, so no message can forge another turn)."""
+    by default they are text, so no message can forge another turn).
+    embedding_pooling: how /v1/embeddings pools a prompt's final hidden states, 'last' (token) or 'mean'."""
     name = served_model_name or getattr(llm.config, "model", None) or DEFAULT_MODEL_NAME
     core = llm.engine.core
     limits = ServerLimits(
@@ -169,6 +174,9 @@ def build_app(
     )
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await create_chat_completion(state, body, request)
+
+    add_response_routes(v1, state)  # POST /v1/responses, GET /v1/responses/{response_id}
+    add_embedding_routes(v1, state, embedding_pooling)  # POST /v1/embeddings
 
     @v1.get("/models", response_model=ModelList, responses=ERROR_RESPONSES, summary="The served model")
     async def models() -> ModelList:
@@ -258,5 +266,5 @@ def build_app(
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     app.include_router(v1)
     app.include_router(extra)
-    _add_stream_schemas(app, [CompletionStreamResponse, ChatCompletionChunk])
+    _add_stream_schemas(app, [CompletionStreamResponse, ChatCompletionChunk, ResponseStreamEvent])
     return app

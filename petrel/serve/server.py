@@ -54,6 +54,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     p.add_argument("--max-n", type=int, default=16, help="most choices (n) per request")
     p.add_argument(
+        "--embedding-pooling",
+        choices=("last", "mean"),
+        default="last",
+        help="how /v1/embeddings pools an input's final hidden states: the last token's (default) or their mean",
+    )
+    p.add_argument(
         "--max-queue-len",
         type=int,
         default=1024,
@@ -264,6 +270,7 @@ def run(args) -> int:
             max_request_bytes=args.max_request_bytes,
             lora_modules=loras,
             body_timeout=args.body_timeout or None,
+            embedding_pooling=args.embedding_pooling,
         )
         config = guarded_config(
             app, guard, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
