@@ -26,6 +26,8 @@ pytestmark = pytest.mark.e2e
 OPERATIONS = [
     ("POST", "/v1/completions"),
     ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/responses"),
+    ("POST", "/v1/embeddings"),
     ("POST", "/tokenize"),
     ("POST", "/detokenize"),
     ("GET", "/v1/models"),
@@ -52,6 +54,11 @@ def fuzz_schema(fuzz_server):
 def cheap(case) -> None:
     """At most MAX_GEN_TOKENS generated tokens per choice, whatever the fuzzer picked."""
     body = case.body
+    if case.path == "/v1/responses" and isinstance(body, dict):
+        value = body.get("max_output_tokens")
+        if not isinstance(value, int) or isinstance(value, bool) or value > MAX_GEN_TOKENS:
+            body["max_output_tokens"] = MAX_GEN_TOKENS  # absent or null: no limit; a wrong type is refused anyway
+        return
     if case.path not in ("/v1/completions", "/v1/chat/completions") or not isinstance(body, dict):
         return
     body.pop(
@@ -83,6 +90,10 @@ def check_response(case, response) -> None:
         assert isinstance(err["type"], str), f"{label} -> {body}"
     elif "text/event-stream" in _content_type(response):
         events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+        if case.path == "/v1/responses":  # OpenAI's Responses streams end with their final event, not [DONE]
+            final = json.loads(events[-1])["type"] if events else None
+            assert final in ("response.completed", "response.incomplete", "response.failed"), f"{label} -> {final}"
+            events.append("[DONE]")
         assert events and events[-1] == "[DONE]", f"{label} -> {response.text[-500:]}"
         for event in events[:-1]:
             json.loads(event)
