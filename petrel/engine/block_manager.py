@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 from collections import OrderedDict, deque
+from collections.abc import Callable
 
 from petrel.engine.sequence import Sequence
 
@@ -72,6 +73,9 @@ class BlockManager:
         self.block_hash: dict[int, bytes] = {}
         self.block_tokens: dict[int, tuple[int, ...]] = {}
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write, for the runner
+        # KV events (a gateway's cache-aware routing): called in the engine loop with ("stored", hash, parent hash
+        # or None, token ids), ("removed", hash) or ("cleared",) for the global-attention group's blocks
+        self.kv_event_sink: Callable[[tuple], None] | None = None
 
     # ------------------------------------------------------------------ groups
     @property
@@ -142,6 +146,8 @@ class BlockManager:
             self.block_tokens.pop(block, None)
             if self.hash_to_block.get(h) == block:
                 del self.hash_to_block[h]
+                if self.kv_event_sink is not None and isinstance(h, bytes):
+                    self.kv_event_sink(("removed", h))
         self.ref_counts[block] = 1
         return block
 
@@ -273,6 +279,9 @@ class BlockManager:
                 self.block_hash[block] = key
                 self.hash_to_block[key] = block
                 self.block_tokens[block] = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+                if g == 0 and self.kv_event_sink is not None:
+                    parent = seq.block_hashes[i - 1] if i else None
+                    self.kv_event_sink(("stored", key, parent, self.block_tokens[block]))
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares all of the parent's blocks; a shared partial block is copied on first write."""
@@ -312,6 +321,8 @@ class BlockManager:
             del self.evictable[block]
             self.free_blocks.append(block)
         self.hash_to_block.clear()
+        if self.kv_event_sink is not None:
+            self.kv_event_sink(("cleared",))
         self.block_hash = {b: h for b, h in self.block_hash.items() if self.ref_counts[b] > 0}
         self.block_tokens = {b: t for b, t in self.block_tokens.items() if b in self.block_hash}
         for b, h in self.block_hash.items():

@@ -13,6 +13,7 @@ from fastapi.staticfiles import StaticFiles
 
 import petrel
 from petrel.model.tokenizer import longest_token_chars
+from petrel.serve import worker_info
 from petrel.serve.chat import create_chat_completion
 from petrel.serve.chat_template import ChatTemplate, conversation_chars, messages_for_template
 from petrel.serve.completions import create_completion
@@ -229,6 +230,31 @@ def build_app(
         if bad:
             raise APIError(f"tokens outside the vocabulary (size {limits.vocab_size}): {bad[:5]}", 400, param="tokens")
         return DetokenizeResponse(prompt=await state.run_blocking(llm.tokenizer.decode, body.tokens))
+
+    async def engine_load() -> dict:
+        try:
+            return await asyncio.to_thread(llm.engine.call, worker_info.engine_load, state.health_timeout)
+        except Exception as exc:  # noqa: BLE001 - a stuck engine has no load to report
+            raise APIError(f"the engine did not answer: {type(exc).__name__}: {exc}", 503) from None
+
+    @v1.get("/loads", summary="The engine's load (running / waiting sequences, KV-cache use), as gateways read it")
+    async def loads() -> dict:
+        return worker_info.loads_response(await engine_load(), llm.config.max_num_seqs)
+
+    for path in ("/server_info", "/get_server_info"):
+        extra.add_api_route(
+            path,
+            lambda: worker_info.server_info(llm, name),
+            methods=["GET"],
+            summary="The server: version, backend, parallelism, limits (a gateway's worker labels)",
+        )
+    for path in ("/model_info", "/get_model_info"):
+        extra.add_api_route(
+            path,
+            lambda: worker_info.model_info(llm, name),
+            methods=["GET"],
+            summary="The served model: name, path, context length, sizes (a gateway's worker labels)",
+        )
 
     @app.get(
         "/health",

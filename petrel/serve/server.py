@@ -87,6 +87,21 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="seconds a request body may stall between chunks before a 408 (default "
         f"{DEFAULT_BODY_TIMEOUT:g}; 0: no limit)",
     )
+    p.add_argument(
+        "--grpc-port",
+        type=int,
+        default=None,
+        help="also serve the TensorRT-LLM gRPC worker service (trtllm.TrtllmService, what the smg gateway "
+        "drives: `smg launch --worker-urls grpc://HOST:PORT`) on this port, over the same engine "
+        "(needs `pip install petrel[grpc]`)",
+    )
+    p.add_argument(
+        "--grpc-service",
+        default="trtllm",
+        choices=["trtllm", "vllm"],
+        help="the gRPC service --grpc-port serves: trtllm, or vllm (smg's vLLM protocol: what the gateway's "
+        "--pd-disaggregation drives, with --kv-transfer-role prefill / decode)",
+    )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     g = p.add_argument_group("engine options (see petrel/config.py)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -275,16 +290,42 @@ def run(args) -> int:
         config = guarded_config(
             app, guard, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
         )
+        grpc_server = start_grpc(llm, app.state.petrel, template, args)
         print(startup_banner(llm, app.state.petrel.model_name, args.host, args.port), file=sys.stderr, flush=True)
+        if grpc_server is not None:
+            print(f"petrel serve: gRPC worker ({args.grpc_service} service) at {grpc_server.address}", file=sys.stderr)
         # uvicorn re-raises the signal that stopped it once it has shut down; with these handlers that
         # ends here, so a drained SIGTERM / Ctrl-C exits 0 instead of dying by the signal
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: None)
         freeze_startup_objects()
         DrainingServer(config, llm).run()
+        if grpc_server is not None:
+            grpc_server.stop()
     finally:
         llm.shutdown()
     return 0
+
+
+def start_grpc(llm, state, chat_template: str | None, args):
+    """The gRPC worker beside the HTTP server (--grpc-port), with the HTTP server's model name, LoRA adapters and
+    queue limit; None without --grpc-port."""
+    if args.grpc_port is None:
+        return None
+    from petrel.grpc import build_grpc_server
+
+    return build_grpc_server(
+        llm,
+        state.model_name,
+        args.host,
+        args.grpc_port,
+        service=args.grpc_service,
+        max_pending=state.max_pending,
+        max_n=args.max_n,
+        chat_template=chat_template,
+        lora_modules=state.lora_modules,
+        health_timeout=state.health_timeout,
+    ).start()
 
 
 def startup_banner(llm, model_name: str, host: str, port: int) -> str:
