@@ -224,6 +224,8 @@ def test_serve_lora_modules(setup):
             models = client.get("/v1/models").json()["data"]
             assert [m["id"] for m in models] == ["base", "a1", "a2"]
             assert models[1]["parent"] == "base" and models[1]["root"] == lora1.lora_path
+            assert client.get("/v1/models/a1").json() == models[1]  # retrieve: an adapter by its name
+            assert client.get("/v1/models/a9").status_code == 404
             for name in ("base", "a1", "a2"):
                 body = {"model": name, "prompt": p, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
                 r = client.post("/v1/completions", json=body)

@@ -536,7 +536,7 @@ BAD_REQUESTS = [
     (CHAT, {"messages": USER, "continue_final_message": True}, 400, "continue_final_message"),
     (CHAT, {"messages": USER, "chat_template_kwargs": {"messages": []}}, 400, "chat_template_kwargs"),
     (CHAT, {"messages": [{"role": "user", "content": "word " * 9000}]}, 400, "messages"),
-    (CHAT, {"messages": USER, "functions": [{"name": "f"}]}, 400, "functions"),
+    (CHAT, {"messages": USER, "functions": [{"name": "f"}], "tools": [WEATHER_TOOL]}, 400, "functions"),
     (CHAT, {"messages": USER, "n": 0}, 400, "n"),
     ("/tokenize", {"prompt": "a", "messages": USER}, 400, "prompt"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens"),

@@ -122,7 +122,11 @@ class Router:
 
 
 def prefix_of(body: dict) -> str:
-    """The text that decides which prefix cache a request should meet: its prompt, or its messages."""
+    """The text that decides which prefix cache a request should meet: its prompt_cache_key (OpenAI's name for
+    requests that should share a cache), else its prompt, or its messages."""
+    key = body.get("prompt_cache_key")
+    if isinstance(key, str) and key:
+        return f"\0prompt_cache_key\0{key}"
     if "messages" in body:
         return json.dumps(body.get("messages"), sort_keys=True, ensure_ascii=False)
     prompt = body.get("prompt", "")

@@ -176,27 +176,31 @@ def build_app(
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await create_chat_completion(state, body, request)
 
+    def model_cards() -> list[ModelCard]:
+        base = ModelCard(
+            id=name, created=state.created, root=getattr(llm.config, "model", None), max_model_len=limits.max_model_len
+        )
+        return [base] + [
+            ModelCard(id=n, created=state.created, root=lr.lora_path, parent=name, max_model_len=limits.max_model_len)
+            for n, lr in loras.items()
+        ]
+
     add_response_routes(v1, state)  # POST /v1/responses, GET /v1/responses/{response_id}
     add_embedding_routes(v1, state, embedding_pooling)  # POST /v1/embeddings
 
     @v1.get("/models", response_model=ModelList, responses=ERROR_RESPONSES, summary="The served model")
     async def models() -> ModelList:
-        return ModelList(
-            data=[
-                ModelCard(
-                    id=name,
-                    created=state.created,
-                    root=getattr(llm.config, "model", None),
-                    max_model_len=limits.max_model_len,
-                )
-            ]
-            + [
-                ModelCard(
-                    id=n, created=state.created, root=lr.lora_path, parent=name, max_model_len=limits.max_model_len
-                )
-                for n, lr in loras.items()
-            ]
-        )
+        return ModelList(data=model_cards())
+
+    @v1.get(
+        "/models/{model:path}",
+        response_model=ModelCard,
+        responses=ERROR_RESPONSES,
+        summary="One served model (the base model or a LoRA adapter) by its id",
+    )
+    async def retrieve_model(model: str) -> ModelCard:
+        state.check_model(model)  # 404 naming the served models
+        return next(card for card in model_cards() if card.id == model)
 
     @extra.post(
         "/tokenize",

@@ -15,6 +15,7 @@ from petrel.serve.completions import api_finish_reason
 from petrel.serve.errors import APIError, from_value_error
 from petrel.serve.guided import Guided, compile_guided, guided_from_request, guided_value_error
 from petrel.serve.logprobs import chat_logprobs
+from petrel.serve.openai_fields import check_modalities, with_legacy_functions
 from petrel.serve.params import build_sampling_params, check_prompt_chars, check_prompt_length, resolve_max_tokens
 from petrel.serve.protocol import (
     ChatChoice,
@@ -32,6 +33,7 @@ from petrel.serve.protocol import (
     ToolCall,
     Usage,
 )
+from petrel.serve.reasoning import ReasoningParser, prompt_opens_reasoning, split_reasoning, uses_think_tags
 from petrel.serve.streams import SSE_DONE, ServeState, merged, new_id, outputs_or_none, sse
 from petrel.serve.tool_grammar import CALL_START, any_call_grammar, named_call_grammar, named_prefill
 from petrel.serve.tool_grammar import available as tool_grammar_available
@@ -48,6 +50,9 @@ class ToolPlan:
     prefill: str = ""
     single: bool = False  # parallel_tool_calls=false: keep the first call
     guided: Guided | None = None  # a forced call: the grammar its arguments follow
+    legacy: bool = False  # the request gave `functions`: answer with function_call
+    reasoning: bool = False  # split <think>...</think> out as reasoning_content
+    in_reasoning: bool = False  # the prompt opened the think block
 
 
 def plan_tools(req: ChatCompletionRequest) -> ToolPlan:
@@ -107,9 +112,13 @@ def _call_objects(calls, prefix: str) -> list[ToolCall]:
 async def create_chat_completion(state: ServeState, req: ChatCompletionRequest, request: Request) -> Response:
     lora_request = state.check_model(req.model)
     _check_unsupported(req)
+    check_modalities(req)
+    req, legacy = with_legacy_functions(req)
     dp = disagg.from_request(req, 1)
     guided = guided_from_request(req)
     plan = plan_tools(req)
+    plan.legacy = legacy
+    plan.reasoning = uses_think_tags(state.template.source) and not plan.prefill
     if plan.guided is not None:
         if guided is not None:
             raise APIError(
@@ -123,8 +132,8 @@ async def create_chat_completion(state: ServeState, req: ChatCompletionRequest, 
     messages = messages_for_template(req.messages, template.supports_tools)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if plan.parse else None
     check_prompt_chars(conversation_chars(messages, tools), state.limits, "messages")
-    ids = await state.run_blocking(
-        template.encode,
+    prompt_text, ids = await state.run_blocking(
+        template.prompt,
         messages,
         tools,
         req.add_generation_prompt,
@@ -133,6 +142,7 @@ async def create_chat_completion(state: ServeState, req: ChatCompletionRequest, 
         plan.prefill,
     )
     check_prompt_length(len(ids), state.limits, "messages")
+    plan.in_reasoning = plan.reasoning and prompt_opens_reasoning(prompt_text)
     param = (
         "max_tokens" if req.max_completion_tokens is None and req.max_tokens is not None else "max_completion_tokens"
     )
@@ -165,16 +175,24 @@ async def create_chat_completion(state: ServeState, req: ChatCompletionRequest, 
     (out,) = outputs
     choices = []
     for co in out.outputs:
-        message = ResponseMessage(content=co.text)
+        reasoning, text = split_reasoning(co.text, plan.in_reasoning) if plan.reasoning else (None, co.text)
+        message = ResponseMessage(content=text)
         finish = api_finish_reason(co.finish_reason)
         if plan.parse:
-            parsed = parse_all(co.text, prefix=plan.prefill)
+            parsed = parse_all(text, prefix=plan.prefill)
             calls = parsed.calls[:1] if plan.single else parsed.calls
-            if calls:
+            if calls and plan.legacy:
+                message = ResponseMessage(
+                    content=parsed.content or None,
+                    function_call=FunctionCall(name=calls[0].name, arguments=calls[0].arguments),
+                )
+                finish = "function_call"
+            elif calls:
                 message = ResponseMessage(content=parsed.content or None, tool_calls=_call_objects(calls, "call"))
                 finish = "tool_calls"
             else:
                 message = ResponseMessage(content=parsed.content)
+        message.reasoning_content = reasoning
         choice = ChatChoice(
             index=co.index,
             message=message,
@@ -201,6 +219,12 @@ async def create_chat_completion(state: ServeState, req: ChatCompletionRequest, 
     return JSONResponse(body.model_dump(mode="json"))
 
 
+def _finish(plan: ToolPlan, num_calls: int, reason: str | None) -> str | None:
+    if num_calls:
+        return "function_call" if plan.legacy else "tool_calls"
+    return api_finish_reason(reason)
+
+
 def _usage(out) -> Usage:
     prompt = len(out.prompt_token_ids)
     completion = sum(len(co.token_ids) for co in out.outputs)
@@ -218,55 +242,64 @@ async def _stream(state: ServeState, req: ChatCompletionRequest, plan: ToolPlan,
     exclude = None if include_usage else {"usage"}
     k = (req.top_logprobs or 0) if req.logprobs else None
     parsers = {}
+    thinkers = {i: ReasoningParser(plan.in_reasoning) for i in range(req.n)} if plan.reasoning else {}
     num_calls = {i: 0 for i in range(req.n)}
 
     def chunk(choice: ChatStreamChoice) -> str:
         body = ChatCompletionChunk(id=rid, created=created, model=state.response_model(req.model), choices=[choice])
         return sse(body.model_dump(mode="json", exclude=exclude))
 
-    def deltas(i: int, content: str, calls) -> DeltaMessage:
-        if plan.single:
-            calls = calls[: max(0, 1 - num_calls[i])]
-        tool_deltas = []
-        for c in calls:
-            tc = _call_objects([c], "call")[0]
-            tool_deltas.append(
-                DeltaToolCall(
-                    index=num_calls[i],
-                    id=tc.id,
-                    type="function",
-                    function=DeltaFunctionCall(name=c.name, arguments=c.arguments),
-                )
-            )
-            num_calls[i] += 1
-        return DeltaMessage(content=content or None, tool_calls=tool_deltas or None)
+    def deltas(i: int, content: str, fragments) -> list[DeltaMessage]:
+        """The content, then one delta per call fragment (a call's first names it, with "" arguments)."""
+        out = [DeltaMessage(content=content)] if content else []
+        for f in fragments:
+            if plan.single and f.index > 0:
+                continue
+            num_calls[i] = max(num_calls[i], f.index + 1)
+            if plan.legacy:
+                out.append(DeltaMessage(function_call=DeltaFunctionCall(name=f.name, arguments=f.arguments)))
+                continue
+            head = {} if f.name is None else {"id": new_id("call").replace("-", "_"), "type": "function"}
+            function = DeltaFunctionCall(name=f.name, arguments=f.arguments)
+            out.append(DeltaMessage(tool_calls=[DeltaToolCall(index=f.index, function=function, **head)]))
+        return out
 
     for i in range(req.n):
         yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
         if plan.parse:
-            parsers[i] = ToolCallParser()
+            parsers[i] = ToolCallParser(incremental=True)
             parsers[i].feed(plan.prefill)  # the prefill opens a call block: it yields nothing by itself
     try:
         async for _, c in merged([future]):  # events straight from each step's chunks
             i = c.index
             done = c.finish_reason is not None
+            text, messages = c.text, []
+            if plan.reasoning:
+                reasoning, text = thinkers[i].feed(text)
+                if done:
+                    more = thinkers[i].finish()
+                    reasoning, text = reasoning + more[0], text + more[1]
+                messages = [DeltaMessage(reasoning_content=reasoning)] if reasoning else []
             if plan.parse:
-                parsed = parsers[i].feed(c.text)
+                parsed = parsers[i].feed(text)
                 if done:
                     parsed += parsers[i].finish()
-                delta = deltas(i, parsed.content, parsed.calls)
-            else:
-                delta = DeltaMessage(content=c.text or None)
+                messages += deltas(i, parsed.content, parsed.fragments)
+            elif text:
+                messages.append(DeltaMessage(content=text))
             toks = c.output_ids
-            choice = ChatStreamChoice(index=i, delta=delta)
+            # the step's logprobs and token ids ride on its first delta (an empty one when it has none)
+            choice = ChatStreamChoice(index=i, delta=messages[0] if messages else DeltaMessage())
             if k is not None and toks:
                 choice.logprobs = ChoiceLogprobs(content=chat_logprobs(toks, c.logprob_entries(), k, state.token_text))
             if req.return_token_ids and toks:
                 choice.token_ids = toks
-            if delta.content is not None or delta.tool_calls or choice.logprobs or choice.token_ids:
+            if messages or choice.logprobs or choice.token_ids:
                 yield chunk(choice)
+            for delta in messages[1:]:
+                yield chunk(ChatStreamChoice(index=i, delta=delta))
             if done:
-                reason = "tool_calls" if num_calls[i] else api_finish_reason(c.completion_finish_reason)
+                reason = _finish(plan, num_calls[i], c.completion_finish_reason)
                 yield chunk(
                     ChatStreamChoice(
                         index=i, delta=DeltaMessage(), finish_reason=reason, stop_reason=c.completion_stop_reason
@@ -281,9 +314,7 @@ async def _stream(state: ServeState, req: ChatCompletionRequest, plan: ToolPlan,
             state.metrics.aborted.inc()
             future.abort()
     last = future.result(timeout=0)
-    state.metrics.record_request(
-        last, ["tool_calls" if num_calls[co.index] else api_finish_reason(co.finish_reason) for co in last.outputs]
-    )
+    state.metrics.record_request(last, [_finish(plan, num_calls[co.index], co.finish_reason) for co in last.outputs])
     if include_usage:
         body = ChatCompletionChunk(
             id=rid, created=created, model=state.response_model(req.model), choices=[], usage=_usage(last)

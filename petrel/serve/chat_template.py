@@ -23,32 +23,16 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from petrel.model.tokenizer import special_token_text
 from petrel.serve.errors import APIError
 
+# a description of the format, not an example: a small model copies an example's values (a placeholder such as
+# "<name>" ended up in the arguments of forced calls)
 DEFAULT_TOOL_PROMPT = (
     "You may call functions to help answer. The available functions, as JSON schemas:\n"
     "{tools}\n"
-    "To call a function, answer with one block per call and nothing else, for example:\n"
-    "<tool_call>\n"
-    "{example}\n"
-    "</tool_call>\n"
+    "To call a function, answer with one block per call and nothing else. A block is the tag <tool_call> on its "
+    'own line, then a JSON object on one line whose "name" is the function\'s name and whose "arguments" is an '
+    "object holding a value for each of its parameters, then the tag </tool_call> on its own line.\n"
     "Each result comes back in a message from the tool role."
 )
-
-
-def _example_call(tool: dict) -> str:
-    """A well-formed call of the first tool, its values placeholders of the right JSON type (small models copy
-    the example's form, so it must be valid JSON)."""
-    fn = tool.get("function", tool)
-    schema = fn.get("parameters") or {}
-    props = schema.get("properties") or {}
-    names = list(schema.get("required") or props)[:3]
-    filler = {"string": None, "integer": 0, "number": 0, "boolean": True, "array": [], "object": {}}
-    args = {}
-    for name in names:
-        sub = props.get(name)
-        kind = sub.get("type", "string") if isinstance(sub, dict) else "string"
-        value = filler.get(kind if isinstance(kind, str) else "string")
-        args[name] = f"<{name}>" if value is None else value
-    return json.dumps({"name": fn.get("name", "function_name"), "arguments": args}, ensure_ascii=False)
 
 
 def load_template_source(value: str | None) -> str | None:
@@ -194,7 +178,7 @@ class ChatTemplate:
 
     def _with_tool_prompt(self, messages: list[dict], tools: list[dict]) -> list[dict]:
         listing = "\n".join(json.dumps(t.get("function", t), ensure_ascii=False) for t in tools)
-        prompt = DEFAULT_TOOL_PROMPT.format(tools=listing, example=_example_call(tools[0]))
+        prompt = DEFAULT_TOOL_PROMPT.format(tools=listing)
         messages = [dict(m) for m in messages]
         if messages and messages[0]["role"] == "system":
             messages[0]["content"] = f"{messages[0]['content']}\n\n{prompt}" if messages[0]["content"] else prompt

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import time
 
 from fastapi import Request
@@ -79,6 +81,18 @@ def _tokenize_prompts(state: ServeState, items: list) -> list[tuple[str, list[in
     return out
 
 
+def _without_generated(out):
+    """A max_tokens=0 request's output: the prompt only (its logprobs kept), no token generated."""
+    out = copy.copy(out)
+    out.outputs = [
+        dataclasses.replace(co, text="", token_ids=[], logprobs=[] if co.logprobs is not None else None)
+        for co in out.outputs
+    ]
+    for co in out.outputs:
+        co.finish_reason, co.stop_reason = "length", None
+    return out
+
+
 def _usage(outputs) -> Usage:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(co.token_ids) for o in outputs for co in o.outputs)
@@ -94,7 +108,18 @@ def _usage(outputs) -> Usage:
 async def create_completion(state: ServeState, req: CompletionRequest, request: Request) -> Response:
     lora_request = state.check_model(req.model)
     if req.suffix:
-        raise APIError("suffix is not supported", 400, param="suffix")
+        raise APIError(
+            "suffix (fill-in-the-middle) is not supported: petrel has no FIM prompt format for the served model "
+            "(its tokenizer has no fill-in-the-middle tokens)",
+            400,
+            param="suffix",
+        )
+    if req.max_tokens == 0 and not req.echo:
+        raise APIError(
+            "max_tokens 0 generates nothing: it is for scoring the prompt, with echo=true (and logprobs)",
+            400,
+            param="max_tokens",
+        )
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(
             "best_of is supported only equal to n (petrel returns every sequence it samples)", 400, param="best_of"
@@ -103,6 +128,10 @@ async def create_completion(state: ServeState, req: CompletionRequest, request: 
     dp = disagg.from_request(req, len(prompts))
     guided = guided_from_request(req)
     requested = req.max_tokens if "max_tokens" in req.model_fields_set else None
+    # max_tokens 0 (with echo): the prompt is scored in its prefill; the one token the engine samples is dropped
+    score_only = req.max_tokens == 0
+    if score_only and req.min_tokens:
+        raise APIError("min_tokens needs max_tokens >= min_tokens; max_tokens is 0", 400, param="min_tokens")
     params_list = []
     for _, ids in prompts:
         check_prompt_length(len(ids), state.limits, "prompt")
@@ -110,7 +139,7 @@ async def create_completion(state: ServeState, req: CompletionRequest, request: 
         params_list.append(
             build_sampling_params(
                 req,
-                max_tokens=max_tokens,
+                max_tokens=max(max_tokens, 1),
                 limits=state.limits,
                 logprobs=req.logprobs,
                 prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None,
@@ -135,6 +164,8 @@ async def create_completion(state: ServeState, req: CompletionRequest, request: 
     outputs = await outputs_or_none(state, request, futures)
     if outputs is None:
         return Response(status_code=499)
+    if score_only:
+        outputs = [_without_generated(out) for out in outputs]
     choices = []
     for p, ((text, ids), out) in enumerate(zip(prompts, outputs)):
         state.metrics.record_request(out, [api_finish_reason(co.finish_reason) for co in out.outputs])
@@ -184,6 +215,8 @@ async def _stream(state: ServeState, req: CompletionRequest, prompts, futures, r
             if c.input_token_logprobs is not None:
                 prompt_entries[p] = c.prompt_logprob_entries()
             text, toks = c.text, c.output_ids
+            if req.max_tokens == 0:  # scoring the prompt: the sampled token is dropped
+                text, toks = "", []
             prompt_part = req.echo and idx not in echoed
             if prompt_part:
                 echoed.add(idx)
@@ -194,9 +227,9 @@ async def _stream(state: ServeState, req: CompletionRequest, prompts, futures, r
             choice = CompletionChoice(index=idx, text=text)
             if req.logprobs is not None:
                 all_toks = (ids if prompt_part else []) + toks
-                all_entries = (
-                    (prompt_entries.get(p) or [None] * len(ids)) if prompt_part else []
-                ) + c.logprob_entries()
+                all_entries = ((prompt_entries.get(p) or [None] * len(ids)) if prompt_part else []) + (
+                    c.logprob_entries() if toks else []
+                )
                 choice.logprobs = completion_logprobs(
                     all_toks, all_entries, req.logprobs, state.token_text, offsets.get(idx, 0)
                 )
@@ -208,11 +241,14 @@ async def _stream(state: ServeState, req: CompletionRequest, prompts, futures, r
             if done:
                 choice.finish_reason = api_finish_reason(c.completion_finish_reason)
                 choice.stop_reason = c.completion_stop_reason
+                if req.max_tokens == 0:
+                    choice.finish_reason, choice.stop_reason = "length", None
             yield event(choice)
             if done:
                 finished[p] += 1
                 if finished[p] == n:  # the prompt's request is over: count it
-                    out = final_outputs[p] = futures[p].result(timeout=0)
+                    out = futures[p].result(timeout=0)
+                    out = final_outputs[p] = _without_generated(out) if req.max_tokens == 0 else out
                     state.metrics.record_request(out, [api_finish_reason(co.finish_reason) for co in out.outputs])
     except RuntimeError as exc:
         yield sse(APIError(str(exc), 500).body())

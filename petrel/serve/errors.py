@@ -127,6 +127,17 @@ def _body_parse_error(exc: StarletteHTTPException):
     return APIError(message, 400, code="invalid_json").response()
 
 
+def _unknown_route(request: Request, exc: StarletteHTTPException):
+    """No route matched (FastAPI's bare "Not Found"): say which route, and that petrel does not serve it."""
+    if exc.status_code != 404 or exc.detail != "Not Found":
+        return None
+    return APIError(
+        f"{request.method} {request.url.path} is not a route petrel supports (see /docs for the routes it serves)",
+        404,
+        code="unsupported_route",
+    ).response()
+
+
 def _is_union_tag(part: str) -> bool:
     return "[" in part or part in ("str", "int", "float", "bool", "NamedToolChoice")
 
@@ -142,7 +153,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
-        response = _body_parse_error(exc) or APIError(str(exc.detail), exc.status_code).response()
+        response = (
+            _body_parse_error(exc)
+            or _unknown_route(request, exc)
+            or APIError(str(exc.detail), exc.status_code).response()
+        )
         response.headers.update(exc.headers or {})  # a 405's Allow, for one
         return response
 

@@ -154,7 +154,7 @@ Prompt = str | list[str] | list[int] | list[list[int]]
 class CompletionRequest(SamplingExtras):
     model: str | None = Field(None, description="the served model name (optional: there is one model)")
     prompt: Prompt
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0, description="0 (with echo): score the prompt, generate nothing")
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     n: int = Field(1, ge=1)
@@ -169,7 +169,7 @@ class CompletionRequest(SamplingExtras):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    suffix: str | None = Field(None, description="not supported: must be empty")
+    suffix: str | None = Field(None, description="refused: no served model template has fill-in-the-middle tokens")
 
 
 class CompletionLogprobs(_Response):
@@ -293,7 +293,42 @@ class ResponseFormat(_Request):
     json_schema: JsonSchemaFormat | None = Field(None, description="with type json_schema: the schema")
 
 
-class ChatCompletionRequest(SamplingExtras):
+# Fields OpenAI's SDKs send that have no effect on a local engine: accepted (type-checked) and ignored. The README's
+# "Accepted and ignored" list is this one. (prompt_cache_key, modalities, parallel_tool_calls, functions and
+# function_call have a meaning here: see OpenAIClientFields and ChatCompletionRequest.)
+ACCEPTED_AND_IGNORED = (
+    "store",
+    "metadata",
+    "service_tier",
+    "safety_identifier",
+    "user",
+    "verbosity",
+    "reasoning_effort",
+)
+
+
+class OpenAIClientFields(_Request):
+    store: bool | None = Field(None, description="accepted and ignored: petrel stores no completions")
+    metadata: dict[str, str] | None = Field(None, description="accepted and ignored")
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = Field(
+        None, description="accepted and ignored: there is one tier"
+    )
+    safety_identifier: str | None = Field(None, description="accepted and ignored")
+    user: str | None = Field(None, description="accepted and ignored")
+    verbosity: Literal["low", "medium", "high"] | None = Field(None, description="accepted and ignored")
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = Field(
+        None, description="accepted and ignored"
+    )
+    prompt_cache_key: str | None = Field(
+        None,
+        max_length=512,
+        description="`petrel route` sends requests with the same key to the same backend (so they meet one prefix "
+        "cache); one server shares its prefix cache across all requests anyway",
+    )
+    modalities: list[str] | None = Field(None, description='["text"] only: petrel writes no audio')
+
+
+class ChatCompletionRequest(SamplingExtras, OpenAIClientFields):
     model: str | None = Field(None, description="the served model name (optional: there is one model)")
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -310,10 +345,15 @@ class ChatCompletionRequest(SamplingExtras):
     logit_bias: dict[str, float] | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    user: str | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one tool call per choice")
+    functions: list[FunctionDefinition] | None = Field(
+        None, description="deprecated form of tools: answered with message.function_call"
+    )
+    function_call: Literal["none", "auto"] | NamedFunction | None = Field(
+        None, description="deprecated form of tool_choice (with functions)"
+    )
     response_format: ResponseFormat | None = None
     # chat-template controls (vLLM-compatible names)
     chat_template_kwargs: dict[str, Any] | None = None
@@ -337,14 +377,16 @@ class ChoiceLogprobs(_Response):
 
 
 class ResponseMessage(_Response):
-    _omit_none = ("tool_calls",)
+    _omit_none = ("tool_calls", "function_call", "reasoning_content")
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # a reasoning model's <think> part (petrel/serve/reasoning.py)
     refusal: str | None = None
     tool_calls: list[ToolCall] | None = None
+    function_call: FunctionCall | None = None  # a request with the deprecated `functions`
 
 
-ChatFinishReason = Literal["stop", "length", "tool_calls"]
+ChatFinishReason = Literal["stop", "length", "tool_calls", "function_call"]
 
 
 class ChatChoice(_Response):
@@ -385,10 +427,12 @@ class DeltaToolCall(_Response):
 
 
 class DeltaMessage(_Response):
-    _omit_none = ("role", "content", "tool_calls")
+    _omit_none = ("role", "content", "reasoning_content", "tool_calls", "function_call")
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    function_call: DeltaFunctionCall | None = None  # a request with the deprecated `functions`
 
 
 class ChatStreamChoice(_Response):

@@ -11,14 +11,22 @@ Recognised:
   {"name": "f", "arguments": {...}}                          the whole output is one JSON object ...
   [{"name": "f", "arguments": {...}}, ...]                   ... or a list of them
 A block whose JSON does not parse as a call stays in the content, as written.
+
+A call block written `{"name": ..., "arguments": {...}}` keeps its arguments as the model wrote them (the
+other forms are re-serialized). With incremental=True the parser also reports each call as fragments, the way
+OpenAI streams tool calls: first the name with "" arguments, as soon as the block's `"arguments":` is followed
+by its `{`, then the arguments text as it grows; a call in another form comes as one fragment once complete. The
+fragments of a call join to its arguments. A block whose name was already streamed stays a call.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 
 START, END = "<tool_call>", "</tool_call>"
+_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\{)')
 
 
 @dataclass
@@ -28,14 +36,82 @@ class ParsedToolCall:
 
 
 @dataclass
+class CallFragment:
+    index: int  # which call of the output (0, 1, ...)
+    name: str | None  # set on a call's first fragment only
+    arguments: str  # more of the arguments' JSON text
+
+
+@dataclass
 class ParserOutput:
     content: str = ""
     calls: list[ParsedToolCall] = field(default_factory=list)
+    fragments: list[CallFragment] = field(default_factory=list)  # incremental=True only
 
     def __iadd__(self, other: ParserOutput) -> ParserOutput:
         self.content += other.content
         self.calls.extend(other.calls)
+        self.fragments.extend(other.fragments)
         return self
+
+
+def _object_end(text: str) -> int | None:
+    """Where the JSON object text starts with ends (the index after its closing brace), or None if not yet."""
+    depth, in_string, escaped = 0, False, False
+    for i, ch in enumerate(text):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+def _header(inner: str) -> tuple[str, int] | None:
+    """(name, where the arguments object starts) of a block's text that opens `{"name": ..., "arguments": {`."""
+    m = _HEADER.match(inner)
+    if m is None:
+        return None
+    try:
+        name = json.loads(m.group(1))
+    except json.JSONDecodeError:
+        return None
+    return name, m.end()
+
+
+def raw_arguments(inner: str) -> tuple[str, str] | None:
+    """(name, arguments text as written) of a whole block `{"name": "f", "arguments": {...}}`; else None."""
+    head = _header(inner)
+    if head is None:
+        return None
+    rest = inner[head[1] :]
+    end = _object_end(rest)
+    if end is None or rest[end:].strip() != "}":
+        return None
+    try:
+        if not isinstance(json.loads(rest[:end]), dict):
+            return None
+    except json.JSONDecodeError:
+        return None
+    return head[0], rest[:end]
+
+
+def _block_calls(inner: str) -> list[ParsedToolCall] | None:
+    calls = parse_calls(inner)
+    raw = raw_arguments(inner) if calls and len(calls) == 1 else None
+    if raw is not None and raw[0] == calls[0].name:
+        calls[0].arguments = raw[1]
+    return calls
 
 
 def _as_call(obj) -> ParsedToolCall | None:
@@ -79,8 +155,10 @@ def _held_prefix(text: str, tag: str) -> int:
 
 
 class ToolCallParser:
-    def __init__(self, allow_bare_json: bool = True):
+    def __init__(self, allow_bare_json: bool = True, incremental: bool = False):
         self.allow_bare_json = allow_bare_json
+        self.incremental = incremental
+        self.streamed: tuple[int, int] | None = None  # the open block's call being streamed: (args start, sent)
         self.state = "start"  # start -> text | call | bare
         self.buffer = ""  # text not decided yet
         self.pending_ws = ""  # whitespace held until non-whitespace content follows it
@@ -120,7 +198,39 @@ class ToolCallParser:
     def _calls(self, out: ParserOutput, calls: list[ParsedToolCall]) -> None:
         self.pending_ws = ""  # whitespace between calls is layout, not content
         out.calls.extend(calls)
+        if self.incremental:
+            for i, c in enumerate(calls, start=self.num_calls):
+                out.fragments += [CallFragment(i, c.name, ""), CallFragment(i, None, c.arguments)]
         self.num_calls += len(calls)
+
+    def _stream_open_block(self, out: ParserOutput) -> None:
+        """Incremental: the name, then the arguments so far, of the call block being written."""
+        inner = self.buffer[len(START) :]
+        if self.streamed is None:
+            head = _header(inner)
+            if head is None:
+                return
+            self.pending_ws = ""
+            out.fragments.append(CallFragment(self.num_calls, head[0], ""))
+            self.streamed = (head[1], 0)
+        start, sent = self.streamed
+        args = inner[start:]
+        end = _object_end(args)
+        args = args if end is None else args[:end]
+        if len(args) > sent:
+            out.fragments.append(CallFragment(self.num_calls, None, args[sent:]))
+            self.streamed = (start, len(args))
+
+    def _close_streamed_block(self, out: ParserOutput, inner: str) -> None:
+        """The block whose name was streamed ended: the rest of its arguments, and it counts as a call."""
+        start, sent = self.streamed
+        raw = raw_arguments(inner)
+        rest = raw[1][sent:] if raw is not None else ""
+        if rest:
+            out.fragments.append(CallFragment(self.num_calls, None, rest))
+        out.calls.append(ParsedToolCall(_header(inner)[0], raw[1] if raw is not None else inner[start:][:sent]))
+        self.num_calls += 1
+        self.streamed = None
 
     def _advance(self, final: bool) -> ParserOutput:
         out = ParserOutput()
@@ -164,6 +274,8 @@ class ToolCallParser:
                 end = self.buffer.find(END)
                 if end < 0:
                     if not final:
+                        if self.incremental:
+                            self._stream_open_block(out)
                         return out
                     block, rest = self.buffer, ""  # an unclosed block at the end of the output
                 else:
@@ -171,8 +283,11 @@ class ToolCallParser:
                 inner = block[len(START) :]
                 if inner.endswith(END):
                     inner = inner[: -len(END)]
-                calls = parse_calls(inner)
-                if calls:
+                calls = None if self.streamed is not None else _block_calls(inner)
+                if self.streamed is not None:
+                    self.pending_ws = ""
+                    self._close_streamed_block(out, inner)
+                elif calls:
                     self._calls(out, calls)
                 else:
                     self._content(out, block)
