@@ -290,6 +290,9 @@ examples:
   petrel route --backends http://127.0.0.1:8001 http://127.0.0.1:8002 --port 8000
   curl http://127.0.0.1:8000/health            # the router's view of every backend
 A request may pick its backend with "target_endpoint": URL in the body (or an X-Target-Endpoint header).
+For a cluster, put the smg gateway in front of `petrel serve --grpc-port` workers instead (README, "Several
+servers"); petrel route is for what smg does not do: target_endpoint, prefill-decode over HTTP workers, machines
+where smg does not install.
 
 disaggregated serving (prefill on one server, decode on another; both share a secret):
   export PETREL_KV_TRANSFER_SECRET=$(openssl rand -hex 32)

@@ -374,3 +374,66 @@ def json_keys(text: str) -> set:
     import json
 
     return set(json.loads(text))
+
+
+def test_petrel_serve_grpc_port_answers_and_exits_on_sigterm(tiny, tmp_path):
+    """`petrel serve --port P --grpc-port G` as a real process: gRPC HealthCheck / GetModelInfo and HTTP /v1/loads
+    answer over the same engine; SIGTERM exits 0 and closes the gRPC port."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    import httpx
+
+    from petrel.model.loader import resolve_model
+    from petrel.model.tokenizer import load_tokenizer
+
+    load_tokenizer(resolve_model(None)).save_pretrained(tmp_path)
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    http_port, grpc_port = ports
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [
+        sys.executable, "-m", "petrel.cli", "serve", "--model", tiny(2, False).path, "--tokenizer", str(tmp_path),
+        "--served-model-name", "tiny", "--kv-cache-memory", str(1 << 20), "--max-num-seqs", "4",
+        "--port", str(http_port), "--grpc-port", str(grpc_port), "--log-level", "warning",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    base = f"http://127.0.0.1:{http_port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stderr.read().decode(errors="replace")[-2000:]
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "petrel serve did not come up"
+            time.sleep(0.2)
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            stub = pb_grpc.TrtllmServiceStub(channel)
+            assert stub.HealthCheck(pb.HealthCheckRequest(), timeout=WAIT).status == "OK"
+            info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=WAIT)
+        http_info = httpx.get(f"{base}/model_info", timeout=WAIT).json()
+        assert info.model_id == "tiny" == http_info["served_model_name"]
+        assert info.vocab_size == 256 == http_info["vocab_size"]
+        assert info.max_seq_len == http_info["max_model_len"] and info.max_batch_size == 4
+        loads = httpx.get(f"{base}/v1/loads", timeout=WAIT).json()
+        (load,) = loads["loads"]
+        assert load["num_running_reqs"] == load["num_waiting_reqs"] == 0 and load["max_running_requests"] == 4
+        assert load["max_total_num_tokens"] > 0 and load["token_usage"] == 0.0
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, proc.stderr.read().decode(errors="replace")[-2000:]
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.1", grpc_port)) != 0, "the gRPC port is still open"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
