@@ -22,7 +22,9 @@ class GuidedDecodingParams:
     grammar: str | None = None  # EBNF (GBNF-style, root rule `root`)
     choice: list[str] | None = None  # the output is exactly one of these strings
     structural_tag: dict | str | None = None  # xgrammar structural tag (dict or JSON text)
-    any_whitespace: bool = True  # JSON: allow any whitespace between tokens
+    # JSON: allow any whitespace between tokens. Off by default, as in the server's response_format: a small model
+    # sampled with free whitespace can pad with newlines until max_tokens and never close the object
+    any_whitespace: bool = False
     json_prefix: str = ""  # JSON: literal text the output has before the JSON ...
     json_suffix: str = ""  # ... and after it (e.g. a tool call's closing tag)
 
@@ -53,7 +55,7 @@ class GuidedDecodingParams:
             affixes = json.dumps([self.json_prefix, self.json_suffix]) if self.json_prefix or self.json_suffix else ""
             return _schema_text(self.json) + (" any_ws" if self.any_whitespace else "") + affixes
         if kind == "json_object":
-            return ""
+            return " any_ws" if self.any_whitespace else ""
         if kind == "choice":
             return json.dumps(self.choice, ensure_ascii=False)
         if kind == "structural_tag":

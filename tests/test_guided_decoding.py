@@ -186,6 +186,31 @@ def test_twenty_json_schemas_validate(llm, temperature):
         co = out.outputs[0]
         assert co.finish_reason == "stop", f"did not finish within 160 tokens: {co.text!r}"
         jsonschema.validate(json.loads(co.text), schema)
+        assert not _free_whitespace(co.text), co.text  # compact by default: nothing to pad with
+
+
+def _free_whitespace(text: str) -> bool:
+    """Whether JSON text has whitespace outside its strings other than xgrammar's compact separators (one space
+    after each , and :)."""
+    in_string = escaped = False
+    previous = ""
+    for c in text:
+        if in_string:
+            escaped, in_string = (not escaped and c == "\\"), in_string and (escaped or c != '"')
+        elif c == '"':
+            in_string = True
+        elif c.isspace() and not (c == " " and previous in (",", ":")):
+            return True
+        previous = c
+    return False
+
+
+def test_json_whitespace_is_compact_unless_asked_and_keys_the_cache():
+    assert not _free_whitespace('{"a b": [1, "x\\"  y"]}') and _free_whitespace('{"a":  1}')
+    assert _free_whitespace('{"a": 1\n}') and _free_whitespace(' {"a": 1}')
+    for kind in ({"json": {"type": "object"}}, {"json_object": True}):
+        compact, free = GuidedDecodingParams(**kind), GuidedDecodingParams(**kind, any_whitespace=True)
+        assert not compact.any_whitespace and compact.spec != free.spec  # never one cached grammar for both
 
 
 REGEXES = {

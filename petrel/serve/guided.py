@@ -18,10 +18,6 @@ from petrel.serve.errors import APIError
 
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_grammar", "guided_choice")
 
-# JSON output is compact (no free whitespace between tokens): a small model given free whitespace can pad
-# with newlines until max_tokens and never close the object.
-JSON_ANY_WHITESPACE = False
-
 
 @dataclass
 class Guided:
@@ -52,7 +48,7 @@ def guided_from_request(req) -> Guided | None:
         if field == "response_format":
             params = _response_format(req.response_format)
         elif field == "guided_json":
-            params = GuidedDecodingParams(json=req.guided_json, any_whitespace=JSON_ANY_WHITESPACE)
+            params = GuidedDecodingParams(json=req.guided_json)  # compact JSON: any_whitespace's default
             params.schema_text()  # not JSON, or not an object: a ValueError now
         elif field == "guided_regex":
             params = GuidedDecodingParams(regex=req.guided_regex)
@@ -68,14 +64,14 @@ def guided_from_request(req) -> Guided | None:
 def _response_format(fmt) -> GuidedDecodingParams:
     if fmt.type == "json_object":
         # any JSON object (xgrammar's built-in JSON grammar would also allow a top-level array)
-        return GuidedDecodingParams(json={"type": "object"}, any_whitespace=JSON_ANY_WHITESPACE)
+        return GuidedDecodingParams(json={"type": "object"})
     if fmt.json_schema is None or fmt.json_schema.schema_ is None:
         raise APIError(
             "response_format type 'json_schema' needs json_schema.schema (the JSON schema to follow)",
             400,
             param="response_format",
         )
-    return GuidedDecodingParams(json=fmt.json_schema.schema_, any_whitespace=JSON_ANY_WHITESPACE)
+    return GuidedDecodingParams(json=fmt.json_schema.schema_)
 
 
 def _rename(message: str, field: str) -> str:
