@@ -55,3 +55,45 @@ def parallel_options(args) -> dict:
     if args.distributed_executor_backend is not None:
         options["distributed_executor_backend"] = args.distributed_executor_backend
     return options
+
+
+def limit_mm_per_prompt(text: str) -> dict:
+    """argparse type of --limit-mm-per-prompt: vLLM's forms, image=N (comma-separated kinds) or a JSON object."""
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"not valid JSON ({exc.msg})") from None
+    else:
+        value = {}
+        for item in filter(None, (x.strip() for x in text.split(","))):
+            kind, sep, count = item.partition("=")
+            if not sep or not count.strip().isdigit():
+                raise argparse.ArgumentTypeError(f"expected KIND=N (e.g. image=2), got {item!r}")
+            value[kind.strip()] = int(count)
+    if not isinstance(value, dict) or set(value) - {"image"}:
+        raise argparse.ArgumentTypeError(f"petrel's models take images only (image=N), got {text!r}")
+    return value
+
+
+def multimodal_arguments(p) -> None:
+    """Options of vision-language models (`petrel serve`)."""
+    g = p.add_argument_group("images (vision-language models)")
+    g.add_argument(
+        "--limit-mm-per-prompt",
+        type=limit_mm_per_prompt,
+        default=None,
+        metavar="image=N",
+        help='most images in one request (image=N, or JSON {"image": N}); default: no limit',
+    )
+    g.add_argument("--max-image-pixels", type=int, default=None, help="pixel budget of one image (40000000)")
+    g.add_argument(
+        "--encoder-cache-memory", type=int, default=None, help="bytes of image encoder outputs kept for reuse"
+    )
+
+
+def multimodal_options(args) -> dict:
+    """The LLM / EngineConfig keywords of the options multimodal_arguments added, only those given."""
+    names = ("limit_mm_per_prompt", "max_image_pixels", "encoder_cache_memory")
+    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}

@@ -126,6 +126,11 @@ class EngineConfig:
     )
     tensor_parallel_size: int = 1  # ranks the model is split over (kv_cache_memory is per rank)
     distributed_executor_backend: str = "mp"  # with tensor_parallel_size > 1: 'mp' (local processes) or 'ray'
+    # vision-language models (petrel/multimodal): images per prompt by kind (vLLM's limit_mm_per_prompt; None: any
+    # number), the pixel budget of one image, and the bytes of encoder outputs kept for reuse (encoder cache)
+    limit_mm_per_prompt: dict | None = None
+    max_image_pixels: int = 40_000_000
+    encoder_cache_memory: int = 256 * 1024**2
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
@@ -143,13 +148,25 @@ class EngineConfig:
             )
         if self.dtype not in TORCH_DTYPES:
             raise ValueError(f"dtype must be one of {sorted(TORCH_DTYPES)}, got {self.dtype!r}")
-        for name in ("block_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens"):
+        for name in (
+            "block_size",
+            "kv_cache_memory",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_image_pixels",
+            "encoder_cache_memory",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
         self.speculative_config = SpeculativeConfig.coerce(self.speculative_config)
+        for kind, limit in (self.limit_mm_per_prompt or {}).items():
+            if kind not in ("image",) or not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+                raise ValueError(
+                    f"limit_mm_per_prompt must map 'image' to a count >= 0, got {self.limit_mm_per_prompt!r}"
+                )
         for name in ("max_loras", "max_lora_rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

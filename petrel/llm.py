@@ -16,6 +16,7 @@ from petrel.disagg import requests as disagg
 from petrel.engine.llm_engine import LLMEngine
 from petrel.lora import LoRARequest
 from petrel.model.tokenizer import chat_prompt
+from petrel.multimodal.prompts import multi_modal_prompt, processed_prompt
 from petrel.outputs import RequestOutput
 from petrel.request_future import RequestFuture, cached_token_decoder
 from petrel.sampling_params import SamplingParams
@@ -50,6 +51,8 @@ class LLM:
 
     # ------------------------------------------------------------------ prompts
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict) and "multi_modal_data" in prompt:
+            raise ValueError("multi_modal_data is taken by generate and generate_async")
         if isinstance(prompt, str):
             return prompt, self.tokenizer(prompt)["input_ids"]
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
@@ -108,16 +111,30 @@ class LLM:
         disaggregated_params: DisaggregatedParams | None = None,
     ):
         """Tokenize and check one prompt now; return submit(streaming, timeout) -> RequestFuture that queues it."""
-        request_id = None
+        request_id, multi_modal = None, None
         request = prompt if isinstance(prompt, TextGenerationRequest) else None
         if request is not None:
             if sampling_params is not None:
                 raise ValueError("sampling_params: a TextGenerationRequest carries its own")
             request_id, cache_salt = prompt.request_id, prompt.cache_salt
-            text, ids, params = prompt.resolve(self.tokenizer, self.model_names)
+            processor = self._engine.mm_processor
+            text, ids, params = prompt.resolve(self.tokenizer, self.model_names, processor is not None)
+            if processor is not None:
+                ids, multi_modal = prompt.multi_modal_inputs(
+                    processor, ids, self.config.limit_mm_per_prompt, self.config.max_image_pixels
+                )
         else:
             params = sampling_params or SamplingParams()
-            text, ids = self._tokenize(prompt)
+            if isinstance(prompt, dict) and "multi_modal_inputs" in prompt:  # processed already (petrel serve)
+                text, ids, multi_modal = processed_prompt(prompt)
+            elif isinstance(prompt, dict) and "multi_modal_data" in prompt:
+                text, ids, multi_modal = multi_modal_prompt(
+                    self._engine.mm_processor, prompt, self.config.limit_mm_per_prompt, self.config.max_image_pixels
+                )
+            else:
+                text, ids = self._tokenize(prompt)
+                if self._engine.mm_processor is not None:  # an image placeholder without its image is refused
+                    self._engine.mm_processor.process(ids, [])
         dp = disagg.coerce(disaggregated_params)
         if dp is not None and self.config.tensor_parallel_size > 1:
             raise ValueError(
@@ -145,6 +162,8 @@ class LLM:
                 _apply_request_options(future, request, text, ids, self.tokenizer)
             if lora_request is not None:
                 options["lora_request"] = lora_request
+            if multi_modal is not None:
+                options["multi_modal"] = multi_modal
             if streaming and params.use_beam_search:  # each step's best beams, whole
                 options["stream_beams"] = True
             self._add(future, ids, params, timeout, cache_salt, options, dp)

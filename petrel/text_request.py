@@ -26,9 +26,11 @@ class TextGenerationRequest:
     model_name: str | None = None  # must name the loaded model when given
     prompt: str | Sequence[int] | None = None  # text or token ids (exclusive with messages)
     messages: list[dict] = field(default_factory=list)  # chat turns: {"role": ..., "content": ...}
-    images: list[bytes] = field(default_factory=list)  # image bytes (refused: no vision model yet)
-    videos: list[bytes] = field(default_factory=list)  # video bytes (refused: no vision model yet)
-    decoded_images: list[Any] = field(default_factory=list)  # PIL images matching `images` 1:1 (refused likewise)
+    # a vision-language model's images, in the order of the prompt's placeholders (an <image> in a text prompt, an
+    # image / image_url part in messages); a text-only model refuses them
+    images: list[bytes] = field(default_factory=list)  # encoded image bytes, decoded once at admission
+    videos: list[bytes] = field(default_factory=list)  # video bytes (refused: petrel's models take no video yet)
+    decoded_images: list[Any] = field(default_factory=list)  # PIL images matching `images` 1:1 (used instead)
     # function tools ({"type": "function", "function": {...}}): rendered into the prompt as `petrel serve` does,
     # and each finished sequence's tool calls parsed into CompletionOutput.tool_calls
     tools: list[dict] | None = None
@@ -90,8 +92,8 @@ class TextGenerationRequest:
         """request_path as logs and metrics carry it: no query or fragment, at most MAX_REQUEST_PATH_CHARS."""
         return normalize_request_path(self.request_path)
 
-    def _refuse_unsupported(self) -> None:
-        """ValueError naming what a lone text engine cannot honour."""
+    def _refuse_unsupported(self, takes_images: bool) -> None:
+        """ValueError naming what this engine cannot honour (takes_images: the model has an image processor)."""
         if self.target_endpoint:
             raise ValueError(
                 f"target_endpoint {self.target_endpoint!r}: this is one engine, not a router; "
@@ -104,8 +106,23 @@ class TextGenerationRequest:
             ("messages (image content)", self.number_of_images),
             ("messages (video content)", self.number_of_videos),
         ):
-            if count:
+            if count and not takes_images:
                 raise ValueError(f"{name}: this model has no vision input (text only)")
+            if count and "video" in name:
+                raise ValueError(f"{name}: this model takes no video input")
+
+    def multi_modal_inputs(self, processor, ids: list[int], limits: dict | None, max_pixels: int):
+        """(token ids, MultiModalInputs or None): the images (decoded_images, else images decoded once now) put in
+        place of the prompt's placeholders by the model's processor."""
+        from petrel.multimodal.prompts import as_images
+
+        if self.decoded_images and self.images and len(self.decoded_images) != len(self.images):
+            raise ValueError(
+                f"decoded_images: {len(self.decoded_images)} for {len(self.images)} images (they match 1:1)"
+            )
+        name = "decoded_images" if self.decoded_images else "images"
+        images = as_images(self.images_for_processing(), name, (limits or {}).get("image"), max_pixels)
+        return processor.process(ids, images)  # without images: checks the prompt has no placeholder
 
     def _guided_decoding(self) -> GuidedDecodingParams | None:
         """response_format ({"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}})
@@ -123,22 +140,24 @@ class TextGenerationRequest:
             return GuidedDecodingParams(json=schema)
         raise ValueError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
 
-    def resolve(self, tokenizer, model_names: Sequence[str]) -> tuple[str | None, list[int], SamplingParams]:
-        """(prompt text, prompt token ids, sampling params) for the engine."""
+    def resolve(
+        self, tokenizer, model_names: Sequence[str], takes_images: bool = False
+    ) -> tuple[str | None, list[int], SamplingParams]:
+        """(prompt text, prompt token ids, sampling params) for the engine; the ids hold one placeholder per image
+        (multi_modal_inputs expands them). takes_images: the model has an image processor."""
         if self.model_name and self.model_name not in model_names:
             raise ValueError(
                 f"model_name {self.model_name!r} is not loaded here; this engine serves {list(model_names)}"
             )
-        self._refuse_unsupported()
+        self._refuse_unsupported(takes_images)
         if self.messages:
             options = dict(self.chat_template_options or {})
             add_generation_prompt = options.pop("add_generation_prompt", True)
+            messages = [_image_parts_for_template(m) for m in self.messages]
             if self.tools is not None:
-                text, ids = _render_with_tools(
-                    tokenizer, list(self.messages), self.tools, add_generation_prompt, options
-                )
+                text, ids = _render_with_tools(tokenizer, messages, self.tools, add_generation_prompt, options)
             else:
-                rendered = chat_prompt(tokenizer, list(self.messages), add_generation_prompt, options)
+                rendered = chat_prompt(tokenizer, messages, add_generation_prompt, options)
                 text, ids = rendered["prompt"], rendered["prompt_token_ids"]
         elif isinstance(self.prompt, str):
             text, ids = self.prompt, tokenizer(self.prompt)["input_ids"]
@@ -166,6 +185,15 @@ def normalize_request_path(path: str) -> str:
     path = path.split("?", 1)[0].split("#", 1)[0]
     path = "".join(c if c.isprintable() and not c.isspace() else "_" for c in path) or "/"
     return path[:MAX_REQUEST_PATH_CHARS]
+
+
+def _image_parts_for_template(message):
+    """A message with its image_url parts as the {"type": "image"} parts chat templates place images by."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "image_url" for p in content):
+        return message
+    parts = [{"type": "image"} if isinstance(p, dict) and p.get("type") == "image_url" else p for p in content]
+    return {**message, "content": parts}
 
 
 def _count_parts(messages: list[dict], kinds: tuple[str, ...]) -> int:

@@ -134,7 +134,11 @@ class BlockManager:
                 seq.block_hashes[-1] if i else self.root_hash(req.cache_salt, req.lora_int_id, req.prompt_table_digest)
             )
             tokens = seq.token_ids[i * bs : (i + 1) * bs]
-            seq.block_hashes.append(hashlib.sha256(parent + repr(tokens).encode()).digest())
+            # the content hashes of the images whose rows the block holds: same tokens, other image, other block
+            media = req.multi_modal.block_key(i, bs) if req.multi_modal is not None else b""
+            seq.block_hashes.append(
+                hashlib.sha256(parent + repr(tokens).encode() + (b"|mm:" + media if media else b"")).digest()
+            )
 
     # ------------------------------------------------------------------ allocation
     def _take_block(self) -> int:

@@ -63,7 +63,9 @@ class EngineCore:
         self.scheduler = Scheduler(self.block_manager, *budget, max_loras)
         shape = (model, model_config, num_blocks, bs, config.torch_dtype, config.device)
         if workers is None:
-            self.runner = ModelRunner(*shape, self.lora_manager, kv_groups=self.kv_groups)
+            self.runner = ModelRunner(
+                *shape, self.lora_manager, kv_groups=self.kv_groups, encoder_cache_memory=config.encoder_cache_memory
+            )
         else:
             from petrel.distributed.runner import TensorParallelRunner
 

@@ -26,6 +26,7 @@ from petrel.engine.sequence import EngineRequest
 from petrel.model.loader import load_model, load_model_config, resolve_model
 from petrel.model.parallel import SINGLE, check_tensor_parallel
 from petrel.model.tokenizer import load_tokenizer
+from petrel.multimodal.prompts import load_processor
 
 logger = logging.getLogger("petrel")
 
@@ -53,6 +54,8 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.source = resolve_model(config.model)
         self.tokenizer = load_tokenizer(self.source, config.tokenizer)
+        # a vision-language model's processor (prompt + images -> ids and encoder inputs), None for text only
+        self.mm_processor = load_processor(self.source.path if self.source.kind == "hf" else None, self.tokenizer)
         workers = self._start_workers(config)
         try:
             self.core = self._build_core(config, batched_post_processor, workers)
@@ -99,6 +102,11 @@ class LLMEngine:
         self.eos_token_ids = tuple(sorted(eos))
         draft = None
         spec = config.speculative_config
+        if spec is not None and spec.method == "draft_model" and model_config.multimodal_config is not None:
+            raise ValueError(
+                "speculative_config: a draft model cannot run with a vision-language model (the draft would not see "
+                "the images); use method 'ngram' or 'self'"
+            )
         if spec is not None and spec.method == "draft_model":  # runs whole in the engine process, even with TP
             draft_source = resolve_model(spec.draft_model)
             # the draft follows the quantization where it can ('gguf' needs a GGUF draft; another loads dense)

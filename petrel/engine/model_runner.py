@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from petrel.engine.block_manager import FREED
+from petrel.engine.encoder_cache import DEFAULT_ENCODER_CACHE_MEMORY, EncoderCache
 from petrel.engine.kv_groups import KVGroups, single_group
 from petrel.engine.prompt_tuning import virtual_token_embeddings
 from petrel.engine.scheduler import ScheduledBatch
@@ -15,6 +16,7 @@ from petrel.model import dense_kernels
 from petrel.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk, new_kv_cache
 from petrel.model.config import ModelConfig
 from petrel.model.parallel import SINGLE, TensorParallel, local_kv_heads, max_local_kv_heads
+from petrel.multimodal.inputs import MultiModalInputs
 
 
 @dataclass
@@ -28,12 +30,15 @@ class QuerySpan:
     block_table: list[int]
     group_tables: list[list[int]] | None = None
     embedding_table: torch.Tensor | None = None
+    multi_modal: MultiModalInputs | None = None  # the prompt's images, whose rows take encoder outputs
 
     @staticmethod
     def of(seq: Sequence, token_ids: list[int], start: int) -> QuerySpan:
         tables = seq.block_tables
-        table = seq.params.prompt_embedding_table if start < seq.num_prompt_tokens else None
-        return QuerySpan(token_ids, start, tables[0], tables if len(tables) > 1 else None, table)
+        in_prompt = start < seq.num_prompt_tokens
+        table = seq.params.prompt_embedding_table if in_prompt else None
+        media = seq.request.multi_modal if in_prompt else None
+        return QuerySpan(token_ids, start, tables[0], tables if len(tables) > 1 else None, table, media)
 
 
 @dataclass
@@ -133,12 +138,15 @@ class ModelRunner:
         lora_manager=None,
         tp: TensorParallel = SINGLE,
         kv_groups: KVGroups | None = None,
+        encoder_cache_memory: int = DEFAULT_ENCODER_CACHE_MEMORY,
     ):
-        """kv_groups: the layers' block tables (petrel/engine/kv_groups.py); default one table for all."""
+        """kv_groups: the layers' block tables (petrel/engine/kv_groups.py); default one table for all.
+        encoder_cache_memory: bytes of a vision-language model's encoder outputs kept for reuse."""
         if torch.device(device).type == "cpu":
             keep_freed_memory_in_heap()
         self.model = model
         self.cfg = cfg
+        self.encoder_cache = EncoderCache(encoder_cache_memory)
         self.lora_manager = lora_manager  # petrel.model.lora.LoRAManager with enable_lora
         self.block_size = block_size
         self.device = torch.device(device)
@@ -239,15 +247,37 @@ class ModelRunner:
         """Run a plan: (hidden states of every row, logits of plan.logits_rows or None when there are none)."""
         self.copy_blocks(plan.block_copies)
         input_ids, positions, meta = self.build_inputs(plan.spans)
-        extra = {}
+        parts = []  # (rows, embeddings) that replace token embeddings: prompt tuning's, then the images'
         if any(span.embedding_table is not None for span in plan.spans):
             embeds = virtual_token_embeddings(plan.spans, self.cfg.vocab_size, self.device, self.cache_tensors[0].dtype)
             if embeds is not None:
                 input_ids[embeds[0]] = 0  # any id the embedding matrix has: the model puts the table's row there
-                extra["input_embeds"] = embeds
+                parts.append(embeds)
+        if any(span.multi_modal is not None for span in plan.spans):
+            parts.extend(self._media_embeddings(plan.spans))
+        extra = {}
+        if parts:
+            extra["input_embeds"] = (torch.cat([r for r, _ in parts]), torch.cat([e for _, e in parts]))
         hidden = self.model(input_ids, positions, self.kv_caches, meta, num_layers=plan.num_layers, **extra)
         logits = self.model.compute_logits(hidden[self._tensor(plan.logits_rows)]) if plan.logits_rows else None
         return hidden, logits
+
+    def _media_embeddings(self, spans: list[QuerySpan]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The encoder outputs of the spans' image rows, as [(rows, embeddings)]: each item's rows inside a span
+        (a chunk may start or end inside an image) take the matching rows of its output, from the encoder cache or
+        from one encoder call for all the items it misses."""
+        wanted, row = [], 0
+        for span in spans:
+            if span.multi_modal is not None:
+                for item, idx, positions in span.multi_modal.overlaps(span.start, span.start + len(span.token_ids)):
+                    wanted.append((item, idx, [row + p - span.start for p in positions]))
+            row += len(span.token_ids)
+        if not wanted:
+            return []
+        outputs = self.encoder_cache.outputs([item for item, _, _ in wanted], self.model.encode_images)
+        rows = torch.cat([self._tensor(r) for _, _, r in wanted])
+        embeds = torch.cat([outputs[item.hash][self._tensor(idx)] for item, idx, _ in wanted])
+        return [(rows, embeds.to(self.cache_tensors[0].dtype))]
 
     @torch.inference_mode()
     def last_token_logits(self, spans: list[QuerySpan], num_layers: int | None = None) -> torch.Tensor:

@@ -19,6 +19,7 @@ from petrel.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from petrel.engine.beam_search import BeamSearch
+    from petrel.multimodal.inputs import MultiModalInputs
 
 
 class SequenceStatus(enum.Enum):
@@ -57,6 +58,7 @@ class EngineRequest:
     imported_kv: object = None  # torch.Tensor [layers, 2, prompt_len, kv_heads, head_dim]
     first_gen_tokens: list[int] = field(default_factory=list)
     prompt_table_digest: str = ""  # params.prompt_embedding_table's digest, in the prefix cache's root hash
+    multi_modal: MultiModalInputs | None = None  # the prompt's images (petrel/multimodal/inputs.py)
 
     @property
     def lora_int_id(self) -> int:

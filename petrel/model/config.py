@@ -38,9 +38,19 @@ class ModelConfig:
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap) (Gemma)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # a vision-language model's whole Hugging Face config (the fields above are its text_config's); None: text only
+    multimodal_config: dict | None = field(default=None, repr=False)
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> ModelConfig:
+        if isinstance(cfg.get("text_config"), dict):  # a vision-language model (Idefics3, SmolVLM)
+            text = dict(cfg["text_config"], architectures=cfg.get("architectures"))
+            for key in ("tie_word_embeddings", "eos_token_id"):  # the top level's, when it has them
+                if key in cfg:
+                    text[key] = cfg[key]
+            out = cls.from_hf_config(text)
+            out.multimodal_config = cfg
+            return out
         archs = cfg.get("architectures") or []
         architecture = archs[0] if archs else cfg.get("model_type", "?")
         heads = cfg["num_attention_heads"]

@@ -218,6 +218,11 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
+    def decoder_parameters(self) -> dict[str, nn.Parameter]:
+        """The parameters load_weights fills and checks: all of them (a vision-language model keeps its tower's
+        apart)."""
+        return dict(self.named_parameters())
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into the parameters: q/k/v and gate/up into their fused
         projections, and each sharded layer's own slice (see petrel/model/parallel.py). QuantizedWeights (a GGUF
@@ -227,7 +232,7 @@ class LlamaForCausalLM(nn.Module):
 
         quantized = QuantizedLoads()
         cfg = self.config
-        params = dict(self.named_parameters())
+        params = self.decoder_parameters()
         modules = dict(self.named_modules())
         loaded = set()
         for name, tensor in weights:

@@ -67,7 +67,7 @@ def _hub_snapshot(repo_id: str) -> str:
     """A hub id through the Hugging Face cache (downloads when online, the cache alone when offline)."""
     from huggingface_hub import snapshot_download
 
-    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
+    patterns = ["*.json", "*.jinja", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
     try:
         return snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True)
     except Exception:

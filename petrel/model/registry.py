@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from petrel.model.gemma3 import Gemma3ForCausalLM
+from petrel.model.idefics3 import Idefics3ForConditionalGeneration
 from petrel.model.llama import LlamaForCausalLM
 
 MODEL_CLASSES = {
@@ -12,6 +13,9 @@ MODEL_CLASSES = {
     "Qwen3ForCausalLM": LlamaForCausalLM,  # + per-head q/k norm (ModelConfig.qk_norm)
     "Phi3ForCausalLM": LlamaForCausalLM,  # checkpoint holds qkv_proj and gate_up_proj fused
     "Gemma3ForCausalLM": Gemma3ForCausalLM,  # Gemma 3 text (petrel/model/gemma3.py)
+    # vision-language: SigLIP tower + pixel-shuffle connector before a Llama text model (petrel/model/idefics3.py)
+    "Idefics3ForConditionalGeneration": Idefics3ForConditionalGeneration,
+    "SmolVLMForConditionalGeneration": Idefics3ForConditionalGeneration,
 }
 
 

@@ -46,7 +46,7 @@ def load_tokenizer(source: ModelSource, tokenizer: str | None = None):
     if tokenizer is not None:
         return AutoTokenizer.from_pretrained(tokenizer)
     if source.kind == "hf":
-        return AutoTokenizer.from_pretrained(source.path)
+        return _with_processor_template(AutoTokenizer.from_pretrained(source.path), source.path)
     cached = os.path.join(petrel_cache_dir("tokenizers"), cache_key(source.path))
     if os.path.isfile(os.path.join(cached, "tokenizer_config.json")):
         try:
@@ -60,4 +60,21 @@ def load_tokenizer(source: ModelSource, tokenizer: str | None = None):
         os.replace(tmp, cached)
     except OSError:
         pass  # a read-only home: convert each time
+    return tok
+
+
+def _with_processor_template(tok, path: str):
+    """The tokenizer, given the directory's processor-level chat template when it has none of its own: published
+    vision-language models ship theirs as chat_template.json (newer saves: chat_template.jinja)."""
+    if getattr(tok, "chat_template", None):
+        return tok
+    import json
+
+    jinja, legacy = os.path.join(path, "chat_template.jinja"), os.path.join(path, "chat_template.json")
+    if os.path.isfile(jinja):
+        with open(jinja) as f:
+            tok.chat_template = f.read()
+    elif os.path.isfile(legacy):
+        with open(legacy) as f:
+            tok.chat_template = json.load(f).get("chat_template")
     return tok

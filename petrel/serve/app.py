@@ -21,6 +21,7 @@ from petrel.serve.embeddings import add_embedding_routes
 from petrel.serve.errors import ERROR_RESPONSES, APIError, install_error_handlers
 from petrel.serve.limits import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
 from petrel.serve.logprobs import TokenText
+from petrel.serve.media import MediaLimits, image_parts
 from petrel.serve.metrics import ServerMetrics
 from petrel.serve.params import ServerLimits, check_prompt_chars
 from petrel.serve.protocol import (
@@ -30,9 +31,11 @@ from petrel.serve.protocol import (
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
+    ErrorResponse,
+)
+from petrel.serve.protocol_info import (
     DetokenizeRequest,
     DetokenizeResponse,
-    ErrorResponse,
     HealthResponse,
     ModelCard,
     ModelList,
@@ -81,6 +84,17 @@ def _responses(model, stream_model=None) -> dict:
     return {200: ok, **ERROR_RESPONSES}
 
 
+def _media_limits(llm, allow_remote: bool) -> MediaLimits:
+    """What chat requests may carry as images: none for a text-only model."""
+    config = llm.config
+    return MediaLimits(
+        takes_images=getattr(llm.engine, "mm_processor", None) is not None,
+        max_images=(getattr(config, "limit_mm_per_prompt", None) or {}).get("image"),
+        max_pixels=getattr(config, "max_image_pixels", MediaLimits.max_pixels),
+        allow_remote=allow_remote,
+    )
+
+
 def _lora_requests(llm, base_name: str, lora_modules: dict[str, str]) -> dict:
     from petrel.lora import LoRARequest
 
@@ -108,6 +122,7 @@ def build_app(
     body_timeout: float | None = DEFAULT_BODY_TIMEOUT,
     trust_special_tokens: bool = False,
     embedding_pooling: str = "last",
+    allow_remote_media: bool = True,
 ) -> FastAPI:
     """An app serving `llm` (a petrel.LLM). `chat_template` is Jinja source overriding the model's.
     lora_modules: served name -> PEFT LoRA adapter directory (the engine needs enable_lora); a request's `model`
@@ -116,7 +131,8 @@ def build_app(
     At most max_num_seqs + max_queue_len sequences (n per request) are in flight (None: no limit); more get 429.
     trust_special_tokens: special-token strings in chat messages act as control tokens (only for trusted clients:
     by default they are text, so no message can forge another turn).
-    embedding_pooling: how /v1/embeddings pools a prompt's final hidden states, 'last' (token) or 'mean'."""
+    embedding_pooling: how /v1/embeddings pools a prompt's final hidden states, 'last' (token) or 'mean'.
+    allow_remote_media: fetch http(s) image URLs in chat messages (data: URLs are always taken)."""
     name = served_model_name or getattr(llm.config, "model", None) or DEFAULT_MODEL_NAME
     core = llm.engine.core
     limits = ServerLimits(
@@ -137,6 +153,7 @@ def build_app(
         api_key=api_key,
         health_timeout=health_timeout,
         max_pending=None if max_queue_len is None else llm.config.max_num_seqs + max_queue_len,
+        media=_media_limits(llm, allow_remote_media),
     )
 
     async def check_key(creds: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
@@ -218,7 +235,14 @@ def build_app(
                 await state.run_blocking(lambda: llm.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens))
             )["input_ids"]
         else:
-            messages = messages_for_template(body.messages, state.template.supports_tools)
+            parts = image_parts(body.messages)
+            if parts and state.media.takes_images:
+                raise APIError(
+                    "/tokenize counts text: an image's tokens depend on the image, send it to /v1/chat/completions",
+                    400,
+                    param=parts[0][0],
+                )
+            messages = messages_for_template(body.messages, state.template.supports_tools, state.media.takes_images)
             check_prompt_chars(conversation_chars(messages), limits, "messages")
             ids = await state.run_blocking(
                 lambda: state.template.encode(messages, add_generation_prompt=body.add_generation_prompt)

@@ -15,6 +15,7 @@ from petrel.serve.completions import api_finish_reason
 from petrel.serve.errors import APIError, from_value_error
 from petrel.serve.guided import Guided, compile_guided, guided_from_request, guided_value_error
 from petrel.serve.logprobs import chat_logprobs
+from petrel.serve.media import image_parts, load_images
 from petrel.serve.openai_fields import check_modalities, with_legacy_functions
 from petrel.serve.params import build_sampling_params, check_prompt_chars, check_prompt_length, resolve_max_tokens
 from petrel.serve.protocol import (
@@ -129,9 +130,13 @@ async def create_chat_completion(state: ServeState, req: ChatCompletionRequest, 
             )
         guided = plan.guided
     template = state.template
-    messages = messages_for_template(req.messages, template.supports_tools)
+    if req.tools and state.media.takes_images:
+        raise APIError("tools are not supported with a vision-language model yet", 400, param="tools")
+    messages = messages_for_template(req.messages, template.supports_tools, state.media.takes_images)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if plan.parse else None
     check_prompt_chars(conversation_chars(messages, tools), state.limits, "messages")
+    parts = image_parts(req.messages)
+    images = await state.run_blocking(load_images, parts, state.media) if parts else []
     prompt_text, ids = await state.run_blocking(
         template.prompt,
         messages,
@@ -141,6 +146,12 @@ async def create_chat_completion(state: ServeState, req: ChatCompletionRequest, 
         req.chat_template_kwargs,
         plan.prefill,
     )
+    multi_modal = None
+    if images:  # the engine's processor expands each <image> the template wrote into the image's tokens
+        try:
+            ids, multi_modal = await state.run_blocking(state.llm.engine.mm_processor.process, ids, images)
+        except ValueError as exc:
+            raise APIError(str(exc), 400, param="messages") from None
     check_prompt_length(len(ids), state.limits, "messages")
     plan.in_reasoning = plan.reasoning and prompt_opens_reasoning(prompt_text)
     param = (
@@ -160,8 +171,9 @@ async def create_chat_completion(state: ServeState, req: ChatCompletionRequest, 
     )
     await compile_guided(state, guided)
     state.check_capacity(req.n)
+    prompt = ids if multi_modal is None else {"prompt_token_ids": ids, "multi_modal_inputs": multi_modal}
     try:
-        future = await disagg.submit(state, ids, params, req.stream, req.cache_salt, lora_request, dp)
+        future = await disagg.submit(state, prompt, params, req.stream, req.cache_salt, lora_request, dp)
     except ValueError as exc:
         raise guided_value_error(exc, guided) or from_value_error(exc, {"prompt": "messages"}) from None
     except RuntimeError as exc:  # the engine is shut down

@@ -21,6 +21,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from petrel.model.tokenizer import special_token_text
+from petrel.multimodal.prompts import TEXT_ONLY
 from petrel.serve.errors import APIError
 
 # a description of the format, not an example: a small model copies an example's values (a placeholder such as
@@ -132,6 +133,8 @@ class ChatTemplate:
             ) from None
         if continue_final_message:
             final = messages[-1]["content"]
+            if isinstance(final, list):  # a vision model's parts: the text the template wrote last
+                final = next((p["text"] for p in reversed(final) if p.get("type") == "text"), "")
             at = text.rfind(final)
             if at < 0:
                 raise APIError(
@@ -202,22 +205,33 @@ def _arguments_text(arguments) -> str:
     return json.dumps(arguments, ensure_ascii=False)
 
 
-def messages_for_template(messages, supports_tools: bool) -> list[dict]:
-    """Request messages (pydantic) -> the plain dicts a template reads; content parts joined into text."""
+def messages_for_template(messages, supports_tools: bool, takes_images: bool = False) -> list[dict]:
+    """Request messages (pydantic) -> the plain dicts a template reads; content parts joined into text, or for a
+    model that takes images (takes_images) every content as the parts its template reads ({"type": "text",
+    "text": ...} and {"type": "image"}, one per image_url part, in order; a string becomes one text part)."""
     out = []
     for i, m in enumerate(messages):
         content = m.content
         if isinstance(content, list):
-            texts = []
+            parts = []
             for j, part in enumerate(content):
+                if part.type == "image_url" and takes_images:
+                    parts.append({"type": "image"})
+                    continue
+                if part.type == "image_url":
+                    raise APIError(TEXT_ONLY, 400, param=f"messages.{i}.content.{j}.type")
                 if part.type != "text" or part.text is None:
                     raise APIError(
-                        f"content parts of type {part.type!r} are not supported (text only)",
+                        f"content parts of type {part.type!r} are not supported (text and image_url only)"
+                        if takes_images
+                        else f"content parts of type {part.type!r} are not supported (text only)",
                         400,
                         param=f"messages.{i}.content.{j}.type",
                     )
-                texts.append(part.text)
-            content = "\n".join(texts)
+                parts.append({"type": "text", "text": part.text})
+            content = parts if takes_images else "\n".join(p["text"] for p in parts)
+        elif takes_images:  # vision models' templates read every content as parts
+            content = [{"type": "text", "text": content}] if content else []
         role = "system" if m.role == "developer" else m.role
         d = {"role": role, "content": content if content is not None else ""}
         if m.name is not None:
@@ -241,5 +255,9 @@ def messages_for_template(messages, supports_tools: bool) -> list[dict]:
 
 def conversation_chars(messages: list[dict], tools: list[dict] | None = None) -> int:
     """Characters of the messages' contents and the tool definitions: what a prompt built from them holds at least."""
-    chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
+    chars = sum(
+        len(c) if isinstance(c, str) else sum(len(p.get("text", "")) for p in c)
+        for m in messages
+        if isinstance(c := m.get("content"), (str, list))
+    )
     return chars + (len(json.dumps(tools, ensure_ascii=False)) if tools else 0)

@@ -208,10 +208,16 @@ class CompletionStreamResponse(CompletionResponse):
 # ------------------------------------------------------------------------------------------ /v1/chat/completions
 
 
+class ImageURL(_Request):
+    url: str
+    detail: Literal["auto"] | None = None  # the model's processor decides the resolution: only 'auto'
+
+
 class ContentPart(_Request):
     model_config = ConfigDict(extra="allow", strict=True)
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None  # type 'image_url' (a vision-language model)
 
 
 class FunctionCall(_Request):
@@ -453,48 +459,3 @@ class ChatCompletionChunk(_Response):
     system_fingerprint: str | None = None
     choices: list[ChatStreamChoice]
     usage: Usage | None = None
-
-
-# ------------------------------------------------------------------------------------------ the rest
-
-
-class ModelCard(_Response):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "petrel"
-    root: str | None = None
-    parent: str | None = None  # a LoRA adapter: the base model it runs on
-    max_model_len: int | None = None
-
-
-class ModelList(_Response):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class TokenizeRequest(_Request):
-    model: str | None = None
-    prompt: str | None = Field(None, description="text to tokenize (or give messages)")
-    messages: list[ChatMessage] | None = Field(None, description="a conversation, run through the chat template")
-    add_special_tokens: bool = Field(True, description="for prompt: let the tokenizer add its special tokens")
-    add_generation_prompt: bool = True
-
-
-class TokenizeResponse(_Response):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-
-
-class DetokenizeRequest(_Request):
-    model: str | None = None
-    tokens: list[int]
-
-
-class DetokenizeResponse(_Response):
-    prompt: str
-
-
-class HealthResponse(_Response):
-    status: Literal["ok"] = "ok"

@@ -15,7 +15,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import uvicorn
 
-from petrel.cli_options import parallel_arguments, parallel_options, speculative_config_json
+from petrel.cli_options import (
+    multimodal_arguments,
+    multimodal_options,
+    parallel_arguments,
+    parallel_options,
+    speculative_config_json,
+)
 from petrel.serve.connections import (
     DEFAULT_HEADER_TIMEOUT,
     ConnectionGuard,
@@ -145,6 +151,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
         '(methods: ngram, draft_model with "draft_model": PATH, self with "draft_num_layers": N)',
     )
+    multimodal_arguments(p)
+    p.add_argument(
+        "--no-remote-media",
+        action="store_true",
+        help="refuse http(s) image URLs in chat messages (data: URLs are always taken)",
+    )
     d = p.add_argument_group("disaggregated serving (off unless --kv-transfer-role is given)")
     d.add_argument(
         "--kv-transfer-role",
@@ -235,6 +247,7 @@ def engine_options(args) -> dict:
     if args.enable_lora:
         options["enable_lora"] = True
     options.update(parallel_options(args))
+    options.update(multimodal_options(args))
     return options
 
 
@@ -286,6 +299,7 @@ def run(args) -> int:
             lora_modules=loras,
             body_timeout=args.body_timeout or None,
             embedding_pooling=args.embedding_pooling,
+            allow_remote_media=not args.no_remote_media,
         )
         config = guarded_config(
             app, guard, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5

@@ -18,6 +18,7 @@ from petrel.outputs import OutputChunk
 from petrel.serve.chat_template import ChatTemplate
 from petrel.serve.errors import APIError
 from petrel.serve.logprobs import TokenText
+from petrel.serve.media import MediaLimits
 from petrel.serve.metrics import ServerMetrics
 from petrel.serve.params import ServerLimits
 
@@ -39,6 +40,7 @@ class ServeState:
     lora_modules: dict = field(
         default_factory=dict
     )  # served name -> petrel.LoRARequest (`petrel serve --lora-modules`)
+    media: MediaLimits = field(default_factory=MediaLimits)  # image_url parts (petrel/serve/media.py)
     # rendering and tokenizing prompts: off the event loop, and off the default executor that /health uses
     tokenize_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="petrel-tokenize")

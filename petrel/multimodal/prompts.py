@@ -1,0 +1,70 @@
+"""A prompt with media (vLLM's form: {"prompt": text, "multi_modal_data": {"image": image or [images]}}) -> its
+token ids and MultiModalInputs, through the model's processor; every failure a ValueError naming the field."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from petrel.multimodal.inputs import MultiModalInputs
+from petrel.multimodal.media import DEFAULT_MAX_IMAGE_BYTES, load_image
+
+TEXT_ONLY = "this model takes no images (it is a text-only model)"
+
+
+def load_processor(path: str | None, tokenizer):
+    """The model directory's multimodal processor, or None for a text-only model."""
+    config_path = os.path.join(path or "", "config.json")
+    if path is None or not os.path.isfile(config_path):
+        return None
+    with open(config_path) as f:
+        config = json.load(f)
+    architecture = (config.get("architectures") or [""])[0]
+    if architecture in ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration"):
+        try:
+            import PIL  # noqa: F401
+        except ImportError:
+            raise ValueError(f"{architecture} takes images, which need Pillow: pip install 'petrel[vision]'") from None
+        from petrel.multimodal.idefics3 import Idefics3Processor
+
+        return Idefics3Processor(path, tokenizer, config)
+    return None
+
+
+def as_images(value, name: str, limit: int | None, max_pixels: int, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES) -> list:
+    """One image or a list of them, each loaded and checked (load_image); at most `limit` of them."""
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    if limit is not None and len(values) > limit:
+        raise ValueError(f"{name}: {len(values)} images, over the limit of {limit} per prompt (limit_mm_per_prompt)")
+    return [load_image(v, f"{name}[{i}]", max_pixels, max_bytes) for i, v in enumerate(values)]
+
+
+def multi_modal_prompt(processor, prompt: dict, limits: dict | None, max_pixels: int):
+    """(text, token ids, MultiModalInputs) of a prompt dict with multi_modal_data."""
+    data = prompt["multi_modal_data"]
+    if processor is None:
+        raise ValueError(f"multi_modal_data: {TEXT_ONLY}")
+    if not isinstance(data, dict):
+        raise ValueError(f"multi_modal_data must be a dict of kind -> items, got {type(data).__name__}")
+    for kind in data:
+        if kind not in processor.kinds:
+            raise ValueError(f"multi_modal_data.{kind}: this model takes {', '.join(processor.kinds)} only")
+    text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+    if ids is None and not isinstance(text, str):
+        raise ValueError("multi_modal_data needs 'prompt' (text) or 'prompt_token_ids', with one placeholder per image")
+    if ids is not None and (not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) for t in ids)):
+        raise ValueError("prompt_token_ids must be a list of token ids")
+    images = as_images(data.get("image", []), "multi_modal_data.image", (limits or {}).get("image"), max_pixels)
+    ids, mm = processor.process(list(ids) if ids is not None else text, images)
+    return text, ids, mm
+
+
+def processed_prompt(prompt: dict):
+    """(text, token ids, MultiModalInputs) of a prompt its caller ran through the processor already:
+    {"prompt_token_ids": expanded ids, "multi_modal_inputs": MultiModalInputs} (the server does, to count them)."""
+    mm, ids = prompt["multi_modal_inputs"], prompt.get("prompt_token_ids")
+    if not isinstance(mm, MultiModalInputs) or not isinstance(ids, (list, tuple)):
+        raise ValueError("multi_modal_inputs must be a MultiModalInputs, with the expanded prompt_token_ids")
+    if any(p >= len(ids) for item in mm.items for p in item.positions):
+        raise ValueError("multi_modal_inputs: placeholder positions past the end of prompt_token_ids")
+    return prompt.get("prompt"), list(ids), mm

@@ -1,0 +1,88 @@
+"""Images in chat messages: each `image_url` content part (a data: URL, or an http(s) URL fetched with a timeout
+and a byte limit unless remote media is off) decoded once and checked; every failure a 400 naming the part."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+from petrel.multimodal.media import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, load_image
+from petrel.multimodal.prompts import TEXT_ONLY
+from petrel.serve.errors import APIError
+
+
+@dataclass
+class MediaLimits:
+    takes_images: bool = False  # the model has an image processor
+    max_images: int | None = None  # per request (--limit-mm-per-prompt image=N); None: any number
+    max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    max_bytes: int = DEFAULT_MAX_IMAGE_BYTES  # one image, encoded
+    allow_remote: bool = True  # fetch http(s) URLs (--no-remote-media: off)
+    timeout: float = 10.0  # seconds for one remote fetch
+
+
+def image_parts(messages) -> list[tuple[str, str]]:
+    """(param, url) of every image_url content part of the request's messages, in order."""
+    parts = []
+    for i, m in enumerate(messages):
+        if isinstance(m.content, list):
+            for j, part in enumerate(m.content):
+                if part.type == "image_url":
+                    url = part.image_url.url if part.image_url is not None else None
+                    if url is None:
+                        raise APIError("an image_url part needs image_url.url", 400, param=f"messages.{i}.content.{j}")
+                    parts.append((f"messages.{i}.content.{j}", url))
+    return parts
+
+
+def load_images(parts: list[tuple[str, str]], limits: MediaLimits) -> list:
+    """The parts' images, decoded and checked (blocking: run it off the event loop)."""
+    if parts and not limits.takes_images:
+        raise APIError(TEXT_ONLY, 400, param=f"{parts[0][0]}.type")
+    if limits.max_images is not None and len(parts) > limits.max_images:
+        raise APIError(
+            f"{len(parts)} images in this request, over the limit of {limits.max_images} per prompt "
+            f"(--limit-mm-per-prompt)",
+            400,
+            param=parts[limits.max_images][0],
+        )
+    images = []
+    for param, url in parts:
+        data = _fetch(url, param, limits)
+        try:
+            images.append(load_image(data, param, limits.max_pixels, limits.max_bytes))
+        except ValueError as exc:
+            raise APIError(str(exc), 400, param=param) from None
+    return images
+
+
+def _fetch(url: str, param: str, limits: MediaLimits) -> bytes:
+    if url.startswith("data:"):
+        header, sep, payload = url.partition(",")
+        if not sep or not header.endswith(";base64"):
+            raise APIError(f"{param}: a data URL must be base64 (data:image/png;base64,...)", 400, param=param)
+        if len(payload) > limits.max_bytes * 4 // 3 + 4:
+            raise APIError(f"{param}: the image is over the limit of {limits.max_bytes} bytes", 400, param=param)
+        try:
+            return base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise APIError(f"{param}: the data URL is not valid base64", 400, param=param) from None
+    if url.startswith(("http://", "https://")):
+        if not limits.allow_remote:
+            raise APIError(
+                f"{param}: remote image URLs are off on this server (--no-remote-media); send a data URL",
+                400,
+                param=param,
+            )
+        try:
+            with urllib.request.urlopen(url, timeout=limits.timeout) as response:  # noqa: S310 - http(s) only
+                data = response.read(limits.max_bytes + 1)
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            raise APIError(f"{param}: could not fetch the image ({exc})", 400, param=param) from None
+        if len(data) > limits.max_bytes:
+            raise APIError(f"{param}: the image is over the limit of {limits.max_bytes} bytes", 400, param=param)
+        return data
+    raise APIError(f"{param}: image_url.url must be a data: or http(s) URL", 400, param=param)
