@@ -60,12 +60,15 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> dict:
 async def run_client(
     base_url: str,
     model: str | None,
-    prompts: list[list[int]],
+    prompts: list[list[int]] | list[str],
     max_tokens: int,
     concurrency: int,
     timeout: float = 600.0,
+    prompt_tokens: int | None = None,
 ) -> dict:
-    """W3 at one client concurrency against `base_url`: the run's figures, valid only if every count is right."""
+    """W3 at one client concurrency against `base_url`: the run's figures, valid only if every count is right.
+    prompts: token ids, or text (for servers that take no token ids, e.g. the smg gateway), with prompt_tokens
+    then the ids' count for total_tok_s."""
     url = f"{base_url}/v1/completions"
 
     def body(prompt, n):
@@ -98,7 +101,7 @@ async def run_client(
     ttft = [r["t_first"] - r["t_send"] for r in results if r["t_first"] is not None]
     tpot = [(r["t_last"] - r["t_first"]) / (r["tokens"] - 1) for r in results if r["tokens"] and r["tokens"] > 1]
     out_tokens = sum(c or 0 for c in counts)
-    prompt_tokens = sum(len(p) for p in prompts)
+    prompt_tokens = sum(len(p) for p in prompts) if prompt_tokens is None else prompt_tokens
     return {
         "workload": "w3",
         "requests": len(results),
@@ -161,6 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-prompts", type=int, default=None, help="use the first N W2 prompts (default 64)")
     ap.add_argument("--max-tokens", type=int, default=None, help=f"tokens per request (default {W3_NEW_TOKENS})")
     ap.add_argument("--quick", action="store_true", help="8 requests of 16 tokens, prompts cut to 128 tokens")
+    ap.add_argument(
+        "--text-prompts",
+        action="store_true",
+        help="send the prompts as text (decoded with the default model's tokenizer) for servers that take no token "
+        "ids, such as the smg gateway; each server tokenizes them again",
+    )
     ap.add_argument("--json", "--out", dest="out", default=None, metavar="FILE.json", help="write the results")
     ap.add_argument("--plot", default=None, metavar="FILE.png", help="plot the run(s) (needs matplotlib)")
     ap.add_argument("server_args", nargs="*", help="after --: options for `petrel serve` (e.g. -- --dtype bfloat16)")
@@ -180,6 +189,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.num_prompts:
         prompts = prompts[: args.num_prompts]
     max_tokens = args.max_tokens or (16 if args.quick else W3_NEW_TOKENS)
+    prompt_tokens = sum(map(len, prompts))
+    if args.text_prompts:
+        from petrel.model.loader import resolve_model
+        from petrel.model.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(resolve_model(None))
+        prompts = [tokenizer.decode(p) for p in prompts]
     proc = None
     url = args.url
     results = []
@@ -189,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             proc = start_server(port, args.server_args)
             url = f"http://127.0.0.1:{port}"
         for level in levels:
-            result = asyncio.run(run_client(url, args.model, prompts, max_tokens, level))
+            result = asyncio.run(run_client(url, args.model, prompts, max_tokens, level, prompt_tokens=prompt_tokens))
             result.update(
                 {
                     "engine": "petrel serve" if args.url is None else args.url,
