@@ -78,8 +78,9 @@ def test_guided_json_stop_strings_logprobs_and_n_with_drafts(llm, spec_llm, prom
     schema = {
         "type": "object",
         "properties": {
-            "name": {"type": "string"},
-            "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
+            # bounded strings: greedy, the 135M model can repeat inside a string until max_tokens
+            "name": {"type": "string", "maxLength": 20},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3},
         },
         "required": ["name", "tags"],
     }

@@ -205,7 +205,13 @@ def test_client_gone_mid_stream_aborts_and_frees_blocks(llm, served):
     from tests.conftest import free_blocks
 
     baseline, aborted = free_blocks(llm), _aborted(served)
-    body = {"input": "Write a very long essay about the ocean.", "max_output_tokens": 2000, "stream": True}
+    # greedy (sampled, the model may end the essay before the client hangs up): more than 400 tokens
+    body = {
+        "input": "Write a very long essay about the ocean.",
+        "max_output_tokens": 2000,
+        "temperature": 0,
+        "stream": True,
+    }
     with httpx.stream("POST", f"{served}/v1/responses", json=body, timeout=60) as r:
         deltas = 0
         for line in r.iter_lines():
