@@ -112,7 +112,7 @@ def gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     (m, k), n, threads = x.shape, weight.shape[0], torch.get_num_threads()
     y = torch.empty(m, n, dtype=torch.float32)
     if native.cpu_has_avx512():
-        workspace = torch.empty(lib.f32_gemm_workspace(k, threads), dtype=torch.float32)
+        workspace = torch.empty(lib.f32_gemm_workspace(k, n, threads), dtype=torch.float32)
         lib.f32_gemm(x.data_ptr(), m, k, weight.data_ptr(), y.data_ptr(), n, workspace.data_ptr(), threads)
     else:
         workspace = torch.empty(lib.f32_gemm_avx2_workspace(k, n, threads), dtype=torch.float32)

@@ -3,14 +3,14 @@
  * f32_gemm_avx2: y[M][N] = x[M][K] @ W[N][K]^T, gemm_avx512.c's scheme sized for 16 vector registers: the innermost
  * loop keeps a 6 x 16 block of y in 12 registers and, per k, loads two vectors of W and broadcasts one value from
  * each of 6 rows of x: 12 fused multiply-adds for 8 loads. W is first copied a panel of 16 columns at a time into
- * k-major order ([K][16]), which stays in L2 while every 6-row block of x passes over it. Threads take panels of W.
+ * k-major order ([K][16]); packing, passing rows over the panels and the threads: gemm_driver.h.
  * Built with the other kernels (-mavx2 -mfma): callers check native.cpu_has_avx2_fma, as for every kernel. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 
+#include "gemm_driver.h"
 #include "kernels.h"
-#include "thread_pool.h"
 
 #define MR 6
 #define NR 16
@@ -48,70 +48,16 @@ static void block_6x16(const float *x, int64_t ldx, const float *wp, int64_t K, 
     for (int i = 0; i < mr; i++) memcpy(y + i * ldy, tile[i], sizeof(float) * nr);
 }
 
-/* Rows of x a thread takes over its panels of W before the next rows: as many 6-row blocks as fit ~256 KB of L2
- * (at least one), so that each packed panel is used by many blocks while those rows of x stay in cache. */
-static int64_t rows_per_pass(int64_t K) {
-    const int64_t blocks = (256 * 1024 / 4) / (MR * K);
-    return (blocks > 0 ? blocks : 1) * MR;
-}
-
-/* a thread's share of the columns, whole panels: at most this many */
-static int64_t columns_per_thread(int64_t N, int nthreads) {
-    return ((N + nthreads - 1) / nthreads + NR - 1) / NR * NR;
-}
-
-/* tail: the last M % MR rows of x followed by zero rows, [MR][K] (NULL when M is a multiple of MR); wp: each
- * thread's packed panels [columns_per_thread / NR][K][NR] */
-typedef struct {
-    const float *x; int64_t M, K; const float *W; float *y; int64_t N; const float *tail; float *wp;
-} gemm_args;
-
-static void gemm_part(void *args, int t, int T) {
-    const gemm_args *a = args;
-    const int64_t M = a->M, K = a->K, N = a->N, full = M / MR, pass = rows_per_pass(K) / MR;
-    int64_t n0, n1;
-    split_range(N, t, T, NR, &n0, &n1);
-    float *const panels = a->wp + t * K * columns_per_thread(N, T);
-    for (int64_t n = n0; n < n1; n += NR) {      /* this thread's panels of W, each k-major; columns past N zero */
-        float *wp = panels + (n - n0) * K;
-        const int nr = n1 - n < NR ? (int)(n1 - n) : NR;
-        for (int j = 0; j < NR; j++) {
-            if (j < nr) {
-                const float *src = a->W + (n + j) * K;
-                for (int64_t k = 0; k < K; k++) wp[k * NR + j] = src[k];
-            } else {
-                for (int64_t k = 0; k < K; k++) wp[k * NR + j] = 0.f;
-            }
-        }
-    }
-    for (int64_t p0 = 0; p0 < full + (a->tail != NULL); p0 += pass) {
-        const int64_t p1 = p0 + pass < full ? p0 + pass : full;
-        for (int64_t n = n0; n < n1; n += NR) {
-            const float *wp = panels + (n - n0) * K;
-            const int nr = n1 - n < NR ? (int)(n1 - n) : NR;
-            for (int64_t p = p0; p < p1; p++)
-                block_6x16(a->x + p * MR * K, K, wp, K, a->y + p * MR * N + n, N, MR, nr);
-            if (a->tail && p1 == full && p0 + pass > full)
-                block_6x16(a->tail, K, wp, K, a->y + full * MR * N + n, N, (int)(M - full * MR), nr);
-        }
-    }
-}
+static const gemm_kernel kernel = {MR, NR, block_6x16, gemm_pack_panel};
 
 /* floats of workspace f32_gemm_avx2 needs */
 int64_t f32_gemm_avx2_workspace(int64_t K, int64_t N, int nthreads) {
-    return MR * K + (int64_t)nthreads * K * columns_per_thread(N, nthreads);
+    return gemm_workspace(&kernel, K, N, nthreads);
 }
 
 /* y[M][N] = x[M][K] @ W[N][K]^T (x, W, y contiguous rows); workspace: f32_gemm_avx2_workspace(K, N, nthreads)
  * floats */
 void f32_gemm_avx2(const float *x, int64_t M, int64_t K, const float *W, float *y, int64_t N, float *workspace,
                    int nthreads) {
-    const int64_t rest = M % MR;
-    float *tail = rest ? workspace : NULL;
-    if (tail) {
-        memcpy(tail, x + (M - rest) * K, sizeof(float) * rest * K);
-        memset(tail + rest * K, 0, sizeof(float) * (MR - rest) * K);
-    }
-    gemm_args a = {x, M, K, W, y, N, tail, workspace + MR * K};
-    parallel_run(gemm_part, &a, nthreads);
+    gemm_run(&kernel, x, M, K, W, y, N, workspace, nthreads);
 }

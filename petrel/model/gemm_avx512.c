@@ -1,26 +1,26 @@
 /* Float32 products of many rows (prefill) for x86-64 CPUs with AVX-512, loaded with ctypes (petrel/model/native.py).
  *
- * f32_gemm: y[M][N] = x[M][K] @ W[N][K]^T. The innermost loop keeps an MR x NR block of y in 28 of the 32 vector
- * registers and, per k, loads two vectors of W and broadcasts one value from each of MR rows of x: 28 fused
- * multiply-adds for 16 loads, at the FMA units' rate (221 GFLOP/s on two cores in L1 here, about 96% of their
- * peak). W is first copied a panel of NR columns at a time into k-major order ([K][NR]), which stays in L2 while
- * every MR-row block of x passes over it. Threads take panels of W.
+ * f32_gemm: y[M][N] = x[M][K] @ W[N][K]^T. The innermost loop keeps a 14 x 32 block of y in 28 of the 32 vector
+ * registers and, per k, loads two vectors of W and broadcasts one value from each of 14 rows of x: 28 fused
+ * multiply-adds for 16 loads. Packing W into panels, passing rows over them and the threads: gemm_driver.h.
  * This file is built with the other kernels (-mavx2); its functions carry their own target, and callers check that
  * the CPU has AVX-512 first (native.cpu_has_avx512). */
 #include <immintrin.h>
 #include <stdint.h>
-#include <string.h>
 
+#include "gemm_driver.h"
 #include "kernels.h"
-#include "thread_pool.h"
 
 #define MR 14
 #define NR 32
 
-/* y rows [0, mr) x columns [0, NR) (masked to the valid ones) = x rows [0, MR) (ldx floats apart) @ W panel */
+/* y rows [0, mr) x columns [0, nr) = x rows [0, MR) (ldx floats apart) @ W panel; masked stores write no column
+ * past nr */
 __attribute__((target("avx512f")))
 static void block_14x32(const float *x, int64_t ldx, const float *wp, int64_t K, float *y, int64_t ldy, int mr,
-                        __mmask16 mask0, __mmask16 mask1) {
+                        int nr) {
+    const __mmask16 mask0 = nr >= 16 ? 0xFFFF : (__mmask16)((1u << nr) - 1);
+    const __mmask16 mask1 = nr >= 32 ? 0xFFFF : nr <= 16 ? 0 : (__mmask16)((1u << (nr - 16)) - 1);
     __m512 c[MR][2];
     for (int i = 0; i < MR; i++) c[i][0] = c[i][1] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k++, x++, wp += NR) {
@@ -37,51 +37,52 @@ static void block_14x32(const float *x, int64_t ldx, const float *wp, int64_t K,
     }
 }
 
-/* tail: the last M % MR rows of x followed by zero rows, [MR][K] (NULL when M is a multiple of MR); wp: each
- * thread's W panel [K][NR] */
-typedef struct {
-    const float *x; int64_t M, K; const float *W; float *y; int64_t N; const float *tail; float *wp;
-} gemm_args;
-
+/* W rows [n, n + nr) as the k-major panel wp [K][32]: 16 x 16 tiles of W transposed in registers, four rounds of
+ * two-source permutes (round s swaps the off-diagonal s x s blocks of each 2s x 2s block); a partial panel, or K
+ * not a multiple of 16, one float at a time */
 __attribute__((target("avx512f")))
-static void gemm_part(void *args, int t, int T) {
-    const gemm_args *a = args;
-    const int64_t M = a->M, K = a->K, N = a->N, full = M / MR;
-    int64_t n0, n1;
-    split_range(N, t, T, NR, &n0, &n1);
-    float *wp = a->wp + t * K * NR;
-    for (int64_t n = n0; n < n1; n += NR) {
-        const int nr = n1 - n < NR ? (int)(n1 - n) : NR;
-        for (int j = 0; j < NR; j++) {          /* this W panel, k-major; columns past N as zeros */
-            if (j < nr) {
-                const float *src = a->W + (n + j) * K;
-                for (int64_t k = 0; k < K; k++) wp[k * NR + j] = src[k];
-            } else {
-                for (int64_t k = 0; k < K; k++) wp[k * NR + j] = 0.f;
-            }
-        }
-        const __mmask16 mask0 = nr >= 16 ? 0xFFFF : (__mmask16)((1u << nr) - 1);
-        const __mmask16 mask1 = nr >= 32 ? 0xFFFF : nr <= 16 ? 0 : (__mmask16)((1u << (nr - 16)) - 1);
-        for (int64_t p = 0; p < full; p++)
-            block_14x32(a->x + p * MR * K, K, wp, K, a->y + p * MR * N + n, N, MR, mask0, mask1);
-        if (a->tail) block_14x32(a->tail, K, wp, K, a->y + full * MR * N + n, N, (int)(M - full * MR), mask0, mask1);
+static void pack_32(const float *W, int64_t K, int64_t n, int nr, int nr_full, float *wp) {
+    if (nr < NR || K % 16) {
+        gemm_pack_panel(W, K, n, nr, nr_full, wp);
+        return;
     }
+    __m512i lo[4], hi[4];
+    for (int r = 0, s = 8; r < 4; r++, s /= 2) {
+        int32_t l[16], h[16];
+        for (int c = 0; c < 16; c++) {
+            l[c] = c & s ? 16 + c - s : c;
+            h[c] = c & s ? 16 + c : c + s;
+        }
+        lo[r] = _mm512_loadu_si512(l), hi[r] = _mm512_loadu_si512(h);
+    }
+    for (int64_t k = 0; k < K; k += 16)
+        for (int half = 0; half < 2; half++) {
+            __m512 t[16];
+#pragma GCC unroll 16
+            for (int i = 0; i < 16; i++) t[i] = _mm512_loadu_ps(W + (n + 16 * half + i) * K + k);
+#pragma GCC unroll 4
+            for (int r = 0, s = 8; r < 4; r++, s /= 2)
+#pragma GCC unroll 16
+                for (int i = 0; i < 16; i++)
+                    if (!(i & s)) {
+                        const __m512 a = t[i], b = t[i + s];
+                        t[i] = _mm512_permutex2var_ps(a, lo[r], b);
+                        t[i + s] = _mm512_permutex2var_ps(a, hi[r], b);
+                    }
+#pragma GCC unroll 16
+            for (int i = 0; i < 16; i++) _mm512_storeu_ps(wp + (k + i) * NR + 16 * half, t[i]);
+        }
 }
+
+static const gemm_kernel kernel = {MR, NR, block_14x32, pack_32};
 
 /* floats of workspace f32_gemm needs */
-int64_t f32_gemm_workspace(int64_t K, int nthreads) {
-    return MR * K + (int64_t)nthreads * K * NR;
+int64_t f32_gemm_workspace(int64_t K, int64_t N, int nthreads) {
+    return gemm_workspace(&kernel, K, N, nthreads);
 }
 
-/* y[M][N] = x[M][K] @ W[N][K]^T (x, W, y contiguous rows); workspace: f32_gemm_workspace(K, nthreads) floats */
+/* y[M][N] = x[M][K] @ W[N][K]^T (x, W, y contiguous rows); workspace: f32_gemm_workspace(K, N, nthreads) floats */
 void f32_gemm(const float *x, int64_t M, int64_t K, const float *W, float *y, int64_t N, float *workspace,
               int nthreads) {
-    const int64_t rest = M % MR;
-    float *tail = rest ? workspace : NULL;
-    if (tail) {
-        memcpy(tail, x + (M - rest) * K, sizeof(float) * rest * K);
-        memset(tail + rest * K, 0, sizeof(float) * (MR - rest) * K);
-    }
-    gemm_args a = {x, M, K, W, y, N, tail, workspace + MR * K};
-    parallel_run(gemm_part, &a, nthreads);
+    gemm_run(&kernel, x, M, K, W, y, N, workspace, nthreads);
 }

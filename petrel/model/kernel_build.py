@@ -32,6 +32,7 @@ SOURCES = (
     HEADER,
     "thread_pool.h",
     "simd.h",
+    "gemm_driver.h",
 )
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-pthread", "-shared", "-fPIC")
 LIBRARIES = ("-lm",)

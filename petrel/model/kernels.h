@@ -54,7 +54,7 @@ void paged_prefill_attention(const float *q, int64_t q_stride, const float *key_
                              int64_t bs, int64_t window, float scale, float *out, float *workspace, int nthreads);
 
 /* gemm_avx512.c */
-int64_t f32_gemm_workspace(int64_t K, int nthreads);
+int64_t f32_gemm_workspace(int64_t K, int64_t N, int nthreads);
 void f32_gemm(const float *x, int64_t M, int64_t K, const float *W, float *y, int64_t N, float *workspace,
               int nthreads);
 
