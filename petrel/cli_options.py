@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 
 def parse_choices(text: str, known, what: str) -> list[str]:
@@ -97,3 +98,22 @@ def multimodal_options(args) -> dict:
     """The LLM / EngineConfig keywords of the options multimodal_arguments added, only those given."""
     names = ("limit_mm_per_prompt", "max_image_pixels", "encoder_cache_memory")
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+
+
+def kv_store_arguments(p) -> None:
+    """--kv-store-url: the KV block store instances share (`petrel serve`)."""
+    g = p.add_argument_group("shared KV block store")
+    g.add_argument(
+        "--kv-store-url",
+        default=os.environ.get("PETREL_KV_STORE_URL"),
+        metavar="URL",
+        help="a Redis or Valkey server (redis://HOST:PORT/DB, rediss://, unix://) where instances publish the KV "
+        "blocks they compute and fetch those others computed (needs `pip install petrel[kv-store]`; "
+        "default: $PETREL_KV_STORE_URL, else none)",
+    )
+
+
+def kv_store_options(args) -> dict:
+    """The LLM / EngineConfig keywords of the options kv_store_arguments added, only those given."""
+    url = getattr(args, "kv_store_url", None)
+    return {"kv_store_url": url} if url else {}

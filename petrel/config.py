@@ -23,6 +23,7 @@ DEVICES = ("cpu", "cuda")
 SPECULATIVE_METHODS = ("ngram", "draft_model", "self")
 KV_TRANSFER_ROLES = ("prefill", "decode", "both")
 EXECUTOR_BACKENDS = ("mp", "ray")
+KV_STORE_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
 @dataclass
@@ -121,6 +122,9 @@ class EngineConfig:
     kv_transfer_max_pinned: int = 64  # prefill: context_only prompts pinned (or prefilling to be) at once
     kv_transfer_max_pinned_share: float = 0.25  # prefill: the most of the KV cache's blocks they may hold
     kv_transfer_max_fetches: int = 4  # decode (petrel serve): KV fetches at once; more get 429
+    # the KV block store instances share (issue 26): a Redis / Valkey server's redis://, rediss:// or unix:// URL
+    # (None: none); repr=False: the URL may hold a password
+    kv_store_url: str | None = field(default=None, repr=False)
     quantization: str | None = (
         None  # None/'none': weights dequantized to dtype; 'int8': int8 per row; 'gguf': GGUF blocks kept
     )
@@ -176,6 +180,11 @@ class EngineConfig:
         if not isinstance(self.kv_transfer_timeout, (int, float)) or self.kv_transfer_timeout <= 0:
             raise ValueError(f"kv_transfer_timeout must be > 0 seconds, got {self.kv_transfer_timeout!r}")
         self._check_kv_transfer()
+        if self.kv_store_url is not None and not self.kv_store_url.startswith(KV_STORE_SCHEMES):
+            raise ValueError(
+                f"kv_store_url must start with one of {list(KV_STORE_SCHEMES)} (a Redis or Valkey server), "
+                f"got {self.kv_store_url.partition('://')[0]!r}"
+            )
         from petrel.model.quantization import QUANTIZATION_METHODS
 
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:

@@ -14,6 +14,7 @@ from petrel.config import EngineConfig
 from petrel.disagg import DisaggregatedParams
 from petrel.disagg import requests as disagg
 from petrel.engine.llm_engine import LLMEngine
+from petrel.kv_tiers.dkv_hint import parse_dkv_cache_hint
 from petrel.lora import LoRARequest
 from petrel.model.tokenizer import chat_prompt
 from petrel.multimodal.prompts import multi_modal_prompt, processed_prompt
@@ -88,6 +89,7 @@ class LLM:
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
         disaggregated_params: DisaggregatedParams | None = None,
+        dkv_cache_hint: dict | None = None,
     ) -> RequestFuture:
         """Queue one request and return its future at once. `timeout` (seconds) ends it with finish_reason 'timeout'.
         `prompt` may be a TextGenerationRequest (its request_id, sampling_params and cache_salt are then used).
@@ -97,8 +99,10 @@ class LLM:
         another instance (role 'decode') needs; that one fetches the prompt's KV here, from one of its
         kv_transfer_peers, before it is queued. KVTransferBusy: no room to pin the prompt now.
         Streaming beam search: an update after each step with the best n running beams, each whole (beams reorder
-        and fork, so an output's tokens may change from one update to the next); the last update is the final beams."""
-        return self._prepare(prompt, sampling_params, cache_salt, lora_request, disaggregated_params)(
+        and fork, so an output's tokens may change from one update to the next); the last update is the final beams.
+        `dkv_cache_hint` ({"block_hashes": [hex, ...]} and/or {"num_cached_tokens": N}): blocks the shared KV store
+        holds (petrel/kv_tiers/dkv_hint.py); a TextGenerationRequest's own hint is used when it has one."""
+        return self._prepare(prompt, sampling_params, cache_salt, lora_request, disaggregated_params, dkv_cache_hint)(
             streaming, timeout
         )
 
@@ -109,6 +113,7 @@ class LLM:
         cache_salt: str | None,
         lora_request: LoRARequest | None = None,
         disaggregated_params: DisaggregatedParams | None = None,
+        dkv_cache_hint: dict | None = None,
     ):
         """Tokenize and check one prompt now; return submit(streaming, timeout) -> RequestFuture that queues it."""
         request_id, multi_modal = None, None
@@ -117,6 +122,8 @@ class LLM:
             if sampling_params is not None:
                 raise ValueError("sampling_params: a TextGenerationRequest carries its own")
             request_id, cache_salt = prompt.request_id, prompt.cache_salt
+            if prompt.dkv_cache_hint is not None:
+                dkv_cache_hint = prompt.dkv_cache_hint
             processor = self._engine.mm_processor
             text, ids, params = prompt.resolve(self.tokenizer, self.model_names, processor is not None)
             if processor is not None:
@@ -143,6 +150,7 @@ class LLM:
             )
         if dp is not None:
             disagg.check(dp, params, ids, self._engine, self.config)
+        hint = parse_dkv_cache_hint(dkv_cache_hint)
 
         def submit(streaming: bool, timeout: float | None) -> RequestFuture:
             arrival = _now() if request is None else _arrival(request.timestamp_ns)
@@ -164,6 +172,8 @@ class LLM:
                 options["lora_request"] = lora_request
             if multi_modal is not None:
                 options["multi_modal"] = multi_modal
+            if hint is not None:
+                options["kv_hint_keys"], options["kv_hint_tokens"] = hint.block_keys, hint.num_cached_tokens
             if streaming and params.use_beam_search:  # each step's best beams, whole
                 options["stream_beams"] = True
             self._add(future, ids, params, timeout, cache_salt, options, dp)
@@ -206,11 +216,12 @@ class LLM:
         cache_salt: str | None = None,
         lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
         disaggregated_params: DisaggregatedParams | Seq[DisaggregatedParams | None] | None = None,
+        dkv_cache_hint: dict | Seq[dict | None] | None = None,
     ) -> RequestOutput | list[RequestOutput]:
         """Generate for one prompt (returns one RequestOutput) or many (a list, in input order). Every prompt is
         tokenized and checked before any is queued; if queueing one fails, those already queued are aborted.
         lora_request: one LoRA adapter for every prompt, or a list with one entry (or None) per prompt; the same for
-        disaggregated_params (see generate_async)."""
+        disaggregated_params and dkv_cache_hint (see generate_async)."""
         single = isinstance(prompts, (str, dict, TextGenerationRequest)) or (
             isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts)
         )
@@ -218,9 +229,10 @@ class LLM:
         params_list = _per_prompt(sampling_params, "sampling_params", len(batch))
         loras = _per_prompt(lora_request, "lora_request", len(batch))
         disaggs = _per_prompt(disaggregated_params, "disaggregated_params", len(batch))
+        hints = _per_prompt(dkv_cache_hint, "dkv_cache_hint", len(batch))
         submits = [
-            self._prepare(p, params, cache_salt, lora, dp)
-            for p, params, lora, dp in zip(batch, params_list, loras, disaggs)
+            self._prepare(p, params, cache_salt, lora, dp, hint)
+            for p, params, lora, dp, hint in zip(batch, params_list, loras, disaggs, hints)
         ]
         futures = []
         try:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from petrel.guided_decoding import GuidedDecodingParams
+from petrel.kv_tiers.dkv_hint import parse_dkv_cache_hint
 from petrel.model.tokenizer import chat_prompt
 from petrel.sampling_params import SamplingParams
 
@@ -42,7 +43,9 @@ class TextGenerationRequest:
     chat_template_options: dict | None = None  # extra chat-template variables (add_generation_prompt, ...)
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     target_endpoint: str | None = None  # routing hint: `petrel route` routes by it; a lone engine refuses a value
-    dkv_cache_hint: dict[str, Any] | None = None  # distributed-KV hint: validated and kept (not used yet)
+    # blocks the shared KV store holds ({"block_hashes": [hex, ...]} and/or {"num_cached_tokens": N}, see
+    # petrel/kv_tiers/dkv_hint.py): fetched before prefill when the engine has a store, checked against the chain
+    dkv_cache_hint: dict[str, Any] | None = None
     cache_salt: str | None = None  # isolates this request's prefix-cache entries
 
     def __post_init__(self):
@@ -65,10 +68,7 @@ class TextGenerationRequest:
             raise ValueError(f"timestamp_ns must be an integer >= 0 (time.time_ns()), got {self.timestamp_ns!r}")
         if not isinstance(self.request_path, str):
             raise ValueError(f"request_path must be a string, got {type(self.request_path).__name__}")
-        if self.dkv_cache_hint is not None and (
-            not isinstance(self.dkv_cache_hint, dict) or not all(isinstance(k, str) for k in self.dkv_cache_hint)
-        ):
-            raise ValueError("dkv_cache_hint must be a dict with string keys, or None")
+        parse_dkv_cache_hint(self.dkv_cache_hint)  # ValueError naming dkv_cache_hint
         for name in ("images", "videos", "decoded_images"):
             if not isinstance(getattr(self, name), list):
                 raise ValueError(f"{name} must be a list")

@@ -186,10 +186,11 @@ def test_images_videos_counts_and_refusal(llm):
 
 
 # ------------------------------------------------------------------------------------------- dkv_cache_hint
-def test_dkv_cache_hint_is_validated():
-    assert _req(prompt="x", dkv_cache_hint={"blocks": [1, 2]}).dkv_cache_hint == {"blocks": [1, 2]}
+def test_dkv_cache_hint_is_validated():  # the hint's shape: tests/test_kv_store.py
+    hint = {"block_hashes": ["ab" * 32], "num_cached_tokens": 16}
+    assert _req(prompt="x", dkv_cache_hint=hint).dkv_cache_hint == hint
     assert _req(prompt="x").dkv_cache_hint is None
-    for bad in ([1], "hint", {1: "a"}):
+    for bad in ([1], "hint", {1: "a"}, {"blocks": [1, 2]}):
         with pytest.raises(ValueError, match="dkv_cache_hint"):
             _req(prompt="x", dkv_cache_hint=bad)
 

@@ -59,6 +59,10 @@ class EngineRequest:
     first_gen_tokens: list[int] = field(default_factory=list)
     prompt_table_digest: str = ""  # params.prompt_embedding_table's digest, in the prefix cache's root hash
     multi_modal: MultiModalInputs | None = None  # the prompt's images (petrel/multimodal/inputs.py)
+    # dkv_cache_hint (petrel/kv_tiers/dkv_hint.py): chain hashes the shared KV store holds, and the prompt tokens
+    # it holds from the start; plan_hinted_fetch keeps those in this request's own chain
+    kv_hint_keys: tuple[bytes, ...] = ()
+    kv_hint_tokens: int = 0
 
     @property
     def lora_int_id(self) -> int:

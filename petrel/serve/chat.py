@@ -173,7 +173,9 @@ async def create_chat_completion(state: ServeState, req: ChatCompletionRequest, 
     state.check_capacity(req.n)
     prompt = ids if multi_modal is None else {"prompt_token_ids": ids, "multi_modal_inputs": multi_modal}
     try:
-        future = await disagg.submit(state, prompt, params, req.stream, req.cache_salt, lora_request, dp)
+        future = await disagg.submit(
+            state, prompt, params, req.stream, req.cache_salt, lora_request, dp, req.dkv_hint()
+        )
     except ValueError as exc:
         raise guided_value_error(exc, guided) or from_value_error(exc, {"prompt": "messages"}) from None
     except RuntimeError as exc:  # the engine is shut down

@@ -151,7 +151,9 @@ async def create_completion(state: ServeState, req: CompletionRequest, request: 
     futures = []
     try:
         for (_, ids), params in zip(prompts, params_list):
-            futures.append(await disagg.submit(state, ids, params, req.stream, req.cache_salt, lora_request, dp))
+            futures.append(
+                await disagg.submit(state, ids, params, req.stream, req.cache_salt, lora_request, dp, req.dkv_hint())
+            )
     except ValueError as exc:
         abort_unfinished(futures)
         raise guided_value_error(exc, guided) or from_value_error(exc) from None

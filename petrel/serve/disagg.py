@@ -68,15 +68,19 @@ def from_request(req, num_prompts: int) -> DisaggregatedParams | None:
     return dp
 
 
-async def submit(state, ids, params, stream: bool, cache_salt, lora_request, dp: DisaggregatedParams | None):
+async def submit(
+    state, ids, params, stream: bool, cache_salt, lora_request, dp: DisaggregatedParams | None, dkv_cache_hint=None
+):
     """state.generate_async, with a generation-only request's KV fetch on the fetch pool; a request this server may
     not or cannot run, or a bad handle, is a 400 naming disaggregated_params, a split at its limits (prompts
-    pinned, fetches at once) a 429, a failed transfer a 502 (only this request fails)."""
+    pinned, fetches at once) a 429, a failed transfer a 502 (only this request fails). dkv_cache_hint: the
+    request's (a dict, see petrel/kv_tiers/dkv_hint.py), passed on."""
+    hint = {} if dkv_cache_hint is None else {"dkv_cache_hint": dkv_cache_hint}
     if dp is None:
-        return state.generate_async(ids, params, stream, cache_salt, lora_request)
+        return state.generate_async(ids, params, stream, cache_salt, lora_request, **hint)
 
     def call():
-        return state.generate_async(ids, params, stream, cache_salt, lora_request, disaggregated_params=dp)
+        return state.generate_async(ids, params, stream, cache_salt, lora_request, disaggregated_params=dp, **hint)
 
     try:
         if dp.is_generation_only and state.llm.config.fetches_kv:

@@ -71,6 +71,7 @@ _PARAM_NAMES = [
     "logprobs",
     "prompt_logprobs",
     "cache_salt",
+    "dkv_cache_hint",
     "prompt_token_ids",
     "prompt",
 ]

@@ -8,9 +8,11 @@ Responses drop the optional keys OpenAI leaves out (a delta's missing role, a me
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_serializer
+
+from petrel.kv_tiers.dkv_hint import MAX_HINT_HASHES
 
 MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (OpenAI: 5 legacy, 20 chat)
 
@@ -87,6 +89,16 @@ class DisaggregatedParamsField(_Request):
     ctx_info_endpoint: str | None = Field(None, description="host:port of the context server's KV transfer server")
 
 
+class DkvCacheHintField(_Request):
+    """dkv_cache_hint (MAX's distributed-KV hint, petrel/kv_tiers/dkv_hint.py): blocks the shared KV store holds,
+    fetched before prefill; hashes outside the request's own hash chain are ignored."""
+
+    block_hashes: list[Annotated[str, StringConstraints(pattern=r"^[0-9a-fA-F]{64}$")]] | None = Field(
+        None, max_length=MAX_HINT_HASHES, description="the blocks' chain hashes (sha256, 64 hex digits)"
+    )
+    num_cached_tokens: int | None = Field(None, ge=0, description="the store holds the prompt's first N tokens")
+
+
 class SamplingExtras(_Request):
     """petrel's sampling options beyond OpenAI's (vLLM-compatible names)."""
 
@@ -114,6 +126,11 @@ class SamplingExtras(_Request):
         None, min_length=1, description="the output is exactly one of these strings"
     )
     disaggregated_params: DisaggregatedParamsField | None = None
+    dkv_cache_hint: DkvCacheHintField | None = None
+
+    def dkv_hint(self) -> dict | None:
+        """dkv_cache_hint as LLM.generate_async takes it."""
+        return None if self.dkv_cache_hint is None else self.dkv_cache_hint.model_dump(exclude_none=True)
 
 
 class PromptTokensDetails(_Response):

@@ -16,6 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import uvicorn
 
 from petrel.cli_options import (
+    kv_store_arguments,
+    kv_store_options,
     multimodal_arguments,
     multimodal_options,
     parallel_arguments,
@@ -206,6 +208,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--kv-transfer-max-fetches", type=int, default=None, help="decode: KV fetches at once; more get 429 (4)"
     )
     parallel_arguments(g)
+    kv_store_arguments(p)
     return p
 
 
@@ -248,6 +251,7 @@ def engine_options(args) -> dict:
         options["enable_lora"] = True
     options.update(parallel_options(args))
     options.update(multimodal_options(args))
+    options.update(kv_store_options(args))
     return options
 
 
