@@ -73,8 +73,8 @@ def limit_mm_per_prompt(text: str) -> dict:
             if not sep or not count.strip().isdigit():
                 raise argparse.ArgumentTypeError(f"expected KIND=N (e.g. image=2), got {item!r}")
             value[kind.strip()] = int(count)
-    if not isinstance(value, dict) or set(value) - {"image"}:
-        raise argparse.ArgumentTypeError(f"petrel's models take images only (image=N), got {text!r}")
+    if not isinstance(value, dict) or set(value) - {"image", "video"}:
+        raise argparse.ArgumentTypeError(f"petrel's models take images and videos (image=N,video=M), got {text!r}")
     return value
 
 
@@ -85,8 +85,8 @@ def multimodal_arguments(p) -> None:
         "--limit-mm-per-prompt",
         type=limit_mm_per_prompt,
         default=None,
-        metavar="image=N",
-        help='most images in one request (image=N, or JSON {"image": N}); default: no limit',
+        metavar="image=N,video=M",
+        help='most images / videos in one request (image=N,video=M, or JSON {"image": N}); default: no limit',
     )
     g.add_argument("--max-image-pixels", type=int, default=None, help="pixel budget of one image (40000000)")
     g.add_argument(

@@ -130,8 +130,8 @@ class EngineConfig:
     )
     tensor_parallel_size: int = 1  # ranks the model is split over (kv_cache_memory is per rank)
     distributed_executor_backend: str = "mp"  # with tensor_parallel_size > 1: 'mp' (local processes) or 'ray'
-    # vision-language models (petrel/multimodal): images per prompt by kind (vLLM's limit_mm_per_prompt; None: any
-    # number), the pixel budget of one image, and the bytes of encoder outputs kept for reuse (encoder cache)
+    # vision-language models (petrel/multimodal): images / videos per prompt by kind (vLLM's limit_mm_per_prompt;
+    # None: any number), the pixel budget of one image, and the bytes of encoder outputs kept for reuse (encoder cache)
     limit_mm_per_prompt: dict | None = None
     max_image_pixels: int = 40_000_000
     encoder_cache_memory: int = 256 * 1024**2
@@ -167,9 +167,9 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
         self.speculative_config = SpeculativeConfig.coerce(self.speculative_config)
         for kind, limit in (self.limit_mm_per_prompt or {}).items():
-            if kind not in ("image",) or not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+            if kind not in ("image", "video") or not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
                 raise ValueError(
-                    f"limit_mm_per_prompt must map 'image' to a count >= 0, got {self.limit_mm_per_prompt!r}"
+                    f"limit_mm_per_prompt must map 'image' / 'video' to a count >= 0, got {self.limit_mm_per_prompt!r}"
                 )
         for name in ("max_loras", "max_lora_rank"):
             value = getattr(self, name)

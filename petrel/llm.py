@@ -125,7 +125,8 @@ class LLM:
             if prompt.dkv_cache_hint is not None:
                 dkv_cache_hint = prompt.dkv_cache_hint
             processor = self._engine.mm_processor
-            text, ids, params = prompt.resolve(self.tokenizer, self.model_names, processor is not None)
+            takes_videos = "video" in getattr(processor, "kinds", ())
+            text, ids, params = prompt.resolve(self.tokenizer, self.model_names, processor is not None, takes_videos)
             if processor is not None:
                 ids, multi_modal = prompt.multi_modal_inputs(
                     processor, ids, self.config.limit_mm_per_prompt, self.config.max_image_pixels

@@ -30,7 +30,9 @@ class TextGenerationRequest:
     # a vision-language model's images, in the order of the prompt's placeholders (an <image> in a text prompt, an
     # image / image_url part in messages); a text-only model refuses them
     images: list[bytes] = field(default_factory=list)  # encoded image bytes, decoded once at admission
-    videos: list[bytes] = field(default_factory=list)  # video bytes (refused: petrel's models take no video yet)
+    # videos (encoded bytes, or a video's frames) for a model that takes them (Qwen2-VL), in the order of the
+    # prompt's video placeholders; other models refuse them
+    videos: list[Any] = field(default_factory=list)
     decoded_images: list[Any] = field(default_factory=list)  # PIL images matching `images` 1:1 (used instead)
     # function tools ({"type": "function", "function": {...}}): rendered into the prompt as `petrel serve` does,
     # and each finished sequence's tool calls parsed into CompletionOutput.tool_calls
@@ -92,8 +94,9 @@ class TextGenerationRequest:
         """request_path as logs and metrics carry it: no query or fragment, at most MAX_REQUEST_PATH_CHARS."""
         return normalize_request_path(self.request_path)
 
-    def _refuse_unsupported(self, takes_images: bool) -> None:
-        """ValueError naming what this engine cannot honour (takes_images: the model has an image processor)."""
+    def _refuse_unsupported(self, takes_images: bool, takes_videos: bool = False) -> None:
+        """ValueError naming what this engine cannot honour (takes_images: the model has an image processor;
+        takes_videos: it takes videos too)."""
         if self.target_endpoint:
             raise ValueError(
                 f"target_endpoint {self.target_endpoint!r}: this is one engine, not a router; "
@@ -108,13 +111,13 @@ class TextGenerationRequest:
         ):
             if count and not takes_images:
                 raise ValueError(f"{name}: this model has no vision input (text only)")
-            if count and "video" in name:
+            if count and "video" in name and not takes_videos:
                 raise ValueError(f"{name}: this model takes no video input")
 
     def multi_modal_inputs(self, processor, ids: list[int], limits: dict | None, max_pixels: int):
-        """(token ids, MultiModalInputs or None): the images (decoded_images, else images decoded once now) put in
-        place of the prompt's placeholders by the model's processor."""
-        from petrel.multimodal.prompts import as_images
+        """(token ids, MultiModalInputs or None): the images (decoded_images, else images decoded once now) and
+        videos put in place of the prompt's placeholders by the model's processor."""
+        from petrel.multimodal.prompts import as_images, as_videos
 
         if self.decoded_images and self.images and len(self.decoded_images) != len(self.images):
             raise ValueError(
@@ -122,7 +125,8 @@ class TextGenerationRequest:
             )
         name = "decoded_images" if self.decoded_images else "images"
         images = as_images(self.images_for_processing(), name, (limits or {}).get("image"), max_pixels)
-        return processor.process(ids, images)  # without images: checks the prompt has no placeholder
+        media = {"videos": as_videos(processor, self.videos, "videos", limits, max_pixels)} if self.videos else {}
+        return processor.process(ids, images, **media)  # without media: checks the prompt has no placeholder
 
     def _guided_decoding(self) -> GuidedDecodingParams | None:
         """response_format ({"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}})
@@ -141,15 +145,16 @@ class TextGenerationRequest:
         raise ValueError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
 
     def resolve(
-        self, tokenizer, model_names: Sequence[str], takes_images: bool = False
+        self, tokenizer, model_names: Sequence[str], takes_images: bool = False, takes_videos: bool = False
     ) -> tuple[str | None, list[int], SamplingParams]:
         """(prompt text, prompt token ids, sampling params) for the engine; the ids hold one placeholder per image
-        (multi_modal_inputs expands them). takes_images: the model has an image processor."""
+        and video (multi_modal_inputs expands them). takes_images: the model has an image processor; takes_videos:
+        it takes videos too."""
         if self.model_name and self.model_name not in model_names:
             raise ValueError(
                 f"model_name {self.model_name!r} is not loaded here; this engine serves {list(model_names)}"
             )
-        self._refuse_unsupported(takes_images)
+        self._refuse_unsupported(takes_images, takes_videos)
         if self.messages:
             options = dict(self.chat_template_options or {})
             add_generation_prompt = options.pop("add_generation_prompt", True)
@@ -188,11 +193,13 @@ def normalize_request_path(path: str) -> str:
 
 
 def _image_parts_for_template(message):
-    """A message with its image_url parts as the {"type": "image"} parts chat templates place images by."""
+    """A message with its image_url / video_url parts as the {"type": "image"} / {"type": "video"} parts chat
+    templates place media by."""
     content = message.get("content") if isinstance(message, dict) else None
-    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "image_url" for p in content):
+    kinds = {"image_url": "image", "video_url": "video"}
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") in kinds for p in content):
         return message
-    parts = [{"type": "image"} if isinstance(p, dict) and p.get("type") == "image_url" else p for p in content]
+    parts = [{"type": kinds[p["type"]]} if isinstance(p, dict) and p.get("type") in kinds else p for p in content]
     return {**message, "content": parts}
 
 

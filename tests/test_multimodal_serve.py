@@ -142,7 +142,8 @@ def test_serve_options():
     from petrel.serve.server import add_arguments, engine_options
 
     assert limit_mm_per_prompt("image=3") == limit_mm_per_prompt('{"image": 3}') == {"image": 3}
-    for bad in ("video=1", "image", "image=x", "[1]"):
+    assert limit_mm_per_prompt("image=2,video=1") == {"image": 2, "video": 1}
+    for bad in ("audio=1", "image", "image=x", "[1]"):
         with pytest.raises(argparse.ArgumentTypeError):
             limit_mm_per_prompt(bad)
     args = add_arguments(argparse.ArgumentParser()).parse_args(

@@ -17,6 +17,7 @@ from petrel.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk,
 from petrel.model.config import ModelConfig
 from petrel.model.parallel import SINGLE, TensorParallel, local_kv_heads, max_local_kv_heads
 from petrel.multimodal.inputs import MultiModalInputs
+from petrel.multimodal.mrope import span_positions
 
 
 @dataclass
@@ -31,6 +32,7 @@ class QuerySpan:
     group_tables: list[list[int]] | None = None
     embedding_table: torch.Tensor | None = None
     multi_modal: MultiModalInputs | None = None  # the prompt's images, whose rows take encoder outputs
+    rope_inputs: MultiModalInputs | None = None  # the request's media, for multimodal rotary positions (M-RoPE)
 
     @staticmethod
     def of(seq: Sequence, token_ids: list[int], start: int) -> QuerySpan:
@@ -38,7 +40,8 @@ class QuerySpan:
         in_prompt = start < seq.num_prompt_tokens
         table = seq.params.prompt_embedding_table if in_prompt else None
         media = seq.request.multi_modal if in_prompt else None
-        return QuerySpan(token_ids, start, tables[0], tables if len(tables) > 1 else None, table, media)
+        rope = seq.request.multi_modal
+        return QuerySpan(token_ids, start, tables[0], tables if len(tables) > 1 else None, table, media, rope)
 
 
 @dataclass
@@ -187,18 +190,21 @@ class ModelRunner:
 
     def build_inputs(self, spans: list[QuerySpan]):
         """Flat input ids, positions and attention metadata; single-token spans must come first. With several
-        KV groups the metadata is a list, one per layer (the layers of a group share their group's)."""
+        KV groups the metadata is a list, one per layer (the layers of a group share their group's). A model with
+        multimodal rotary positions (uses_mrope) gets them as [3, T] (petrel/multimodal/mrope.py)."""
         input_ids, positions = [], []
         for span in spans:
             input_ids.extend(span.token_ids)
             positions.extend(range(span.start, span.start + len(span.token_ids)))
+        if getattr(self.model, "uses_mrope", False) and spans:
+            positions = torch.cat([span_positions(s.rope_inputs, s.start, len(s.token_ids)) for s in spans], dim=1)
         if self.kv_groups.num_groups == 1:
             meta = self._metadata(spans, lambda span: span.block_table)
         else:
             groups = range(self.kv_groups.num_groups)
             metas = [self._metadata(spans, lambda span, g=g: span.group_tables[g]) for g in groups]
             meta = [metas[g] for g in self._layer_group]
-        return self._tensor(input_ids), self._tensor(positions), meta
+        return self._tensor(input_ids), torch.as_tensor(positions, dtype=torch.long, device=self.device), meta
 
     def _metadata(self, spans: list[QuerySpan], table_of) -> AttentionMetadata:
         """The attention metadata of the spans, with each span's block table taken by table_of (one group's)."""

@@ -38,6 +38,7 @@ class ModelConfig:
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap) (Gemma)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    mrope_section: list[int] | None = None  # multimodal rotary (Qwen2-VL): head_dim / 2 frequencies per t/h/w stream
     # a vision-language model's whole Hugging Face config (the fields above are its text_config's); None: text only
     multimodal_config: dict | None = field(default=None, repr=False)
 
@@ -68,6 +69,10 @@ class ModelConfig:
             rope_theta = rope_params.get("rope_theta", rope_theta)
             if rope_params.get("rope_type", "default") != "default":
                 rope_scaling = rope_params
+        qwen_vl = architecture in ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+        mrope = (rope_scaling or {}).get("mrope_section") or (rope_params or {}).get("mrope_section")
+        if mrope and (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type")) in ("mrope", "default"):
+            rope_scaling = None  # M-RoPE over plain frequencies (the published configs say type "mrope" or "default")
         partial = (rope_params or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
         if partial != 1.0:
             raise ValueError(f"partial rotary embedding (partial_rotary_factor {partial}) is not supported")
@@ -86,7 +91,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             tie_word_embeddings=cfg.get("tie_word_embeddings", gemma),  # Gemma's config default is tied
             attention_bias=cfg.get("attention_bias", False),
-            qkv_bias=architecture == "Qwen2ForCausalLM",  # Qwen2 always has them; the config does not say
+            qkv_bias=architecture == "Qwen2ForCausalLM" or qwen_vl,  # Qwen2 always has them; the config does not say
             qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
             mlp_bias=cfg.get("mlp_bias", False),
             sliding_windows=_gemma3_sliding_windows(cfg) if gemma else _sliding_windows(cfg),
@@ -95,6 +100,8 @@ class ModelConfig:
             final_logit_softcapping=cfg.get("final_logit_softcapping") if gemma else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+            mrope_section=list(mrope) if mrope else None,
+            multimodal_config=cfg if qwen_vl else None,  # the published Qwen2-VL configs are flat (no text_config)
         )
 
     def sliding_window(self, layer: int) -> int | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from petrel.model.gemma3 import Gemma3ForCausalLM
 from petrel.model.idefics3 import Idefics3ForConditionalGeneration
 from petrel.model.llama import LlamaForCausalLM
+from petrel.model.qwen2_vl import Qwen2VLForConditionalGeneration
 
 MODEL_CLASSES = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -16,6 +17,9 @@ MODEL_CLASSES = {
     # vision-language: SigLIP tower + pixel-shuffle connector before a Llama text model (petrel/model/idefics3.py)
     "Idefics3ForConditionalGeneration": Idefics3ForConditionalGeneration,
     "SmolVLMForConditionalGeneration": Idefics3ForConditionalGeneration,
+    # vision-language: dynamic-resolution tower before Qwen2 with multimodal rotary positions (petrel/model/qwen2_vl.py)
+    "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
 }
 
 

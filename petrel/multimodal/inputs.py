@@ -12,10 +12,10 @@ class MultiModalItem:
     """One image of a prompt: its content hash (the prefix cache's and the encoder cache's key), the prompt rows its
     embeddings go to (in the order the encoder output gives them) and the encoder's input."""
 
-    kind: str  # "image"
+    kind: str  # "image" or "video"
     hash: bytes
     positions: tuple[int, ...]  # prompt positions of its placeholder tokens, ascending
-    data: torch.Tensor  # the encoder's input (Idefics3: the image's tiles [n, 3, M, M])
+    data: torch.Tensor  # the encoder's input (Idefics3: the image's tiles [n, 3, M, M]; Qwen2-VL: patches [t, h, w, v])
 
 
 @dataclass(eq=False)
@@ -23,6 +23,10 @@ class MultiModalInputs:
     """A prompt's media items, in prompt order."""
 
     items: list[MultiModalItem]
+    # multimodal rotary (Qwen2-VL, petrel/multimodal/mrope.py): each prompt token's t/h/w positions [3, prompt length],
+    # and what a later token adds to its index (its three positions are index + delta)
+    mrope_positions: torch.Tensor | None = None
+    mrope_delta: int = 0
     _block_keys: dict = field(default_factory=dict, repr=False)
 
     def block_key(self, block: int, block_size: int) -> bytes:

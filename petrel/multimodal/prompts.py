@@ -1,5 +1,6 @@
-"""A prompt with media (vLLM's form: {"prompt": text, "multi_modal_data": {"image": image or [images]}}) -> its
-token ids and MultiModalInputs, through the model's processor; every failure a ValueError naming the field."""
+"""A prompt with media (vLLM's form: {"prompt": text, "multi_modal_data": {"image": image or [images], "video": video
+or [videos]}}) -> its token ids and MultiModalInputs, through the model's processor; every failure a ValueError naming
+the field."""
 
 from __future__ import annotations
 
@@ -28,6 +29,14 @@ def load_processor(path: str | None, tokenizer):
         from petrel.multimodal.idefics3 import Idefics3Processor
 
         return Idefics3Processor(path, tokenizer, config)
+    if architecture in ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"):
+        try:
+            import PIL  # noqa: F401
+        except ImportError:
+            raise ValueError(f"{architecture} takes images, which need Pillow: pip install 'petrel[vision]'") from None
+        from petrel.multimodal.qwen2_vl import Qwen2VLProcessor
+
+        return Qwen2VLProcessor(path, tokenizer, config)
     return None
 
 
@@ -55,8 +64,26 @@ def multi_modal_prompt(processor, prompt: dict, limits: dict | None, max_pixels:
     if ids is not None and (not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) for t in ids)):
         raise ValueError("prompt_token_ids must be a list of token ids")
     images = as_images(data.get("image", []), "multi_modal_data.image", (limits or {}).get("image"), max_pixels)
-    ids, mm = processor.process(list(ids) if ids is not None else text, images)
+    media = {}
+    if "video" in data:
+        media["videos"] = as_videos(processor, data["video"], "multi_modal_data.video", limits, max_pixels)
+    ids, mm = processor.process(list(ids) if ids is not None else text, images, **media)
     return text, ids, mm
+
+
+def as_videos(processor, value, name: str, limits: dict | None, max_pixels: int) -> list:
+    """One video or a list of them (a list of frames counts as one video only inside a list), each decoded and
+    sampled by the model's processor; at most limits["video"] of them."""
+    values = list(value) if isinstance(value, (list, tuple)) and _is_video_list(value) else [value]
+    limit = (limits or {}).get("video")
+    if limit is not None and len(values) > limit:
+        raise ValueError(f"{name}: {len(values)} videos, over the limit of {limit} per prompt (limit_mm_per_prompt)")
+    return [processor.load_video(v, f"{name}[{i}]", max_pixels) for i, v in enumerate(values)]
+
+
+def _is_video_list(value) -> bool:
+    """A list of videos (each bytes, a list of frames or an array of frames), not one video's list of frames."""
+    return all(isinstance(v, (bytes, bytearray, list, tuple)) or len(getattr(v, "shape", ())) == 4 for v in value)
 
 
 def processed_prompt(prompt: dict):

@@ -85,11 +85,14 @@ def _responses(model, stream_model=None) -> dict:
 
 
 def _media_limits(llm, allow_remote: bool) -> MediaLimits:
-    """What chat requests may carry as images: none for a text-only model."""
+    """What chat requests may carry as images and videos: none for a text-only model."""
     config = llm.config
+    processor = getattr(llm.engine, "mm_processor", None)
     return MediaLimits(
-        takes_images=getattr(llm.engine, "mm_processor", None) is not None,
+        takes_images=processor is not None,
+        takes_videos="video" in getattr(processor, "kinds", ()),
         max_images=(getattr(config, "limit_mm_per_prompt", None) or {}).get("image"),
+        max_videos=(getattr(config, "limit_mm_per_prompt", None) or {}).get("video"),
         max_pixels=getattr(config, "max_image_pixels", MediaLimits.max_pixels),
         allow_remote=allow_remote,
     )
@@ -235,14 +238,16 @@ def build_app(
                 await state.run_blocking(lambda: llm.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens))
             )["input_ids"]
         else:
-            parts = image_parts(body.messages)
+            parts = image_parts(body.messages) + image_parts(body.messages, "video_url")
             if parts and state.media.takes_images:
                 raise APIError(
-                    "/tokenize counts text: an image's tokens depend on the image, send it to /v1/chat/completions",
+                    "/tokenize counts text: an image's or video's tokens depend on it, send it to /v1/chat/completions",
                     400,
                     param=parts[0][0],
                 )
-            messages = messages_for_template(body.messages, state.template.supports_tools, state.media.takes_images)
+            messages = messages_for_template(
+                body.messages, state.template.supports_tools, state.media.takes_images, state.media.takes_videos
+            )
             check_prompt_chars(conversation_chars(messages), limits, "messages")
             ids = await state.run_blocking(
                 lambda: state.template.encode(messages, add_generation_prompt=body.add_generation_prompt)

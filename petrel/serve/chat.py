@@ -15,7 +15,7 @@ from petrel.serve.completions import api_finish_reason
 from petrel.serve.errors import APIError, from_value_error
 from petrel.serve.guided import Guided, compile_guided, guided_from_request, guided_value_error
 from petrel.serve.logprobs import chat_logprobs
-from petrel.serve.media import image_parts, load_images
+from petrel.serve.media import image_parts, load_images, load_videos
 from petrel.serve.openai_fields import check_modalities, with_legacy_functions
 from petrel.serve.params import build_sampling_params, check_prompt_chars, check_prompt_length, resolve_max_tokens
 from petrel.serve.protocol import (
@@ -132,11 +132,16 @@ async def create_chat_completion(state: ServeState, req: ChatCompletionRequest, 
     template = state.template
     if req.tools and state.media.takes_images:
         raise APIError("tools are not supported with a vision-language model yet", 400, param="tools")
-    messages = messages_for_template(req.messages, template.supports_tools, state.media.takes_images)
+    messages = messages_for_template(
+        req.messages, template.supports_tools, state.media.takes_images, state.media.takes_videos
+    )
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if plan.parse else None
     check_prompt_chars(conversation_chars(messages, tools), state.limits, "messages")
     parts = image_parts(req.messages)
     images = await state.run_blocking(load_images, parts, state.media) if parts else []
+    video_parts = image_parts(req.messages, "video_url")
+    processor = getattr(state.llm.engine, "mm_processor", None)
+    videos = await state.run_blocking(load_videos, video_parts, state.media, processor) if video_parts else []
     prompt_text, ids = await state.run_blocking(
         template.prompt,
         messages,
@@ -147,9 +152,10 @@ async def create_chat_completion(state: ServeState, req: ChatCompletionRequest, 
         plan.prefill,
     )
     multi_modal = None
-    if images:  # the engine's processor expands each <image> the template wrote into the image's tokens
+    if images or videos:  # the engine's processor expands each placeholder the template wrote into the media's tokens
+        media = (images, videos) if videos else (images,)
         try:
-            ids, multi_modal = await state.run_blocking(state.llm.engine.mm_processor.process, ids, images)
+            ids, multi_modal = await state.run_blocking(processor.process, ids, *media)
         except ValueError as exc:
             raise APIError(str(exc), 400, param="messages") from None
     check_prompt_length(len(ids), state.limits, "messages")

@@ -205,10 +205,13 @@ def _arguments_text(arguments) -> str:
     return json.dumps(arguments, ensure_ascii=False)
 
 
-def messages_for_template(messages, supports_tools: bool, takes_images: bool = False) -> list[dict]:
+def messages_for_template(
+    messages, supports_tools: bool, takes_images: bool = False, takes_videos: bool = False
+) -> list[dict]:
     """Request messages (pydantic) -> the plain dicts a template reads; content parts joined into text, or for a
     model that takes images (takes_images) every content as the parts its template reads ({"type": "text",
-    "text": ...} and {"type": "image"}, one per image_url part, in order; a string becomes one text part)."""
+    "text": ...} and {"type": "image"}, one per image_url part, in order; a string becomes one text part), and
+    {"type": "video"} per video_url part for a model that takes videos."""
     out = []
     for i, m in enumerate(messages):
         content = m.content
@@ -220,6 +223,9 @@ def messages_for_template(messages, supports_tools: bool, takes_images: bool = F
                     continue
                 if part.type == "image_url":
                     raise APIError(TEXT_ONLY, 400, param=f"messages.{i}.content.{j}.type")
+                if part.type == "video_url" and takes_videos:
+                    parts.append({"type": "video"})
+                    continue
                 if part.type != "text" or part.text is None:
                     raise APIError(
                         f"content parts of type {part.type!r} are not supported (text and image_url only)"

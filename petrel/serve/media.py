@@ -1,5 +1,6 @@
-"""Images in chat messages: each `image_url` content part (a data: URL, or an http(s) URL fetched with a timeout
-and a byte limit unless remote media is off) decoded once and checked; every failure a 400 naming the part."""
+"""Images and videos in chat messages: each `image_url` / `video_url` content part (a data: URL, or an http(s) URL
+fetched with a timeout and a byte limit unless remote media is off) decoded once and checked; every failure a 400
+naming the part."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 
 from petrel.multimodal.media import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS, load_image
 from petrel.multimodal.prompts import TEXT_ONLY
+from petrel.multimodal.video import DEFAULT_MAX_VIDEO_BYTES
 from petrel.serve.errors import APIError
 
 
@@ -21,19 +23,22 @@ class MediaLimits:
     max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     max_bytes: int = DEFAULT_MAX_IMAGE_BYTES  # one image, encoded
     allow_remote: bool = True  # fetch http(s) URLs (--no-remote-media: off)
+    takes_videos: bool = False  # the model's processor takes videos (video_url parts)
+    max_videos: int | None = None  # per request (--limit-mm-per-prompt video=N); None: any number
+    max_video_bytes: int = DEFAULT_MAX_VIDEO_BYTES  # one video, encoded
     timeout: float = 10.0  # seconds for one remote fetch
 
 
-def image_parts(messages) -> list[tuple[str, str]]:
-    """(param, url) of every image_url content part of the request's messages, in order."""
+def image_parts(messages, kind: str = "image_url") -> list[tuple[str, str]]:
+    """(param, url) of every `kind` content part (image_url, video_url) of the request's messages, in order."""
     parts = []
     for i, m in enumerate(messages):
         if isinstance(m.content, list):
             for j, part in enumerate(m.content):
-                if part.type == "image_url":
-                    url = part.image_url.url if part.image_url is not None else None
+                if part.type == kind:
+                    url = getattr(part, kind).url if getattr(part, kind, None) is not None else None
                     if url is None:
-                        raise APIError("an image_url part needs image_url.url", 400, param=f"messages.{i}.content.{j}")
+                        raise APIError(f"a {kind} part needs {kind}.url", 400, param=f"messages.{i}.content.{j}")
                     parts.append((f"messages.{i}.content.{j}", url))
     return parts
 
@@ -51,7 +56,7 @@ def load_images(parts: list[tuple[str, str]], limits: MediaLimits) -> list:
         )
     images = []
     for param, url in parts:
-        data = _fetch(url, param, limits)
+        data = _fetch(url, param, limits, limits.max_bytes, "image")
         try:
             images.append(load_image(data, param, limits.max_pixels, limits.max_bytes))
         except ValueError as exc:
@@ -59,13 +64,34 @@ def load_images(parts: list[tuple[str, str]], limits: MediaLimits) -> list:
     return images
 
 
-def _fetch(url: str, param: str, limits: MediaLimits) -> bytes:
+def load_videos(parts: list[tuple[str, str]], limits: MediaLimits, processor) -> list:
+    """The parts' videos, decoded, sampled and checked by the model's processor (blocking: run it off the loop)."""
+    if parts and not limits.takes_videos:
+        raise APIError("this model takes no video input", 400, param=f"{parts[0][0]}.type")
+    if limits.max_videos is not None and len(parts) > limits.max_videos:
+        raise APIError(
+            f"{len(parts)} videos in this request, over the limit of {limits.max_videos} per prompt "
+            f"(--limit-mm-per-prompt)",
+            400,
+            param=parts[limits.max_videos][0],
+        )
+    videos = []
+    for param, url in parts:
+        data = _fetch(url, param, limits, limits.max_video_bytes, "video")
+        try:
+            videos.append(processor.load_video(data, param, limits.max_pixels))
+        except ValueError as exc:
+            raise APIError(str(exc), 400, param=param) from None
+    return videos
+
+
+def _fetch(url: str, param: str, limits: MediaLimits, max_bytes: int, what: str) -> bytes:
     if url.startswith("data:"):
         header, sep, payload = url.partition(",")
         if not sep or not header.endswith(";base64"):
-            raise APIError(f"{param}: a data URL must be base64 (data:image/png;base64,...)", 400, param=param)
-        if len(payload) > limits.max_bytes * 4 // 3 + 4:
-            raise APIError(f"{param}: the image is over the limit of {limits.max_bytes} bytes", 400, param=param)
+            raise APIError(f"{param}: a data URL must be base64 (data:{what}/...;base64,...)", 400, param=param)
+        if len(payload) > max_bytes * 4 // 3 + 4:
+            raise APIError(f"{param}: the {what} is over the limit of {max_bytes} bytes", 400, param=param)
         try:
             return base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError):
@@ -73,16 +99,16 @@ def _fetch(url: str, param: str, limits: MediaLimits) -> bytes:
     if url.startswith(("http://", "https://")):
         if not limits.allow_remote:
             raise APIError(
-                f"{param}: remote image URLs are off on this server (--no-remote-media); send a data URL",
+                f"{param}: remote {what} URLs are off on this server (--no-remote-media); send a data URL",
                 400,
                 param=param,
             )
         try:
             with urllib.request.urlopen(url, timeout=limits.timeout) as response:  # noqa: S310 - http(s) only
-                data = response.read(limits.max_bytes + 1)
+                data = response.read(max_bytes + 1)
         except (urllib.error.URLError, OSError, ValueError) as exc:
-            raise APIError(f"{param}: could not fetch the image ({exc})", 400, param=param) from None
-        if len(data) > limits.max_bytes:
-            raise APIError(f"{param}: the image is over the limit of {limits.max_bytes} bytes", 400, param=param)
+            raise APIError(f"{param}: could not fetch the {what} ({exc})", 400, param=param) from None
+        if len(data) > max_bytes:
+            raise APIError(f"{param}: the {what} is over the limit of {max_bytes} bytes", 400, param=param)
         return data
-    raise APIError(f"{param}: image_url.url must be a data: or http(s) URL", 400, param=param)
+    raise APIError(f"{param}: {what}_url.url must be a data: or http(s) URL", 400, param=param)

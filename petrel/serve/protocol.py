@@ -235,6 +235,7 @@ class ContentPart(_Request):
     type: str
     text: str | None = None
     image_url: ImageURL | None = None  # type 'image_url' (a vision-language model)
+    video_url: ImageURL | None = None  # type 'video_url' (a model that takes videos: Qwen2-VL, Qwen2.5-VL)
 
 
 class FunctionCall(_Request):
