@@ -355,7 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         help="benchmarks: latency (W1), throughput (W2), prefix (W4) against transformers, "
         "serve (W3 against any server, --sweep, --plot), compare (petrel and every installed "
-        "peer on W1-W4 in one run); see `petrel bench --help`",
+        "peer on W1-W4 in one run), tiers (W5: the KV tiers off / host / host+disk); see `petrel bench --help`",
     )
     from petrel.serve.server import add_arguments as serve_arguments
 

@@ -117,3 +117,49 @@ def kv_store_options(args) -> dict:
     """The LLM / EngineConfig keywords of the options kv_store_arguments added, only those given."""
     url = getattr(args, "kv_store_url", None)
     return {"kv_store_url": url} if url else {}
+
+
+def byte_size(text: str) -> int:
+    """argparse type of a size in bytes, with an optional K/M/G/T suffix (powers of 1024): 8G, 512M, 1048576."""
+    raw = text.strip().upper().removesuffix("B").removesuffix("I")
+    scale = {"K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}.get(raw[-1:], 1)
+    try:
+        value = int(float(raw[:-1] if scale != 1 else raw) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use bytes or e.g. 512M, 8G)") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a size must be positive, got {text!r}")
+    return value
+
+
+def kv_tier_arguments(p) -> None:
+    """--kv-host-tier-bytes, --kv-disk-tier-path and --kv-disk-tier-bytes (serve, generate, chat)."""
+    g = p.add_argument_group("KV tiers (prefix-cache blocks evicted from the KV cache, kept and brought back)")
+    g.add_argument(
+        "--kv-host-tier-bytes",
+        type=byte_size,
+        default=None,
+        metavar="SIZE",
+        help="keep evicted KV blocks in host memory, up to SIZE bytes (e.g. 8G); least recently used go to the "
+        "disk tier when there is one (default: off)",
+    )
+    g.add_argument(
+        "--kv-disk-tier-path",
+        default=None,
+        metavar="DIR",
+        help="keep evicted KV blocks as files in DIR (this engine's while it runs: a previous run's blocks are "
+        "removed at start) (default: off)",
+    )
+    g.add_argument(
+        "--kv-disk-tier-bytes",
+        type=byte_size,
+        default=None,
+        metavar="SIZE",
+        help="the most bytes the disk tier holds; the oldest blocks are removed to make room (default 8G)",
+    )
+
+
+def kv_tier_options(args) -> dict:
+    """The LLM / EngineConfig keywords of the options kv_tier_arguments added, only those given."""
+    names = ("kv_host_tier_bytes", "kv_disk_tier_path", "kv_disk_tier_bytes")
+    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}

@@ -135,6 +135,12 @@ class EngineConfig:
     limit_mm_per_prompt: dict | None = None
     max_image_pixels: int = 40_000_000
     encoder_cache_memory: int = 256 * 1024**2
+    # lower KV tiers (petrel/kv_tiers): prefix-cache blocks evicted from the KV cache are kept in host memory (up
+    # to kv_host_tier_bytes) and/or on disk (kv_disk_tier_path, up to kv_disk_tier_bytes) and brought back by hash
+    # instead of being recomputed; off unless one is given
+    kv_host_tier_bytes: int | None = None
+    kv_disk_tier_path: str | None = None
+    kv_disk_tier_bytes: int = 8 * 1024**3
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
@@ -185,6 +191,7 @@ class EngineConfig:
                 f"kv_store_url must start with one of {list(KV_STORE_SCHEMES)} (a Redis or Valkey server), "
                 f"got {self.kv_store_url.partition('://')[0]!r}"
             )
+        self._check_kv_tiers()
         from petrel.model.quantization import QUANTIZATION_METHODS
 
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
@@ -209,6 +216,30 @@ class EngineConfig:
             raise ValueError(
                 f"quantization {self.quantization!r} is not supported with tensor_parallel_size={size} "
                 "(quantized weights are not split over ranks)"
+            )
+
+    def _check_kv_tiers(self) -> None:
+        for name in ("kv_host_tier_bytes", "kv_disk_tier_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be a positive number of bytes, got {value!r}")
+        if self.kv_disk_tier_path is not None and not self.kv_disk_tier_path.strip():
+            raise ValueError("kv_disk_tier_path must be a directory path, got an empty string")
+        if not self.kv_host_tier_bytes and not self.kv_disk_tier_path and not self.kv_store_url:
+            return
+        name = (
+            "kv_host_tier_bytes"
+            if self.kv_host_tier_bytes
+            else "kv_disk_tier_path"
+            if self.kv_disk_tier_path
+            else "kv_store_url"
+        )
+        if not self.enable_prefix_caching:
+            raise ValueError(f"{name} needs enable_prefix_caching (the tiers keep prefix-cache blocks)")
+        if self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"{name} is not supported with tensor_parallel_size={self.tensor_parallel_size} (the tiers copy "
+                "one process's KV cache)"
             )
 
     def _check_kv_transfer(self) -> None:

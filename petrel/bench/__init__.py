@@ -6,6 +6,7 @@ bench/WORKLOADS.md.
     in_process.py  `petrel bench [latency|throughput|prefix]`: both engines side by side on W1, W2, W4
     serve.py       `petrel bench serve`: W3, the W2 prompts streamed to any OpenAI-compatible server
     compare.py     `petrel bench compare`: petrel and every installed peer (benchmarks/peers/), one table
+    tiers.py       `petrel bench tiers`: W5, many shared prefixes, with the KV tiers off / host / host + disk
     processes.py   the child processes a compare runs: scripts, servers, their trees' peak RSS
     flops.py       this machine's matmul peak and W2's arithmetic, for the compare's share-of-peak row
     report.py      what counts as a figure, statistics, ratios, summaries, the compare's table, the sweep's plot
@@ -62,6 +63,7 @@ __all__ = [
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `petrel bench`: 0 when every figure counts (compare: when no engine failed), 1 otherwise.
 
+    `petrel bench tiers [options]` runs W5 with the KV tiers off and on (tiers.py);
     `petrel bench serve [options]` runs W3 against a server (serve.py); `petrel bench compare` runs petrel and every
     installed peer on W1-W4 (compare.py); anything else is `petrel bench [latency|throughput|prefix] [options]`
     (in_process.py)."""
@@ -70,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
         from petrel.bench.serve import main as serve_main
 
         return serve_main(argv[1:])
+    if argv and argv[0] == "tiers":
+        from petrel.bench.tiers import main as tiers_main
+
+        return tiers_main(argv[1:])
     if argv and argv[0] == "compare":
         from petrel.bench.compare import main as compare_main
 

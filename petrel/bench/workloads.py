@@ -7,6 +7,10 @@ read from disk), so petrel's benchmarks and the peers' scripts (benchmarks/peers
   W3  online serving: the W2 prompts as streaming /v1/completions requests, 128 tokens, client concurrency 16.
   W4  shared prefix: a 1,024-token prefix from default_rng(1), then 32 suffixes of 32 tokens from the same
       generator, 64 new tokens each, greedy, submitted at once.
+  W5  many shared prefixes (KV tiers, `petrel bench tiers`): 64 distinct 2,048-token prefixes from default_rng(5),
+      4 requests each (the prefix and a 32-token suffix of its own), in random order, 16 new tokens each, greedy,
+      a few at a time, with a KV cache that holds 8 of the prefixes: TTFT and throughput with the tiers off, a
+      host-memory tier, host + disk.
 
 Only numpy is needed (the peers' virtual environments import this file without petrel's dependencies)."""
 
@@ -115,6 +119,40 @@ def make_w4_prompts(num_requests: int = 32, prefix_len: int = 1024, suffix_len: 
     prefix = rng.integers(TOKEN_LOW, TOKEN_HIGH, size=1024).tolist()
     suffixes = [rng.integers(TOKEN_LOW, TOKEN_HIGH, size=32).tolist() for _ in range(32)]
     return [prefix[:prefix_len] + s[:suffix_len] for s in suffixes[:num_requests]]
+
+
+W5_SEED = 5
+
+
+@dataclass(frozen=True)
+class W5Sizes:
+    """W5's scale: FULL is the workload's, QUICK a smoke test's (seconds)."""
+
+    num_prefixes: int = 64
+    prefix_len: int = 2048
+    requests_per_prefix: int = 4
+    suffix_len: int = 32
+    new_tokens: int = 16
+    cache_prefixes: int = 8  # the KV cache holds this many prefixes (with their suffixes and outputs)
+    concurrency: int = 4  # requests in flight at once (a closed loop)
+
+
+W5_FULL = W5Sizes()
+W5_QUICK = W5Sizes(
+    num_prefixes=6, prefix_len=96, requests_per_prefix=2, suffix_len=8, new_tokens=4, cache_prefixes=2, concurrency=2
+)
+
+
+def make_w5_prompts(sizes: W5Sizes = W5_FULL) -> list[tuple[int, list[int]]]:
+    """W5's requests in their random order, as (prefix index, prompt ids)."""
+    rng = np.random.default_rng(W5_SEED)
+    prefixes = [rng.integers(TOKEN_LOW, TOKEN_HIGH, size=sizes.prefix_len).tolist() for _ in range(sizes.num_prefixes)]
+    requests = [
+        (p, prefixes[p] + rng.integers(TOKEN_LOW, TOKEN_HIGH, size=sizes.suffix_len).tolist())
+        for p in range(sizes.num_prefixes)
+        for _ in range(sizes.requests_per_prefix)
+    ]
+    return [requests[i] for i in rng.permutation(len(requests))]
 
 
 def w1_prompt_ids(tokenizer) -> list[int]:

@@ -13,6 +13,10 @@ group of layers (seq.block_tables; seq.block_table is group 0's), all drawing fr
 the same positional layout; only a sliding group's table frees behind its window. Each allocation covers every
 group, and the prefix cache keys a block by (group, hash): a hit counts only as far as every group holds what its
 layers will read (a global group all blocks of the hit, a sliding group those its window still sees).
+
+Lower KV tiers (petrel/kv_tiers, when the engine has them): an evicted cached block is listed for the engine to copy
+out, and a prefix lookup continues past the memory hit through tier_fetch; a tier hit gets a fresh block, published
+at once, whose KV (opaque here) the engine writes before the step runs (see petrel/engine/kv_tier_io.py).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from collections.abc import Callable
 from petrel.engine.sequence import Sequence
 
 FREED = -1  # a block-table entry whose block was given back behind the sliding window (never read unmasked)
+TIER = -2  # match_prefix: a prompt block that a lower KV tier holds (not in memory)
 
 
 def num_freed_blocks(block_table: list[int]) -> int:
@@ -76,6 +81,18 @@ class BlockManager:
         # KV events (a gateway's cache-aware routing): called in the engine loop with ("stored", hash, parent hash
         # or None, token ids), ("removed", hash) or ("cleared",) for the global-attention group's blocks
         self.kv_event_sink: Callable[[tuple], None] | None = None
+        # lower KV tiers (petrel/kv_tiers), when the engine has them: tier_fetch(group, hash, tokens) returns a
+        # checked block's KV (opaque here) or None. A cached block evicted for reuse is listed in
+        # pending_evictions (block, group, hash, tokens) for the runner to copy out before anything writes it; a
+        # block allocated for a tier hit has its KV in pending_loads (block -> KV) for the runner to write before
+        # the step that reads it (both drained by the engine right after scheduling).
+        self.tier_fetch: Callable[[int, bytes, tuple], object | None] | None = None
+        self.pending_evictions: list[tuple[int, int, bytes, tuple]] = []
+        self.pending_loads: dict[int, object] = {}
+        # a shared store (publish_computed): every block cache_computed_blocks publishes is listed in
+        # pending_publishes (block, group, hash, tokens) for the runner to copy out to the store
+        self.publish_computed = False
+        self.pending_publishes: list[tuple[int, int, bytes, tuple]] = []
 
     # ------------------------------------------------------------------ groups
     @property
@@ -144,10 +161,14 @@ class BlockManager:
     def _take_block(self) -> int:
         if self.free_blocks:
             block = self.free_blocks.popleft()
+            self.pending_loads.pop(block, None)
         else:
             block, _ = self.evictable.popitem(last=False)
             h = self.block_hash.pop(block)
-            self.block_tokens.pop(block, None)
+            tokens = self.block_tokens.pop(block, None)
+            if self.pending_loads.pop(block, None) is None and self.tier_fetch is not None and tokens is not None:
+                group, block_hash = h if isinstance(h, tuple) else (0, h)
+                self.pending_evictions.append((block, group, block_hash, tokens))  # its KV goes down a tier
             if self.hash_to_block.get(h) == block:
                 del self.hash_to_block[h]
                 if self.kv_event_sink is not None and isinstance(h, bytes):
@@ -166,7 +187,9 @@ class BlockManager:
     def match_prefix(self, seq: Sequence) -> None:
         """On admission: take the longest chain of cached full blocks of the prompt (never all of it:
         at least one token is left to compute, so the step yields logits). With a window, a group needs only
-        the blocks its window sees from the end of the hit; the ones behind it are entered FREED."""
+        the blocks its window sees from the end of the hit; the ones behind it are entered FREED. With lower
+        tiers, a block missing in memory is looked up there (checked KV, or None); the hits get fresh blocks
+        (only when all of them fit in the free and cached blocks: else the hit is the memory part alone)."""
         tables = self._tables(seq)
         assert not any(tables) and seq.num_computed_tokens == 0
         if not self.enable_prefix_caching or seq.params.needs_context_outputs:
@@ -175,14 +198,77 @@ class BlockManager:
         max_blocks = (seq.num_tokens - 1) // bs
         self._extend_hashes(seq, max_blocks)
         found: dict[tuple[int, int], int | None] = {}
+        loaded: dict[tuple[int, int], object] = {}  # (group, block): KV a lower tier holds for it
 
-        def cached(g: int, i: int) -> int | None:  # group g's cached block for prompt block i, looked up once
+        def cached(g: int, i: int) -> int | None:  # group g's block for prompt block i, looked up once
             if (g, i) not in found:
                 block = self.hash_to_block.get(_cache_key(g, seq.block_hashes[i]))
                 tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
                 found[g, i] = block if block is not None and self.block_tokens.get(block) == tokens else None
+                if found[g, i] is None and self.tier_fetch is not None:
+                    kv = self.tier_fetch(g, seq.block_hashes[i], tokens)
+                    if kv is not None:
+                        loaded[g, i] = kv
+                        found[g, i] = TIER
             return found[g, i]
 
+        hit = self._longest_hit(seq, max_blocks, cached)
+        if self.tier_fetch is not None:
+            wanted = self._tier_blocks_wanted(seq, hit, cached)
+            room = self.num_free_blocks - sum(
+                1 for (g, i), b in found.items() if b not in (None, TIER) and self.ref_counts[b] == 0 and i < hit
+            )
+            if wanted > room:  # no room to bring them back now: the in-memory part only
+                for k in [k for k, b in found.items() if b == TIER]:
+                    del found[k]
+                loaded.clear()
+                fetch, self.tier_fetch = self.tier_fetch, None
+                try:
+                    hit = self._longest_hit(seq, max_blocks, cached)
+                finally:
+                    self.tier_fetch = fetch
+        whole = seq.request.context_only
+        to_load = []  # (table, index, group, prompt block)
+        for g, table in enumerate(tables):
+            first = 0 if whole else self._first_needed(g, hit)
+            table.extend([FREED] * first)
+            for i in range(first, hit):
+                block = cached(g, i)
+                if block == TIER:
+                    to_load.append((table, len(table), g, i))
+                    table.append(FREED)  # filled below, once every memory hit is held
+                    continue
+                if self.ref_counts[block] == 0:
+                    self.evictable.pop(block)
+                self.ref_counts[block] += 1
+                table.append(block)
+        for table, index, g, i in to_load:  # fresh blocks for the tier hits, published at once
+            block = self._take_block()
+            table[index] = block
+            key = _cache_key(g, seq.block_hashes[i])
+            self.pending_loads[block] = loaded[g, i]
+            self.block_hash[block] = key
+            self.hash_to_block[key] = block
+            self.block_tokens[block] = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            if g == 0 and self.kv_event_sink is not None:
+                parent = seq.block_hashes[i - 1] if i else None
+                self.kv_event_sink(("stored", key, parent, self.block_tokens[block]))
+        seq.num_computed_tokens = hit * bs
+        # after a preemption the chain can run into the sequence's own output: report prompt tokens only
+        seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+
+    def _tier_blocks_wanted(self, seq: Sequence, hit: int, cached) -> int:
+        whole = seq.request.context_only
+        return sum(
+            1
+            for g in range(self.num_groups)
+            for i in range((0 if whole else self._first_needed(g, hit)), hit)
+            if cached(g, i) == TIER
+        )
+
+    def _longest_hit(self, seq: Sequence, max_blocks: int, cached) -> int:
+        """How many of the prompt's first blocks every group holds (cached(g, i) not None) as far as it reads."""
+        tables = self._tables(seq)
         whole = seq.request.context_only  # its prompt is exported whole: every group needs every block
         hit, settled = max_blocks, False
         while not settled:  # shorten the hit until every group holds the blocks it reads of it
@@ -196,17 +282,7 @@ class BlockManager:
                 )
                 if missing is not None:
                     hit, settled = missing, False
-        for g, table in enumerate(tables):
-            first = 0 if whole else self._first_needed(g, hit)
-            table.extend([FREED] * first)
-            for block in (cached(g, i) for i in range(first, hit)):
-                if self.ref_counts[block] == 0:
-                    self.evictable.pop(block)
-                self.ref_counts[block] += 1
-                table.append(block)
-        seq.num_computed_tokens = hit * bs
-        # after a preemption the chain can run into the sequence's own output: report prompt tokens only
-        seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+        return hit
 
     def _first_needed(self, group: int, num_blocks: int) -> int:
         """The first block a group still reads once num_blocks full blocks are computed (0 without a window)."""
@@ -283,9 +359,18 @@ class BlockManager:
                 self.block_hash[block] = key
                 self.hash_to_block[key] = block
                 self.block_tokens[block] = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+                if self.publish_computed:
+                    self.pending_publishes.append((block, g, seq.block_hashes[i], self.block_tokens[block]))
                 if g == 0 and self.kv_event_sink is not None:
                     parent = seq.block_hashes[i - 1] if i else None
                     self.kv_event_sink(("stored", key, parent, self.block_tokens[block]))
+
+    def prompt_block_hashes(self, seq: Sequence) -> list[bytes]:
+        """The chain hashes of the prompt's full blocks a prefix lookup may match (not the one holding its last
+        token, which is always computed)."""
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        self._extend_hashes(seq, max_blocks)
+        return list(seq.block_hashes[:max_blocks])
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares all of the parent's blocks; a shared partial block is copied on first write."""
@@ -315,6 +400,18 @@ class BlockManager:
         """Give back references taken with retain()."""
         for block in reversed(held_blocks(blocks)):
             self._release(block)
+
+    def forget_contents(self, blocks: list[int]) -> None:
+        """These blocks' KV was never written (a tier load failed): they leave the prefix cache, so nothing reuses
+        them; a sequence holding one still holds it (its step failed and is aborted)."""
+        for block in blocks:
+            h = self.block_hash.pop(block, None)
+            self.block_tokens.pop(block, None)
+            if h is not None and self.hash_to_block.get(h) == block:
+                del self.hash_to_block[h]
+            if self.ref_counts[block] == 0 and block in self.evictable:
+                del self.evictable[block]
+                self.free_blocks.append(block)
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []

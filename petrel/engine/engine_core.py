@@ -18,6 +18,7 @@ from petrel.engine.engine_output import EngineOutput, IterationStats, build_outp
 from petrel.engine.extra_outputs import gather_context_rows, generation_rows
 from petrel.engine.kv_capacity import plan_kv_cache
 from petrel.engine.kv_export import write_imported_kv
+from petrel.engine.kv_tier_io import build_tier_io
 from petrel.engine.model_runner import ModelRunner
 from petrel.engine.parallel_sampling import fork_parallel_samples, new_sequence
 from petrel.engine.pinned_prompts import PinnedPrompts
@@ -70,6 +71,8 @@ class EngineCore:
             from petrel.distributed.runner import TensorParallelRunner
 
             self.runner = TensorParallelRunner(workers, *shape, kv_groups=self.kv_groups)
+        # lower KV tiers (host memory, disk): evicted prefix blocks kept and brought back by hash
+        self.tier_io = build_tier_io(config, self.runner, model, model_config, self.block_manager)
         self.sampler = Sampler(model_config.vocab_size, config.seed, batched_post_processor)
         vocab = model_config.vocab_size
         self.speculator = None  # the engine's own speculative decoding (speculative_config)
@@ -105,6 +108,8 @@ class EngineCore:
             self.beams.start(request, seq)
         request.seqs.append(seq)
         self.requests[request.request_id] = request
+        if self.tier_io is not None:  # a dkv_cache_hint: its blocks fetched from the shared store ahead
+            self.tier_io.prefetch_hint(self.block_manager, seq, request)
         self.scheduler.add(seq)
 
     def abort_request(self, request_id, message: str = "cancelled") -> list[EngineOutput]:
@@ -135,6 +140,11 @@ class EngineCore:
             self._end(seq, "stop", stop_reason)
         self._mark_finished(req, index)
 
+    def close(self) -> None:
+        """Let go of what the core holds outside the process's memory (the disk tier's directory)."""
+        if self.tier_io is not None:
+            self.tier_io.close()
+
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
@@ -146,6 +156,8 @@ class EngineCore:
         t0 = time.monotonic()  # schedule (room for drafts first), then ready the batch
         self.drafting.reserve_lookahead(self.scheduler.running)
         batch = self.scheduler.schedule()
+        if self.tier_io is not None:  # evicted blocks out to the tiers, tier hits in, before anything writes
+            self.tier_io.drain(self.block_manager)
         if not batch:
             return []
         for seq in batch.seqs:
@@ -182,7 +194,9 @@ class EngineCore:
         self.num_accepted_tokens += num_accepted
         self.iteration += 1
         counts = (num_prompt_tokens, num_generated, num_draft, num_accepted)
-        self.last_stats = step_stats(self.iteration, t0, batch, self.scheduler, self.block_manager, *counts)
+        self.last_stats = step_stats(
+            self.iteration, t0, batch, self.scheduler, self.block_manager, *counts, kv_tiers=self.tier_io
+        )
         return outputs
 
     def _count_computed(self, batch) -> int:

@@ -63,6 +63,11 @@ class IterationStats:
     prefix_cache_hit_rate: float
     num_draft_tokens: int = 0  # speculative decoding: draft tokens verified this step
     num_accepted_tokens: int = 0  # and how many of them were accepted
+    # lower KV tiers (kv_host_tier_bytes / kv_disk_tier_path): blocks brought back from them and stored into them
+    # this step, and since start each tier's counters and the fetch time (KVTierIO.stats(); None without tiers)
+    kv_tier_loaded_blocks: int = 0
+    kv_tier_stored_blocks: int = 0
+    kv_tiers: dict | None = None
 
 
 def step_stats(
@@ -75,6 +80,7 @@ def step_stats(
     num_generated: int,
     num_draft: int,
     num_accepted: int,
+    kv_tiers=None,
 ) -> IterationStats:
     """The stats of the step that started at t0 (time.monotonic()) and ran `batch`."""
     queried = scheduler.prefix_queried_tokens
@@ -93,6 +99,9 @@ def step_stats(
         prefix_cache_hit_rate=scheduler.prefix_hit_tokens / queried if queried else 0.0,
         num_draft_tokens=num_draft,
         num_accepted_tokens=num_accepted,
+        kv_tier_loaded_blocks=kv_tiers.step_loaded if kv_tiers is not None else 0,
+        kv_tier_stored_blocks=kv_tiers.step_stored if kv_tiers is not None else 0,
+        kv_tiers=kv_tiers.stats() if kv_tiers is not None else None,
     )
 
 

@@ -293,6 +293,7 @@ class LLMEngine:
             if threading.current_thread() is not self._thread:
                 self._thread.join(timeout=30)
             self.core.runner.shutdown()
+            self.core.close()
             if self._grammar_compiler is not None:
                 self._grammar_compiler.close()  # its compile worker processes
 

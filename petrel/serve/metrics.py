@@ -8,6 +8,10 @@ petrel_num_requests_running, petrel_num_requests_waiting, petrel_kv_cache_usage_
 petrel_prefix_cache_hit_rate, petrel_prefix_cache_queries_tokens, petrel_prefix_cache_hits_tokens,
 petrel_num_preemptions, and with speculative decoding petrel_spec_decode_num_draft_tokens,
 petrel_spec_decode_num_accepted_tokens, petrel_spec_decode_acceptance_rate (accepted / drafted since start).
+With KV tiers (--kv-host-tier-bytes, --kv-disk-tier-path), per tier since start: petrel_kv_tier_hits{tier},
+petrel_kv_tier_misses{tier}, petrel_kv_tier_bytes_read{tier}, petrel_kv_tier_bytes_written{tier},
+petrel_kv_tier_dropped{tier}, petrel_kv_tier_errors{tier}; and petrel_kv_tier_blocks{event=loaded|stored|rejected},
+petrel_kv_tier_seconds{phase=fetch|store} (time spent bringing blocks back, and storing evicted ones).
 """
 
 from __future__ import annotations
@@ -62,6 +66,24 @@ class ServerMetrics:
         self.spec_drafted = gauge("petrel_spec_decode_num_draft_tokens", "Draft tokens verified since start")
         self.spec_accepted = gauge("petrel_spec_decode_num_accepted_tokens", "Draft tokens accepted since start")
         self.spec_rate = gauge("petrel_spec_decode_acceptance_rate", "Accepted / verified draft tokens since start")
+
+        def tier_gauge(name, doc, label="tier"):
+            return Gauge(name, doc, ["model_name", label], registry=r)
+
+        self.tier_gauges = {  # KVTierIO.stats() counter -> gauge labelled by tier
+            "hits": tier_gauge("petrel_kv_tier_hits", "Block lookups a KV tier answered, since start"),
+            "misses": tier_gauge("petrel_kv_tier_misses", "Block lookups a KV tier did not hold, since start"),
+            "bytes_out": tier_gauge("petrel_kv_tier_bytes_read", "Bytes of KV blocks read from a tier, since start"),
+            "bytes_in": tier_gauge("petrel_kv_tier_bytes_written", "Bytes of KV blocks stored in a tier, since start"),
+            "dropped": tier_gauge("petrel_kv_tier_dropped", "KV blocks a tier did not keep (too large, failed write)"),
+            "errors": tier_gauge("petrel_kv_tier_errors", "I/O errors of a KV tier, since start"),
+        }
+        self.tier_blocks = tier_gauge(
+            "petrel_kv_tier_blocks", "KV blocks loaded from / stored to / refused by the tiers, since start", "event"
+        )
+        self.tier_seconds = tier_gauge(
+            "petrel_kv_tier_seconds", "Seconds spent fetching blocks from / storing blocks to the tiers", "phase"
+        )
         self.engine_up = gauge("petrel_engine_up", "1 when the engine loop answered this scrape, else 0")
 
     def record_request(self, output, finish_reasons: list[str]) -> None:
@@ -99,7 +121,22 @@ class ServerMetrics:
             self.spec_drafted.set(state["drafted"])
             self.spec_accepted.set(state["accepted"])
             self.spec_rate.set(state["accepted"] / state["drafted"] if state["drafted"] else 0.0)
+            if state["kv_tiers"] is not None:
+                self._set_tiers(state["kv_tiers"])
         return generate_latest(self.registry)
+
+    def _set_tiers(self, tiers: dict) -> None:
+        model = self._labels["model_name"]
+        for tier, counters in tiers.items():
+            if tier == "all":
+                continue
+            for key, gauge in self.tier_gauges.items():
+                gauge.labels(model_name=model, tier=tier).set(counters[key])
+        chain = tiers["all"]
+        for event in ("loaded", "stored", "rejected"):
+            self.tier_blocks.labels(model_name=model, event=event).set(chain[f"{event}_blocks"])
+        for phase in ("fetch", "store"):
+            self.tier_seconds.labels(model_name=model, phase=phase).set(chain[f"{phase}_seconds"])
 
 
 def _engine_state(core) -> dict:
@@ -115,4 +152,5 @@ def _engine_state(core) -> dict:
         "preemptions": sched.num_preemptions,
         "drafted": core.num_draft_tokens,
         "accepted": core.num_accepted_tokens,
+        "kv_tiers": core.tier_io.stats() if getattr(core, "tier_io", None) is not None else None,
     }

@@ -18,6 +18,8 @@ import uvicorn
 from petrel.cli_options import (
     kv_store_arguments,
     kv_store_options,
+    kv_tier_arguments,
+    kv_tier_options,
     multimodal_arguments,
     multimodal_options,
     parallel_arguments,
@@ -154,6 +156,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         '(methods: ngram, draft_model with "draft_model": PATH, self with "draft_num_layers": N)',
     )
     multimodal_arguments(p)
+    kv_tier_arguments(p)
     p.add_argument(
         "--no-remote-media",
         action="store_true",
@@ -252,6 +255,7 @@ def engine_options(args) -> dict:
     options.update(parallel_options(args))
     options.update(multimodal_options(args))
     options.update(kv_store_options(args))
+    options.update(kv_tier_options(args))
     return options
 
 
