@@ -4,12 +4,17 @@ of them, with the KV tiers off, a host-memory tier, and host memory + disk. petr
     petrel bench tiers                                 # W5 as defined: off, host, host+disk
     petrel bench tiers --quick                         # a smoke test (seconds)
     petrel bench tiers --tiers off,host --num-prefixes 16 --prefix-len 512 --out w5.json
+    petrel bench tiers --tiers off,store --kv-store-url redis://127.0.0.1:6379/0   # a second instance's view
 
 Each configuration gets a fresh engine (its KV cache sized to hold --cache-prefixes prefixes with their suffixes
 and outputs), one warm-up request, then W5's requests in their random order, --concurrency at a time (a closed
 loop: a request is sent when one ends). Reported per configuration: TTFT p50 / p99 (send to first streamed token),
 wall time, output tok/s, requests/s, prompt tokens served from the cache or the tiers vs computed, and the tiers'
 counters. Every request must produce exactly --new-tokens tokens, or the figure does not count.
+
+'store': a first engine computes every prefix once and publishes it to the shared store (--kv-store-url), and is
+shut down; then a second engine on the same store, with no local tiers, runs W5: what a second instance gains from
+the first's work (compare with 'off', recomputation).
 
 Tier sizes (unless given): 'host' holds every prefix's KV; 'host+disk' a host tier of a quarter of that over a
 disk tier that holds all of it (in a temporary directory unless --disk-tier-path).
@@ -31,11 +36,11 @@ from petrel.bench.report import count_problems, log, percentile
 from petrel.bench.workloads import TOKEN_HIGH, W5_FULL, W5_QUICK, make_w5_prompts
 from petrel.cli_options import byte_size, parse_choices
 
-CONFIGS = ("off", "host", "host+disk")
+CONFIGS = ("off", "host", "host+disk", "store")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("--tiers", default=",".join(CONFIGS), help=f"comma-separated, from {','.join(CONFIGS)}")
+    p.add_argument("--tiers", default="off,host,host+disk", help=f"comma-separated, from {','.join(CONFIGS)}")
     p.add_argument("--quick", action="store_true", help=f"a shrunken smoke test: {W5_QUICK}")
     p.add_argument("--model", default=None, help="a .gguf file or Hugging Face directory (default: petrel's default)")
     p.add_argument("--tokenizer", default=None, help="another tokenizer directory (default: the model's)")
@@ -58,6 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--host-tier-bytes", type=byte_size, default=None, help="the host tier's size (see above)")
     g.add_argument("--disk-tier-bytes", type=byte_size, default=None, help="the disk tier's size (see above)")
     g.add_argument("--disk-tier-path", default=None, help="the disk tier's directory (default: a temporary one)")
+    g.add_argument("--kv-store-url", default=None, help="the shared store of the 'store' configuration (redis://...)")
     p.add_argument("--json", "--out", dest="out", default=None, metavar="FILE.json", help="also write the results")
     return p
 
@@ -135,6 +141,11 @@ def run(args) -> dict:
                 temp_dir = tempfile.mkdtemp(prefix="petrel-w5-disk-")
             options["kv_disk_tier_path"] = args.disk_tier_path or temp_dir
             options["kv_disk_tier_bytes"] = args.disk_tier_bytes or all_prefixes
+        elif config == "store":
+            if not args.kv_store_url:
+                raise SystemExit("petrel bench tiers: the 'store' configuration needs --kv-store-url")
+            options["kv_store_url"] = args.kv_store_url
+            _publish(source, options, requests)
         try:
             result = _run_config(source, config, options, requests, sizes)
         finally:
@@ -144,6 +155,24 @@ def run(args) -> dict:
         print(json.dumps(result), flush=True)
     doc["all_valid"] = all(r["valid"] for r in doc["results"])
     return doc
+
+
+def _publish(source, options: dict, requests) -> None:
+    """A first engine on the store computes each distinct prefix once (a request per prefix) and publishes it."""
+    from petrel.llm import LLM
+    from petrel.sampling_params import SamplingParams
+
+    firsts = {}
+    for prefix, prompt in requests:
+        firsts.setdefault(prefix, prompt)
+    log(f"W5 store: a first engine publishes {len(firsts)} prefixes")
+    llm = LLM(model=source.path, **options)
+    try:
+        for prompt in firsts.values():  # each prefix's blocks written before the next (bounded puts never drop)
+            llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+            llm.engine.call(lambda core: core.tier_io.tiers.shared.flush(120))
+    finally:
+        llm.shutdown()
 
 
 def _run_config(source, config: str, options: dict, requests, sizes) -> dict:
