@@ -1,6 +1,7 @@
 """The chat page in a real browser (headless Chromium driven by Selenium) against a real server with the default
 model: the model list loads, a message streams a reply with its stats, Stop ends a reply mid-way and the server
-aborts that request. Skipped where Chromium, chromedriver or selenium are missing (.ci/run installs them).
+aborts that request; with a vision-language model (a tiny random-weight Idefics3) an attached image goes with the
+message. Skipped where Chromium, chromedriver or selenium are missing (.ci/run installs them).
 
 PETREL_SCREENSHOT=docs/chat-page.png python -m pytest tests/test_chat_page_browser.py  # also saves a screenshot
 """
@@ -90,6 +91,8 @@ def test_type_send_stream_and_stop(browser, page_server, llm):
     browser.execute_script("localStorage.clear()")
     browser.get(page_server.url + "/")
     _wait(lambda: MODEL in browser.find_element(By.ID, "model").text, 30, "the model list")
+    time.sleep(0.5)  # /model_info answered: a text-only model gets no attach button
+    assert not browser.find_element(By.ID, "attach").is_displayed()
 
     # type and send: the reply streams in (its text is seen growing) and ends with TTFT and tokens/s
     _set(browser, "temperature", "0")
@@ -120,3 +123,49 @@ def test_type_send_stream_and_stop(browser, page_server, llm):
     _wait(lambda: llm.engine.num_unfinished_requests == 0, 10, "the server to abort the request")
     tokens = int(re.search(r"(\d+) tokens(?!/)", _last_reply(browser)[1]).group(1))
     assert 0 < tokens < 1000
+
+
+def test_attach_an_image_for_a_vision_model(browser, tmp_path_factory):
+    """The attach button shows for a vision model; a file picked goes as a data: URL image_url part with the text,
+    its thumbnail stays in the conversation, and the reply is what the server gives that message."""
+    pytest.importorskip("transformers")
+    import httpx
+    from selenium.webdriver.common.by import By
+    from tiny_vlm import build_tiny_idefics3, image
+
+    from petrel import LLM
+
+    vlm = build_tiny_idefics3(str(tmp_path_factory.mktemp("tiny-idefics3-page")))
+    picture = tmp_path_factory.mktemp("images") / "cat.png"
+    image(150, 100, 0).save(picture)
+    llm = LLM(vlm.path, kv_cache_memory=1 << 24)
+    try:
+        with BackgroundServer(build_app(llm, "tiny-vlm")) as srv:
+            browser.get(srv.url + "/")
+            browser.execute_script("localStorage.clear()")
+            browser.get(srv.url + "/")
+            attach = _wait(lambda: browser.find_element(By.ID, "attach").is_displayed(), 30, "the attach button")
+            assert attach
+            _set(browser, "temperature", "0")
+            _set(browser, "max-tokens", "6")
+            browser.find_element(By.ID, "image-file").send_keys(str(picture))
+            _wait(lambda: browser.find_elements(By.CSS_SELECTOR, "#attachments img"), 10, "the thumbnail")
+            _set(browser, "input", "What is this?")
+            browser.find_element(By.ID, "send").click()
+            _wait(lambda: "tokens" in _last_reply(browser)[1], 120, "the reply")
+            text, stats = _last_reply(browser)
+            assert "HTTP" not in text and "6 tokens" in stats
+            user = browser.find_elements(By.CSS_SELECTOR, ".msg.user")[-1]
+            assert user.find_elements(By.CSS_SELECTOR, ".images img")  # the image stays in the conversation
+            assert not browser.find_elements(By.CSS_SELECTOR, "#attachments img")  # and left the composer
+            # the page sent what this request sends: the same reply
+            with open(picture, "rb") as f:
+                import base64
+
+                url = "data:image/png;base64," + base64.b64encode(f.read()).decode()
+            content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is this?"}]
+            body = {"messages": [{"role": "user", "content": content}], "max_tokens": 6, "temperature": 0}
+            want = httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=60).json()
+            assert text == want["choices"][0]["message"]["content"]
+    finally:
+        llm.shutdown()

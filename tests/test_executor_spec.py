@@ -21,6 +21,7 @@ from petrel.executor import (
     LogitsPostProcessorConfig,
     LookaheadDecodingConfig,
     LoraConfig,
+    MultimodalInput,
     OutputConfig,
     PromptTuningConfig,
     Request,
@@ -293,6 +294,7 @@ def test_post_processors_get_the_spec_arguments_and_beams_in_one_call(executor):
         ("mrope_config", object()),
         ("encoder_input_token_ids", [1, 2]),
         ("multimodal_embedding", torch.zeros(2, 64)),
+        ("multimodal_input", MultimodalInput([[1] * 8], [0], [1])),  # a text-only model takes no images
         ("position_ids", [0, 1]),
     ],
 )

@@ -323,3 +323,22 @@ def test_preempted_image_requests_recompute_exactly(vlm, llm):
         got = [o.outputs[0].token_ids for o in small.generate(prompts, long, use_tqdm=False)]
         assert small.engine.core.scheduler.num_preemptions > 0
     assert got == want
+
+
+def test_iteration_stats_count_the_encoders_work(llm):
+    """IterationStats: images encoded, encoder-cache hits and encoder time, per step; their sums over the steps of
+    a run equal the encoder cache's own counts."""
+    history = llm.engine.stats_history
+    llm.engine.call(lambda core: history.clear())
+    picture = image(64, 48, 31)
+    first = llm.generate(_mm(PROMPT1, picture), GREEDY)
+    again = llm.generate(_mm("<|im_start|>Other text first. User:<image>Why?\nAssistant:", picture), GREEDY)
+    assert first.outputs[0].token_ids and again.outputs[0].token_ids
+    steps = llm.engine.call(lambda core: list(history))
+    encoded = [s.num_images_encoded for s in steps]
+    assert sum(encoded) == 1 and encoded.index(1) == 0  # in the first request's first (prefill) step
+    assert sum(s.num_encoder_cache_hits for s in steps) == 1  # the second request's image
+    assert steps[0].encoder_time > 0 and all(s.encoder_time == 0 for s in steps[1:])
+    llm.generate("A text-only prompt", GREEDY)
+    last = llm.engine.call(lambda core: core.last_stats)
+    assert (last.num_images_encoded, last.num_encoder_cache_hits, last.encoder_time) == (0, 0, 0.0)

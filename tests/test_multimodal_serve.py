@@ -117,11 +117,13 @@ def test_text_only_model_refuses_image_parts(tiny, tmp_path_factory):
     try:
         with BackgroundServer(build_app(llm)) as srv:
             r = httpx.post(f"{srv.url}/v1/chat/completions", json={"messages": _messages(data_url(A)), "max_tokens": 2})
+            info = httpx.get(f"{srv.url}/model_info").json()
     finally:
         llm.shutdown()
     assert r.status_code == 400
     assert "takes no images" in r.json()["error"]["message"]
     assert r.json()["error"]["param"] == "messages.0.content.0.type"
+    assert info["has_image_understanding"] is False  # the chat page shows no attach button
 
 
 def test_tokenize_refuses_image_parts(server, vlm):
@@ -175,3 +177,68 @@ def test_chat_messages_of_a_vision_model(client, vlm):
             tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
         )
     assert err.value.body["param"] == "tools"
+
+
+def _metric(text: str, name: str) -> float:
+    line = next(x for x in text.splitlines() if x.startswith(name + "{"))
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_encoder_metrics_count_images_and_cache_hits(server, vlm):
+    names = ("petrel_encoder_images_encoded_total", "petrel_encoder_cache_hits_total", "petrel_encoder_seconds_total")
+
+    def scrape():
+        text = httpx.get(f"{server.url}/metrics").text
+        assert all(f"# TYPE {n} counter" in text for n in names)
+        return [_metric(text, n) for n in names]
+
+    before = scrape()
+    picture = data_url(image(72, 56, 41))  # an image no other test sends
+    for text in ("What is this?", "Describe it."):  # the second: a cache hit (its text differs before the image)
+        messages = [{"role": "system", "content": text}, *_messages(picture)]
+        httpx.post(f"{server.url}/v1/chat/completions", json={"messages": messages, "max_tokens": 1}, timeout=60)
+    encoded, hits, seconds = (b - a for a, b in zip(before, scrape()))
+    assert (encoded, hits) == (1, 1) and seconds > 0
+
+
+def test_chat_page_attaches_images_for_a_vision_model(server, vlm):
+    """The page's contract: it shows an attach button (hidden until /model_info says the model takes images) and
+    file input; the message content its content.js builds from a data: URL and text is what the server takes,
+    and gives transformers' tokens."""
+    import json
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    page = httpx.get(f"{server.url}/").text
+    assert 'id="attach"' in page and 'id="image-file" type="file" accept="image/*"' in page
+    assert "/static/content.js" in page
+    assert httpx.get(f"{server.url}/model_info").json()["has_image_understanding"] is True
+    js = httpx.get(f"{server.url}/static/app.js").text
+    assert "/model_info" in js and "takesImages" in js and "userContent" in js
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("needs node to run the page's content.js")
+    content_js = Path(__file__).parent.parent / "petrel" / "serve" / "static" / "content.js"
+    served = httpx.get(f"{server.url}/static/content.js").text
+    assert served == content_js.read_text()
+    script = (
+        f"const c = require({json.dumps(str(content_js))});"
+        f"const m = c.userContent('What is this?', [{json.dumps(data_url(A))}]);"
+        "process.stdout.write(JSON.stringify({content: m, text: c.contentText(m), images: c.contentImages(m).length,"
+        " plain: c.userContent('hi', []), takes: [c.takesImages({has_image_understanding: true}), c.takesImages({})]}))"
+    )
+    out = json.loads(subprocess.run([node, "-e", script], capture_output=True, check=True, text=True).stdout)
+    assert out["text"] == "What is this?" and out["images"] == 1 and out["plain"] == "hi"
+    assert out["takes"] == [True, False]
+    body = {
+        "model": vlm.path,
+        "messages": [{"role": "user", "content": out["content"]}],
+        "max_tokens": 6,
+        "temperature": 0,
+        "return_token_ids": True,
+        "ignore_eos": True,
+    }
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == _hf_tokens(vlm, [A])

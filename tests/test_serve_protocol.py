@@ -51,6 +51,7 @@ class FakeEngine:
             runner=runner,
             num_draft_tokens=8,
             num_accepted_tokens=6,
+            encoder_counters=lambda: (5, 2, 0.25),  # a vision model's encoder: images encoded, cache hits, seconds
         )
         self.max_model_len = 64
         self._stopped = threading.Event()
@@ -344,6 +345,9 @@ def test_metrics_read_engine_state(tokenizer):
     assert 'petrel_num_requests_running{model_name="SmolLM2-135M-Instruct"} 1.0' in text
     assert 'petrel_spec_decode_num_draft_tokens{model_name="SmolLM2-135M-Instruct"} 8.0' in text
     assert 'petrel_spec_decode_acceptance_rate{model_name="SmolLM2-135M-Instruct"} 0.75' in text
+    assert 'petrel_encoder_images_encoded_total{model_name="SmolLM2-135M-Instruct"} 5.0' in text
+    assert 'petrel_encoder_cache_hits_total{model_name="SmolLM2-135M-Instruct"} 2.0' in text
+    assert 'petrel_encoder_seconds_total{model_name="SmolLM2-135M-Instruct"} 0.25' in text
     for name in (
         "petrel_request_success_total",
         "petrel_prompt_tokens_total",

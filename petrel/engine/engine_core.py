@@ -154,6 +154,7 @@ class EngineCore:
     def step(self) -> list[EngineOutput]:
         """Schedule, run the model, sample, update: the outputs of the sequences that moved (or ended)."""
         t0 = time.monotonic()  # schedule (room for drafts first), then ready the batch
+        encoder0 = self.encoder_counters()
         self.drafting.reserve_lookahead(self.scheduler.running)
         batch = self.scheduler.schedule()
         if self.tier_io is not None:  # evicted blocks out to the tiers, tier hits in, before anything writes
@@ -194,10 +195,16 @@ class EngineCore:
         self.num_accepted_tokens += num_accepted
         self.iteration += 1
         counts = (num_prompt_tokens, num_generated, num_draft, num_accepted)
+        encoder = tuple(b - a for a, b in zip(encoder0, self.encoder_counters()))
         self.last_stats = step_stats(
-            self.iteration, t0, batch, self.scheduler, self.block_manager, *counts, kv_tiers=self.tier_io
+            self.iteration, t0, batch, self.scheduler, self.block_manager, *counts, encoder, kv_tiers=self.tier_io
         )
         return outputs
+
+    def encoder_counters(self) -> tuple[int, int, float]:
+        """(images encoded, encoder-cache hits, encoder seconds) since start (zeros without an encoder cache)."""
+        cache = getattr(self.runner, "encoder_cache", None)
+        return cache.counters() if cache is not None else (0, 0, 0.0)
 
     def _count_computed(self, batch) -> int:
         """After the forward pass: the scheduled tokens are in the KV cache (drafts only once accepted); their

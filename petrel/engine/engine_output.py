@@ -63,6 +63,11 @@ class IterationStats:
     prefix_cache_hit_rate: float
     num_draft_tokens: int = 0  # speculative decoding: draft tokens verified this step
     num_accepted_tokens: int = 0  # and how many of them were accepted
+    # vision-language models: images run through the vision encoder this step, images whose encoder output came
+    # from the encoder cache, and the encoder's time (seconds; images given as embeddings count in neither)
+    num_images_encoded: int = 0
+    num_encoder_cache_hits: int = 0
+    encoder_time: float = 0.0
     # lower KV tiers (kv_host_tier_bytes / kv_disk_tier_path): blocks brought back from them and stored into them
     # this step, and since start each tier's counters and the fetch time (KVTierIO.stats(); None without tiers)
     kv_tier_loaded_blocks: int = 0
@@ -80,9 +85,11 @@ def step_stats(
     num_generated: int,
     num_draft: int,
     num_accepted: int,
+    encoder: tuple[int, int, float] = (0, 0, 0.0),
     kv_tiers=None,
 ) -> IterationStats:
-    """The stats of the step that started at t0 (time.monotonic()) and ran `batch`."""
+    """The stats of the step that started at t0 (time.monotonic()) and ran `batch`; encoder: the step's (images
+    encoded, encoder-cache hits, encoder seconds)."""
     queried = scheduler.prefix_queried_tokens
     return IterationStats(
         iteration=iteration,
@@ -99,6 +106,9 @@ def step_stats(
         prefix_cache_hit_rate=scheduler.prefix_hit_tokens / queried if queried else 0.0,
         num_draft_tokens=num_draft,
         num_accepted_tokens=num_accepted,
+        num_images_encoded=encoder[0],
+        num_encoder_cache_hits=encoder[1],
+        encoder_time=encoder[2],
         kv_tier_loaded_blocks=kv_tiers.step_loaded if kv_tiers is not None else 0,
         kv_tier_stored_blocks=kv_tiers.step_stored if kv_tiers is not None else 0,
         kv_tiers=kv_tiers.stats() if kv_tiers is not None else None,

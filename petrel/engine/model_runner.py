@@ -282,7 +282,7 @@ class ModelRunner:
             return []
         outputs = self.encoder_cache.outputs([item for item, _, _ in wanted], self.model.encode_images)
         rows = torch.cat([self._tensor(r) for _, _, r in wanted])
-        embeds = torch.cat([outputs[item.hash][self._tensor(idx)] for item, idx, _ in wanted])
+        embeds = torch.cat([outputs[item.hash][idx].to(self.device) for item, idx, _ in wanted])  # given: on CPU
         return [(rows, embeds.to(self.cache_tensors[0].dtype))]
 
     @torch.inference_mode()

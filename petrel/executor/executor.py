@@ -30,6 +30,7 @@ from petrel.engine.block_manager import held_blocks
 from petrel.engine.llm_engine import LLMEngine
 from petrel.engine.output_processor import RequestOutputProcessor
 from petrel.engine.output_queue import OutputQueue
+from petrel.executor.multimodal import multimodal_inputs
 from petrel.executor.request_translation import apply_kv_cache_config, configured_outputs, translate_request
 from petrel.executor.results import RequestState, responses_for
 from petrel.executor.types import (
@@ -94,6 +95,10 @@ class Executor:
                 self._loras,
             )
             ids = list(request.input_token_ids)
+            engine = self._engine
+            multi_modal = multimodal_inputs(request, engine.mm_processor, engine.model_config.hidden_size)
+            if multi_modal is not None:
+                options["multi_modal"] = multi_modal
             processor = RequestOutputProcessor(request_id, self._engine.tokenizer, ids, params)
             state = RequestState(request_id, request, params, processor, self._engine.config.block_size)
             with self._lock:

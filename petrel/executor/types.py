@@ -81,6 +81,18 @@ class PromptTuningConfig:
 
 
 @dataclass
+class MultimodalInput:
+    """TensorRT-LLM's MultimodalInput: per media item its hash (a list of ints, TensorRT-LLM's 8 x int32 digest),
+    the prompt position of its first placeholder token and its number of placeholder tokens. petrel uses the
+    positions and lengths to split Request.multimodal_embedding into items; the prefix cache is keyed by the
+    embedding rows themselves, so the hashes are checked for form only."""
+
+    multimodal_hashes: list[list[int]]
+    multimodal_positions: list[int]
+    multimodal_lengths: list[int]
+
+
+@dataclass
 class ExternalDraftTokensConfig:
     """Draft tokens the caller proposes as the continuation, verified exactly like petrel's own drafts (greedy:
     kept while equal to the argmax; sampled: petrel's acceptance rule), so the output is what it would be without
@@ -201,11 +213,12 @@ class Request:
     prompt_tuning_config: PromptTuningConfig | None = None  # virtual prompt tokens (ids >= vocab) -> table rows
     lookahead_config: LookaheadDecodingConfig | None = None  # refused: see LookaheadDecodingConfig
     external_draft_tokens_config: ExternalDraftTokensConfig | None = None  # the caller's drafts, verified
-    # the spec's fields petrel does not support: setting one is a ValueError naming it
-    position_ids: Any = None
+    position_ids: Any = None  # refused (a ValueError naming it), as are the fields below unless said otherwise
     mrope_config: Any = None
+    # a vision-language model's image rows given as embeddings ([rows, hidden], one per image placeholder token of
+    # input_token_ids, in order): the vision encoder is skipped (petrel/executor/multimodal.py)
     multimodal_embedding: Any = None
-    multimodal_input: Any = None
+    multimodal_input: MultimodalInput | None = None  # splits multimodal_embedding into items
     encoder_input_token_ids: Any = None
     encoder_input_features: Any = None
     encoder_output_length: int | None = None

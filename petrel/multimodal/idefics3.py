@@ -39,6 +39,7 @@ def _read_json(path: str) -> dict:
 
 class Idefics3Processor:
     kinds = ("image",)
+    takes_embeddings = True  # an image is its placeholder rows alone: given embeddings can stand for it (Executor)
 
     def __init__(self, path: str, tokenizer, config: dict):
         processor = _read_json(os.path.join(path, "processor_config.json"))

@@ -12,6 +12,8 @@ With KV tiers (--kv-host-tier-bytes, --kv-disk-tier-path), per tier since start:
 petrel_kv_tier_misses{tier}, petrel_kv_tier_bytes_read{tier}, petrel_kv_tier_bytes_written{tier},
 petrel_kv_tier_dropped{tier}, petrel_kv_tier_errors{tier}; and petrel_kv_tier_blocks{event=loaded|stored|rejected},
 petrel_kv_tier_seconds{phase=fetch|store} (time spent bringing blocks back, and storing evicted ones).
+Vision-language models' encoder (counters, brought up to the engine's totals at each scrape):
+petrel_encoder_images_encoded_total, petrel_encoder_cache_hits_total, petrel_encoder_seconds_total.
 """
 
 from __future__ import annotations
@@ -85,6 +87,14 @@ class ServerMetrics:
             "petrel_kv_tier_seconds", "Seconds spent fetching blocks from / storing blocks to the tiers", "phase"
         )
         self.engine_up = gauge("petrel_engine_up", "1 when the engine loop answered this scrape, else 0")
+        self.encoder = (  # the engine's (images encoded, cache hits, seconds) since start, as counters
+            counter("petrel_encoder_images_encoded", "Images run through the vision encoder").labels(**labels),
+            counter("petrel_encoder_cache_hits", "Images whose encoder output came from the encoder cache").labels(
+                **labels
+            ),
+            counter("petrel_encoder_seconds", "Time spent in the vision encoder").labels(**labels),
+        )
+        self._encoder_seen = (0, 0, 0.0)
 
     def record_request(self, output, finish_reasons: list[str]) -> None:
         """One finished request (a RequestOutput with perf metrics) and its choices' API finish reasons."""
@@ -123,6 +133,10 @@ class ServerMetrics:
             self.spec_rate.set(state["accepted"] / state["drafted"] if state["drafted"] else 0.0)
             if state["kv_tiers"] is not None:
                 self._set_tiers(state["kv_tiers"])
+            for metric, seen, total in zip(self.encoder, self._encoder_seen, state["encoder"]):
+                if total > seen:
+                    metric.inc(total - seen)
+            self._encoder_seen = tuple(max(a, b) for a, b in zip(self._encoder_seen, state["encoder"]))
         return generate_latest(self.registry)
 
     def _set_tiers(self, tiers: dict) -> None:
@@ -153,4 +167,5 @@ def _engine_state(core) -> dict:
         "drafted": core.num_draft_tokens,
         "accepted": core.num_accepted_tokens,
         "kv_tiers": core.tier_io.stats() if getattr(core, "tier_io", None) is not None else None,
+        "encoder": core.encoder_counters(),
     }

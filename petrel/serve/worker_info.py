@@ -37,6 +37,7 @@ def model_info(llm, served_name: str) -> dict:
         "num_layers": cfg.num_hidden_layers,
         "num_heads": cfg.num_attention_heads,
         "is_generation": True,
+        "has_image_understanding": llm.engine.mm_processor is not None,  # takes image_url parts (the chat page asks)
     }
 
 

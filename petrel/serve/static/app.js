@@ -1,4 +1,5 @@
-// petrel chat page: plain JS, no build step. Talks to GET /v1/models and POST /v1/chat/completions (stream: true).
+// petrel chat page: plain JS, no build step. Talks to GET /v1/models, GET /model_info (does the model take images?)
+// and POST /v1/chat/completions (stream: true). Message content is built by content.js (PetrelContent).
 "use strict";
 
 const STORE = "petrel-chat";
@@ -6,12 +7,15 @@ const $ = (id) => document.getElementById(id);
 const els = {
   model: $("model"), temperature: $("temperature"), maxTokens: $("max-tokens"), apiKey: $("api-key"),
   system: $("system"), status: $("status"), log: $("log"), composer: $("composer"), input: $("input"),
-  send: $("send"), stop: $("stop"), clear: $("clear"),
+  send: $("send"), stop: $("stop"), clear: $("clear"), attach: $("attach"), imageFile: $("image-file"),
+  attachments: $("attachments"),
 };
+const { userContent, contentText, contentImages, takesImages } = globalThis.PetrelContent;
 
 // conversation: [{role, content, stats?, error?}]; settings are kept with it (the API key only per tab)
 let state = { messages: [], settings: {} };
 let controller = null;
+let attached = [];   // images for the next message: [{name, url}] (url: a data: URL)
 
 function load() {
   try { state = Object.assign(state, JSON.parse(localStorage.getItem(STORE) || "{}")); } catch (_) { /* fresh */ }
@@ -25,8 +29,12 @@ function load() {
 function save() {
   state.settings = { temperature: els.temperature.value, maxTokens: els.maxTokens.value,
                      system: els.system.value, model: els.model.value || state.settings.model };
-  localStorage.setItem(STORE, JSON.stringify({ messages: state.messages, settings: state.settings }));
   sessionStorage.setItem(STORE + "-key", els.apiKey.value);
+  try {
+    localStorage.setItem(STORE, JSON.stringify({ messages: state.messages, settings: state.settings }));
+  } catch (_) {  // over the storage quota (images are large): the conversation lives on in this tab only
+    setStatus("This conversation is too large to keep after a reload (attached images).");
+  }
 }
 
 function headers() {
@@ -43,13 +51,21 @@ function bubble(msg) {
   const role = document.createElement("span");
   role.className = "role";
   role.textContent = msg.role === "user" ? "You" : "Assistant";
+  const images = document.createElement("span");
+  images.className = "images";
+  for (const url of contentImages(msg.content)) {
+    const img = document.createElement("img");
+    img.src = url;
+    img.alt = "attached image";
+    images.append(img);
+  }
   const text = document.createElement("span");
   text.className = "text";
-  text.textContent = msg.error ? msg.content + "\n" + msg.error : msg.content;
+  text.textContent = msg.error ? contentText(msg.content) + "\n" + msg.error : contentText(msg.content);
   const stats = document.createElement("span");
   stats.className = "stats";
   stats.textContent = msg.stats ? "\n" + msg.stats : "";
-  div.append(role, text, stats);
+  div.append(role, ...(images.childElementCount ? [images] : []), text, stats);
   els.log.append(div);
   return { div, text, stats };
 }
@@ -76,9 +92,60 @@ async function loadModels() {
     els.model.replaceChildren(...data.map((m) => new Option(m.id, m.id)));
     if (state.settings.model && data.some((m) => m.id === state.settings.model)) els.model.value = state.settings.model;
     setStatus(data.length ? "Ready." : "The server lists no models.");
+    await loadModelInfo();
   } catch (err) {
     setStatus("Could not reach the server: " + err.message);
   }
+}
+
+// The attach button shows only when the served model takes images.
+async function loadModelInfo() {
+  let images = false;
+  try {
+    const resp = await fetch("/model_info", { headers: headers() });
+    images = resp.ok && takesImages(await resp.json());
+  } catch (_) { /* an older server: no images */ }
+  els.attach.hidden = !images;
+  if (!images) { attached = []; renderAttachments(); }
+}
+
+function renderAttachments() {
+  els.attachments.replaceChildren(...attached.map((image, i) => {
+    const chip = document.createElement("span");
+    chip.className = "attachment";
+    const img = document.createElement("img");
+    img.src = image.url;
+    img.alt = image.name;
+    const remove = document.createElement("button");
+    remove.type = "button";
+    remove.textContent = "×";
+    remove.setAttribute("aria-label", "Remove " + image.name);
+    remove.addEventListener("click", () => { attached.splice(i, 1); renderAttachments(); });
+    chip.append(img, document.createTextNode(image.name), remove);
+    return chip;
+  }));
+  els.attachments.hidden = attached.length === 0;
+}
+
+function readAsDataUrl(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(file);
+  });
+}
+
+async function attachFiles(files) {
+  for (const file of files) {
+    if (!file.type.startsWith("image/")) { setStatus(`${file.name} is not an image.`); continue; }
+    try {
+      attached.push({ name: file.name, url: await readAsDataUrl(file) });
+    } catch (err) {
+      setStatus(`Could not read ${file.name}: ${err.message}`);
+    }
+  }
+  renderAttachments();
 }
 
 // Split a server-sent-events byte stream into the payloads of its `data:` lines.
@@ -101,7 +168,10 @@ async function* sseData(body) {
   }
 }
 
-async function send(content) {
+async function send(text) {
+  const content = userContent(text, attached.map((image) => image.url));
+  attached = [];
+  renderAttachments();
   const history = state.messages.filter((m) => !m.error).map((m) => ({ role: m.role, content: m.content }));
   const system = els.system.value.trim();
   const messages = (system ? [{ role: "system", content: system }] : []).concat(history, [{ role: "user", content }]);
@@ -183,6 +253,11 @@ els.clear.addEventListener("click", () => {
   save();
   render();
   setStatus("Conversation cleared.");
+});
+els.attach.addEventListener("click", () => els.imageFile.click());
+els.imageFile.addEventListener("change", async () => {
+  await attachFiles(Array.from(els.imageFile.files));
+  els.imageFile.value = "";   // the same file may be attached again
 });
 for (const el of [els.temperature, els.maxTokens, els.system, els.model]) el.addEventListener("change", save);
 els.apiKey.addEventListener("change", () => { save(); loadModels(); });
