@@ -17,6 +17,7 @@ from torch import nn
 from petrel.model.config import ModelConfig
 from petrel.model.llama import LlamaForCausalLM
 from petrel.model.parallel import SINGLE, TensorParallel
+from petrel.model.vision_weights import copy_tower_weights
 
 _TOWER_PREFIXES = ("vision_model.", "connector.")
 
@@ -66,17 +67,7 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
                     yield name, tensor
 
         super().load_weights(text_weights())
-        params = {n: p for n, p in self.named_parameters() if n.startswith(_TOWER_PREFIXES)}
-        missing, unexpected = sorted(set(params) - set(tower)), sorted(set(tower) - set(params))
-        if missing or unexpected:
-            raise ValueError(
-                f"vision weights do not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}"
-            )
-        for name, tensor in tower.items():
-            if params[name].shape != tensor.shape:
-                expected = tuple(params[name].shape)
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
-            params[name].data.copy_(tensor)
+        copy_tower_weights(self, _TOWER_PREFIXES, tower)
 
     @torch.inference_mode()
     def encode_images(self, tiles: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -19,6 +19,7 @@ from petrel.model.config import ModelConfig
 from petrel.model.layers import RotaryEmbedding
 from petrel.model.llama import LlamaForCausalLM
 from petrel.model.parallel import SINGLE, TensorParallel
+from petrel.model.vision_weights import copy_tower_weights
 
 QWEN_VL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 
@@ -96,17 +97,7 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
                     yield name, tensor
 
         super().load_weights(text_weights())
-        params = {n: p for n, p in self.named_parameters() if n.startswith("visual.")}
-        missing, unexpected = sorted(set(params) - set(tower)), sorted(set(tower) - set(params))
-        if missing or unexpected:
-            raise ValueError(
-                f"vision weights do not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}"
-            )
-        for name, tensor in tower.items():
-            if params[name].shape != tensor.shape:
-                expected = tuple(params[name].shape)
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
-            params[name].data.copy_(tensor)
+        copy_tower_weights(self, ("visual.",), tower)
 
     @torch.inference_mode()
     def encode_images(self, grids: list[torch.Tensor]) -> list[torch.Tensor]:
