@@ -43,17 +43,21 @@ def image_parts(messages, kind: str = "image_url") -> list[tuple[str, str]]:
     return parts
 
 
+def _check_count(parts: list[tuple[str, str]], limit: int | None, what: str) -> None:
+    """A 400 naming the first part over the per-prompt limit (--limit-mm-per-prompt)."""
+    if limit is not None and len(parts) > limit:
+        raise APIError(
+            f"{len(parts)} {what} in this request, over the limit of {limit} per prompt (--limit-mm-per-prompt)",
+            400,
+            param=parts[limit][0],
+        )
+
+
 def load_images(parts: list[tuple[str, str]], limits: MediaLimits) -> list:
     """The parts' images, decoded and checked (blocking: run it off the event loop)."""
     if parts and not limits.takes_images:
         raise APIError(TEXT_ONLY, 400, param=f"{parts[0][0]}.type")
-    if limits.max_images is not None and len(parts) > limits.max_images:
-        raise APIError(
-            f"{len(parts)} images in this request, over the limit of {limits.max_images} per prompt "
-            f"(--limit-mm-per-prompt)",
-            400,
-            param=parts[limits.max_images][0],
-        )
+    _check_count(parts, limits.max_images, "images")
     images = []
     for param, url in parts:
         data = _fetch(url, param, limits, limits.max_bytes, "image")
@@ -68,13 +72,7 @@ def load_videos(parts: list[tuple[str, str]], limits: MediaLimits, processor) ->
     """The parts' videos, decoded, sampled and checked by the model's processor (blocking: run it off the loop)."""
     if parts and not limits.takes_videos:
         raise APIError("this model takes no video input", 400, param=f"{parts[0][0]}.type")
-    if limits.max_videos is not None and len(parts) > limits.max_videos:
-        raise APIError(
-            f"{len(parts)} videos in this request, over the limit of {limits.max_videos} per prompt "
-            f"(--limit-mm-per-prompt)",
-            400,
-            param=parts[limits.max_videos][0],
-        )
+    _check_count(parts, limits.max_videos, "videos")
     videos = []
     for param, url in parts:
         data = _fetch(url, param, limits, limits.max_video_bytes, "video")
