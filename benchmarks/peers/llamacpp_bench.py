@@ -2,12 +2,14 @@
 
     venv-llamacpp/bin/python llamacpp_bench.py w1 --gguf $PEERS_HOME/models/smollm2-135m-instruct-f32.gguf --tag f32
     venv-llamacpp/bin/python llamacpp_bench.py w2 | w4 [--gguf PATH] [--threads 2] [--tag NAME]
+    venv-llamacpp/bin/python llamacpp_bench.py w6 --w6-plan PROMPT,LONG,NEW,VOCAB,REQUESTS,KVBYTES --gguf PATH
 
 Llama.generate() yields tokens greedily (temperature 0, no repetition penalty) without stopping at EOS: taking
 exactly N tokens is "EOS ignored". Its Python API runs one sequence at a time, so W2 and W4 are sequential
 requests. W1 and W2 reset the context before every request (no KV reused); W4 does not: generate() evaluates only
 what a prompt does not share with the tokens evaluated before it, which is llama.cpp's prefix reuse, and the
-result counts those shared prompt tokens as served from cache.
+result counts those shared prompt tokens as served from cache. W6 runs its requests one at a time, the context
+reset before each, with n_ctx the plan's longest context (at least 2048).
 """
 
 import os
@@ -34,8 +36,23 @@ def take(llm, prompt: list[int], n: int, times: list[float] | None = None, reset
     return out
 
 
-def run_w1(llm, sizes) -> dict:
-    n, prompt = sizes.w1_new_tokens, peers.w1_prompt()
+def run_w6(llm, plan) -> dict:
+    """W6: each request alone (reset first), its tokens timed as they come."""
+    batch, long = peers.make_w6_prompts(plan)
+    take(llm, batch[0][:32], 4)  # warm-up, not timed
+    records = {"batch": [], "long": []}
+    for key, prompts in (("batch", batch), ("long", [long])):
+        for i, prompt in enumerate(prompts):
+            times: list[float] = []
+            t_send = time.perf_counter()
+            take(llm, prompt, plan.new_tokens, times)
+            records[key].append({"t_send": t_send, "prompt_len": len(prompt), "times": times})
+            print(f"w6 {key} {i}: TTFT {times[0] - t_send if times else float('nan'):.2f} s", flush=True)
+    return peers.w6_result(plan, records["batch"], records["long"], "requests one at a time")
+
+
+def run_w1(llm, sizes, args) -> dict:
+    n, prompt = sizes.w1_new_tokens, peers.w1_prompt(args)
     take(llm, prompt, 8)  # warm-up, not timed
     runs, returned, ids = [], [], []
     for r in range(sizes.w1_runs):
@@ -74,7 +91,7 @@ def run_batch(llm, workload: str, sizes) -> dict:
 
 
 def main() -> None:
-    p = peers.parser(__doc__.split("\n\n")[0], ("w1", "w2", "w4"))
+    p = peers.parser(__doc__.split("\n\n")[0], ("w1", "w2", "w4", "w6"))
     p.add_argument(
         "--gguf",
         default=peers.GGUF_F32 if os.path.exists(peers.GGUF_F32) else peers.GGUF_Q4_1,
@@ -84,13 +101,15 @@ def main() -> None:
     p.add_argument("--n-batch", type=int, default=512, help="prompt tokens per evaluation")
     args = p.parse_args()
     sizes = peers.sizes_of(args)
+    plan = peers.w6_plan_of(args) if args.workload == "w6" else None
+    n_ctx = max(2048, plan.long_context, plan.prompt_len + plan.new_tokens) if plan else 2048
 
     import llama_cpp
 
     t0 = time.perf_counter()
     llm = llama_cpp.Llama(
         model_path=args.gguf,
-        n_ctx=2048,
+        n_ctx=n_ctx,
         n_batch=args.n_batch,
         n_ubatch=args.n_batch,
         n_threads=args.threads,
@@ -107,7 +126,12 @@ def main() -> None:
         "n_batch": args.n_batch,
         "args": vars(args),
     }
-    result = run_w1(llm, sizes) if args.workload == "w1" else run_batch(llm, args.workload, sizes)
+    if args.workload == "w6":
+        result = run_w6(llm, plan)
+    elif args.workload == "w1":
+        result = run_w1(llm, sizes, args)
+    else:
+        result = run_batch(llm, args.workload, sizes)
     peers.save_result(f"llamacpp_{args.workload}_{args.tag or 'run'}", {**info, **result})
 
 

@@ -17,8 +17,17 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
-from petrel.bench.report import count_problems, median  # noqa: E402
-from petrel.bench.workloads import FULL, QUICK, W1_REFERENCE_IDS, Sizes, make_w2_prompts, make_w4_prompts  # noqa: E402
+from petrel.bench.report import count_problems, median, w6_metrics  # noqa: E402
+from petrel.bench.workloads import (  # noqa: E402
+    FULL,
+    QUICK,
+    W1_REFERENCE_IDS,
+    Sizes,
+    W6Plan,
+    make_w2_prompts,
+    make_w4_prompts,
+    make_w6_prompts,  # noqa: F401 - the scripts' W6 prompts (peers.make_w6_prompts)
+)
 
 PEERS_HOME = os.path.expanduser(os.environ.get("PEERS_HOME", "~/petrel-peers"))
 MODEL_DIR = os.path.join(PEERS_HOME, "models", "smollm2-135m-instruct")  # fp32 Hugging Face directory
@@ -27,13 +36,65 @@ GGUF_F32 = os.path.join(PEERS_HOME, "models", "smollm2-135m-instruct-f32.gguf") 
 
 
 def parser(description: str, workloads: tuple[str, ...]) -> argparse.ArgumentParser:
-    """The options every peer script takes: the workload, --runs (W1), --quick, --tag (the result's name)."""
+    """The options every peer script takes: the workload, --runs (W1), --quick, --tag (the result's name),
+    --w1-ids (W1's prompt for another model than the default) and --w6-plan (W6's sizes, made by compare)."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("workload", choices=workloads)
     p.add_argument("--runs", type=int, default=None, help=f"timed W1 runs, median reported (default {FULL.w1_runs})")
     p.add_argument("--quick", action="store_true", help="the workloads' smoke-test sizes (`petrel bench --quick`)")
     p.add_argument("--tag", default="", help="appended to the result's name")
+    p.add_argument(
+        "--w1-ids",
+        type=_id_list,
+        default=None,
+        help="W1's prompt as comma-separated token ids (default: the default model's, W1_REFERENCE_IDS)",
+    )
+    p.add_argument(
+        "--w6-plan",
+        type=_w6_plan_text,
+        default=None,
+        metavar="PROMPT,LONG,NEW,VOCAB,REQUESTS,KVBYTES",
+        help="W6's plan as `petrel bench compare` makes it (workloads.W6Plan.to_argv); needed by w6",
+    )
     return p
+
+
+def _id_list(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--w1-ids: not comma-separated integers: {text[:40]!r}") from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError("--w1-ids: token ids must be >= 0, at least one")
+    return ids
+
+
+def _w6_plan_text(text: str) -> str:
+    """--w6-plan checked while parsing, kept as text (the options are saved with the result as JSON)."""
+    try:
+        W6Plan.from_arg(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def w6_plan_of(args) -> W6Plan:
+    """W6's plan from --w6-plan (the script exits with a clear error without one)."""
+    if args.w6_plan is None:
+        raise SystemExit("w6 needs --w6-plan (petrel bench compare --workloads w6 passes it)")
+    return W6Plan.from_arg(args.w6_plan)
+
+
+def w6_result(plan: W6Plan, batch: list[dict], long: list[dict], mode: str) -> dict:
+    """W6's figures (report.w6_metrics for the batch and the long request), valid only if every request produced
+    exactly plan.new_tokens tokens."""
+    result = {"workload": "w6", "plan": {**plan.__dict__, "notes": list(plan.notes)}, "mode": mode, "problems": []}
+    for key, records in (("batch", batch), ("long", long)):
+        m = w6_metrics(records, plan.kv_bytes_per_token)
+        result["problems"] += [f"{key}: {p}" for p in count_problems(m["new_tokens"], plan.new_tokens)]
+        result[key] = m
+    result["valid"] = not result["problems"]
+    return result
 
 
 def sizes_of(args) -> Sizes:
@@ -43,9 +104,11 @@ def sizes_of(args) -> Sizes:
     return sizes
 
 
-def w1_prompt() -> list[int]:
-    """W1's prompt: the default model's chat template applied to the W1 message, as transformers tokenizes it."""
-    return list(W1_REFERENCE_IDS)
+def w1_prompt(args=None) -> list[int]:
+    """W1's prompt: --w1-ids when given, else the default model's chat template applied to the W1 message, as
+    transformers tokenizes it."""
+    ids = getattr(args, "w1_ids", None)
+    return list(ids) if ids is not None else list(W1_REFERENCE_IDS)
 
 
 def batch_prompts(workload: str, sizes: Sizes) -> tuple[list[list[int]], int]:

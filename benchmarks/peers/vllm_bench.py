@@ -2,12 +2,15 @@
 model's fp32 Hugging Face directory.
 
     VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 venv-vllm/bin/python vllm_bench.py both --tag NAME
-    ... vllm_bench.py w1 | w2 | w4 [--dtype float32] [--eager] [--runs 3] [--tag NAME]
+    ... vllm_bench.py w1 | w2 | w4 [--dtype float32] [--eager] [--runs 3] [--tag NAME] [--model DIR]
+    ... vllm_bench.py w6 --w6-plan PROMPT,LONG,NEW,VOCAB,REQUESTS,KVBYTES [--model DIR]
 
 `both` runs W1 then W2 in one process (one engine start, one peak RSS). W1 and W2 run with prefix caching off, so a
 repeated W1 run computes its prompt again; W4 runs in its own process with prefix caching on, and reports the
 prompt tokens vLLM served from its cache. W1 steps the engine itself and timestamps each token as a step hands
-it out; W2 and W4 submit every prompt at once through LLM.generate(). Env: VLLM_CPU_KVCACHE_SPACE (GiB of KV cache),
+it out; W2 and W4 submit every prompt at once through LLM.generate(); W6 adds its batch's requests at once and
+steps the engine, each token timed as a step hands it out, then its long request alone (max_model_len: the plan's
+longest context, prefix caching off). Env: VLLM_CPU_KVCACHE_SPACE (GiB of KV cache),
 VLLM_CPU_OMP_THREADS_BIND (without 0-1 vLLM keeps one of two cores for itself).
 """
 
@@ -38,7 +41,40 @@ def stream_timed(llm, request_id: str, prompt_ids: list[int], params) -> tuple[l
     return times, ids
 
 
-def run_w1(llm, sizes) -> dict:
+def stream_many(llm, tag: str, prompts: list[list[int]], params) -> list[dict]:
+    """Every prompt added to the engine at once and stepped to the end: per request, its send time, prompt length
+    and each new token's time (report.w6_metrics's input)."""
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    records = {}
+    for i, prompt in enumerate(prompts):
+        records[f"{tag}-{i}"] = {"t_send": time.perf_counter(), "prompt_len": len(prompt), "times": []}
+        engine.add_request(f"{tag}-{i}", TokensPrompt(prompt_token_ids=prompt), params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            now = time.perf_counter()
+            records[out.request_id]["times"].extend([now] * len(out.outputs[0].token_ids))
+    return list(records.values())
+
+
+def run_w6(llm, plan) -> dict:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    n = plan.new_tokens
+    params = SamplingParams(
+        temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+    )
+    batch, long = peers.make_w6_prompts(plan)
+    stream_many(llm, "w6-warmup", [batch[0][:32]], params)
+    records = {
+        key: stream_many(llm, f"w6-{key}", prompts, params) for key, prompts in (("batch", batch), ("long", [long]))
+    }
+    return peers.w6_result(plan, records["batch"], records["long"], "batch submitted at once, then the long request")
+
+
+def run_w1(llm, sizes, args) -> dict:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -46,7 +82,7 @@ def run_w1(llm, sizes) -> dict:
     params = SamplingParams(
         temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True, output_kind=RequestOutputKind.DELTA
     )
-    prompt = peers.w1_prompt()
+    prompt = peers.w1_prompt(args)
     stream_timed(
         llm,
         "w1-warmup",
@@ -88,21 +124,23 @@ def run_batch(llm, workload: str, sizes) -> dict:
 
 
 def main() -> None:
-    p = peers.parser(__doc__.split("\n\n")[0], ("w1", "w2", "w4", "both"))
+    p = peers.parser(__doc__.split("\n\n")[0], ("w1", "w2", "w4", "w6", "both"))
+    p.add_argument("--model", default=peers.MODEL_DIR, help="a Hugging Face directory (default: the peers' fp32 copy)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--eager", action="store_true", help="enforce_eager: no compiled graphs")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     args = p.parse_args()
     sizes = peers.sizes_of(args)
     todo = ["w1", "w2"] if args.workload == "both" else [args.workload]
+    plan = peers.w6_plan_of(args) if args.workload == "w6" else None
 
     import vllm
     from vllm import LLM
 
     options = {
-        "model": peers.MODEL_DIR,
+        "model": args.model,
         "dtype": args.dtype,
-        "max_model_len": 2048,
+        "max_model_len": max(2048, plan.long_context, plan.prompt_len + plan.new_tokens) if plan else 2048,
         "enforce_eager": args.eager,
         "enable_prefix_caching": todo == ["w4"],
         "seed": 0,
@@ -122,7 +160,12 @@ def main() -> None:
     }
     print(f"LLM() took {info['init_s']:.1f} s", flush=True)
     for workload in todo:
-        result = run_w1(llm, sizes) if workload == "w1" else run_batch(llm, workload, sizes)
+        if workload == "w6":
+            result = run_w6(llm, plan)
+        elif workload == "w1":
+            result = run_w1(llm, sizes, args)
+        else:
+            result = run_batch(llm, workload, sizes)
         name = f"vllm_{workload}_{args.dtype}" + ("_eager" if args.eager else "") + (f"_{args.tag}" if args.tag else "")
         peers.save_result(name, {**info, **result})
     core = getattr(llm.llm_engine, "engine_core", None)

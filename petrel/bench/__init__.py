@@ -1,14 +1,15 @@
 """petrel's benchmarks: `petrel bench` and its subcommands, on the workloads W1-W4 of the project's
 bench/WORKLOADS.md.
 
-    workloads.py   W1-W4 as token ids and sizes (numpy only: the peers' scripts import it too)
+    workloads.py   W1-W4 and W6 as token ids and sizes (numpy only: the peers' scripts import it too)
     runners.py     petrel and transformers in this process: load, warm up, a timed W1 stream, a timed batch
     in_process.py  `petrel bench [latency|throughput|prefix]`: both engines side by side on W1, W2, W4
     serve.py       `petrel bench serve`: W3, the W2 prompts streamed to any OpenAI-compatible server
     compare.py     `petrel bench compare`: petrel and every installed peer (benchmarks/peers/), one table
     tiers.py       `petrel bench tiers`: W5, many shared prefixes, with the KV tiers off / host / host + disk
     processes.py   the child processes a compare runs: scripts, servers, their trees' peak RSS
-    flops.py       this machine's matmul peak and W2's arithmetic, for the compare's share-of-peak row
+    contention.py  `compare --contention N`: competing CPU-bound processes during each engine's run
+    flops.py       this machine's matmul peak, W2's arithmetic and the memory read bandwidth (W6's KV row)
     report.py      what counts as a figure, statistics, ratios, summaries, the compare's table, the sweep's plot
 
 The names other code uses (the workloads, the runners, run_w1 / run_batch) are importable from here; each is

@@ -4,6 +4,9 @@
     petrel bench compare --engines petrel,llamacpp --workloads w1
     petrel bench compare --out benchmarks/results/compare.json
     petrel bench compare --quick                  # every workload at smoke-test size: checks the set-up
+    petrel bench compare --model DIR_OR_GGUF [--gguf FILE.gguf] --workloads w1,w2
+    petrel bench compare --workloads w6           # long contexts (W6), every engine
+    petrel bench compare --contention 1           # a competing CPU-bound process during each engine's run
 
 The peers are the ones `benchmarks/peers/setup_peers.sh` installs under $PEERS_HOME (default ~/petrel-peers), each
 in its own virtual environment: transformers (`venv-hf`), vLLM's CPU build (`venv-vllm`) and llama.cpp through
@@ -13,6 +16,14 @@ process tree. Peers run W1, W2 and W4 through the scripts in benchmarks/peers (`
 `petrel bench`; W3 is `petrel bench serve`'s client against each engine's own server (`petrel serve`, vLLM's
 OpenAI server). Every engine does exactly the work of petrel/bench/workloads.py. Figures are float32 unless the
 row says; a figure whose engine did not produce the right number of tokens is left out.
+
+--model PATH (any Hugging Face directory or GGUF file petrel loads) runs every engine on that model instead of the
+default one: petrel on PATH; transformers on PATH; vLLM on PATH when it is a Hugging Face directory (a GGUF: left
+out, said so); llama.cpp on PATH when it is a GGUF, else on --gguf FILE (neither: left out, said so). The W1 prompt
+is then the chat template of PATH's tokenizer (as petrel applies it), handed to each peer as token ids.
+W6's plan (workloads.w6_plan: prompt lengths, the long request's context) is made here from the model's config and
+the KV budget, stated in the output, and handed to every engine. --contention N keeps N CPU-bound processes busy
+(stress-ng --cpu N if installed, else Python busy loops; petrel/bench/contention.py) during each engine's run.
 """
 
 from __future__ import annotations
@@ -26,21 +37,22 @@ import sys
 import tempfile
 import time
 
+from petrel.bench.contention import Contention
 from petrel.bench.processes import Server, free_port, log, run_script
 from petrel.bench.report import ratio_table
 from petrel.cli_options import parse_choices
 
-WORKLOADS = ("w1", "w2", "w3", "w4", "startup")
+WORKLOADS = ("w1", "w2", "w3", "w4", "w6", "startup")
 ENGINES = ("petrel", "hf", "vllm", "llamacpp")
 PEER_SCRIPTS = {"hf": "hf_bench.py", "vllm": "vllm_bench.py", "llamacpp": "llamacpp_bench.py"}
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_PEERS_DIR = os.path.join(REPO, "benchmarks", "peers")
 KV_GIB = 4  # the same KV budget for petrel and vLLM (VLLM_CPU_KVCACHE_SPACE)
 W4_CACHE_NOTE = "of 31 × 1,024 shared-prefix tokens that could be (the first request computes it)"
-STARTUP_PROBE = """import json, time
+STARTUP_PROBE = """import json, sys, time
 t = time.perf_counter()
 from petrel import LLM, SamplingParams
-llm = LLM()
+llm = LLM(model=sys.argv[1] if len(sys.argv) > 1 else None)
 llm.generate("Hi", SamplingParams(max_tokens=1), use_tqdm=False)
 print("RESULT petrel_startup: " + json.dumps({"first_token_s": time.perf_counter() - t}))
 llm.shutdown()
@@ -71,6 +83,45 @@ class Compare:
         }
         self.rows: list[dict] = []  # {"workload", "metric", "engine", "value", "unit", "note"}
         self.raw: dict = {}
+        self.model = os.path.abspath(os.path.expanduser(args.model)) if args.model else None
+        self.model_is_gguf = bool(self.model) and self.model.endswith(".gguf")
+        if args.gguf and not args.model:
+            raise SystemExit("--gguf goes with --model (the default model's GGUFs are the peers' own)")
+        if self.model and not os.path.exists(self.model):
+            raise SystemExit(f"--model {args.model}: no such file or directory")
+        if args.gguf and not os.path.isfile(args.gguf):
+            raise SystemExit(f"--gguf {args.gguf}: no such file")
+        self.w1_ids: list[int] | None = None  # --model's W1 prompt (None: the peers' reference ids)
+        self.w6 = None  # W6's plan (workloads.W6Plan), made in run() when W6 is asked for
+        self.mem_gb_s: float | None = None
+
+    def llamacpp_gguf(self) -> str | None:
+        """--model's GGUF for llama.cpp: the model itself, else --gguf, else None (llama.cpp is left out)."""
+        if self.model_is_gguf:
+            return self.model
+        return os.path.abspath(self.args.gguf) if self.args.gguf else None
+
+    def skip_reason(self, engine: str) -> str | None:
+        """Why an installed engine cannot run --model (None: it can)."""
+        if not self.model:
+            return None
+        if engine == "vllm" and self.model_is_gguf:
+            return "--model is a GGUF file; vLLM runs Hugging Face directories here"
+        if engine == "llamacpp" and self.llamacpp_gguf() is None:
+            return "--model is a Hugging Face directory and no --gguf was given; llama.cpp needs a GGUF"
+        return None
+
+    def model_argv(self, engine: str) -> list[str]:
+        """The model options of a peer script: --model's path in the form it takes, and W1's prompt ids."""
+        if not self.model:
+            return []
+        path = {"hf": ["--model-dir", self.model], "vllm": ["--model", self.model]}.get(engine)
+        if engine == "llamacpp":
+            path = ["--gguf", self.llamacpp_gguf()]
+        return path + (["--w1-ids", ",".join(map(str, self.w1_ids))] if self.w1_ids is not None else [])
+
+    def petrel_model_argv(self) -> list[str]:
+        return ["--model", self.model] if self.model else []
 
     def python(self, engine: str) -> str | None:
         path = os.path.join(self.peers_home, f"venv-{engine}", "bin", "python")
@@ -81,6 +132,8 @@ class Compare:
             return True
         if self.python(engine) is None:
             return False
+        if self.model:  # the peers' own copies of the default model are not needed
+            return True
         if engine == "llamacpp":
             return os.path.exists(self.gguf["f32"]) or os.path.exists(self.gguf["q4_1"])
         return os.path.exists(os.path.join(self.model_dir, "config.json"))
@@ -97,6 +150,7 @@ class Compare:
             self.python(engine),
             os.path.join(self.peers_dir, PEER_SCRIPTS[engine]),
             *argv,
+            *self.model_argv(engine),
             *(["--quick"] if self.args.quick else []),
         ]
         return run_script(cmd, env={"PEERS_HOME": self.peers_home, **(env or {})})
@@ -108,6 +162,28 @@ class Compare:
         self.add("w3", "TTFT p99", engine, r["ttft_p99_s"], "s", note)
         self.add("w3", "TTFT p50", engine, r["ttft_p50_s"], "s", note)
         self.add("w3", "TPOT p50", engine, r["tpot_p50_s"] * 1000, "ms", note)
+
+    def w6_argv(self) -> list[str]:
+        return ["w6", *self.w6.to_argv(), "--tag", "compare"]
+
+    def record_w6(self, engine: str, r: dict, note: str = "") -> None:
+        """W6's rows: TTFT per request, decode tok/s and the KV read bandwidth (and its share of the machine's)."""
+        plan = r.get("plan") or {}
+        if plan and (plan.get("prompt_len"), plan.get("long_prompt_len")) != (
+            self.w6.prompt_len,
+            self.w6.long_prompt_len,
+        ):
+            note += f" (ran a different plan: {plan.get('prompt_len')} / {plan.get('long_prompt_len')} tokens)"
+        ok = r.get("valid", not r.get("problems"))
+        for key, label in (("batch", f"{self.w6.num_requests} x {self.w6.prompt_len}"), ("long", "long")):
+            m = r[key]
+            for i, ttft in enumerate(m["ttft_s"]):
+                name = f"TTFT ({label}" + (f", request {i + 1})" if key == "batch" else f" {m['prompt_tokens'][0]})")
+                self.add("w6", name, engine, ttft, "s", note)
+            self.add("w6", f"decode tok/s ({label})", engine, m["decode_tok_s"] if ok else None, "tok/s", note)
+            bw = m["kv_read_gb_s"] if ok else None
+            share = f"{100 * bw / self.mem_gb_s:.0f}% of {self.mem_gb_s:.1f} GB/s" if bw and self.mem_gb_s else ""
+            self.add("w6", f"decode KV read GB/s ({label})", engine, bw, "GB/s", (note + " " + share).strip())
 
     def record_w4(self, engine: str, r: dict, note: str = "") -> None:
         """A peer's W4: its wall time, and the prompt tokens its prefix cache served where it has one."""
@@ -128,6 +204,7 @@ class Compare:
                     "petrel",
                     "--workloads",
                     workloads,
+                    *self.petrel_model_argv(),
                     *options,
                     *(["--quick"] if self.args.quick else []),
                     "--json",
@@ -146,7 +223,12 @@ class Compare:
                 self._petrel_result(r)
             if "w2" in batch:
                 self.add("w2", "peak RSS (w1+w2 process)", "petrel", peak, "MiB", f"KV {KV_GIB} GiB")
-        if "w1" in workloads:  # the GGUF's own Q4_1 blocks kept quantized: the same weights as llama.cpp's Q4_1 run
+        if "w6" in workloads:
+            options = ["--kv-cache-memory", f"{KV_GIB}G", "--mem-bandwidth", str(self.mem_gb_s)]
+            doc = self.petrel_bench("w6", *options)[0]
+            self.raw["petrel_w6"] = doc
+            self.record_w6("petrel", doc["results"][0])
+        if "w1" in workloads and not self.model:  # the GGUF's Q4_1 blocks kept quantized: llama.cpp's Q4_1 weights
             r = self.petrel_bench("w1", "--quantization", "gguf")[0]["results"][0]
             self.raw["petrel_w1_gguf"] = r
             self.add(
@@ -187,6 +269,7 @@ class Compare:
                     "warning",
                     "--served-model-name",
                     "petrel",
+                    *self.petrel_model_argv(),
                 ],
                 port,
             )
@@ -198,11 +281,22 @@ class Compare:
             self.record_w3("petrel", r)
             self.add("w3", "peak RSS (server)", "petrel", peak, "MiB")
         if "startup" in workloads:
-            results, _ = run_script([sys.executable, "-c", STARTUP_PROBE])
+            results, _ = run_script([sys.executable, "-c", STARTUP_PROBE, *([self.model] if self.model else [])])
             self.add("startup", "LLM() to first token", "petrel", results[0]["first_token_s"], "s")
             port = free_port()
             server = Server(
-                [sys.executable, "-m", "petrel.cli", "serve", "--port", str(port), "--log-level", "warning"], port
+                [
+                    sys.executable,
+                    "-m",
+                    "petrel.cli",
+                    "serve",
+                    "--port",
+                    str(port),
+                    "--log-level",
+                    "warning",
+                    *self.petrel_model_argv(),
+                ],
+                port,
             )
             server.close()
             self.add("startup", "server to /health 200", "petrel", server.ready_s, "s")
@@ -238,6 +332,10 @@ class Compare:
             r = self.peer_script("hf", "w4", "--batch-size", "16", "--tag", "compare")[0][-1]
             self.raw["hf_w4"] = r
             self.record_w4("hf", r, "no prefix cache: bs 16, left-padded")
+        if "w6" in workloads:
+            r = self.peer_script("hf", *self.w6_argv())[0][-1]
+            self.raw["hf_w6"] = r
+            self.record_w6("hf", r, "requests one at a time")
 
     # ---- vLLM (CPU build)
     def vllm_env(self) -> dict:
@@ -267,6 +365,10 @@ class Compare:
             r = self.peer_script("vllm", "w4", "--dtype", "float32", "--tag", "compare", env=self.vllm_env())[0][-1]
             self.raw["vllm_w4"] = r
             self.record_w4("vllm", r, "prefix caching on")
+        if "w6" in workloads:
+            r = self.peer_script("vllm", *self.w6_argv(), "--dtype", "float32", env=self.vllm_env())[0][-1]
+            self.raw["vllm_w6"] = r
+            self.record_w6("vllm", r)
         if "w3" in workloads or "startup" in workloads:
             port = free_port()
             server = Server(
@@ -275,7 +377,7 @@ class Compare:
                     "-m",
                     "vllm.entrypoints.openai.api_server",
                     "--model",
-                    self.model_dir,
+                    self.model or self.model_dir,
                     "--dtype",
                     "float32",
                     "--host",
@@ -301,19 +403,32 @@ class Compare:
 
     # ---- llama.cpp
     def llamacpp(self, workloads: list[str]) -> None:
+        # --model: its own GGUF (peer_script adds --gguf), its figures in the fp32 row whatever its type (said so)
+        ggufs = (
+            (("model", "decode tok/s (fp32)"),)
+            if self.model
+            else (
+                ("f32", "decode tok/s (fp32)"),
+                ("q4_1", "decode tok/s (Q4_1)"),
+            )
+        )
         if "w1" in workloads:
-            for tag, metric in (("f32", "decode tok/s (fp32)"), ("q4_1", "decode tok/s (Q4_1)")):
-                if not os.path.exists(self.gguf[tag]):
+            for tag, metric in ggufs:
+                if tag != "model" and not os.path.exists(self.gguf[tag]):
                     continue
-                r = self.peer_script("llamacpp", "w1", "--gguf", self.gguf[tag], "--tag", f"compare_{tag}")[0][-1]
+                given = [] if tag == "model" else ["--gguf", self.gguf[tag]]
+                r = self.peer_script("llamacpp", "w1", *given, "--tag", f"compare_{tag}")[0][-1]
                 self.raw[f"llamacpp_w1_{tag}"] = r
                 self.add("w1", metric, "llamacpp", r["median_decode_tok_s"] if r["valid"] else None, "tok/s")
-                if tag == "f32":
-                    self.add("w1", "TTFT", "llamacpp", r["median_ttft_s"] * 1000, "ms", "F32 GGUF")
+                if tag in ("f32", "model"):
+                    gguf_note = "F32 GGUF" if tag == "f32" else os.path.basename(self.llamacpp_gguf())
+                    self.add("w1", "TTFT", "llamacpp", r["median_ttft_s"] * 1000, "ms", gguf_note)
                     self.add("startup", "model load", "llamacpp", r.get("load_s"), "s")
         gguf = self.gguf["f32"] if os.path.exists(self.gguf["f32"]) else self.gguf["q4_1"]
+        given = [] if self.model else ["--gguf", gguf]  # --model: peer_script adds its GGUF
+        gguf = self.llamacpp_gguf() if self.model else gguf
         if "w2" in workloads and self.args.llamacpp_w2:
-            r = self.peer_script("llamacpp", "w2", "--gguf", gguf, "--tag", "compare")[0][-1]
+            r = self.peer_script("llamacpp", "w2", *given, "--tag", "compare")[0][-1]
             self.raw["llamacpp_w2"] = r
             self.add(
                 "w2",
@@ -324,8 +439,12 @@ class Compare:
                 f"{os.path.basename(gguf)}, 64 sequential requests (no batching in its Python API)",
             )
             self.add("w2", "wall", "llamacpp", r["wall_s"], "s")
+        if "w6" in workloads:
+            r = self.peer_script("llamacpp", *self.w6_argv(), *given)[0][-1]
+            self.raw["llamacpp_w6"] = r
+            self.record_w6("llamacpp", r, f"{os.path.basename(gguf)}, requests one at a time")
         if "w4" in workloads:
-            r = self.peer_script("llamacpp", "w4", "--gguf", gguf, "--tag", "compare")[0][-1]
+            r = self.peer_script("llamacpp", "w4", *given, "--tag", "compare")[0][-1]
             self.raw["llamacpp_w4"] = r
             self.record_w4(
                 "llamacpp",
@@ -341,11 +460,20 @@ def run(args) -> dict:
 
     workloads = parse_choices(args.workloads, WORKLOADS, "workload")
     engines = parse_choices(args.engines, ENGINES, "engine")
+    if args.contention < 0:
+        raise SystemExit(f"--contention {args.contention}: the number of competing processes must be >= 0")
     cmp = Compare(args)
     missing = [e for e in engines if not cmp.installed(e)]
     for e in missing:
         log(f"{e}: not installed under {cmp.peers_home} (run benchmarks/peers/setup_peers.sh); left out")
-    engines = [e for e in engines if e not in missing]
+    skipped = {e: cmp.skip_reason(e) for e in engines if e not in missing and cmp.skip_reason(e)}
+    for e, why in skipped.items():
+        log(f"{e}: left out: {why}")
+    engines = [e for e in engines if e not in missing and e not in skipped]
+    prepare_model(cmp, workloads)
+    contention = Contention(args.contention)
+    if args.contention:
+        log(f"contention: {contention.describe()}")
     for engine in engines:
         script = os.path.join(cmp.peers_dir, PEER_SCRIPTS.get(engine, ""))
         if engine != "petrel" and not os.path.exists(script):
@@ -355,7 +483,8 @@ def run(args) -> dict:
     errors = {}
     for engine in engines:
         try:
-            getattr(cmp, engine)(workloads)
+            with contention:
+                getattr(cmp, engine)(workloads)
         except Exception as e:  # noqa: BLE001 - one engine failing leaves the others' figures
             errors[engine] = repr(e)
             log(f"{engine} FAILED: {e!r}")
@@ -380,14 +509,60 @@ def run(args) -> dict:
             "matmul_peak_gflops": peak,
             "engines": engines,
             "missing": missing,
+            "skipped": skipped,
+            "model": cmp.model or "default (SmolLM2-135M-Instruct)",
+            "w1_prompt_ids": cmp.w1_ids,
+            "contention": contention.describe(),
+            "w6_plan": None if cmp.w6 is None else {**cmp.w6.__dict__, "notes": list(cmp.w6.notes)},
+            "memory_read_gb_s": cmp.mem_gb_s,
             "workloads": workloads,
             "errors": errors,
             "w2_matmul_tflop": flops / 1e12 if flops is not None else None,
         },
         "rows": cmp.rows,
         "raw": cmp.raw,
-        "table": ratio_table(cmp.rows, engines),
+        "table": table_head(cmp, contention) + ratio_table(cmp.rows, engines),
     }
+
+
+def table_head(cmp: Compare, contention: Contention) -> list[str]:
+    """The lines above the table: the model, whether contention was on, W6's plan."""
+    lines = [f"Model: {cmp.model or 'the default model (SmolLM2-135M-Instruct)'}."]
+    if cmp.args.contention:
+        lines.append(f"Contention ON: {contention.describe()}.")
+    if cmp.w6 is not None:
+        lines += [f"W6: {note}." for note in cmp.w6.notes]
+        if cmp.mem_gb_s:
+            lines.append(
+                f"Memory read bandwidth (torch sum over 512 MiB, or --mem-bandwidth): {cmp.mem_gb_s:.1f} GB/s."
+            )
+    return lines + [""]
+
+
+def prepare_model(cmp: Compare, workloads: list[str]) -> None:
+    """What --model and W6 need before any engine runs: W1's prompt from the model's tokenizer, W6's plan from its
+    config and the KV budget, and the machine's memory bandwidth."""
+    if not (cmp.model or "w6" in workloads):
+        return
+    from petrel.bench.workloads import FULL, QUICK, kv_bytes_per_token, w1_prompt_ids, w6_plan
+    from petrel.model.loader import load_model_config, resolve_model
+
+    source = resolve_model(cmp.model)
+    if cmp.model and "w1" in workloads:
+        from petrel.model.tokenizer import load_tokenizer
+
+        cmp.w1_ids = w1_prompt_ids(load_tokenizer(source))
+        log(f"W1 prompt: {len(cmp.w1_ids)} tokens from {cmp.model}'s chat template")
+    if "w6" in workloads:
+        from petrel.bench.flops import memory_read_gbs
+
+        config = load_model_config(source)
+        kv = kv_bytes_per_token(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, 4)
+        sizes = QUICK if cmp.args.quick else FULL
+        cmp.w6 = w6_plan(config.vocab_size, config.max_position_embeddings, KV_GIB * 2**30, kv, sizes)
+        for note in cmp.w6.notes:
+            log(f"W6: {note}")
+        cmp.mem_gb_s = cmp.args.mem_bandwidth or memory_read_gbs()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -416,6 +591,27 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="every workload at its smoke-test size (`petrel bench --quick`): checks a set-up in minutes; "
         "the figures do not compare with full runs",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="a Hugging Face directory or GGUF file petrel loads, for every engine (default: the default model)",
+    )
+    p.add_argument("--gguf", default=None, help="with an HF --model: the same weights as a GGUF, for llama.cpp")
+    p.add_argument(
+        "--contention",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N competing CPU-bound processes during each engine's run (stress-ng --cpu N if installed, else "
+        "Python busy loops; default 0: off)",
+    )
+    p.add_argument(
+        "--mem-bandwidth",
+        type=float,
+        default=None,
+        metavar="GB/s",
+        help="this machine's memory bandwidth, for W6's KV-bandwidth share (default: measured)",
     )
     p.add_argument("--json", "--out", dest="out", default=None, metavar="FILE.json")
     return p

@@ -47,3 +47,20 @@ def w2_matmul_flops() -> float:
         total += 2 * 2 * q * cfg.num_hidden_layers * contexts
         total += 2 * h * cfg.vocab_size * new
     return total
+
+
+def memory_read_gbs(mib: int = 512, repeats: int = 3) -> float:
+    """This machine's memory read bandwidth as torch sees it (GB/s): the best of `repeats` sums over a float32
+    tensor of `mib` MiB, far larger than any cache, with torch's threads."""
+    import time
+
+    import torch
+
+    x = torch.ones(mib * 2**20 // 4)
+    x.sum()  # touch every page first
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best / 1e9

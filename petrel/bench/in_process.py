@@ -4,12 +4,16 @@
     petrel bench --workloads w1,w2,w4 --out results.json
     petrel bench --quick --engines petrel   # a smoke test (seconds, not minutes)
     petrel bench latency | throughput | prefix [options]     # W1 / W2 / W4 alone
+    petrel bench --engines petrel --workloads w6 [--quick]   # W6, long contexts (petrel only)
 
 The workloads are those of petrel/bench/workloads.py. W1: TTFT and decode tok/s = (n - 1) / (t_last - t_first)
 from timestamps taken as each token streams in. W2: all 64 prompts submitted at once (transformers: left-padded,
 length-sorted batches of --hf-batch-size); wall time, output tok/s, (prompt + output) tok/s. W4: submitted at once;
 wall time and prompt tokens served from petrel's prefix cache (RequestOutput.num_cached_tokens); transformers has
-no prefix cache and runs the same prompts as batches of --hf-batch-size.
+no prefix cache and runs the same prompts as batches of --hf-batch-size. W6 (petrel only): the plan of
+workloads.w6_plan for this model and KV budget (stated in the result), its batch submitted at once and streamed,
+then its long request; TTFT per request, decode tok/s and the decode's achieved KV read bandwidth
+(report.w6_metrics) next to this machine's measured memory read bandwidth.
 
 Every figure is checked: a request that did not produce exactly the requested number of tokens makes its
 workload's figure invalid ("valid": false, with the problem named), and no ratio is formed from it.
@@ -28,12 +32,25 @@ import subprocess
 import time
 from dataclasses import asdict, replace
 
-from petrel.bench.report import count_problems, log, matching_prefix, median, ratio, summary
+from petrel.bench.report import count_problems, log, matching_prefix, median, ratio, summary, w6_metrics
 from petrel.bench.runners import HFRunner, PetrelRunner
-from petrel.bench.workloads import FULL, QUICK, W1_REFERENCE_IDS, Sizes, make_w2_prompts, make_w4_prompts, w1_prompt_ids
+from petrel.bench.workloads import (
+    FULL,
+    QUICK,
+    W1_REFERENCE_IDS,
+    Sizes,
+    W6Plan,
+    kv_bytes_per_token,
+    make_w2_prompts,
+    make_w4_prompts,
+    make_w6_prompts,
+    w1_prompt_ids,
+    w6_plan,
+)
 from petrel.cli_options import parallel_arguments, parse_choices
 
-WORKLOADS = ("w1", "w2", "w4")
+WORKLOADS = ("w1", "w2", "w4", "w6")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ENGINES = ("petrel", "hf")
 ENGINE_LABELS = {"petrel": "petrel", "hf": "hf-transformers"}
 SUBCOMMANDS = {"latency": "w1", "throughput": "w2", "prefix": "w4"}
@@ -101,6 +118,41 @@ def run_batch(runner, prompts: list[list[int]], n: int, tag: str) -> dict:
     return result
 
 
+def plan_w6(model_config, args, sizes: Sizes) -> W6Plan:
+    """W6's plan for this model (its vocabulary, context and KV bytes per token at --dtype) and petrel's KV budget
+    (--kv-cache-memory, else EngineConfig's default)."""
+    from petrel.config import EngineConfig
+
+    defaults = EngineConfig.__dataclass_fields__
+    budget = args.kv_cache_memory or defaults["kv_cache_memory"].default
+    block = args.block_size or defaults["block_size"].default
+    kv = kv_bytes_per_token(
+        model_config.num_hidden_layers,
+        model_config.num_key_value_heads,
+        model_config.head_dim,
+        DTYPE_BYTES.get(args.dtype, 4),
+    )
+    return w6_plan(model_config.vocab_size, model_config.max_position_embeddings, budget, kv, sizes, block)
+
+
+def run_w6(runner, plan: W6Plan, mem_gb_s: float | None) -> dict:
+    """W6 on petrel: the batch submitted at once and streamed, then the long request alone."""
+    batch, long = make_w6_prompts(plan)
+    body = {"plan": asdict(plan), "memory_read_gb_s": mem_gb_s, "problems": []}
+    for key, prompts in (("batch", batch), ("long", [long])):
+        m = w6_metrics(runner.streams(prompts, plan.new_tokens, f"w6-{key}"), plan.kv_bytes_per_token)
+        body["problems"] += [f"{key}: {p}" for p in count_problems(m["new_tokens"], plan.new_tokens)]
+        if mem_gb_s and m["kv_read_gb_s"]:
+            m["kv_read_share_of_memory_bw"] = m["kv_read_gb_s"] / mem_gb_s
+        body[key] = m
+        ttft = ", ".join(f"{t:.2f}" for t in m["ttft_s"] if t is not None)
+        log(
+            f"  {runner.name} w6 {key}: {len(prompts)} x {len(prompts[0])} prompt tokens, TTFT {ttft} s, decode "
+            f"{m['decode_tok_s'] or float('nan'):.2f} tok/s, KV read {m['kv_read_gb_s'] or float('nan'):.2f} GB/s"
+        )
+    return body
+
+
 # ---------------------------------------------------------------------------------------------- the run
 
 
@@ -147,7 +199,7 @@ def run(args) -> dict:
     import torch
     import transformers
 
-    from petrel.model.loader import resolve_model
+    from petrel.model.loader import load_model_config, resolve_model
     from petrel.model.tokenizer import load_tokenizer
 
     workloads = parse_choices(args.workloads, WORKLOADS, "workload")
@@ -164,6 +216,14 @@ def run(args) -> dict:
         "w2": make_w2_prompts(sizes.w2_num_requests, sizes.w2_max_prompt_len),
         "w4": make_w4_prompts(sizes.w4_num_requests, sizes.w4_prefix_len, sizes.w4_suffix_len),
     }
+    plan6 = mem_gb_s = None
+    if "w6" in workloads:
+        from petrel.bench.flops import memory_read_gbs
+
+        plan6 = plan_w6(load_model_config(source), args, sizes)
+        for note in plan6.notes:
+            log(f"W6: {note}")
+        mem_gb_s = args.mem_bandwidth or memory_read_gbs()
 
     doc = {
         "meta": {
@@ -202,8 +262,13 @@ def run(args) -> dict:
         for workload in workloads:
             for name in engines:  # engines alternate workload by workload, so drifting load hits both alike
                 runner = runners[name]
+                if workload == "w6" and name != "petrel":
+                    log(f"{ENGINE_LABELS[name]} w6: left out (W6 runs on petrel only in this process)")
+                    continue
                 log(f"{ENGINE_LABELS[name]} {workload} ...")
-                if workload == "w1":
+                if workload == "w6":
+                    body = run_w6(runner, plan6, mem_gb_s)
+                elif workload == "w1":
                     body = run_w1(runner, w1_ids, sizes)
                 elif workload == "w2":
                     body = run_batch(runner, prompts["w2"], sizes.w2_new_tokens, "w2")
@@ -227,7 +292,7 @@ def run(args) -> dict:
             runner.close()
 
     if "petrel" in engines and "hf" in engines:
-        doc["ratios"] = _ratios(workloads, by_key)
+        doc["ratios"] = _ratios([w for w in workloads if w != "w6"], by_key)
         for r in doc["ratios"]:
             print(json.dumps(r), flush=True)
     for result in doc["results"]:
@@ -254,7 +319,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--workloads",
         default="w1,w2",
-        help="comma-separated, from w1,w2,w4 (default: w1,w2); "
+        help="comma-separated, from w1,w2,w4,w6 (default: w1,w2); "
         "or a subcommand: latency (W1), throughput (W2), prefix (W4), serve (W3, its own options)",
     )
     parser.add_argument("--engines", default="petrel,hf", help="comma-separated, from petrel,hf (default: both)")
@@ -268,7 +333,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help=f"a shrunken smoke test: W1 {QUICK.w1_new_tokens} tokens x {QUICK.w1_runs} run, "
         f"W2 {QUICK.w2_num_requests} prompts (<= {QUICK.w2_max_prompt_len} tokens) x "
         f"{QUICK.w2_new_tokens} new, W4 {QUICK.w4_num_requests} x ({QUICK.w4_prefix_len}+"
-        f"{QUICK.w4_suffix_len}) x {QUICK.w4_new_tokens} new",
+        f"{QUICK.w4_suffix_len}) x {QUICK.w4_new_tokens} new, W6 {QUICK.w6_num_requests} x "
+        f"{QUICK.w6_prompt_len} + {QUICK.w6_new_tokens} new, long context <= {QUICK.w6_max_long_context}",
+    )
+    parser.add_argument(
+        "--mem-bandwidth",
+        type=float,
+        default=None,
+        metavar="GB/s",
+        help="this machine's memory bandwidth for W6's KV-bandwidth share (default: measured: a torch sum, 512 MiB)",
     )
     parser.add_argument(
         "--w1-runs",

@@ -32,6 +32,39 @@ def w1_metrics(t_start: float, token_times: list[float]) -> dict:
     }
 
 
+def w6_metrics(requests: list[dict], kv_bytes_per_token: int) -> dict:
+    """W6's figures from each request's send time, prompt length and new tokens' arrival times
+    ({"t_send", "prompt_len", "times"}): TTFT per request; decode tok/s over the window in which every request is
+    decoding (from the last first token to the last token: the tokens that arrived after it over its length); and
+    the KV bandwidth the decode attention achieved in that window: the KV bytes its tokens read (a token at
+    context c reads c tokens' keys and values) over the window's time. The window's time is whole steps (weights,
+    sampling and all), so that figure is a lower bound of the attention's own."""
+    firsts = [r["times"][0] for r in requests if r["times"]]
+    out = {
+        "ttft_s": [(r["times"][0] - r["t_send"]) if r["times"] else None for r in requests],
+        "new_tokens": [len(r["times"]) for r in requests],
+        "prompt_tokens": [r["prompt_len"] for r in requests],
+        "decode_tok_s": None,
+        "decode_window_s": None,
+        "kv_read_gb_s": None,
+    }
+    if len(firsts) != len(requests):
+        return out
+    start = max(firsts)
+    end = max(r["times"][-1] for r in requests)
+    tokens = kv_read = 0
+    for r in requests:
+        for k, t in enumerate(r["times"]):
+            if t > start:
+                tokens += 1
+                kv_read += (r["prompt_len"] + k) * kv_bytes_per_token
+    if end > start and tokens:
+        out.update(
+            decode_tok_s=tokens / (end - start), decode_window_s=end - start, kv_read_gb_s=kv_read / (end - start) / 1e9
+        )
+    return out
+
+
 def median(values):
     """The median of the values that are not None, or None when none are."""
     values = [v for v in values if v is not None]
@@ -95,6 +128,13 @@ def summary(doc: dict) -> None:
             ttft = f"{1000 * r['ttft_s']:.1f} ms" if r["ttft_s"] is not None else "n/a"
             dec = f"{r['decode_tok_s']:.2f}" if r["decode_tok_s"] is not None else "n/a"
             log(f"  {r['engine']:16s} w1: TTFT {ttft}, decode {dec} tok/s{flag}")
+        elif r["workload"] == "w6":
+            for key in ("batch", "long"):
+                m = r[key]
+                ttft = ", ".join(f"{t:.2f}" for t in m["ttft_s"] if t is not None) or "n/a"
+                dec = f"{m['decode_tok_s']:.2f}" if m["decode_tok_s"] is not None else "n/a"
+                bw = f"{m['kv_read_gb_s']:.2f}" if m["kv_read_gb_s"] is not None else "n/a"
+                log(f"  {r['engine']:16s} w6 {key}: TTFT {ttft} s, decode {dec} tok/s, KV read {bw} GB/s{flag}")
         else:
             log(
                 f"  {r['engine']:16s} {r['workload']}: wall {r['wall_s']:.2f}s, "

@@ -114,6 +114,34 @@ class PetrelRunner:
             "cached": [o.num_cached_tokens for o in outs],
         }
 
+    def streams(self, prompts: list[list[int]], n: int, tag: str) -> list[dict]:
+        """Every prompt submitted at once, each streamed (a thread each): its send time, prompt length and each new
+        token's arrival time (report.w6_metrics's input)."""
+        import threading
+
+        records = [{"prompt_len": len(p), "times": [], "t_send": 0.0} for p in prompts]
+        futures = []
+        for i, prompt in enumerate(prompts):
+            records[i]["t_send"] = time.perf_counter()
+            futures.append(
+                self.llm.generate_async(prompt, self._params(n), streaming=True, cache_salt=f"{self._salt}-{tag}-{i}")
+            )
+
+        def follow(future, record):
+            seen = 0
+            for snap in future:
+                k = len(snap.outputs[0].token_ids)
+                if k > seen:
+                    record["times"].extend([time.perf_counter()] * (k - seen))
+                    seen = k
+
+        threads = [threading.Thread(target=follow, args=(f, r), daemon=True) for f, r in zip(futures, records)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return records
+
     def close(self) -> None:
         self.llm.shutdown()
 
@@ -222,6 +250,7 @@ class HFRunner:
         t_start = time.perf_counter()
         out = self._gen(ids, mask, n, streamer)
         m = w1_metrics(t_start, streamer.times)
+        self.last_times = (t_start, streamer.times)  # for W6's figures (benchmarks/peers/hf_bench.py)
         new_ids = out[0, ids.shape[1] :].tolist()
         new_ids = new_ids[: self._row_count(new_ids)]
         m["generated_tokens"] = len(new_ids)  # from the output tensor, next to the streamer's count

@@ -78,6 +78,11 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) 
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(is_medium, smoothed, scaled)
+    if kind == "freq_divisors":  # a GGUF's rope_freqs tensor (llama.cpp writes Llama 3's scaling so)
+        divisors = torch.tensor(scaling["divisors"], dtype=torch.float64)
+        if divisors.shape != inv_freq.shape:
+            raise ValueError(f"rope_freqs has {divisors.numel()} values; head_dim {head_dim} needs {inv_freq.numel()}")
+        return inv_freq / divisors
     if kind in (None, "default"):
         return inv_freq
     raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: linear, llama3)")

@@ -301,6 +301,9 @@ def load_model_config(source: ModelSource, reader=None) -> ModelConfig:
     if source.kind == "gguf":
         reader = reader or _gguf_reader(source)
         cfg = ModelConfig.from_gguf_metadata(dict(reader.metadata), reader.has_output)
+        freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+        if freqs is not None and cfg.rope_scaling is None:  # llama.cpp's form of Llama 3's rope scaling
+            cfg.rope_scaling = {"rope_type": "freq_divisors", "divisors": np.asarray(freqs.data, np.float64).tolist()}
         if cfg.architecture == "Gemma3ForCausalLM":
             if reader.gemma_end_of_turn and 106 not in cfg.eos_token_ids:
                 cfg.eos_token_ids.append(106)
