@@ -94,6 +94,8 @@ class SpeculativeConfig:
 class EngineConfig:
     model: str | None = None  # None: the default model (SmolLM2-135M-Instruct GGUF)
     tokenizer: str | None = None  # another tokenizer directory or hub id
+    # llama.cpp's vision projector GGUF (an Idefics3 / SmolVLM mmproj) beside a llama text GGUF `model`
+    mmproj: str | None = None
     dtype: str = "float32"
     device: str = "cpu"
     max_model_len: int | None = None  # None: the model's context length (capped by the KV cache unless every

@@ -52,10 +52,12 @@ class LLMEngine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.source = resolve_model(config.model)
+        self.source = resolve_model(config.model, config.mmproj)
         self.tokenizer = load_tokenizer(self.source, config.tokenizer)
         # a vision-language model's processor (prompt + images -> ids and encoder inputs), None for text only
-        self.mm_processor = load_processor(self.source.path if self.source.kind == "hf" else None, self.tokenizer)
+        self.mm_processor = load_processor(
+            self.source.path if self.source.kind == "hf" else None, self.tokenizer, self.source.mmproj
+        )
         workers = self._start_workers(config)
         try:
             self.core = self._build_core(config, batched_post_processor, workers)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import importlib.util
+import itertools
 import json
 import os
 from collections.abc import Iterator
@@ -27,6 +28,7 @@ class ModelSource:
     kind: str  # "gguf" or "hf"
     path: str  # the .gguf file, or the Hugging Face directory
     name: str  # what the user asked for (served model name)
+    mmproj: str | None = None  # llama.cpp's vision projector GGUF beside a GGUF text model (petrel/model/mmproj.py)
 
 
 def default_model_path() -> str:
@@ -40,7 +42,19 @@ def default_model_path() -> str:
     return path
 
 
-def resolve_model(model: str | None) -> ModelSource:
+def resolve_model(model: str | None, mmproj: str | None = None) -> ModelSource:
+    """mmproj: an Idefics3 / SmolVLM vision projector GGUF for a GGUF text model (llama.cpp's --mmproj)."""
+    source = _resolve_model(model)
+    if mmproj is None:
+        return source
+    if source.kind != "gguf":
+        raise ValueError(f"mmproj: goes with a GGUF text model, and model {source.name!r} is not a GGUF file")
+    if not os.path.isfile(os.path.expanduser(mmproj)) or not mmproj.endswith(".gguf"):
+        raise ValueError(f"mmproj {mmproj!r}: no such .gguf file")
+    return ModelSource(source.kind, source.path, source.name, os.path.expanduser(mmproj))
+
+
+def _resolve_model(model: str | None) -> ModelSource:
     if model is None:
         return ModelSource("gguf", default_model_path(), "SmolLM2-135M-Instruct")
     expanded = os.path.expanduser(model)
@@ -242,7 +256,8 @@ def gguf_weights(reader, cfg: ModelConfig, keep_quantized: bool = False) -> Iter
     from petrel.model.gguf_quants import READERS
     from petrel.model.quantization import QuantizedWeight
 
-    permuted = cfg.architecture == "LlamaForCausalLM"  # llama.cpp permutes q/k rows for llama only
+    # llama.cpp permutes q/k rows for llama only (Idefics3's text model from a GGUF is one: petrel/model/mmproj.py)
+    permuted = cfg.architecture in ("LlamaForCausalLM", "Idefics3ForConditionalGeneration")
     gemma = cfg.architecture == "Gemma3ForCausalLM"
     names = _GGUF_NAMES_GEMMA3 if gemma else _GGUF_NAMES
     for t in reader.tensors:
@@ -304,6 +319,10 @@ def load_model_config(source: ModelSource, reader=None) -> ModelConfig:
         freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
         if freqs is not None and cfg.rope_scaling is None:  # llama.cpp's form of Llama 3's rope scaling
             cfg.rope_scaling = {"rope_type": "freq_divisors", "divisors": np.asarray(freqs.data, np.float64).tolist()}
+        if source.mmproj is not None:
+            from petrel.model.mmproj import with_mmproj
+
+            return with_mmproj(cfg, source.mmproj)
         if cfg.architecture == "Gemma3ForCausalLM":
             if reader.gemma_end_of_turn and 106 not in cfg.eos_token_ids:
                 cfg.eos_token_ids.append(106)
@@ -342,7 +361,9 @@ class _ReadingFiles:
         return self
 
     def __exit__(self, kind, exc, tb):
-        if exc is None or isinstance(exc, (KeyboardInterrupt, MemoryError)):
+        from petrel.model.mmproj import MmprojError
+
+        if exc is None or isinstance(exc, (KeyboardInterrupt, MemoryError, MmprojError)):
             return False
         raise ValueError(
             f"could not read the model at {self.source.path}: {type(exc).__name__}: {exc} "
@@ -370,7 +391,12 @@ def load_model(
     with _without_weight_init():
         model = cls(cfg, tp).float()
     with _ReadingFiles(source):
-        if reader is not None:
+        if reader is not None and source.mmproj is not None:
+            from petrel.model.mmproj import Mmproj
+
+            text = gguf_weights(reader, cfg, keep_quantized=quantization == "gguf")
+            model.load_weights(itertools.chain(text, Mmproj(source.mmproj).weights()))
+        elif reader is not None:
             model.load_weights(gguf_weights(reader, cfg, keep_quantized=quantization == "gguf"))
         else:
             model.load_weights(hf_weights(source.path))

@@ -41,8 +41,11 @@ class Idefics3Processor:
     kinds = ("image",)
     takes_embeddings = True  # an image is its placeholder rows alone: given embeddings can stand for it (Executor)
 
-    def __init__(self, path: str, tokenizer, config: dict):
-        processor = _read_json(os.path.join(path, "processor_config.json"))
+    def __init__(self, path: str | None, tokenizer, config: dict, processor: dict | None = None):
+        """processor: processor_config.json's content when there is no directory (an mmproj GGUF's,
+        petrel/model/mmproj.py)."""
+        if processor is None:
+            processor = _read_json(os.path.join(path, "processor_config.json"))
         kwargs = processor.get("image_processor") or _read_json(os.path.join(path, "preprocessor_config.json"))
         kwargs = {k: v for k, v in kwargs.items() if k not in _NOT_KWARGS}
         vision = config.get("vision_config", {})

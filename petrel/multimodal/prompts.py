@@ -13,8 +13,17 @@ from petrel.multimodal.media import DEFAULT_MAX_IMAGE_BYTES, load_image
 TEXT_ONLY = "this model takes no images (it is a text-only model)"
 
 
-def load_processor(path: str | None, tokenizer):
-    """The model directory's multimodal processor, or None for a text-only model."""
+def load_processor(path: str | None, tokenizer, mmproj: str | None = None):
+    """The model directory's multimodal processor (or an mmproj GGUF's, petrel/model/mmproj.py), or None for a
+    text-only model."""
+    if mmproj is not None:
+        from petrel.model.mmproj import Mmproj
+
+        _need_pillow("an mmproj")
+        from petrel.multimodal.idefics3 import Idefics3Processor
+
+        projector = Mmproj(mmproj)  # its config without the text model's part (the processor needs none)
+        return Idefics3Processor(None, tokenizer, projector.hf_config({}), projector.processor_config())
     config_path = os.path.join(path or "", "config.json")
     if path is None or not os.path.isfile(config_path):
         return None
@@ -22,22 +31,23 @@ def load_processor(path: str | None, tokenizer):
         config = json.load(f)
     architecture = (config.get("architectures") or [""])[0]
     if architecture in ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration"):
-        try:
-            import PIL  # noqa: F401
-        except ImportError:
-            raise ValueError(f"{architecture} takes images, which need Pillow: pip install 'petrel[vision]'") from None
+        _need_pillow(architecture)
         from petrel.multimodal.idefics3 import Idefics3Processor
 
         return Idefics3Processor(path, tokenizer, config)
     if architecture in ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"):
-        try:
-            import PIL  # noqa: F401
-        except ImportError:
-            raise ValueError(f"{architecture} takes images, which need Pillow: pip install 'petrel[vision]'") from None
+        _need_pillow(architecture)
         from petrel.multimodal.qwen2_vl import Qwen2VLProcessor
 
         return Qwen2VLProcessor(path, tokenizer, config)
     return None
+
+
+def _need_pillow(what: str) -> None:
+    try:
+        import PIL  # noqa: F401
+    except ImportError:
+        raise ValueError(f"{what} takes images, which need Pillow: pip install 'petrel[vision]'") from None
 
 
 def as_images(value, name: str, limit: int | None, max_pixels: int, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES) -> list:

@@ -46,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--model", default=None, help="GGUF file, Hugging Face directory or hub id (default: SmolLM2-135M-Instruct)"
     )
     p.add_argument("--tokenizer", default=None, help="another tokenizer directory or hub id")
+    p.add_argument(
+        "--mmproj", default=None, help="llama.cpp vision projector GGUF (Idefics3 / SmolVLM) for a llama text GGUF"
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
@@ -219,6 +222,7 @@ def engine_options(args) -> dict:
     options = {"dtype": args.dtype, "device": args.device}
     for key in (
         "tokenizer",
+        "mmproj",
         "max_model_len",
         "block_size",
         "kv_cache_memory",
