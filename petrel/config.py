@@ -188,11 +188,6 @@ class EngineConfig:
         if not isinstance(self.kv_transfer_timeout, (int, float)) or self.kv_transfer_timeout <= 0:
             raise ValueError(f"kv_transfer_timeout must be > 0 seconds, got {self.kv_transfer_timeout!r}")
         self._check_kv_transfer()
-        if self.kv_store_url is not None and not self.kv_store_url.startswith(KV_STORE_SCHEMES):
-            raise ValueError(
-                f"kv_store_url must start with one of {list(KV_STORE_SCHEMES)} (a Redis or Valkey server), "
-                f"got {self.kv_store_url.partition('://')[0]!r}"
-            )
         self._check_kv_tiers()
         from petrel.model.quantization import QUANTIZATION_METHODS
 
@@ -221,12 +216,18 @@ class EngineConfig:
             )
 
     def _check_kv_tiers(self) -> None:
+        """Sizes, the disk path and the store's URL well formed; any tier or store needs the prefix cache, one rank."""
         for name in ("kv_host_tier_bytes", "kv_disk_tier_bytes"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be a positive number of bytes, got {value!r}")
         if self.kv_disk_tier_path is not None and not self.kv_disk_tier_path.strip():
             raise ValueError("kv_disk_tier_path must be a directory path, got an empty string")
+        if self.kv_store_url is not None and not self.kv_store_url.startswith(KV_STORE_SCHEMES):
+            raise ValueError(
+                f"kv_store_url must start with one of {list(KV_STORE_SCHEMES)} (a Redis or Valkey server), "
+                f"got {self.kv_store_url.partition('://')[0]!r}"
+            )
         if not self.kv_host_tier_bytes and not self.kv_disk_tier_path and not self.kv_store_url:
             return
         name = (

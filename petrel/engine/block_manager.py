@@ -245,14 +245,8 @@ class BlockManager:
         for table, index, g, i in to_load:  # fresh blocks for the tier hits, published at once
             block = self._take_block()
             table[index] = block
-            key = _cache_key(g, seq.block_hashes[i])
             self.pending_loads[block] = loaded[g, i]
-            self.block_hash[block] = key
-            self.hash_to_block[key] = block
-            self.block_tokens[block] = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            if g == 0 and self.kv_event_sink is not None:
-                parent = seq.block_hashes[i - 1] if i else None
-                self.kv_event_sink(("stored", key, parent, self.block_tokens[block]))
+            self._publish(block, g, seq, i)
         seq.num_computed_tokens = hit * bs
         # after a preemption the chain can run into the sequence's own output: report prompt tokens only
         seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
@@ -346,24 +340,29 @@ class BlockManager:
             return
         num_full = seq.num_computed_tokens // self.block_size
         self._extend_hashes(seq, num_full)
-        bs = self.block_size
         tables = seq.block_tables if len(seq.block_tables) == self.num_groups else self._tables(seq)
         for g, table in enumerate(tables):
             for i in range(num_full):
                 block = table[i]
                 if block == FREED or block in self.block_hash:
                     continue
-                key = seq.block_hashes[i] if g == 0 else _cache_key(g, seq.block_hashes[i])
-                if key in self.hash_to_block:  # same content computed twice at once: keep the first
+                if _cache_key(g, seq.block_hashes[i]) in self.hash_to_block:  # computed twice at once: keep the first
                     continue
-                self.block_hash[block] = key
-                self.hash_to_block[key] = block
-                self.block_tokens[block] = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-                if self.publish_computed:
+                self._publish(block, g, seq, i)
+                if self.publish_computed:  # computed here: the shared store gets it too
                     self.pending_publishes.append((block, g, seq.block_hashes[i], self.block_tokens[block]))
-                if g == 0 and self.kv_event_sink is not None:
-                    parent = seq.block_hashes[i - 1] if i else None
-                    self.kv_event_sink(("stored", key, parent, self.block_tokens[block]))
+
+    def _publish(self, block: int, group: int, seq: Sequence, i: int) -> None:
+        """Enter `block` in the prefix cache as group `group`'s copy of the sequence's prompt block i (its hash and
+        tokens), and tell the KV event sink of group 0's."""
+        bs = self.block_size
+        key = _cache_key(group, seq.block_hashes[i])
+        self.block_hash[block] = key
+        self.hash_to_block[key] = block
+        self.block_tokens[block] = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+        if group == 0 and self.kv_event_sink is not None:
+            parent = seq.block_hashes[i - 1] if i else None
+            self.kv_event_sink(("stored", key, parent, self.block_tokens[block]))
 
     def prompt_block_hashes(self, seq: Sequence) -> list[bytes]:
         """The chain hashes of the prompt's full blocks a prefix lookup may match (not the one holding its last
