@@ -204,6 +204,11 @@ def _aborted(served) -> float:
 def test_client_gone_mid_stream_aborts_and_frees_blocks(llm, served):
     from tests.conftest import free_blocks
 
+    # an earlier test's request still finishing would free blocks while this one takes them: start idle
+    deadline = time.monotonic() + 15
+    while llm.engine.num_unfinished_requests and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert llm.engine.num_unfinished_requests == 0
     baseline, aborted = free_blocks(llm), _aborted(served)
     # greedy (sampled, the model may end the essay before the client hangs up): more than 400 tokens
     body = {
@@ -218,6 +223,7 @@ def test_client_gone_mid_stream_aborts_and_frees_blocks(llm, served):
             deltas += line == "event: response.output_text.delta"
             if deltas == 3:
                 break
+        assert llm.engine.num_unfinished_requests == 1, "the essay ended before the client hung up"
         assert free_blocks(llm) < baseline  # the request holds blocks while it runs
     deadline = time.monotonic() + 15
     while free_blocks(llm) != baseline and time.monotonic() < deadline:
