@@ -133,7 +133,8 @@ def byte_size(text: str) -> int:
 
 
 def kv_tier_arguments(p) -> None:
-    """--kv-host-tier-bytes, --kv-disk-tier-path and --kv-disk-tier-bytes (serve, generate, chat)."""
+    """--kv-host-tier-bytes, --kv-disk-tier-path, --kv-disk-tier-bytes and --kv-tier-fetch-timeout (serve, generate,
+    chat)."""
     g = p.add_argument_group("KV tiers (prefix-cache blocks evicted from the KV cache, kept and brought back)")
     g.add_argument(
         "--kv-host-tier-bytes",
@@ -157,9 +158,17 @@ def kv_tier_arguments(p) -> None:
         metavar="SIZE",
         help="the most bytes the disk tier holds; the oldest blocks are removed to make room (default 8G)",
     )
+    g.add_argument(
+        "--kv-tier-fetch-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="the longest a request waits for its blocks to be read from the disk tier or the shared KV store "
+        "before it is admitted and computes the rest (default 2)",
+    )
 
 
 def kv_tier_options(args) -> dict:
     """The LLM / EngineConfig keywords of the options kv_tier_arguments added, only those given."""
-    names = ("kv_host_tier_bytes", "kv_disk_tier_path", "kv_disk_tier_bytes")
+    names = ("kv_host_tier_bytes", "kv_disk_tier_path", "kv_disk_tier_bytes", "kv_tier_fetch_timeout")
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}

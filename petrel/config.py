@@ -139,10 +139,12 @@ class EngineConfig:
     encoder_cache_memory: int = 256 * 1024**2
     # lower KV tiers (petrel/kv_tiers): prefix-cache blocks evicted from the KV cache are kept in host memory (up
     # to kv_host_tier_bytes) and/or on disk (kv_disk_tier_path, up to kv_disk_tier_bytes) and brought back by hash
-    # instead of being recomputed; off unless one is given
+    # instead of being recomputed; off unless one is given. A request whose blocks are on disk or in the shared
+    # store waits (the batch does not) while they are read, kv_tier_fetch_timeout seconds at most
     kv_host_tier_bytes: int | None = None
     kv_disk_tier_path: str | None = None
     kv_disk_tier_bytes: int = 8 * 1024**3
+    kv_tier_fetch_timeout: float = 2.0
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
@@ -221,6 +223,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be a positive number of bytes, got {value!r}")
+        if not self.kv_tier_fetch_timeout > 0:
+            raise ValueError(
+                f"kv_tier_fetch_timeout must be a positive number of seconds, got {self.kv_tier_fetch_timeout!r}"
+            )
         if self.kv_disk_tier_path is not None and not self.kv_disk_tier_path.strip():
             raise ValueError("kv_disk_tier_path must be a directory path, got an empty string")
         if self.kv_store_url is not None and not self.kv_store_url.startswith(KV_STORE_SCHEMES):

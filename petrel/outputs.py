@@ -86,6 +86,7 @@ class OutputChunk:
     additional_context_outputs: dict | None = None  # name -> [prompt_len, ...], in the first chunk
     additional_generation_outputs: dict | None = None  # name -> [len(output_ids), ...]
     disaggregated_params: Any = None  # a context-only request's DisaggregatedParams (its last chunk)
+    kv_fetch: KVFetchStats | None = None  # its waits for KV blocks read from a slow tier so far (None: none)
 
     @property
     def error(self) -> str | None:
@@ -147,6 +148,16 @@ def logprob_entry(
     return entry
 
 
+@dataclass(frozen=True)
+class KVFetchStats:
+    """A request's waits for its KV blocks to be read from a slow tier (disk, the shared store): the seconds it was
+    held back from admission, and the blocks and bytes read for it (petrel/engine/kv_tier_io.py)."""
+
+    seconds: float = 0.0
+    blocks: int = 0
+    bytes: int = 0
+
+
 @dataclass
 class RequestPerfMetrics:
     arrival_time: float
@@ -155,6 +166,11 @@ class RequestPerfMetrics:
     last_token_time: float | None = None
     num_generated_tokens: int = 0
     request_path: str | None = None  # a TextGenerationRequest's request_path (normalized, capped)
+    # petrel's own (no TensorRT-LLM name fits): the seconds the request waited before admission for its KV blocks
+    # to be read from the disk tier or the shared KV store, and the blocks and bytes read for it (part of queue_time)
+    kv_cache_fetch_time: float = 0.0
+    kv_cache_fetched_blocks: int = 0
+    kv_cache_fetched_bytes: int = 0
 
     @property
     def queue_time(self) -> float | None:

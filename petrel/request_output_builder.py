@@ -240,6 +240,9 @@ class RequestOutputBuilder:
         if seq.finish_reason is None:
             self._apply_to(seq, chunk)
         self.num_cached_tokens = max(self.num_cached_tokens, chunk.cached_tokens)
+        if chunk.kv_fetch is not None:
+            m.kv_cache_fetch_time = chunk.kv_fetch.seconds
+            m.kv_cache_fetched_blocks, m.kv_cache_fetched_bytes = chunk.kv_fetch.blocks, chunk.kv_fetch.bytes
         if chunk.context_logits is not None:
             self.context_logits = chunk.context_logits
         if chunk.disaggregated_params is not None:  # the engine's PromptHandoff, in the API's terms

@@ -17,6 +17,8 @@ layers will read (a global group all blocks of the hit, a sliding group those it
 Lower KV tiers (petrel/kv_tiers, when the engine has them): an evicted cached block is listed for the engine to copy
 out, and a prefix lookup continues past the memory hit through tier_fetch; a tier hit gets a fresh block, published
 at once, whose KV (opaque here) the engine writes before the step runs (see petrel/engine/kv_tier_io.py).
+blocks_past_memory names the blocks a lookup would ask the tiers for, so that the engine can read them from a slow
+tier ahead of the lookup.
 """
 
 from __future__ import annotations
@@ -363,6 +365,20 @@ class BlockManager:
         if group == 0 and self.kv_event_sink is not None:
             parent = seq.block_hashes[i - 1] if i else None
             self.kv_event_sink(("stored", key, parent, self.block_tokens[block]))
+
+    def blocks_past_memory(self, seq: Sequence) -> list[tuple[int, bytes]]:
+        """(group, hash) of the prompt's full blocks a prefix lookup may match, from the first one some group's
+        prefix cache lacks on, in chain order: what a lower tier would have to serve ([] for a sequence that takes
+        no prefix hit)."""
+        if not self.enable_prefix_caching or seq.params.needs_context_outputs:
+            return []
+        hashes = self.prompt_block_hashes(seq)
+        groups = range(self.num_groups)
+        first = next(
+            (i for i, h in enumerate(hashes) if any(_cache_key(g, h) not in self.hash_to_block for g in groups)),
+            len(hashes),
+        )
+        return [(g, h) for h in hashes[first:] for g in groups]
 
     def prompt_block_hashes(self, seq: Sequence) -> list[bytes]:
         """The chain hashes of the prompt's full blocks a prefix lookup may match (not the one holding its last

@@ -32,6 +32,8 @@ from petrel.engine.step_isolation import isolated
 from petrel.engine.stop import check_stop
 from petrel.model.config import ModelConfig
 
+IDLE_FETCH_WAIT_S = 0.005  # a step with nothing to run waits this long at most for a KV tier fetch (then polls again)
+
 
 class EngineCore:
     def __init__(
@@ -73,6 +75,8 @@ class EngineCore:
             self.runner = TensorParallelRunner(workers, *shape, kv_groups=self.kv_groups)
         # lower KV tiers (host memory, disk): evicted prefix blocks kept and brought back by hash
         self.tier_io = build_tier_io(config, self.runner, model, model_config, self.block_manager)
+        if self.tier_io is not None:  # a request whose blocks are read from a slow tier waits, the batch does not
+            self.scheduler.fetch_pending = self.tier_io.fetch_pending
         self.sampler = Sampler(model_config.vocab_size, config.seed, batched_post_processor)
         vocab = model_config.vocab_size
         self.speculator = None  # the engine's own speculative decoding (speculative_config)
@@ -160,6 +164,8 @@ class EngineCore:
         if self.tier_io is not None:  # evicted blocks out to the tiers, tier hits in, before anything writes
             self.tier_io.drain(self.block_manager)
         if not batch:
+            if self.tier_io is not None:  # maybe only requests waiting for their blocks: let the fetch worker run
+                self.tier_io.wait_for_fetches(IDLE_FETCH_WAIT_S)
             return []
         for seq in batch.seqs:
             if seq.request.first_scheduled_time is None:
@@ -312,6 +318,8 @@ class EngineCore:
     def _end(self, seq: Sequence, finish_reason: str, stop_reason=None) -> None:
         """A sequence is finished: its blocks go back, its reasons are kept."""
         self.scheduler.finish(seq)
+        if self.tier_io is not None:
+            self.tier_io.forget(seq)
         seq.finish_reason, seq.stop_reason = finish_reason, stop_reason
 
     def _mark_finished(self, req: EngineRequest, index: int) -> None:

@@ -45,6 +45,7 @@ class EngineOutput:
     # a context-only request's hand-off (petrel/engine/pinned_prompts.py PromptHandoff: its first token and the
     # handle of its pinned prompt KV), on its output; the front reports it as DisaggregatedParams
     disaggregated_params: object = None
+    kv_fetch: object = None  # the request's KVFetchStats so far (petrel/outputs.py), once it waited for a KV fetch
 
 
 @dataclass
@@ -151,6 +152,7 @@ def build_output(
         num_cached_tokens=seq.num_cached_tokens if seq is not None else 0,
         timestamp=now,
         scheduled_time=req.first_scheduled_time,
+        kv_fetch=req.kv_fetch,
         **fields,
     )
     generation = generation or {}

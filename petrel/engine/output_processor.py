@@ -92,6 +92,7 @@ class RequestOutputProcessor:
             additional_context_outputs=out.additional_context_outputs,
             additional_generation_outputs=out.additional_generation_outputs,
             disaggregated_params=out.disaggregated_params,
+            kv_fetch=out.kv_fetch,
         )
         if out.new_logprobs is not None:
             new_logprobs = out.new_logprobs[: len(new_ids)]

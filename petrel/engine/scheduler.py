@@ -9,11 +9,14 @@ With LoRA, a waiting request whose adapter is not running is admitted only while
 than there are LoRA slots run (else it waits, and the queue behind it, until one finishes).
 When blocks run out, the newest running sequence is preempted: its blocks are freed and it goes back
 to the front of the queue, to be recomputed later (its full blocks stay in the prefix cache).
+With lower KV tiers, a waiting sequence whose blocks are being read from a slow tier (fetch_pending) stays in the
+queue while the ones behind it are admitted; it is admitted once its fetch is settled.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from petrel.engine.block_manager import BlockManager
@@ -65,6 +68,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_queried_tokens = 0  # prompt tokens admitted, and how many of them the prefix cache served
         self.prefix_hit_tokens = 0
+        # lower KV tiers (petrel/engine/kv_tier_io.py): whether a waiting sequence waits for its blocks' fetch
+        self.fetch_pending: Callable[[Sequence], bool] | None = None
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence behind every waiting one of equal or higher priority."""
@@ -137,8 +142,12 @@ class Scheduler:
 
         running_loras = {s.request.lora_int_id for s in self.running} - {0} if self.max_loras else set()
         committed = sum(_width(s) for s in self.running)  # running sequences, and the forks they will make
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
-            seq = self.waiting[0]  # a waiting sequence holds no blocks
+        held = 0  # waiting sequences passed over while their blocks are read from a slow KV tier
+        while len(self.waiting) > held and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
+            seq = self.waiting[held]  # a waiting sequence holds no blocks
+            if seq.request.imported_kv is None and self.fetch_pending is not None and self.fetch_pending(seq):
+                held += 1
+                continue
             width = _width(seq)
             if self.running and committed + width > self.max_num_seqs:
                 break  # its n sequences (or beams) would run past max_num_seqs
@@ -161,7 +170,7 @@ class Scheduler:
                     bm.free(seq)  # give the prefix hit back until it is admitted
                     seq.num_cached_tokens = 0
                     break
-            self.waiting.popleft()
+            del self.waiting[held]
             self.prefix_queried_tokens += seq.num_prompt_tokens
             self.prefix_hit_tokens += seq.num_cached_tokens
             seq.status = SequenceStatus.RUNNING
@@ -170,7 +179,7 @@ class Scheduler:
             scheduled.append((seq, n))
             budget -= n
 
-        if not scheduled and self.waiting and self.running:
+        if not scheduled and len(self.waiting) > held and self.running:
             # only idle beams run, and they hold the blocks their other (preempted) beams need: recompute them too
             for seq in list(self.running):
                 self._preempt(seq, batch)

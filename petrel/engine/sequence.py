@@ -20,6 +20,7 @@ from petrel.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from petrel.engine.beam_search import BeamSearch
     from petrel.multimodal.inputs import MultiModalInputs
+    from petrel.outputs import KVFetchStats
 
 
 class SequenceStatus(enum.Enum):
@@ -63,6 +64,7 @@ class EngineRequest:
     # it holds from the start; plan_hinted_fetch keeps those in this request's own chain
     kv_hint_keys: tuple[bytes, ...] = ()
     kv_hint_tokens: int = 0
+    kv_fetch: KVFetchStats | None = None  # its waits for KV blocks read from a slow tier (kv_tier_io.fetch_pending)
 
     @property
     def lora_int_id(self) -> int:

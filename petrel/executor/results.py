@@ -19,7 +19,7 @@ from petrel.executor.types import (
     Result,
     TimingMetrics,
 )
-from petrel.outputs import OutputChunk
+from petrel.outputs import KVFetchStats, OutputChunk
 from petrel.sampling_params import SamplingParams
 
 
@@ -56,9 +56,10 @@ class RequestState:
         self.block_size = block_size
         self.timing = TimingMetrics(arrival_time=time.monotonic())
         self.cached_tokens = 0
+        self.kv_fetch = KVFetchStats()
 
     def track(self, chunk: OutputChunk) -> None:
-        """Perf metrics from a chunk: scheduling and token times, prefix-cache hits."""
+        """Perf metrics from a chunk: scheduling and token times, prefix-cache hits, KV tier fetches."""
         t = self.timing
         if chunk.scheduled_time is not None and t.first_scheduled_time is None:
             t.first_scheduled_time = chunk.scheduled_time
@@ -66,14 +67,23 @@ class RequestState:
             t.first_token_time = t.first_token_time or chunk.timestamp
             t.last_token_time = chunk.timestamp
         self.cached_tokens = max(self.cached_tokens, chunk.cached_tokens)
+        self.kv_fetch = chunk.kv_fetch or self.kv_fetch
 
     def perf_metrics(self) -> RequestPerfMetrics:
         reused = self.cached_tokens // self.block_size
         full = len(self.request.input_token_ids) // self.block_size
         missed = max(full - reused, 0)
+        fetch = self.kv_fetch
         return RequestPerfMetrics(
             timing_metrics=TimingMetrics(**vars(self.timing)),
-            kv_cache_metrics=KvCacheMetrics(reused, missed, reused / (reused + missed) if reused + missed else 0.0),
+            kv_cache_metrics=KvCacheMetrics(
+                reused,
+                missed,
+                reused / (reused + missed) if reused + missed else 0.0,
+                fetch_time=fetch.seconds,
+                fetched_blocks=fetch.blocks,
+                fetched_bytes=fetch.bytes,
+            ),
             num_generated_tokens=sum(len(s.token_ids) for s in self.seqs),
         )
 

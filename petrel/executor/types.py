@@ -145,6 +145,11 @@ class KvCacheMetrics:
     num_reused_blocks: int = 0  # prompt blocks served from the prefix cache
     num_missed_blocks: int = 0  # full prompt blocks that had to be computed
     kv_cache_hit_rate: float = 0.0  # reused / (reused + missed)
+    # petrel's own: seconds the request waited before admission for blocks read from the disk tier or the shared
+    # KV store, and the blocks and bytes read for it
+    fetch_time: float = 0.0
+    fetched_blocks: int = 0
+    fetched_bytes: int = 0
 
 
 @dataclass
