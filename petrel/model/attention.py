@@ -1,5 +1,6 @@
 """Paged attention over a block-structured KV cache, in portable PyTorch (CPU or any device); on x86-64 CPUs in
-float32, decode rows go to petrel's C kernel instead (dense_kernels.decode_attention: blocks read in place).
+float32, decode rows go to petrel's C kernel instead (dense_kernels.decode_attention: blocks read in place), and
+on CUDA with Triton installed the whole step goes to petrel/model/triton_attention (PETREL_TRITON=0: not).
 
 A step's tokens arrive as one flat batch. Decode tokens (one query per sequence) come first, sorted by
 context length and attended in a few batched calls (groups of similar lengths, so little padding is read);
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from petrel.model import dense_kernels
+from petrel.model import dense_kernels, triton_attention
 
 
 @dataclass
@@ -56,6 +57,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64: flat cache slot that receives each new K/V
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
+    kernel_inputs: dict = field(default_factory=dict)  # what a kernel derives from the above once a step, by name
 
 
 def per_layer(meta: AttentionMetadata | list[AttentionMetadata]):
@@ -91,6 +93,8 @@ def paged_attention(
 
     sliding_window: when set, each query attends to its last `sliding_window` positions only (itself included).
     """
+    if triton_attention.serves(q.device):
+        return triton_attention.paged_attention(q, k, v, kv_cache, meta, scale, sliding_window)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     key_cache, value_cache = kv_cache[0], kv_cache[1]
