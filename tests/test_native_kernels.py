@@ -113,7 +113,7 @@ def test_weight_struct_matches_the_header():
         for m in re.finditer(r"^\s*(?:const\s+)?(\w+)\s*(\*?)\s*(\w+);", body, flags=re.M)
     ]
     assert fields == dense_kernels.Weight._fields_
-    assert ctypes.sizeof(dense_kernels.Weight) == 32
+    assert ctypes.sizeof(dense_kernels.Weight) == 40
 
 
 @needs_kernels
@@ -131,6 +131,7 @@ def test_failed_scratch_allocation_is_reported():
     lib, huge = dense_kernels.library(), 1 << 44
     oom = 1  # KERNEL_OUT_OF_MEMORY
     assert lib.quant_gemv(4, None, huge, 64, None, None, None, 5, None, 16, 1) == oom
+    assert lib.int8_gemm(None, huge, 64, None, None, None, 16, 1) == oom
     assert (
         lib.decode_layer(
             None,

@@ -10,6 +10,7 @@ import copy
 import numpy as np
 import pytest
 import torch
+from test_int8_gemm import rounded_rows
 
 from petrel import LLM, LoRARequest, SamplingParams
 from petrel.config import EngineConfig
@@ -70,7 +71,8 @@ def rounded_activations(x: torch.Tensor) -> torch.Tensor:
 def test_quantized_linear_matches_dequantized_product(fmt, rows, backend):
     """QuantizedLinear computes the dequantized weight's product: exactly (up to float summation order) on the torch
     path and from GEMV_MAX_ROWS rows; the kernels' few-row products round the activations to int16 per 32 first
-    and keep the exact sums for the weights' mins."""
+    and keep the exact sums for the weights' mins; int8 weights from INT8_MIN_ROWS rows round each row of x to
+    16-bit integers (int8_gemm.c)."""
     out_features, in_features = 160, 512
     if fmt == "int8":
         dense = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(1))
@@ -90,6 +92,9 @@ def test_quantized_linear_matches_dequantized_product(fmt, rows, backend):
         mins = weight.mins if weight.mins is not None else torch.zeros_like(weight.scale)
         w_mins = mins.double().repeat_interleave(weight.group_size, dim=1)
         expected = rounded_activations(x) @ (w.double() - w_mins).t() + x.double() @ w_mins.t() + bias.double()
+    elif backend == "kernels" and 0 < weight.integer_rows <= rows:
+        codes, scales = rounded_rows(x)
+        expected = (codes * scales) @ w.double().t() + bias.double()
     got = layer(x)
     assert got.shape == (rows, out_features) and got.dtype == torch.float32 and got.is_contiguous()
     scale = exact.abs().max().item()
@@ -135,8 +140,10 @@ def _int8_reference(hf):
 def test_int8_logits_and_lora_match_transformers_on_dequantized_weights(tiny, tmp_path, tied, monkeypatch):
     """quantization='int8' (a LoRA adapter on top too) gives the logits of transformers run on the int8-dequantized
     weights (and peft's adapter merged into them). Every product here takes the exact path (dequantized tiles): the
-    few-row kernels' rounding of the activations is what test_quantized_linear_matches_dequantized_product checks."""
+    few-row and integer kernels' rounding of the activations is what test_quantized_linear_matches_dequantized_product
+    and test_int8_gemm check."""
     monkeypatch.setattr(quantization, "GEMV_MAX_ROWS", 0)
+    monkeypatch.setenv("PETREL_INT8_COMPUTE", "0")
     from test_lora import hf_greedy, make_adapter, prompt
 
     from petrel.model.loader import resolve_model

@@ -25,6 +25,7 @@ SOURCES = (
     "dense_kernels.c",
     "prefill_attention.c",
     "quant_kernels.c",
+    "int8_gemm.c",
     "gemm_avx2.c",
     "gemm_avx512.c",
     "thread_pool.c",

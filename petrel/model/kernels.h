@@ -13,13 +13,15 @@
 
 /* A projection's weight [N][K] (dense_kernels.Weight mirrors it, field for field): float32 rows (bits 32, data
  * only), or quant_kernels.c's codes (bits 4 or 8) with their float32 scale and min per group of 2^gshift (mins may
- * be NULL). */
+ * be NULL); integer_rows: from this many rows of x its products run in integers (int8_gemm.c: 8-bit codes, one
+ * scale a row, no mins), 0 never. */
 typedef struct {
     const void *data;
     const float *scale;
     const float *mins;
     int32_t bits;
     int32_t gshift;
+    int32_t integer_rows;
 } weight;
 
 /* dense_kernels.c */
@@ -70,6 +72,10 @@ int quant_gemm(int bits, const float *x, int64_t M, int64_t K, const void *codes
                const float *mins, int gshift, float *y, int64_t N, int nthreads);
 void quant_dequant(int bits, int64_t K, const void *codes, const float *scale, const float *mins, int gshift,
                    float *out, int64_t n0, int64_t n1, int nthreads);
+
+/* int8_gemm.c */
+int int8_gemm(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scale, float *y, int64_t N,
+              int nthreads);
 
 /* build_info.c */
 const char *kernels_source_digest(void);

@@ -1,11 +1,14 @@
-"""The AVX2 weight-only low-bit kernels of quant_kernels.c (built and loaded by petrel.model.native).
+"""The AVX2 low-bit kernels of quant_kernels.c (weight-only: float activations) and int8_gemm.c (int8 row-scaled
+weights times activations rounded to 16-bit integers, for many rows), built and loaded by petrel.model.native.
 
 library() is None where the kernels cannot run (see native.load; switch: PETREL_QUANT_KERNELS=0): QuantizedLinear
-then dequantizes with torch instead (same results, slower)."""
+then dequantizes with torch instead (same results, slower). PETREL_INT8_COMPUTE=0 keeps int8 weights on the float
+products (see int8_compute)."""
 
 from __future__ import annotations
 
 import ctypes
+import os
 
 import torch
 
@@ -103,3 +106,18 @@ def dequantize_rows(
         n1,
         torch.get_num_threads(),
     )
+
+
+def int8_compute() -> bool:
+    """Whether int8 weights multiply many rows in integers (int8_gemm); PETREL_INT8_COMPUTE=0 keeps float products."""
+    return os.environ.get("PETREL_INT8_COMPUTE", "1") != "0"
+
+
+def int8_gemm(lib, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 contiguous @ (scale * codes)^T -> [M, N] float32, codes int8 [N, K] with one scale a row:
+    x's rows rounded to 16-bit integers, the products exact int32 sums (int8_gemm.c)."""
+    (m, k), n = x.shape, codes.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    if lib.int8_gemm(x.data_ptr(), m, k, codes.data_ptr(), scale.data_ptr(), y.data_ptr(), n, torch.get_num_threads()):
+        raise native.out_of_memory("int8_gemm")
+    return y

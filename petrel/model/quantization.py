@@ -7,7 +7,9 @@ EngineConfig.quantization picks how a model's projections, LM head and embedding
         Q5_1, Q5_K as 8-bit codes per 32; Q6_K as 8-bit codes per 16); other GGUF types load dequantized.
 Products run in quant_kernels.c (AVX2): weights are widened to float in registers and multiplied with float
 activations, so a product equals the dequantized weight's up to the order of float additions. At batch 1 a
-decode step reads every weight once, so fewer bytes per weight is what makes it faster.
+decode step reads every weight once, so fewer bytes per weight is what makes it faster. Many rows (prefill,
+batched decode) are arithmetic-bound instead: there int8 per-row weights multiply x's rows rounded to 16-bit
+integers in exact integer sums (int8_gemm.c, INT8_MIN_ROWS; PETREL_INT8_COMPUTE=0 keeps the float products).
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ ROW_GROUP = 62  # group shift meaning "one group per row" (per-output-channel sc
 GEMV_MAX_ROWS = 12  # up to this many rows of x the register kernel wins; beyond, dequantized tiles:
 GEMM_MAX_ROWS = 256  # up to this many, 12-row tiles under the float32 decode kernel (one call, quant_kernels.gemm);
 TILE_ELEMENTS = 1 << 18  # beyond, tiles of this many weights (1 MB of float32: stays in cache) and torch's GEMM
+# int8 per-row weights past the register kernel: integer products at any count (int8_gemm.c; Zen 4, one thread, a
+# busy machine: 1.3-2x the float tiles from 8 rows, about 1.5x float32 weights from 64; benchmarks/int8_gemm.py)
+INT8_MIN_ROWS = GEMV_MAX_ROWS + 1
 
 
 class QuantizedWeight(nn.Module):
@@ -155,12 +160,21 @@ class QuantizedWeight(nn.Module):
             w += self.mins[sel].unsqueeze(-1)
         return w.view(n, self.shape[1])
 
+    @property
+    def integer_rows(self) -> int:
+        """From how many rows of x products run in integers (int8_gemm.c), 0 for never: int8 codes with one scale a
+        row (quantization='int8') from INT8_MIN_ROWS, unless PETREL_INT8_COMPUTE=0."""
+        per_row_int8 = self.bits == 8 and self.group_shift >= ROW_GROUP and self.mins is None
+        return INT8_MIN_ROWS if per_row_int8 and quant_kernels.int8_compute() else 0
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, in] -> x @ W^T, float32 [M, out]."""
         out_features, in_features = self.shape
         x = x.to(torch.float32).contiguous()
         lib = quant_kernels.library() if x.device.type == "cpu" and in_features % 32 == 0 else None
         mins = self.mins
+        if lib is not None and 0 < self.integer_rows <= x.shape[0]:
+            return quant_kernels.int8_gemm(lib, x, self.codes, self.scale)
         if lib is not None and x.shape[0] <= GEMM_MAX_ROWS:
             product = quant_kernels.gemv if x.shape[0] <= GEMV_MAX_ROWS else quant_kernels.gemm
             return product(lib, self.bits, x, self.codes, self.scale, mins, self.group_shift, out_features)

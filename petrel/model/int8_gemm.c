@@ -1,0 +1,182 @@
+/* Products of many rows (prefill, batched decode) with int8 weights of one scale per output row
+ * (quantization="int8") in integer arithmetic, for x86-64 CPUs with AVX2, loaded with ctypes.
+ *
+ * y[m][n] = dx[m] s[n] sum_k q[m][k] c[n][k]: c are the weight's int8 codes and s their row scales; each row of x
+ * is first rounded to 16-bit integers with one scale (q = round(x / dx), dx = max|x| / Q), and the sum is exact
+ * int32 arithmetic: _mm256_madd_epi16 multiplies sixteen pairs of 16-bit values and adds neighbours into eight int32
+ * lanes. Q = min(32767, (2^31 - 1) / (256 ceil(K / 2))), so that no lane can overflow: each adds ceil(K / 2) sums
+ * of two products of at most 128 Q. Only the rounding of x differs from the float product of the dequantized
+ * weight: each value moves by at most max|x| / 2Q, 2^-16 of its row's largest up to K = 512, 2^-14.4 at K = 1536.
+ *
+ * Why 16-bit activations and not 8-bit ones with _mm256_maddubs_epi16: maddubs multiplies unsigned by signed bytes,
+ * so signed codes by signed activations need a _mm256_sign_epi8 per product, and its int16 sums a madd by ones to
+ * widen them: per multiply-add as many instructions on the multiplier ports as madd_epi16 on 16-bit values, plus
+ * the sign, and activations 256 times coarser.
+ *
+ * The blocking is gemm_avx2.c's: a 6 x 16 block of y in twelve int32 accumulators; per pair of k, two loads of
+ * packed weights (16 columns x 2 k as int16) and six broadcasts of a pair of activations, twelve madds. Each thread
+ * takes whole 16-column panels of W, widens one at a time into k-pair-major order ([ceil(K/2)][16][2] int16, zeros
+ * past N and K) and passes every row of x over it: the panel stays in cache, the rounded x streams (scratch: the
+ * rounded x and one panel a thread, however large W). */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+#include "thread_pool.h"
+
+#define MR 6
+#define NR 16
+
+static inline int32_t pair_at(const int16_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+typedef struct {
+    const float *x; int64_t M, K, Kp; int16_t *q; float *dx; int16_t Q;
+} rounding_args;
+
+/* rows [m0, m1) of x as codes q[m][Kp] (zeros from K on) and scales dx[m] */
+static void round_rows(void *args, int t, int T) {
+    const rounding_args *a = args;
+    const int64_t K = a->K;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    int64_t m0, m1;
+    split_range(a->M, t, T, 1, &m0, &m1);
+    for (int64_t m = m0; m < m1; m++) {
+        const float *x = a->x + m * K;
+        int16_t *q = a->q + m * a->Kp;
+        __m256 mx8 = _mm256_setzero_ps();
+        int64_t k = 0;
+        for (; k + 8 <= K; k += 8) mx8 = _mm256_max_ps(mx8, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)));
+        float lanes[8], mx = 0.f;
+        _mm256_storeu_ps(lanes, mx8);
+        for (int j = 0; j < 8; j++) mx = lanes[j] > mx ? lanes[j] : mx;
+        for (; k < K; k++) mx = __builtin_fabsf(x[k]) > mx ? __builtin_fabsf(x[k]) : mx;
+        float inv = (float)a->Q / mx;
+        if (!(inv < __builtin_inff())) inv = 0.f;   /* an all-zero row (or one below 2^-113: taken as zeros) */
+        const __m256 inv8 = _mm256_set1_ps(inv);
+        for (k = 0; k + 16 <= K; k += 16) {   /* packs interleaves 128-bit lanes: the permute puts them in order */
+            const __m256i p = _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k), inv8)),
+                                                 _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k + 8), inv8)));
+            _mm256_storeu_si256((__m256i *)(q + k), _mm256_permute4x64_epi64(p, 0xD8));
+        }
+        for (; k < K; k++) q[k] = (int16_t)_mm_cvtss_si32(_mm_set_ss(x[k] * inv));
+        for (; k < a->Kp; k++) q[k] = 0;
+        a->dx[m] = mx / (float)a->Q;
+    }
+}
+
+/* r[i][j] = r[j][i] for an 8 x 8 matrix of int32 */
+static inline void transpose8(__m256i r[8]) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
+    }
+}
+
+/* W rows [n, n + nr) as a panel wp[ceil(K/2)][NR][2] of int16, zeros past nr and K. Eight whole rows and 16 k at a
+ * time: each row's 16 codes widened are eight int32 pairs, and a transpose makes them eight pairs of each row. */
+static void pack_panel(const int8_t *codes, int64_t K, int64_t n, int nr, int16_t *wp) {
+    const int64_t P = (K + 1) / 2;
+    memset(wp, 0, sizeof(int16_t) * P * NR * 2);
+    int j0 = 0;
+    for (; j0 + 8 <= nr; j0 += 8) {
+        int64_t k = 0;
+        for (; k + 16 <= K; k += 16) {
+            __m256i r[8];
+            for (int i = 0; i < 8; i++)
+                r[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(codes + (n + j0 + i) * K + k)));
+            transpose8(r);
+            for (int p = 0; p < 8; p++) _mm256_storeu_si256((__m256i *)(wp + ((k / 2 + p) * NR + j0) * 2), r[p]);
+        }
+        for (int j = j0; j < j0 + 8; j++)
+            for (int64_t kk = k; kk < K; kk++) wp[((kk >> 1) * NR + j) * 2 + (kk & 1)] = codes[(n + j) * K + kk];
+    }
+    for (int j = j0; j < nr; j++)
+        for (int64_t k = 0; k < K; k++) wp[((k >> 1) * NR + j) * 2 + (k & 1)] = codes[(n + j) * K + k];
+}
+
+/* row i of the block, one pair of k. The empty asm takes each row's sums as made: without it gcc computes all twelve
+ * products first and keeps the accumulators on the stack (half the speed, measured) */
+#define STEP(i) \
+    xb = _mm256_set1_epi32(pair_at(x##i + 2 * p)); \
+    c##i##0 = _mm256_add_epi32(c##i##0, _mm256_madd_epi16(w0, xb)); \
+    c##i##1 = _mm256_add_epi32(c##i##1, _mm256_madd_epi16(w1, xb)); \
+    __asm__("" : "+x"(c##i##0), "+x"(c##i##1));
+#define OUT(i) \
+    _mm256_storeu_ps(tile[i], _mm256_mul_ps(_mm256_cvtepi32_ps(c##i##0), _mm256_mul_ps(s0, _mm256_set1_ps(dx[i])))); \
+    _mm256_storeu_ps(tile[i] + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(c##i##1), _mm256_mul_ps(s1, _mm256_set1_ps(dx[i]))));
+
+/* y rows [0, mr) x columns [0, nr) from the codes of MR rows of x (Kp apart, scales dx) and one panel wp (row scales
+ * s, NR of them). The accumulators are named variables, not an array: gcc keeps an array of vectors in memory. */
+static void block_6x16(const int16_t *x, int64_t Kp, const float *dx, const int16_t *wp, const float *s, float *y,
+                       int64_t ldy, int mr, int nr) {
+    __m256i c00 = _mm256_setzero_si256(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+    __m256i c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00, xb;
+    const int16_t *x0 = x, *x1 = x + Kp, *x2 = x + 2 * Kp, *x3 = x + 3 * Kp, *x4 = x + 4 * Kp, *x5 = x + 5 * Kp;
+    for (int64_t p = 0; p < Kp / 2; p++, wp += 2 * NR) {
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)wp), w1 = _mm256_loadu_si256((const __m256i *)(wp + 16));
+        STEP(0) STEP(1) STEP(2) STEP(3) STEP(4) STEP(5)
+    }
+    const __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8);
+    float tile[MR][NR];
+    OUT(0) OUT(1) OUT(2) OUT(3) OUT(4) OUT(5)
+    for (int i = 0; i < mr; i++) memcpy(y + i * ldy, tile[i], sizeof(float) * nr);
+}
+
+typedef struct {
+    const int16_t *q; const float *dx; int64_t M, Kp; const int8_t *codes; const float *scale; float *y; int64_t N, K;
+    int16_t *panels;
+} product_args;
+
+static void product_part(void *args, int t, int T) {
+    const product_args *a = args;
+    const int64_t Kp = a->Kp, N = a->N;
+    int16_t *const panel = a->panels + t * Kp * NR;
+    int64_t n0, n1;
+    split_range(N, t, T, NR, &n0, &n1);
+    for (int64_t n = n0; n < n1; n += NR) {
+        const int nr = n1 - n < NR ? (int)(n1 - n) : NR;
+        float s[NR] = {0};
+        memcpy(s, a->scale + n, sizeof(float) * nr);
+        pack_panel(a->codes, a->K, n, nr, panel);
+        for (int64_t m = 0; m < a->M; m += MR)
+            block_6x16(a->q + m * Kp, Kp, a->dx + m, panel, s, a->y + m * N + n, N, a->M - m < MR ? (int)(a->M - m) : MR,
+                       nr);
+    }
+}
+
+/* y[M][N] = x[M][K] @ W^T for W = scale[n] * codes[n][k] (int8 codes, one float scale a row), x's rows rounded to
+ * 16-bit integers first (see above); 0, or KERNEL_OUT_OF_MEMORY (y then not written) */
+int int8_gemm(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scale, float *y, int64_t N,
+              int nthreads) {
+    const int T = nthreads < 1 ? 1 : nthreads;
+    const int64_t Kp = (K + 1) / 2 * 2, Mp = (M + MR - 1) / MR * MR, bound = 2147483647 / (128 * Kp);
+    int16_t *q = malloc(sizeof(int16_t) * (Mp * Kp + T * Kp * NR) + sizeof(float) * Mp);
+    if (!q) return KERNEL_OUT_OF_MEMORY;
+    int16_t *panels = q + Mp * Kp;
+    float *dx = (float *)(panels + T * Kp * NR);
+    memset(q + M * Kp, 0, sizeof(int16_t) * (Mp - M) * Kp);
+    memset(dx + M, 0, sizeof(float) * (Mp - M));
+    rounding_args r = {x, M, K, Kp, q, dx, (int16_t)(bound < 32767 ? bound : 32767)};
+    parallel_run(round_rows, &r, T);
+    product_args a = {q, dx, M, Kp, codes, scale, y, N, K, panels};
+    parallel_run(product_part, &a, T);
+    free(q);
+    return 0;
+}

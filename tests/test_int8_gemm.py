@@ -1,0 +1,137 @@
+"""int8 weights times many rows in integers (int8_gemm.c): the kernel against a float64 product of the rounded rows
+and the codes (ragged shapes, extreme codes, outliers, the largest sums int32 can hold), the rounding's worst case
+against the dequantized product, QuantizedLinear's switch, and a tiny Llama under quantization='int8' against
+transformers on the dequantized weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from petrel import LLM, SamplingParams
+from petrel.model import quant_kernels
+from petrel.model.quantization import INT8_MIN_ROWS, QuantizedLinear, QuantizedWeight
+
+
+@pytest.fixture
+def lib():
+    lib = quant_kernels.library()
+    if lib is None:
+        pytest.skip("the AVX2 kernels cannot run here (no AVX2/FMA or no C compiler)")
+    return lib
+
+
+def rounded_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x's rows as int8_gemm.c rounds them, float64: codes round(x * (Q / max|x|)) in float32 (half to even) and
+    scales max|x| / Q, Q the most that keeps every int32 lane of the sums from overflowing."""
+    pairs = (x.shape[1] + 1) // 2
+    levels = min(32767, (2**31 - 1) // (256 * pairs))
+    top = x.abs().amax(dim=1, keepdim=True)
+    most = torch.full_like(top, levels)  # tensor / tensor: IEEE division (levels / top would multiply by 1 / top)
+    inverse = torch.where(top > 0, most / top, torch.zeros_like(top))
+    return torch.round(x * inverse).double(), (top / most).double()
+
+
+def integer_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    q, dx = rounded_rows(x)
+    return (q @ codes.double().t()) * dx * scale.double().reshape(1, -1)
+
+
+def assert_float_rounding_only(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """The integer sums are exact: what is left is three float32 roundings (the sum, the two scales' product, their
+    product), 2^-24 each, of every element itself."""
+    assert (got.double() - expected).abs().le(2e-7 * expected.abs()).all()
+
+
+@pytest.mark.parametrize("m, k, n", [(1, 32, 1), (7, 31, 17), (45, 576, 50), (13, 1538, 33)])
+def test_int8_gemm_equals_the_integer_product(lib, m, k, n):
+    g = torch.Generator().manual_seed(m * k + n)
+    x = torch.randn(m, k, generator=g)
+    codes = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    scale = torch.rand(n, 1, generator=g) * 0.01 + 1e-4
+    assert_float_rounding_only(quant_kernels.int8_gemm(lib, x, codes, scale), integer_reference(x, codes, scale))
+
+
+def test_int8_gemm_extremes(lib):
+    """Codes -128 and 127 only, an activation outlier 10^4 times the rest, a zero row, and rows of one value times
+    codes of one sign at K = 4097: sums of 2,146,959,104, just below 2^31."""
+    m, k, n = 7, 4097, 20
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(m, k, generator=g)
+    x[0, 5] = 1e4
+    x[1] = 0
+    x[2], x[3] = 3.5, -3.5
+    codes = torch.where(torch.rand(n, k, generator=g) < 0.5, 127, -128).to(torch.int8)
+    codes[0], codes[1] = -128, 127
+    scale = torch.rand(n, 1, generator=g) + 0.5
+    got = quant_kernels.int8_gemm(lib, x, codes, scale)
+    expected = integer_reference(x, codes, scale)
+    assert_float_rounding_only(got, expected)
+    assert (got[1] == 0).all() and got[2, 0] == -got[3, 0] and expected[2, 0] < 0
+    assert rounded_rows(x)[0][2, 0] * -128 * k == -2_146_959_104
+
+
+def test_rounding_rows_costs_at_most_half_a_step_per_activation(lib):
+    """Against the dequantized weight's float product: |y - x W^T| <= (max|x| / 2Q) sum_k |W[n, k]| (and float
+    rounding), outliers or not."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(40, 1536, generator=g)
+    x[::3, 7] *= 300
+    weight = QuantizedWeight.int8_per_channel(torch.randn(96, 1536, generator=g))
+    w = weight.dequantize().double()
+    got = quant_kernels.int8_gemm(lib, x, weight.codes, weight.scale).double()
+    _, dx = rounded_rows(x)
+    bound = dx / 2 * w.abs().sum(dim=1) + 1e-6 * (x.double().abs() @ w.abs().t())
+    assert ((got - x.double() @ w.t()).abs() <= bound).all()
+
+
+def test_quantized_linear_switches_to_integers_from_int8_min_rows(lib, monkeypatch):
+    """int8 per-row weights with INT8_MIN_ROWS rows or more: integer products; PETREL_INT8_COMPUTE=0: the float
+    product of the dequantized weight (tiles, exact up to float summation order)."""
+    g = torch.Generator().manual_seed(2)
+    weight = QuantizedWeight.int8_per_channel(torch.randn(64, 256, generator=g))
+    layer = QuantizedLinear(weight)
+    x = torch.randn(INT8_MIN_ROWS, 256, generator=g)
+    assert_float_rounding_only(layer(x), integer_reference(x, weight.codes, weight.scale))
+    monkeypatch.setenv("PETREL_INT8_COMPUTE", "0")
+    exact = x.double() @ weight.dequantize().double().t()
+    assert (layer(x).double() - exact).abs().max() <= 1e-6 * exact.abs().max()
+
+
+def test_int8_model_logits_match_transformers_on_dequantized_weights(tiny, tmp_path, lib, monkeypatch):
+    """quantization='int8' with prefill and decode steps of INT8_MIN_ROWS rows (decode_layers) in integers: every
+    prompt and generated position's log-probabilities are those of transformers on the int8-dequantized weights
+    within 1e-3 (measured: 3e-4, against 2e-6 with PETREL_INT8_COMPUTE=0: each activation moves by up to 2^-16
+    of its row's largest), and every greedy token is transformers' argmax."""
+    from test_lora import prompt
+    from test_quantization import _int8_reference
+
+    from petrel.model.loader import resolve_model
+    from petrel.model.tokenizer import load_tokenizer
+
+    calls = []
+    integer_gemm = quant_kernels.int8_gemm
+    monkeypatch.setattr(quant_kernels, "int8_gemm", lambda *a: calls.append(a) or integer_gemm(*a))
+    t = tiny(2, False)
+    ref = _int8_reference(t.hf)
+    load_tokenizer(resolve_model(None)).save_pretrained(tmp_path / "tok")
+    llm = LLM(t.path, tokenizer=str(tmp_path / "tok"), kv_cache_memory=1 << 20, quantization="int8")
+    try:
+        params = SamplingParams(
+            temperature=0, max_tokens=4, ignore_eos=True, return_context_logits=True, return_generation_logits=True
+        )
+        prompts = [prompt(s, 20 + s) for s in range(INT8_MIN_ROWS)]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert calls  # the prompts went through int8_gemm
+    worst = 0.0
+    for ids, out in zip(prompts, outs):
+        tokens = list(out.outputs[0].token_ids)
+        with torch.no_grad():
+            expected = ref(torch.tensor([ids + tokens])).logits[0].float()[: len(ids) + len(tokens) - 1]
+        assert expected[len(ids) - 1 :].argmax(-1).tolist() == tokens
+        got = torch.cat([out.context_logits, out.outputs[0].generation_logits[1:]])
+        worst = max(worst, (got.log_softmax(-1) - expected.log_softmax(-1)).abs().max().item())
+    print(f"int8 in integers vs transformers on the dequantized weights: max |delta logprob| {worst:.2e}")
+    assert worst < 1e-3
