@@ -67,7 +67,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", default=None, help="GGUF file, Hugging Face directory or hub id (default: SmolLM2-135M-Instruct)"
     )
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument(
         "--quantization",
         default=None,

@@ -24,6 +24,16 @@ SPECULATIVE_METHODS = ("ngram", "draft_model", "self")
 KV_TRANSFER_ROLES = ("prefill", "decode", "both")
 EXECUTOR_BACKENDS = ("mp", "ray")
 KV_STORE_SCHEMES = ("redis://", "rediss://", "unix://")
+CPU_KV_CACHE_MEMORY = 2 * 1024**3  # the KV cache's default bytes on CPU (and per rank with tensor parallelism)
+KV_CACHE_FREE_FRACTION = 0.9  # of a CUDA device's free memory after the weights: the KV cache's default
+
+
+def kv_cache_budget(config: EngineConfig) -> int:
+    """The KV cache's bytes: kv_cache_memory, else KV_CACHE_FREE_FRACTION of the CUDA device's free memory now
+    (call it once the weights are loaded)."""
+    if config.kv_cache_memory is not None:
+        return config.kv_cache_memory
+    return int(torch.cuda.mem_get_info(torch.device(config.device))[0] * KV_CACHE_FREE_FRACTION)
 
 
 @dataclass
@@ -96,18 +106,22 @@ class EngineConfig:
     tokenizer: str | None = None  # another tokenizer directory or hub id
     # llama.cpp's vision projector GGUF (an Idefics3 / SmolVLM mmproj) beside a llama text GGUF `model`
     mmproj: str | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"  # 'auto': bfloat16 on CUDA, float32 on CPU
     device: str = "cpu"
     max_model_len: int | None = None  # None: the model's context length (capped by the KV cache unless every
     # layer has one sliding window: its blocks behind it are given back)
     block_size: int = 16
-    kv_cache_memory: int = 2 * 1024**3  # bytes for the paged KV cache
+    # bytes for the paged KV cache; None: CPU_KV_CACHE_MEMORY, or on one CUDA device KV_CACHE_FREE_FRACTION of the
+    # memory free once the weights are loaded (resolved by kv_cache_budget)
+    kv_cache_memory: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     kv_cache_hash_seed: str = ""  # combined with each request's cache_salt in the root block hash
     seed: int = 0
+    enforce_eager: bool = False  # no CUDA graphs for decode steps (petrel/engine/decode_graphs.py)
+    cuda_graph_batch_sizes: list[int] | None = None  # decode batch sizes captured; None: 1, 2, 4, 8, 16, 32, ...
     num_threads: int | None = None  # torch intra-op threads (None: torch's default)
     speculative_config: SpeculativeConfig | dict | None = None
     enable_lora: bool = False  # LoRA adapter slots on the model's projections (LLM.generate(lora_request=...))
@@ -160,11 +174,16 @@ class EngineConfig:
             raise ValueError(
                 f"device must be one of {list(DEVICES)} (cuda may name its index, cuda:1), got {self.device!r}"
             )
+        if self.dtype == "auto":
+            self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
         if self.dtype not in TORCH_DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(TORCH_DTYPES)}, got {self.dtype!r}")
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(TORCH_DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_memory is None and (self.device == "cpu" or self.tensor_parallel_size > 1):
+            self.kv_cache_memory = CPU_KV_CACHE_MEMORY  # ranks measuring free memory apart could disagree
+        if any(not isinstance(s, int) or s < 1 for s in self.cuda_graph_batch_sizes or ()):
+            raise ValueError(f"cuda_graph_batch_sizes must be positive integers, got {self.cuda_graph_batch_sizes!r}")
         for name in (
             "block_size",
-            "kv_cache_memory",
             "max_num_seqs",
             "max_num_batched_tokens",
             "max_image_pixels",
@@ -173,6 +192,8 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory must be a positive integer, got {self.kv_cache_memory!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
         self.speculative_config = SpeculativeConfig.coerce(self.speculative_config)

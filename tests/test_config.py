@@ -44,3 +44,31 @@ def test_right_values_of_every_kind_are_taken():
 def test_unknown_options_are_refused():
     with pytest.raises(TypeError, match="unknown engine option"):
         EngineConfig.from_kwargs(enable_magic=True)
+
+
+def test_dtype_auto_is_bfloat16_on_cuda_and_float32_on_cpu():
+    assert EngineConfig().dtype == "float32"
+    assert EngineConfig(device="cuda").dtype == "bfloat16"
+    assert EngineConfig(device="cuda:1", dtype="float32").dtype == "float32"
+    with pytest.raises(ValueError, match="'auto'"):
+        EngineConfig(dtype="float8")
+
+
+def test_kv_cache_memory_defaults_to_a_fraction_of_free_cuda_memory(monkeypatch):
+    """None: 2 GiB on CPU (and per rank with tensor parallelism); on one CUDA device 0.9 of the memory free when
+    the budget is read (after the weights); a given size is kept."""
+    import torch
+
+    from petrel.config import CPU_KV_CACHE_MEMORY, kv_cache_budget
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: asked.append(device) or (10 * 2**30, 80 * 2**30))
+    assert kv_cache_budget(EngineConfig()) == CPU_KV_CACHE_MEMORY == 2 * 2**30
+    assert kv_cache_budget(EngineConfig(device="cuda", tensor_parallel_size=2)) == CPU_KV_CACHE_MEMORY
+    assert kv_cache_budget(EngineConfig(device="cuda", kv_cache_memory=123_456)) == 123_456
+    assert asked == []
+    assert EngineConfig(device="cuda:1").kv_cache_memory is None
+    assert kv_cache_budget(EngineConfig(device="cuda:1")) == int(0.9 * 10 * 2**30)
+    assert asked == [torch.device("cuda:1")]
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        EngineConfig(kv_cache_memory=0)

@@ -120,11 +120,11 @@ def run_batch(runner, prompts: list[list[int]], n: int, tag: str) -> dict:
 
 def plan_w6(model_config, args, sizes: Sizes) -> W6Plan:
     """W6's plan for this model (its vocabulary, context and KV bytes per token at --dtype) and petrel's KV budget
-    (--kv-cache-memory, else EngineConfig's default)."""
-    from petrel.config import EngineConfig
+    (--kv-cache-memory, else EngineConfig's default on CPU)."""
+    from petrel.config import CPU_KV_CACHE_MEMORY, EngineConfig
 
     defaults = EngineConfig.__dataclass_fields__
-    budget = args.kv_cache_memory or defaults["kv_cache_memory"].default
+    budget = args.kv_cache_memory or CPU_KV_CACHE_MEMORY
     block = args.block_size or defaults["block_size"].default
     kv = kv_bytes_per_token(
         model_config.num_hidden_layers,

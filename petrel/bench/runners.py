@@ -19,6 +19,7 @@ PETREL_OPTIONS = (
     "quantization",
     "tensor_parallel_size",
     "distributed_executor_backend",
+    "device",
 )
 
 
@@ -159,6 +160,7 @@ class HFRunner:
         from petrel.config import TORCH_DTYPES
 
         self.dtype = TORCH_DTYPES[args.dtype]
+        self.device = getattr(args, "device", None) or "cpu"
         self.batch_size = args.hf_batch_size
         self.pad = pad_token_id
         t0 = time.perf_counter()
@@ -168,7 +170,7 @@ class HFRunner:
             )
         else:
             self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
-        self.model.eval()
+        self.model.to(self.device).eval()
         eos = self.model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
         self.load_s = time.perf_counter() - t0
@@ -182,6 +184,7 @@ class HFRunner:
             "load_s": self.load_s,
             "options": {
                 "dtype": str(self.dtype).replace("torch.", ""),
+                "device": self.device,
                 "batch_size": self.batch_size,
                 "sorted_by_length": True,
                 "padding": "left",
@@ -208,7 +211,7 @@ class HFRunner:
         for j, s in enumerate(seqs):  # left padding
             ids[j, length - len(s) :] = torch.tensor(s)
             mask[j, length - len(s) :] = 1
-        return ids, mask
+        return ids.to(self.device), mask.to(self.device)
 
     def _row_count(self, row_ids: list[int]) -> int:
         """Tokens a batch row really generated: a row that stopped at EOS early is padded out with pad_token_id."""

@@ -14,6 +14,7 @@ import torch
 from petrel.config import EngineConfig
 from petrel.engine.beam_search import BeamSearchDriver
 from petrel.engine.block_manager import BlockManager
+from petrel.engine.decode_graphs import batch_sizes_of
 from petrel.engine.engine_output import EngineOutput, IterationStats, build_output, merge_outputs, step_stats
 from petrel.engine.extra_outputs import gather_context_rows, generation_rows
 from petrel.engine.kv_capacity import plan_kv_cache
@@ -67,7 +68,12 @@ class EngineCore:
         shape = (model, model_config, num_blocks, bs, config.torch_dtype, config.device)
         if workers is None:
             self.runner = ModelRunner(
-                *shape, self.lora_manager, kv_groups=self.kv_groups, encoder_cache_memory=config.encoder_cache_memory
+                *shape,
+                self.lora_manager,
+                kv_groups=self.kv_groups,
+                encoder_cache_memory=config.encoder_cache_memory,
+                cuda_graph_batch_sizes=batch_sizes_of(config),
+                max_model_len=self.max_model_len,
             )
         else:
             from petrel.distributed.runner import TensorParallelRunner

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from petrel.config import EngineConfig
+from petrel.config import EngineConfig, kv_cache_budget
 from petrel.engine.kv_groups import KVGroups, kv_groups_for
 from petrel.engine.model_runner import num_kv_blocks
 from petrel.model.config import ModelConfig
@@ -28,7 +28,7 @@ def plan_kv_cache(config: EngineConfig, model_config: ModelConfig) -> KVCapacity
     bs = config.block_size
     num_blocks = num_kv_blocks(config, model_config, groups.layers_per_block)
     if num_blocks < 2:
-        raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes holds fewer than 2 blocks of {bs} tokens")
+        raise ValueError(f"kv_cache_memory={kv_cache_budget(config)} bytes holds fewer than 2 blocks of {bs} tokens")
     model_len = config.max_model_len or model_config.max_position_embeddings
     if model_len > model_config.max_position_embeddings:
         raise ValueError(

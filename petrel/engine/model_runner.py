@@ -6,7 +6,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from petrel.config import kv_cache_budget
 from petrel.engine.block_manager import FREED
+from petrel.engine.decode_graphs import capture_decode_graphs, graphs_supported
 from petrel.engine.encoder_cache import DEFAULT_ENCODER_CACHE_MEMORY, EncoderCache
 from petrel.engine.kv_groups import KVGroups, single_group
 from petrel.engine.prompt_tuning import virtual_token_embeddings
@@ -113,8 +115,8 @@ def kv_bytes_per_block(
 
 
 def num_kv_blocks(config, cfg: ModelConfig, layers_per_block: int | None = None) -> int:
-    """Cache blocks that kv_cache_memory (per rank) holds: every rank computes the same number."""
-    return config.kv_cache_memory // kv_bytes_per_block(
+    """Cache blocks that the KV budget (kv_cache_budget: per rank) holds: every rank computes the same number."""
+    return kv_cache_budget(config) // kv_bytes_per_block(
         cfg, config.block_size, config.torch_dtype, config.tensor_parallel_size, layers_per_block
     )
 
@@ -142,9 +144,13 @@ class ModelRunner:
         tp: TensorParallel = SINGLE,
         kv_groups: KVGroups | None = None,
         encoder_cache_memory: int = DEFAULT_ENCODER_CACHE_MEMORY,
+        cuda_graph_batch_sizes: list[int] | None = None,
+        max_model_len: int | None = None,
     ):
         """kv_groups: the layers' block tables (petrel/engine/kv_groups.py); default one table for all.
-        encoder_cache_memory: bytes of a vision-language model's encoder outputs kept for reuse."""
+        encoder_cache_memory: bytes of a vision-language model's encoder outputs kept for reuse.
+        cuda_graph_batch_sizes: decode batch sizes to capture as CUDA graphs (petrel/engine/decode_graphs.py), where
+        the model and device allow; max_model_len bounds their block tables."""
         if torch.device(device).type == "cpu":
             keep_freed_memory_in_heap()
         self.model = model
@@ -162,13 +168,25 @@ class ModelRunner:
         )
         self.kv_groups = kv_groups or single_group(cfg.num_hidden_layers, None)
         kv_heads = local_kv_heads(cfg.num_key_value_heads, tp)  # this rank's slice of the cache
-        # layers_per_block tensors; the i-th layer of every group uses the i-th (at that group's block ids)
+        plain = (
+            tp.size == 1
+            and self.kv_groups.num_groups == 1
+            and lora_manager is None
+            and not getattr(model, "uses_mrope", False)
+        )
+        graph_sizes = (cuda_graph_batch_sizes or []) if plain and graphs_supported(self.device) else []
+        # layers_per_block tensors; the i-th layer of every group uses the i-th (at that group's block ids); with
+        # CUDA graphs one more block, past the block manager's, takes the padded rows' K/V
         self.cache_tensors = [
-            new_kv_cache(num_blocks, block_size, kv_heads, cfg.head_dim, dtype, device)
+            new_kv_cache(num_blocks + bool(graph_sizes), block_size, kv_heads, cfg.head_dim, dtype, device)
             for _ in range(self.kv_groups.layers_per_block)
         ]
         self.kv_caches = [self.cache_tensors[self.kv_groups.slot_of(layer)] for layer in range(cfg.num_hidden_layers)]
         self._layer_group = [self.kv_groups.group_of(layer) for layer in range(cfg.num_hidden_layers)]
+        self.decode_graphs = None
+        if graph_sizes:
+            max_blocks = -(-(max_model_len or cfg.max_position_embeddings) // block_size)
+            self.decode_graphs = capture_decode_graphs(model, self.kv_caches, graph_sizes, max_blocks, num_blocks)
 
     def layer_tables(self, block_tables: list[list[int]]):
         """A sequence's table for each layer (its group's), as petrel/engine/kv_export.py takes them; with one
@@ -294,6 +312,30 @@ class ModelRunner:
         _, logits = self.forward(ForwardPlan([spans[i] for i in order], ends.tolist(), num_layers=num_layers))
         return logits[torch.tensor(order).argsort().to(self.device)]
 
+    @torch.inference_mode()
+    def _replay_decode(self, plan: ForwardPlan) -> torch.Tensor | None:
+        """The logits of a plan of single-token spans through a captured CUDA graph, or None when the plan is
+        another kind or no graph holds it (then forward runs it)."""
+        graphs, spans = self.decode_graphs, plan.spans
+        if (
+            graphs is None
+            or not spans
+            or plan.num_layers is not None
+            or plan.logits_rows != list(range(len(spans)))
+            or any(len(s.token_ids) != 1 or s.embedding_table is not None or s.multi_modal is not None for s in spans)
+            or not graphs.fits(len(spans), max(len(s.block_table) for s in spans))
+        ):
+            return None
+        self.copy_blocks(plan.block_copies)
+        bs = self.block_size
+        return graphs.run(
+            [s.token_ids[0] for s in spans],
+            [s.start for s in spans],
+            [s.block_table[s.start // bs] * bs + s.start % bs for s in spans],
+            [_readable(s.block_table) for s in spans],
+            [s.start + 1 for s in spans],
+        )
+
     def _forward_with_loras(self, batch: ScheduledBatch, plan: ForwardPlan):
         """One forward where each token runs with its request's adapter (slot -1: the base model). The engine
         core has given the batch's adapters their slots (LoRAManager.activate) before."""
@@ -344,7 +386,11 @@ class ModelRunner:
         )
         logits_rows = context_rows + sample_rows if context_logits_wanted else sample_rows
         plan = ForwardPlan(self.spans(batch), logits_rows, batch.block_copies)
-        if self.lora_manager is None:
+        wants_hidden = any("hidden_states" in s.params.additional_model_outputs for s in sample_seqs)
+        logits = None if context_spans or wants_hidden else self._replay_decode(plan)
+        if logits is not None:
+            hidden = None
+        elif self.lora_manager is None:
             hidden, logits = self.forward(plan)
         else:
             hidden, logits = self._forward_with_loras(batch, plan)
@@ -366,6 +412,6 @@ class ModelRunner:
                 )
             )
         sample_hidden = None
-        if any("hidden_states" in s.params.additional_model_outputs for s in sample_seqs):
+        if wants_hidden:
             sample_hidden = hidden[self._tensor(sample_rows)]
         return StepLogits(sample_seqs, sample_logits if sample_seqs else None, first_rows, spans, sample_hidden)

@@ -5,6 +5,9 @@ penalties, min_tokens masking, the grammar masks of guided sequences; then beam-
 best candidates, greedy rows take argmax, and random rows go through temperature, top-k, top-p, min-p and
 an exponential race (which lets a per-sequence generator make a seeded sequence reproducible in any batch).
 Logprobs come from the same processed distribution the token was drawn from, with the token's rank.
+
+The logits may live on a GPU: a step without logprobs, beams, drafts or logits processors reads the device once
+(the chosen tokens with their logprobs, in one transfer); what decides the path is known on the host.
 """
 
 from __future__ import annotations
@@ -68,8 +71,18 @@ def _gather_logprobs(logp: torch.Tensor, tokens: torch.Tensor, ks: list[int]) ->
 class Sampler:
     def __init__(self, vocab_size: int, seed: int = 0, batched_post_processor: BatchedPostProcessor | None = None):
         self.vocab_size = vocab_size
+        self.seed = seed
         self.generator = torch.Generator().manual_seed(seed)
+        self._device_generators: dict[torch.device, torch.Generator] = {}
         self.batched_post_processor = batched_post_processor
+
+    def _engine_generator(self, device: torch.device) -> torch.Generator:
+        """The generator of rows without a seed of their own, on the logits' device."""
+        if device.type == "cpu":
+            return self.generator
+        if device not in self._device_generators:
+            self._device_generators[device] = torch.Generator(device).manual_seed(self.seed)
+        return self._device_generators[device]
 
     def _run_processors(self, logits: torch.Tensor, seqs: list[Sequence]) -> dict[int, str]:
         """Run the requests' logits processors, then the executor's post-processors (named ones, then the batched
@@ -159,10 +172,9 @@ class Sampler:
             apply_grammar_masks(logits, guided)
 
         beams = [i for i, p in enumerate(params) if p.use_beam_search]
-        greedy = torch.tensor([p.greedy or p.use_beam_search for p in params], device=logits.device)
+        random_rows = [i for i, p in enumerate(params) if not (p.greedy or p.use_beam_search)]
         tokens = logits.argmax(dim=-1)
-        if not bool(greedy.all()):  # random rows are processed in place (temperature, top-k/p, min-p)
-            random_rows = (~greedy).nonzero().squeeze(1).tolist()
+        if random_rows:  # processed in place (temperature, top-k/p, min-p)
             sampled = self._sample_random(
                 logits,
                 [seqs[i] for i in random_rows],
@@ -171,15 +183,22 @@ class Sampler:
             )
             tokens[random_rows] = sampled
 
-        result = SampleResult(tokens.tolist(), [None] * len(seqs), sampled_logprobs=[None] * len(seqs))
+        plain = [i for i, p in enumerate(params) if not p.use_beam_search]
+        # every sampled token's logprob (cumulative_logprob), fetched with the tokens in one transfer (float64
+        # holds every token id exactly)
+        to_host = tokens.double()
+        if plain:
+            logp = torch.log_softmax(logits if not beams else logits[plain], dim=-1)  # on CPU cheaper than logsumexp
+            chosen = tokens if not beams else tokens[plain]
+            to_host = torch.cat([to_host, logp.gather(1, chosen.unsqueeze(1)).squeeze(1).double()])
+        values = to_host.tolist()
+        n = len(seqs)
+        result = SampleResult([int(t) for t in values[:n]], [None] * n, sampled_logprobs=[None] * n)
+        for i, value in zip(plain, values[n:]):
+            result.sampled_logprobs[i] = value
         if beams:
             self._beam_candidates(logits, beams, params, result)
-        plain = [i for i, p in enumerate(params) if not p.use_beam_search]
-        if plain:  # every sampled token's logprob (cumulative_logprob), with the top-k and rank where asked for
-            logp = torch.log_softmax(logits[plain], dim=-1)  # on CPU cheaper than a logsumexp of the rows
-            chosen = tokens[plain]
-            for j, value in enumerate(logp.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()):
-                result.sampled_logprobs[plain[j]] = value
+        if plain:  # the top-k and rank where asked for
             wanted = [j for j, i in enumerate(plain) if params[i].logprobs is not None]
             if wanted:
                 rows = torch.tensor(wanted, device=logp.device)
@@ -235,8 +254,8 @@ class Sampler:
             threshold = kth.gather(1, ks.unsqueeze(1))
             no_topk = torch.tensor([k == 0 for k in top_ks], device=x.device).unsqueeze(1)
             x = x.masked_fill((x < threshold) & ~no_topk, float("-inf"))
-        top_ps = torch.tensor([p.top_p for p in params], device=x.device)
-        if bool((top_ps < 1.0).any()):
+        if any(p.top_p < 1.0 for p in params):
+            top_ps = torch.tensor([p.top_p for p in params], device=x.device)
             sorted_x, order = x.sort(dim=1, descending=True)
             probs = sorted_x.softmax(dim=1)
             before = probs.cumsum(dim=1) - probs  # mass of strictly better tokens
@@ -245,8 +264,8 @@ class Sampler:
             )  # top_p 1: keep all (mass may round past 1)
             sorted_x = sorted_x.masked_fill(drop, float("-inf"))
             x = torch.empty_like(x).scatter_(1, order, sorted_x)
-        min_ps = torch.tensor([p.min_p for p in params], device=x.device)
-        if bool((min_ps > 0).any()):
+        if any(p.min_p > 0 for p in params):
+            min_ps = torch.tensor([p.min_p for p in params], device=x.device)
             probs = x.softmax(dim=1)
             x = x.masked_fill(probs < min_ps.unsqueeze(1) * probs.max(dim=1, keepdim=True).values, float("-inf"))
         logits[rows] = x
@@ -254,14 +273,17 @@ class Sampler:
         noise = torch.empty_like(probs)
         accepted = {}
         for j, seq in enumerate(seqs):
-            generator = seq.generator or self.generator
+            generator = seq.generator or self._engine_generator(x.device)
             draft = drafts[j] if drafts else None
             if draft is not None:
-                if torch.rand((), generator=generator).item() < probs[j, draft].item():
+                if torch.rand((), generator=generator, device=generator.device).item() < probs[j, draft].item():
                     accepted[j] = draft
                 else:
                     probs[j, draft] = 0.0
-            noise[j].exponential_(generator=generator)
+            if generator.device == noise.device:
+                noise[j].exponential_(generator=generator)
+            else:  # a seeded request's CPU generator: its draws do not depend on the device
+                noise[j] = torch.empty(noise.shape[1]).exponential_(generator=generator).to(noise.device)
         tokens = (probs / noise).argmax(dim=1)
         for j, draft in accepted.items():
             tokens[j] = draft

@@ -117,7 +117,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     g = p.add_argument_group("engine options (see petrel/config.py)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="cpu")
     g.add_argument(
         "--quantization",
