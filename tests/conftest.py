@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
+# Triton reads this when it is first imported (torch._dynamo, which transformers pulls in, imports it): set before any
+# test module, the Triton kernels' tests run in its interpreter whatever the files collected ahead of them import.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 @pytest.fixture(scope="session")

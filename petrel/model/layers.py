@@ -1,4 +1,7 @@
-"""Small building blocks of a decoder: RMS norm, rotary embedding, gated MLP activation."""
+"""Small building blocks of a decoder: RMS norm, rotary embedding, gated MLP activation.
+
+On a device Triton serves (CUDA) each runs as one fused kernel of petrel/model/triton_ops; on the CPU, petrel's C
+kernels (dense_kernels) or PyTorch."""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ import math
 import torch
 from torch import nn
 
-from petrel.model import dense_kernels
+from petrel.model import dense_kernels, triton_ops
 
 
 class Linear(nn.Linear):
@@ -42,6 +45,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if triton_ops.serves(x.device) and x.dtype == self.weight.dtype:
+            return triton_ops.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps)[0].view(x.shape)
         if x.dim() == 2 and (out := dense_kernels.rms_norm(x, self.weight, self.eps)) is not None:
             return out
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:  # one fused op, same math
@@ -51,8 +56,17 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): a pre-norm after the residual add, one kernel on a Triton device."""
+        if triton_ops.serves(x.device) and x.dim() == 2 and x.dtype == residual.dtype == self.weight.dtype:
+            return triton_ops.rms_norm(x, self.weight, self.eps, residual)
+        residual = x + residual
+        return self.forward(residual), residual
+
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    if triton_ops.serves(gate_up.device) and gate_up.dim() == 2:
+        return triton_ops.silu_and_mul(gate_up)
     if gate_up.dim() == 2 and (out := dense_kernels.silu_and_mul(gate_up)) is not None:
         return out
     gate, up = gate_up.chunk(2, dim=-1)
@@ -106,8 +120,11 @@ class RotaryEmbedding(nn.Module):
 
     @staticmethod
     def rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """x: [T, heads, head_dim] (queries and keys together, to rotate both in one pass)."""
+        """x: [T, heads, head_dim] (queries and keys together, to rotate both in one pass). On a Triton device x is
+        rotated in place (and returned)."""
         cos, sin = cos_sin
+        if triton_ops.serves(x.device) and x.dim() == 3 and x.stride(-1) == 1 and cos.shape[-1] == x.shape[-1]:
+            return triton_ops.rotary_(x, cos, sin)
         if (out := dense_kernels.rotary(x, cos, sin)) is not None:
             return out
         return x * cos + _rotate_half(x) * sin

@@ -86,8 +86,9 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, x, cos_sin, kv_cache, meta):
         if (out := self._decode_in_one_call(x, cos_sin, kv_cache, meta)) is not None:
             return out
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attended = self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
+        normed, x = self.post_attention_layernorm.add_and_norm(attended, x)
+        return x + self.mlp(normed)
 
     def _decode_in_one_call(self, x, cos_sin, kv_cache, meta: AttentionMetadata):
         """A step of decodes only: the whole layer as one kernel call (dense_kernels.decode_layer: the same kernels
