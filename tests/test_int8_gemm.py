@@ -1,7 +1,7 @@
-"""int8 weights times many rows in integers (int8_gemm.c): the kernel against a float64 product of the rounded rows
-and the codes (ragged shapes, extreme codes, outliers, the largest sums int32 can hold), the rounding's worst case
-against the dequantized product, QuantizedLinear's switch, and a tiny Llama under quantization='int8' against
-transformers on the dequantized weights."""
+"""int8 weights times many rows in integers (int8_gemm.c): every kernel this CPU runs (AVX2, AVX-512, AVX-512 VNNI)
+against a float64 product of the rounded rows and the codes (ragged shapes, extreme codes, outliers, the largest
+sums int32 can hold), the rounding's worst case against the dequantized product, QuantizedLinear's switch, and a
+tiny Llama under quantization='int8' against transformers on the dequantized weights."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from petrel import LLM, SamplingParams
-from petrel.model import quant_kernels
+from petrel.model import native, quant_kernels
 from petrel.model.quantization import INT8_MIN_ROWS, QuantizedLinear, QuantizedWeight
 
 
@@ -19,6 +19,47 @@ def lib():
     if lib is None:
         pytest.skip("the AVX2 kernels cannot run here (no AVX2/FMA or no C compiler)")
     return lib
+
+
+def _has_avx512_int8(vnni: bool) -> pytest.MarkDecorator:
+    flags = ("avx512bw", "avx512_vnni") if vnni else ("avx512bw",)
+    return pytest.mark.skipif(not (native.cpu_has_avx512() and native.cpu_has(*flags)), reason="no such AVX-512 here")
+
+
+# every int8_gemm kernel this CPU runs, each forced by switching the wider ones off (CI on AVX-512 machines tests them
+# all, AVX2-only machines the AVX2 one)
+INT8_ISAS = [
+    pytest.param(quant_kernels.INT8_AVX2, id="avx2"),
+    pytest.param(quant_kernels.INT8_AVX512, id="avx512", marks=_has_avx512_int8(vnni=False)),
+    pytest.param(quant_kernels.INT8_AVX512_VNNI, id="vnni", marks=_has_avx512_int8(vnni=True)),
+]
+
+
+@pytest.fixture(params=INT8_ISAS)
+def int8_isa(request, lib, monkeypatch):
+    """The kernel int8_gemm runs in this test; a spy on the library shows that it ran."""
+    if request.param == quant_kernels.INT8_AVX2:
+        monkeypatch.setenv("PETREL_AVX512", "0")
+    elif request.param == quant_kernels.INT8_AVX512:
+        monkeypatch.setenv("PETREL_AVX512_VNNI", "0")
+    ran, kernel = [], lib.int8_gemm
+    monkeypatch.setattr(lib, "int8_gemm", lambda *a: ran.append(a[-1]) or kernel(*a))
+    yield request.param
+    assert ran and set(ran) == {request.param}, ran
+
+
+def test_int8_isa_is_the_widest_the_cpu_has(monkeypatch):
+    widest = quant_kernels.int8_isa()
+    if native.cpu_has_avx512() and native.cpu_has("avx512bw", "avx512_vnni"):
+        assert widest == quant_kernels.INT8_AVX512_VNNI
+    elif native.cpu_has_avx512() and native.cpu_has("avx512bw"):
+        assert widest == quant_kernels.INT8_AVX512
+    else:
+        assert widest == quant_kernels.INT8_AVX2
+    monkeypatch.setenv("PETREL_AVX512_VNNI", "0")
+    assert quant_kernels.int8_isa() == min(widest, quant_kernels.INT8_AVX512)
+    monkeypatch.setenv("PETREL_AVX512", "0")
+    assert quant_kernels.int8_isa() == quant_kernels.INT8_AVX2
 
 
 def rounded_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,8 +84,8 @@ def assert_float_rounding_only(got: torch.Tensor, expected: torch.Tensor) -> Non
     assert (got.double() - expected).abs().le(2e-7 * expected.abs()).all()
 
 
-@pytest.mark.parametrize("m, k, n", [(1, 32, 1), (7, 31, 17), (45, 576, 50), (13, 1538, 33)])
-def test_int8_gemm_equals_the_integer_product(lib, m, k, n):
+@pytest.mark.parametrize("m, k, n", [(1, 32, 1), (7, 31, 17), (45, 576, 50), (13, 1538, 33), (17, 64, 97)])
+def test_int8_gemm_equals_the_integer_product(lib, int8_isa, m, k, n):
     g = torch.Generator().manual_seed(m * k + n)
     x = torch.randn(m, k, generator=g)
     codes = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
@@ -52,7 +93,7 @@ def test_int8_gemm_equals_the_integer_product(lib, m, k, n):
     assert_float_rounding_only(quant_kernels.int8_gemm(lib, x, codes, scale), integer_reference(x, codes, scale))
 
 
-def test_int8_gemm_extremes(lib):
+def test_int8_gemm_extremes(lib, int8_isa):
     """Codes -128 and 127 only, an activation outlier 10^4 times the rest, a zero row, and rows of one value times
     codes of one sign at K = 4097: sums of 2,146,959,104, just below 2^31."""
     m, k, n = 7, 4097, 20
@@ -71,7 +112,7 @@ def test_int8_gemm_extremes(lib):
     assert rounded_rows(x)[0][2, 0] * -128 * k == -2_146_959_104
 
 
-def test_rounding_rows_costs_at_most_half_a_step_per_activation(lib):
+def test_rounding_rows_costs_at_most_half_a_step_per_activation(lib, int8_isa):
     """Against the dequantized weight's float product: |y - x W^T| <= (max|x| / 2Q) sum_k |W[n, k]| (and float
     rounding), outliers or not."""
     g = torch.Generator().manual_seed(1)

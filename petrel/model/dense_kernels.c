@@ -370,7 +370,7 @@ static int product(const float *x, int64_t M, int64_t K, const weight *w, float 
     }
     if (M <= QUANT_GEMV_MAX_ROWS) return quant_gemv(w->bits, x, M, K, w->data, w->scale, w->mins, w->gshift, y, N, nthreads);
     if (w->integer_rows && M >= w->integer_rows)
-        return int8_gemm(x, M, K, (const int8_t *)w->data, w->scale, y, N, nthreads);
+        return int8_gemm(x, M, K, (const int8_t *)w->data, w->scale, y, N, nthreads, w->integer_isa);
     return quant_gemm(w->bits, x, M, K, w->data, w->scale, w->mins, w->gshift, y, N, nthreads);
 }
 

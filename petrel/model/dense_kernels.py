@@ -24,7 +24,8 @@ _P = ctypes.c_void_p
 class Weight(ctypes.Structure):
     """A projection's weight as decode_layer reads it (kernels.h's `weight`, field for field): float32 rows (bits
     32), or a QuantizedWeight's codes, scales and mins (bits 4 or 8, groups of 2**gshift), products by
-    quant_kernels.c, and by int8_gemm.c from integer_rows rows (0: never; see QuantizedWeight.integer_rows)."""
+    quant_kernels.c, and by int8_gemm.c from integer_rows rows (0: never; see QuantizedWeight.integer_rows) with
+    the kernel integer_isa (quant_kernels.int8_isa)."""
 
     _fields_ = [
         ("data", _P),
@@ -33,6 +34,7 @@ class Weight(ctypes.Structure):
         ("bits", ctypes.c_int32),
         ("gshift", ctypes.c_int32),
         ("integer_rows", ctypes.c_int32),
+        ("integer_isa", ctypes.c_int32),
     ]
 
 
@@ -50,10 +52,11 @@ def describe(weight: torch.Tensor | QuantizedWeight) -> Weight | None:
             weight.bits,
             weight.group_shift,
             weight.integer_rows,
+            quant_kernels.int8_isa(),
         )
     if not (_is_cpu_f32(weight) and weight.is_contiguous()):
         return None
-    return Weight(weight.data_ptr(), None, None, 32, 0, 0)
+    return Weight(weight.data_ptr(), None, None, 32, 0, 0, 0)
 
 
 GEMV_MAX_ROWS = 256  # measured (2 threads): 1.2-2x torch up to 128 rows, even at 256, behind torch's GEMM from 512

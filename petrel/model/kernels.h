@@ -14,7 +14,7 @@
 /* A projection's weight [N][K] (dense_kernels.Weight mirrors it, field for field): float32 rows (bits 32, data
  * only), or quant_kernels.c's codes (bits 4 or 8) with their float32 scale and min per group of 2^gshift (mins may
  * be NULL); integer_rows: from this many rows of x its products run in integers (int8_gemm.c: 8-bit codes, one
- * scale a row, no mins), 0 never. */
+ * scale a row, no mins) with integer_isa's kernel, 0 never. */
 typedef struct {
     const void *data;
     const float *scale;
@@ -22,6 +22,7 @@ typedef struct {
     int32_t bits;
     int32_t gshift;
     int32_t integer_rows;
+    int32_t integer_isa;
 } weight;
 
 /* dense_kernels.c */
@@ -73,9 +74,12 @@ int quant_gemm(int bits, const float *x, int64_t M, int64_t K, const void *codes
 void quant_dequant(int bits, int64_t K, const void *codes, const float *scale, const float *mins, int gshift,
                    float *out, int64_t n0, int64_t n1, int nthreads);
 
-/* int8_gemm.c */
+/* int8_gemm.c; isa: which kernel (quant_kernels.int8_isa: one the CPU has) */
+#define INT8_AVX2 0
+#define INT8_AVX512 1          /* AVX-512 F + BW */
+#define INT8_AVX512_VNNI 2     /* and AVX512_VNNI */
 int int8_gemm(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scale, float *y, int64_t N,
-              int nthreads);
+              int nthreads, int isa);
 
 /* build_info.c */
 const char *kernels_source_digest(void);

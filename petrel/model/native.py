@@ -69,6 +69,11 @@ def cpu_has_avx512() -> bool:
     )
 
 
+def cpu_has(*flags: str) -> bool:
+    """Whether /proc/cpuinfo lists every one of these CPU flags (e.g. "avx512bw")."""
+    return set(flags) <= _cpu_flags()
+
+
 _C_TYPES = {
     "int": ctypes.c_int,
     "int32_t": ctypes.c_int32,

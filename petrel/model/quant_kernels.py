@@ -1,5 +1,6 @@
 """The AVX2 low-bit kernels of quant_kernels.c (weight-only: float activations) and int8_gemm.c (int8 row-scaled
-weights times activations rounded to 16-bit integers, for many rows), built and loaded by petrel.model.native.
+weights times activations rounded to 16-bit integers, for many rows; AVX2, AVX-512 or AVX-512 VNNI, see int8_isa),
+built and loaded by petrel.model.native.
 
 library() is None where the kernels cannot run (see native.load; switch: PETREL_QUANT_KERNELS=0): QuantizedLinear
 then dequantizes with torch instead (same results, slower). PETREL_INT8_COMPUTE=0 keeps int8 weights on the float
@@ -113,11 +114,25 @@ def int8_compute() -> bool:
     return os.environ.get("PETREL_INT8_COMPUTE", "1") != "0"
 
 
+INT8_AVX2, INT8_AVX512, INT8_AVX512_VNNI = 0, 1, 2  # int8_gemm's kernels (kernels.h)
+
+
+def int8_isa() -> int:
+    """The widest int8_gemm kernel this CPU runs: AVX-512 with VNNI, AVX-512 (F + BW), else AVX2. PETREL_AVX512=0
+    keeps AVX2 (native.cpu_has_avx512), PETREL_AVX512_VNNI=0 the AVX-512 kernel without VNNI."""
+    if not (native.cpu_has_avx512() and native.cpu_has("avx512bw")):
+        return INT8_AVX2
+    if native.cpu_has("avx512_vnni") and os.environ.get("PETREL_AVX512_VNNI", "1") != "0":
+        return INT8_AVX512_VNNI
+    return INT8_AVX512
+
+
 def int8_gemm(lib, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [M, K] float32 contiguous @ (scale * codes)^T -> [M, N] float32, codes int8 [N, K] with one scale a row:
-    x's rows rounded to 16-bit integers, the products exact int32 sums (int8_gemm.c)."""
+    x's rows rounded to 16-bit integers, the products exact int32 sums (int8_gemm.c, int8_isa's kernel)."""
     (m, k), n = x.shape, codes.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
-    if lib.int8_gemm(x.data_ptr(), m, k, codes.data_ptr(), scale.data_ptr(), y.data_ptr(), n, torch.get_num_threads()):
+    threads = torch.get_num_threads()
+    if lib.int8_gemm(x.data_ptr(), m, k, codes.data_ptr(), scale.data_ptr(), y.data_ptr(), n, threads, int8_isa()):
         raise native.out_of_memory("int8_gemm")
     return y
