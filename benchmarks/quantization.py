@@ -86,7 +86,10 @@ def main() -> int:
         print(json.dumps(child(args)))
         return 0
     results = []
-    passthrough = [a for a in sys.argv[1:] if not a.startswith("--modes") and a not in args.modes.split(",")]
+    argv = sys.argv[1:]  # every option but --modes (as "--modes X" or "--modes=X") goes to the children
+    passthrough = [
+        a for i, a in enumerate(argv) if not a.startswith("--modes") and (i == 0 or argv[i - 1] != "--modes")
+    ]
     for mode in args.modes.split(","):
         print(f"[quantization bench] {mode} ...", file=sys.stderr, flush=True)
         done = subprocess.run(
