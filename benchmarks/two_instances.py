@@ -16,30 +16,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 import httpx
 
+from petrel.bench.serve import start_server
 from petrel.bench.workloads import W5Sizes, make_w5_prompts
-
-
-def start(port: int, store: str | None, extra: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "petrel.cli", "serve", "--port", str(port), *extra]
-    if store:
-        cmd += ["--kv-store-url", store]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError(f"petrel serve on port {port} did not become healthy")
 
 
 def ttft(port: int, prompt: list[int]) -> tuple[float, int]:
@@ -87,7 +70,7 @@ def main() -> int:
     for index, prompt in make_w5_prompts(sizes):
         by_prefix.setdefault(index, []).append(prompt)
     extra = ["--max-model-len", str(args.prefix_len + args.suffix_len + 64)]
-    a = start(args.port, args.kv_store_url, extra)
+    a = start_server(args.port, [*extra, "--kv-store-url", args.kv_store_url])
     try:
         for prompts in by_prefix.values():
             ttft(args.port, prompts[0])
@@ -95,8 +78,8 @@ def main() -> int:
     finally:
         a.terminate()
         a.wait(30)
-    b = start(args.port + 1, args.kv_store_url, extra)
-    c = start(args.port + 2, None, extra)
+    b = start_server(args.port + 1, [*extra, "--kv-store-url", args.kv_store_url])
+    c = start_server(args.port + 2, extra)
     rows = []
     try:
         for prompts in by_prefix.values():

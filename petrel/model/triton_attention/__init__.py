@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import sys
 from functools import cache
 
 import torch
@@ -44,10 +45,18 @@ def serves(device: torch.device) -> bool:
     return device.type in DEVICE_TYPES and available(device)
 
 
-def __getattr__(name: str):
-    """The public functions, each imported from its module (and Triton with it) when first asked for."""
-    if name not in _HOMES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    function = getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
-    globals()[name] = function
-    return function
+def lazy_functions(package: str, homes: dict[str, str]):
+    """A package's module-level __getattr__: each public function in `homes` (name -> module) imported from its
+    module (and Triton with it) when first asked for."""
+
+    def __getattr__(name: str):
+        if name not in homes:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        function = getattr(importlib.import_module(f"{package}.{homes[name]}"), name)
+        setattr(sys.modules[package], name, function)
+        return function
+
+    return __getattr__
+
+
+__getattr__ = lazy_functions(__name__, _HOMES)

@@ -9,8 +9,6 @@ import Triton: each function loads its module on first use.
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 
 from petrel.model import triton_attention
@@ -23,10 +21,4 @@ def serves(device: torch.device) -> bool:
     return triton_attention.serves(device)
 
 
-def __getattr__(name: str):
-    """The public functions, each imported from its module (and Triton with it) when first asked for."""
-    if name not in _HOMES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    function = getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
-    globals()[name] = function
-    return function
+__getattr__ = triton_attention.lazy_functions(__name__, _HOMES)
