@@ -43,6 +43,7 @@ def parser(description: str, workloads: tuple[str, ...]) -> argparse.ArgumentPar
     p.add_argument("--runs", type=int, default=None, help=f"timed W1 runs, median reported (default {FULL.w1_runs})")
     p.add_argument("--quick", action="store_true", help="the workloads' smoke-test sizes (`petrel bench --quick`)")
     p.add_argument("--tag", default="", help="appended to the result's name")
+    p.add_argument("--w2-requests", type=int, default=None, help="W2 with its first N prompts (default: all 64)")
     p.add_argument(
         "--w1-ids",
         type=_id_list,
@@ -101,6 +102,8 @@ def sizes_of(args) -> Sizes:
     sizes = QUICK if args.quick else FULL
     if args.runs is not None:
         sizes = Sizes(**{**sizes.__dict__, "w1_runs": args.runs})
+    if getattr(args, "w2_requests", None) is not None:
+        sizes = Sizes(**{**sizes.__dict__, "w2_num_requests": args.w2_requests})
     return sizes
 
 

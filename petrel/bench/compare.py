@@ -4,7 +4,7 @@
     petrel bench compare --engines petrel,llamacpp --workloads w1
     petrel bench compare --out benchmarks/results/compare.json
     petrel bench compare --quick                  # every workload at smoke-test size: checks the set-up
-    petrel bench compare --model DIR_OR_GGUF [--gguf FILE.gguf] --workloads w1,w2
+    petrel bench compare --model DIR_OR_GGUF [--gguf FILE.gguf] --workloads w1,w2 [--w2-requests 16]
     petrel bench compare --workloads w6           # long contexts (W6), every engine
     petrel bench compare --contention 1           # a competing CPU-bound process during each engine's run
 
@@ -151,9 +151,18 @@ class Compare:
             os.path.join(self.peers_dir, PEER_SCRIPTS[engine]),
             *argv,
             *self.model_argv(engine),
-            *(["--quick"] if self.args.quick else []),
+            *self.size_argv("--runs"),
         ]
         return run_script(cmd, env={"PEERS_HOME": self.peers_home, **(env or {})})
+
+    def size_argv(self, runs_option: str) -> list[str]:
+        """--quick, --w1-runs and --w2-requests as the engine's script takes them (peers call the first --runs)."""
+        argv = ["--quick"] if self.args.quick else []
+        if self.args.w1_runs is not None:
+            argv += [runs_option, str(self.args.w1_runs)]
+        if self.args.w2_requests is not None:
+            argv += ["--w2-requests", str(self.args.w2_requests)]
+        return argv
 
     def record_w3(self, engine: str, r: dict, note: str = "") -> None:
         expected = r["requests"] * r["max_tokens"]
@@ -206,7 +215,7 @@ class Compare:
                     workloads,
                     *self.petrel_model_argv(),
                     *options,
-                    *(["--quick"] if self.args.quick else []),
+                    *self.size_argv("--w1-runs"),
                     "--json",
                     out,
                 ]
@@ -488,7 +497,8 @@ def run(args) -> dict:
         except Exception as e:  # noqa: BLE001 - one engine failing leaves the others' figures
             errors[engine] = repr(e)
             log(f"{engine} FAILED: {e!r}")
-    flops = w2_matmul_flops() if "w2" in workloads and not args.quick else None  # the full W2's arithmetic
+    # the full W2's arithmetic (its first --w2-requests prompts) on the compared model
+    flops = w2_matmul_flops(args.model, args.w2_requests) if "w2" in workloads and not args.quick else None
     if flops is not None:
         for r in [r for r in cmp.rows if r["workload"] == "w2" and r["metric"] == "wall"]:
             achieved = flops / r["value"] / 1e9
@@ -598,6 +608,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="a Hugging Face directory or GGUF file petrel loads, for every engine (default: the default model)",
     )
     p.add_argument("--gguf", default=None, help="with an HF --model: the same weights as a GGUF, for llama.cpp")
+    p.add_argument(
+        "--w2-requests",
+        type=int,
+        default=None,
+        metavar="N",
+        help="W2 with its first N prompts only, on every engine (a bigger --model; default: all 64)",
+    )
+    p.add_argument("--w1-runs", type=int, default=None, metavar="N", help="timed W1 runs per engine (default: 3)")
     p.add_argument(
         "--contention",
         type=int,

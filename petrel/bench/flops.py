@@ -27,20 +27,21 @@ def matmul_peak_gflops(threads: int = 2, n: int = 2048, repeats: int = 10) -> fl
         torch.set_num_threads(before)
 
 
-def w2_matmul_flops() -> float:
-    """The multiply-adds W2 needs (x2): every prompt and output position through every linear layer, attention's
-    two products over its context, and the LM head for the output tokens only (prompt positions need no logits)."""
+def w2_matmul_flops(model: str | None = None, num_requests: int | None = None) -> float:
+    """The multiply-adds W2 needs (x2) on `model` (default: the default model) with its first `num_requests` prompts
+    (default: all 64): every prompt and output position through every linear layer, attention's two products over
+    its context, and the LM head for the output tokens only (prompt positions need no logits)."""
     from petrel.bench.workloads import W2_NUM_REQUESTS, make_w2_prompts
     from petrel.model.config import ModelConfig
     from petrel.model.loader import load_model_config, resolve_model
 
-    cfg: ModelConfig = load_model_config(resolve_model(None))
+    cfg: ModelConfig = load_model_config(resolve_model(model))
     h, kv = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim
     q = cfg.num_attention_heads * cfg.head_dim
     per_layer = h * q + 2 * h * kv + q * h + 3 * h * cfg.intermediate_size
     new = 128
     total = 0.0
-    for prompt in make_w2_prompts(W2_NUM_REQUESTS):
+    for prompt in make_w2_prompts(num_requests or W2_NUM_REQUESTS):
         positions = len(prompt) + new - 1  # the last sampled token is never fed back
         contexts = positions * (positions + 1) / 2  # sum over positions of the context each attends to
         total += 2 * per_layer * cfg.num_hidden_layers * positions

@@ -207,6 +207,8 @@ def run(args) -> dict:
     sizes = QUICK if args.quick else FULL
     if args.w1_runs is not None:
         sizes = replace(sizes, w1_runs=args.w1_runs)
+    if args.w2_requests is not None:
+        sizes = replace(sizes, w2_num_requests=args.w2_requests)
 
     source = resolve_model(args.model)
     tokenizer = load_tokenizer(source)
@@ -348,6 +350,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         type=int,
         default=None,
         help=f"timed W1 runs per engine, median reported (default: {FULL.w1_runs}, quick: 1)",
+    )
+    parser.add_argument(
+        "--w2-requests", type=int, default=None, metavar="N", help="W2 with its first N prompts (default: all 64)"
     )
     parser.add_argument(
         "--json", "--out", dest="out", default=None, metavar="FILE.json", help="also write all results to this file"
