@@ -84,6 +84,7 @@ def test_many_row_product_writes_no_column_past_n(gemm_isa):
 
 
 def test_linear_layer_uses_the_gemm_for_prefill_with_bias(monkeypatch, gemm_isa):
+    monkeypatch.setenv("PETREL_GEMM", "petrel")
     layer = Linear(64, 40, bias=True)
     x = torch.randn(Linear.SMALL_BATCH + 5, 64)
     calls = []
@@ -92,6 +93,22 @@ def test_linear_layer_uses_the_gemm_for_prefill_with_bias(monkeypatch, gemm_isa)
     torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), atol=1e-4, rtol=1e-4)
     assert calls == [1]
     assert gemm(x.double(), layer.weight.double()) is None
+
+
+@pytest.mark.parametrize("choice", ["", "torch", "petrel"])
+def test_prefill_products_go_to_the_gemm_the_isa_measured_faster(monkeypatch, choice):
+    """By default petrel's GEMM only where AVX-512 does not run (torch's was faster on AVX-512 CPUs);
+    PETREL_GEMM=torch / =petrel decide; either way the layer computes the same product."""
+    monkeypatch.setenv("PETREL_GEMM", choice)
+    expected = choice == "petrel" or (choice == "" and not native.cpu_has_avx512())
+    assert dense_kernels.prefill_gemm_is_petrels() is expected
+    layer = Linear(64, 40, bias=True)
+    x = torch.randn(Linear.SMALL_BATCH + 5, 64)
+    calls = []
+    gemm = dense_kernels.gemm
+    monkeypatch.setattr(dense_kernels, "gemm", lambda *a: calls.append(1) or gemm(*a))
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), atol=1e-4, rtol=1e-4)
+    assert calls == ([1] if expected and dense_kernels.library() is not None else [])
 
 
 def _paged_case(num_seqs, heads, kv_heads, head_dim, block_size, lens, seed):
@@ -201,6 +218,8 @@ def _prefill_reference(q, cache, table, first_pos, scale, window):
         (130, 0, 8, 2, 64, 16, 64),  # a window inside one fresh prompt
         (13, 0, 8, 8, 32, 4, None),  # MHA
         (9, 11, 6, 2, 16, 1, 7),  # one token a block
+        (200, 1000, 9, 3, 64, 16, None),  # a later chunk of a long prompt: many row groups, many key blocks
+        (300, 700, 8, 2, 64, 16, 128),  # ... windowed: key blocks wholly behind some groups' windows
     ],
 )
 def test_paged_prefill_attention_equals_masked_softmax(n, first_pos, heads, kv_heads, head_dim, block_size, window):

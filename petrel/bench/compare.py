@@ -445,7 +445,7 @@ class Compare:
                 "llamacpp",
                 r["output_tok_s"] if r["valid"] else None,
                 "tok/s",
-                f"{os.path.basename(gguf)}, 64 sequential requests (no batching in its Python API)",
+                f"{os.path.basename(gguf)}, {r['num_requests']} sequential requests (no batching in its Python API)",
             )
             self.add("w2", "wall", "llamacpp", r["wall_s"], "s")
         if "w6" in workloads:
@@ -594,7 +594,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="the directory of the peers' scripts (default: $PETREL_PEERS_DIR, else this checkout's benchmarks/peers)",
     )
     p.add_argument(
-        "--llamacpp-w2", action="store_true", help="also run W2 on llama.cpp (64 sequential requests: about 5 minutes)"
+        "--llamacpp-w2",
+        action="store_true",
+        help="also run W2 on llama.cpp (its requests one after another: about 5 minutes on the default model)",
     )
     p.add_argument(
         "--quick",

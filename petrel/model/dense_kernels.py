@@ -10,6 +10,7 @@ which computes the same thing."""
 from __future__ import annotations
 
 import ctypes
+import os
 from typing import NamedTuple
 
 import torch
@@ -111,6 +112,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     y = torch.empty(m, weight.shape[0], dtype=torch.float32)
     lib.f32_gemv(x.data_ptr(), m, k, weight.data_ptr(), y.data_ptr(), weight.shape[0], torch.get_num_threads())
     return y
+
+
+def prefill_gemm_is_petrels() -> bool:
+    """Whether products of more than Linear.SMALL_BATCH rows run petrel's GEMM (gemm) or torch's. PETREL_GEMM=petrel
+    or =torch decides; by default petrel's on AVX2-only CPUs, where it measured level with torch's, and torch's where
+    AVX-512 runs, where petrel's AVX-512 GEMM measured 0.50-0.75x torch's on Zen 4 at Llama-1B shapes (512-1,024
+    rows; BENCHMARKS.md, 2026-12-02) and 0.67-0.84x on a Xeon."""
+    choice = os.environ.get("PETREL_GEMM", "")
+    if choice in ("petrel", "torch"):
+        return choice == "petrel"
+    return not native.cpu_has_avx512()
 
 
 def gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:

@@ -16,9 +16,10 @@ from petrel.model import dense_kernels, triton_ops
 class Linear(nn.Linear):
     """nn.Linear with faster paths on CPU. In float32, up to dense_kernels.GEMV_MAX_ROWS rows (decode): petrel's
     kernel, which streams the weight once at memory bandwidth for a few rows (torch's BLAS reaches about half of it)
-    and runs near the FMA peak at tens of rows; above (prefill), petrel's register-blocked GEMM for the CPU's
-    widest vectors (dense_kernels.gemm: AVX-512 or AVX2). Other dtypes, up to SMALL_BATCH rows:
-    (W @ x^T)^T, with the weight as the left operand the CPU BLAS runs these skinny products 15-30% faster."""
+    and runs near the FMA peak at tens of rows; above (prefill), petrel's register-blocked AVX2 GEMM or torch's,
+    whichever measured faster on the CPU's ISA (dense_kernels.prefill_gemm_is_petrels). Other dtypes, up to
+    SMALL_BATCH rows: (W @ x^T)^T, with the weight as the left operand the CPU BLAS runs these skinny products
+    15-30% faster."""
 
     SMALL_BATCH = 256
 
@@ -26,7 +27,7 @@ class Linear(nn.Linear):
         if x.dim() != 2 or x.device.type != "cpu":
             return super().forward(x)
         if x.shape[0] > self.SMALL_BATCH:
-            out = dense_kernels.gemm(x, self.weight)
+            out = dense_kernels.gemm(x, self.weight) if dense_kernels.prefill_gemm_is_petrels() else None
             if out is None:
                 return super().forward(x)
             return out if self.bias is None else out.add_(self.bias)

@@ -3,10 +3,15 @@
  * paged_prefill_attention: the n query tokens of one sequence's prompt chunk (positions p0 .. p0+n-1, their keys
  * and values already written to the cache) against every key they may see: causal, and within the last `window`
  * positions when window > 0. A chunk that continues a cached prefix reads it in place, like a fresh one.
- *   1. The visible keys are copied once per call out of their blocks into per-KV-head panels: keys transposed
- *      ([D][L], sixteen consecutive keys per vector pair), values as rows ([L][D]).
- *   2. Work items are ROWS query rows (a row: one position's query head) of one KV head, latest positions first
- *      (they see the most keys). An item walks its keys KEYS at a time with an online softmax: scores as a
+ *   1. The visible keys are copied once per call out of their blocks into per-KV-head panels: keys transposed in
+ *      tiles of sixteen ([L/16][D][16]: one tile, 4 KB at D = 64, holds sixteen keys' every dimension, one cache
+ *      line a dimension), values as rows ([L][D]). A key block is thus one contiguous read; the plain transpose
+ *      [D][L] put a block's D lines L floats apart, 32 KB at 8k keys, all in one L1 set: at 8k-token prompts the
+ *      kernel ran at half its short-prompt rate.
+ *   2. Work items are GROUPS groups of ROWS query rows (a row: one position's query head) of one KV head, latest
+ *      positions first (they see the most keys). An item walks its keys KEYS at a time, each block of keys read
+ *      once for all its groups (from L1 after the first: long prompts' panels do not fit L2, and one group a
+ *      read made the kernel wait on L3), each group with an online softmax: scores as a
  *      ROWS x 16 register block per 16 keys (a broadcast of each row's query value against sixteen keys' values,
  *      per dimension), then the values as a ROWS x 16 block of the output per 16 dimensions.
  * torch's CPU flash attention runs these head_dim-64 shapes at ~70 GFLOP/s on two cores; this at about twice that. */
@@ -20,6 +25,7 @@
 #include "thread_pool.h"
 
 #define ROWS 6
+#define GROUPS 4  /* row groups per work item: each block of keys is read once for all of their rows */
 #define KEYS 64
 #define MAX_D 256
 
@@ -39,14 +45,14 @@ static void pack_part(void *args, int t, int T) {
     for (int64_t j = j0; j < j1; j++) {
         const int64_t pos = a->lo + j;
         for (int64_t kh = 0; kh < KVH; kh++) {
-            float *kt = a->kt + kh * D * L + j, *v = a->v + (kh * L + j) * D;
+            float *kt = a->kt + kh * D * L + j / 16 * D * 16 + j % 16, *v = a->v + (kh * L + j) * D;
             if (pos < ctx) {
                 const int64_t slot = a->table[pos / a->bs] * a->bs + pos % a->bs;
                 const float *ks = a->key_cache + slot * row + kh * D, *vs = a->value_cache + slot * row + kh * D;
-                for (int64_t d = 0; d < D; d++) kt[d * L] = ks[d];
+                for (int64_t d = 0; d < D; d++) kt[d * 16] = ks[d];
                 memcpy(v, vs, sizeof(float) * D);
             } else {
-                for (int64_t d = 0; d < D; d++) kt[d * L] = 0.f;
+                for (int64_t d = 0; d < D; d++) kt[d * 16] = 0.f;
                 memset(v, 0, sizeof(float) * D);
             }
         }
@@ -63,104 +69,127 @@ static inline void add_outer_product(__m256 acc[ROWS][2], const float *const a[R
     }
 }
 
+/* ROWS query rows of one KV head and their running softmax (max m, denominator l, unnormalized output o) */
+typedef struct {
+    float o[ROWS][MAX_D] __attribute__((aligned(32)));
+    const float *q[ROWS];
+    float *out[ROWS];
+    int64_t pos[ROWS];
+    float m[ROWS], l[ROWS];
+    int nr;                                   /* rows of the chunk in the group (the rest repeat its last row) */
+} row_group;
+
+/* The group's scores against keys kb .. kb+nk-1 (kt: their tiles, vv: their value rows), masked, one online
+ * softmax step per row, then the values into o */
+static void attend_keys(const prefill_args *a, row_group *rg, int64_t kb, int64_t nk, const float *kt,
+                        const float *vv) {
+    const int64_t D = a->D, window = a->window;
+    float s[ROWS][KEYS] __attribute__((aligned(32)));
+    const float *weights[ROWS];                         /* the rows of s, once the softmax has run */
+    for (int r = 0; r < ROWS; r++) weights[r] = s[r];
+    for (int64_t c = 0; c < nk; c += 16) {           /* scores of 16 keys for all rows */
+        __m256 acc[ROWS][2];
+        for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        const float *tile = kt + c * D;              /* keys kb+c .. kb+c+15: [D][16], contiguous */
+        for (int64_t d = 0; d < D; d++)
+            add_outer_product(acc, rg->q, d, _mm256_loadu_ps(tile + d * 16), _mm256_loadu_ps(tile + d * 16 + 8));
+        const __m256 sc = _mm256_set1_ps(a->scale);
+        for (int r = 0; r < ROWS; r++) {
+            _mm256_store_ps(s[r] + c, _mm256_mul_ps(acc[r][0], sc));
+            _mm256_store_ps(s[r] + c + 8, _mm256_mul_ps(acc[r][1], sc));
+        }
+    }
+    const int64_t last_pos = rg->pos[rg->nr - 1];
+    const int masked = kb + nk - 1 > rg->pos[0] || (window > 0 && kb <= last_pos - window);
+    for (int r = 0; r < ROWS; r++) {                 /* mask, then the online softmax of each row */
+        if (masked)
+            for (int64_t j = 0; j < nk; j++)
+                if (kb + j > rg->pos[r] || (window > 0 && kb + j <= rg->pos[r] - window)) s[r][j] = -INFINITY;
+        __m256 vmax = _mm256_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < nk; j += 8) vmax = _mm256_max_ps(vmax, _mm256_load_ps(s[r] + j));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        const float mx = _mm_cvtss_f32(h) > rg->m[r] ? _mm_cvtss_f32(h) : rg->m[r];
+        if (mx == -INFINITY) {                       /* nothing visible yet: no weight */
+            memset(s[r], 0, sizeof(float) * nk);
+            continue;
+        }
+        const float corr = expf(rg->m[r] - mx);      /* 0 on a row's first keys (m = -inf) */
+        const __m256 vmx = _mm256_set1_ps(mx), ninf = _mm256_set1_ps(-INFINITY);
+        __m256 vsum = _mm256_setzero_ps();
+        for (int64_t j = 0; j < nk; j += 8) {
+            const __m256 x = _mm256_load_ps(s[r] + j);
+            const __m256 e = _mm256_andnot_ps(_mm256_cmp_ps(x, ninf, _CMP_EQ_OQ), exp256(_mm256_sub_ps(x, vmx)));
+            _mm256_store_ps(s[r] + j, e);
+            vsum = _mm256_add_ps(vsum, e);
+        }
+        rg->l[r] = rg->l[r] * corr + hsum(vsum);
+        rg->m[r] = mx;
+        const __m256 vc = _mm256_set1_ps(corr);
+        for (int64_t d = 0; d < D; d += 8)
+            _mm256_store_ps(rg->o[r] + d, _mm256_mul_ps(_mm256_load_ps(rg->o[r] + d), vc));
+    }
+    for (int64_t d = 0; d < D; d += 16) {            /* the values, 16 dimensions of all rows at a time */
+        __m256 acc[ROWS][2];
+        for (int r = 0; r < ROWS; r++) {
+            acc[r][0] = _mm256_load_ps(rg->o[r] + d);
+            acc[r][1] = _mm256_load_ps(rg->o[r] + d + 8);
+        }
+        for (int64_t j = 0; j < nk; j++)
+            add_outer_product(acc, weights, j, _mm256_loadu_ps(vv + j * D + d), _mm256_loadu_ps(vv + j * D + d + 8));
+        for (int r = 0; r < ROWS; r++) {
+            _mm256_store_ps(rg->o[r] + d, acc[r][0]);
+            _mm256_store_ps(rg->o[r] + d + 8, acc[r][1]);
+        }
+    }
+}
+
 static void prefill_part(void *args, int part, int parts) {
     prefill_args *a = args;
-    const int64_t D = a->D, L = a->L, G = a->H / a->KVH, lo = a->lo, window = a->window;
+    const int64_t D = a->D, L = a->L, G = a->H / a->KVH, lo = a->lo, window = a->window, rows = a->n * G;
     const int64_t items = a->tiles_per_head * a->KVH;
+    row_group groups[GROUPS];
     (void)part; (void)parts;
     for (;;) {
         const int64_t item = __atomic_fetch_add(&a->next, 1, __ATOMIC_RELAXED);
         if (item >= items) break;
         const int64_t kh = item % a->KVH, tile = a->tiles_per_head - 1 - item / a->KVH;
-        const float *qr[ROWS];
-        float *outr[ROWS];
-        int64_t pos[ROWS];
-        int nr = 0;
-        for (int r = 0; r < ROWS; r++) {        /* rows past the chunk repeat its last row, unwritten */
-            int64_t g = tile * ROWS + r;
-            if (g < a->n * G) nr = r + 1;
-            else g = a->n * G - 1;
-            const int64_t i = g / G, h = kh * G + g % G;
-            qr[r] = a->q + i * a->q_stride + h * D;
-            outr[r] = a->out + (i * a->H + h) * D;
-            pos[r] = a->p0 + i;
+        int ng = 0;
+        for (int gi = 0; gi < GROUPS && (tile * GROUPS + gi) * ROWS < rows; gi++, ng++) {
+            row_group *rg = &groups[gi];
+            rg->nr = 0;
+            for (int r = 0; r < ROWS; r++) {    /* rows past the chunk repeat its last row, unwritten */
+                int64_t g = (tile * GROUPS + gi) * ROWS + r;
+                if (g < rows) rg->nr = r + 1;
+                else g = rows - 1;
+                const int64_t i = g / G, h = kh * G + g % G;
+                rg->q[r] = a->q + i * a->q_stride + h * D;
+                rg->out[r] = a->out + (i * a->H + h) * D;
+                rg->pos[r] = a->p0 + i;
+                rg->m[r] = -INFINITY;
+                rg->l[r] = 0.f;
+                memset(rg->o[r], 0, sizeof(float) * D);
+            }
         }
-        const int64_t first_pos = pos[0], last_pos = pos[nr - 1];
+        const int64_t first_pos = groups[0].pos[0], last_pos = groups[ng - 1].pos[groups[ng - 1].nr - 1];
         int64_t kfirst = window > 0 && first_pos - window + 1 > lo ? first_pos - window + 1 : lo;
         kfirst = lo + (kfirst - lo) / 16 * 16;
-        float o[ROWS][MAX_D] __attribute__((aligned(32)));
-        float m[ROWS], l[ROWS];
-        for (int r = 0; r < ROWS; r++) {
-            m[r] = -INFINITY;
-            l[r] = 0.f;
-            memset(o[r], 0, sizeof(float) * D);
-        }
-        for (int64_t kb = kfirst; kb <= last_pos; kb += KEYS) {
+        for (int64_t kb = kfirst; kb <= last_pos; kb += KEYS) {  /* each key block once for every group */
             const int64_t nk = (kb + KEYS <= last_pos + 1 ? KEYS : (last_pos + 1 - kb + 15) / 16 * 16);
-            const float *kt = a->kt + kh * D * L + (kb - lo), *vv = a->v + (kh * L + (kb - lo)) * D;
-            float s[ROWS][KEYS] __attribute__((aligned(32)));
-            const float *weights[ROWS];                         /* the rows of s, once the softmax has run */
-            for (int r = 0; r < ROWS; r++) weights[r] = s[r];
-            for (int64_t c = 0; c < nk; c += 16) {           /* scores of 16 keys for all rows */
-                __m256 acc[ROWS][2];
-                for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-                for (int64_t d = 0; d < D; d++)
-                    add_outer_product(acc, qr, d, _mm256_loadu_ps(kt + d * L + c),
-                                      _mm256_loadu_ps(kt + d * L + c + 8));
-                const __m256 sc = _mm256_set1_ps(a->scale);
-                for (int r = 0; r < ROWS; r++) {
-                    _mm256_store_ps(s[r] + c, _mm256_mul_ps(acc[r][0], sc));
-                    _mm256_store_ps(s[r] + c + 8, _mm256_mul_ps(acc[r][1], sc));
-                }
-            }
-            const int masked = kb + nk - 1 > first_pos || (window > 0 && kb <= last_pos - window);
-            for (int r = 0; r < ROWS; r++) {                 /* mask, then the online softmax of each row */
-                if (masked)
-                    for (int64_t j = 0; j < nk; j++)
-                        if (kb + j > pos[r] || (window > 0 && kb + j <= pos[r] - window)) s[r][j] = -INFINITY;
-                __m256 vmax = _mm256_set1_ps(-INFINITY);
-                for (int64_t j = 0; j < nk; j += 8) vmax = _mm256_max_ps(vmax, _mm256_load_ps(s[r] + j));
-                __m128 h = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
-                h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-                h = _mm_max_ss(h, _mm_movehdup_ps(h));
-                const float mx = _mm_cvtss_f32(h) > m[r] ? _mm_cvtss_f32(h) : m[r];
-                if (mx == -INFINITY) {                       /* nothing visible yet: no weight */
-                    memset(s[r], 0, sizeof(float) * nk);
-                    continue;
-                }
-                const float corr = expf(m[r] - mx);          /* 0 on a row's first keys (m = -inf) */
-                const __m256 vmx = _mm256_set1_ps(mx), ninf = _mm256_set1_ps(-INFINITY);
-                __m256 vsum = _mm256_setzero_ps();
-                for (int64_t j = 0; j < nk; j += 8) {
-                    const __m256 x = _mm256_load_ps(s[r] + j);
-                    const __m256 e = _mm256_andnot_ps(_mm256_cmp_ps(x, ninf, _CMP_EQ_OQ), exp256(_mm256_sub_ps(x, vmx)));
-                    _mm256_store_ps(s[r] + j, e);
-                    vsum = _mm256_add_ps(vsum, e);
-                }
-                l[r] = l[r] * corr + hsum(vsum);
-                m[r] = mx;
-                const __m256 vc = _mm256_set1_ps(corr);
-                for (int64_t d = 0; d < D; d += 8) _mm256_store_ps(o[r] + d, _mm256_mul_ps(_mm256_load_ps(o[r] + d), vc));
-            }
-            for (int64_t d = 0; d < D; d += 16) {            /* the values, 16 dimensions of all rows at a time */
-                __m256 acc[ROWS][2];
-                for (int r = 0; r < ROWS; r++) {
-                    acc[r][0] = _mm256_load_ps(o[r] + d);
-                    acc[r][1] = _mm256_load_ps(o[r] + d + 8);
-                }
-                for (int64_t j = 0; j < nk; j++)
-                    add_outer_product(acc, weights, j, _mm256_loadu_ps(vv + j * D + d),
-                                      _mm256_loadu_ps(vv + j * D + d + 8));
-                for (int r = 0; r < ROWS; r++) {
-                    _mm256_store_ps(o[r] + d, acc[r][0]);
-                    _mm256_store_ps(o[r] + d + 8, acc[r][1]);
-                }
+            const float *kt = a->kt + kh * D * L + (kb - lo) * D, *vv = a->v + (kh * L + (kb - lo)) * D;
+            for (int gi = 0; gi < ng; gi++) {
+                row_group *rg = &groups[gi];
+                const int64_t glast = rg->pos[rg->nr - 1];
+                if (kb > glast || (window > 0 && kb + nk - 1 <= rg->pos[0] - window)) continue;  /* all masked */
+                attend_keys(a, rg, kb, nk, kt, vv);
             }
         }
-        for (int r = 0; r < nr; r++) {
-            const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-            for (int64_t d = 0; d < D; d++) outr[r][d] = o[r][d] * inv;
-        }
+        for (int gi = 0; gi < ng; gi++)
+            for (int r = 0; r < groups[gi].nr; r++) {
+                const float inv = groups[gi].l[r] > 0.f ? 1.f / groups[gi].l[r] : 0.f;
+                for (int64_t d = 0; d < D; d++) groups[gi].out[r][d] = groups[gi].o[r][d] * inv;
+            }
     }
 }
 
@@ -186,7 +215,7 @@ void paged_prefill_attention(const float *q, int64_t q_stride, const float *key_
                              int64_t bs, int64_t window, float scale, float *out, float *workspace, int nthreads) {
     const int64_t lo = first_key(p0, window), L = packed_keys(n, p0, window);
     prefill_args a = {q, q_stride, key_cache, value_cache, table, n, p0, H, KVH, D, bs, window, lo, L, scale, out,
-                      workspace, workspace + KVH * D * L, (n * (H / KVH) + ROWS - 1) / ROWS, 0};
+                      workspace, workspace + KVH * D * L, (n * (H / KVH) + ROWS * GROUPS - 1) / (ROWS * GROUPS), 0};
     parallel_run(pack_part, &a, nthreads);
     parallel_run(prefill_part, &a, nthreads);
 }
