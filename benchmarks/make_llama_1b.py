@@ -7,7 +7,8 @@
 Writes, under --out:
   fp32/                 a Hugging Face directory (config.json, model.safetensors in float32, tokenizer files)
   bf16/                 the same weights rounded to bfloat16 (config dtype bfloat16)
-  llama-1b-f32.gguf     the fp32 weights as llama.cpp's converter lays them out (`--gguf-type f16|bf16` for others)
+  llama-1b-f32.gguf     the fp32 weights as llama.cpp's converter lays them out (`--gguf-type f16|bf16` for others,
+                        or q8_0|q4_0|q4_1: the matrices in GGUF blocks, by the gguf package's own quantizer)
 
 The shapes are Llama-3.2-1B's (transformers' LlamaConfig: hidden 2048, 16 layers, 32 heads, 8 KV heads,
 intermediate 8192, tied embeddings, rope theta 500000 with llama3 rope scaling, factor 32 over 8192 original
@@ -35,6 +36,14 @@ import time
 import numpy as np
 
 ROPE_THETA = 500000.0
+GGUF_TYPES = {  # --gguf-type -> the file type llama.cpp records
+    "f32": "ALL_F32",
+    "f16": "MOSTLY_F16",
+    "bf16": "MOSTLY_BF16",
+    "q8_0": "MOSTLY_Q8_0",
+    "q4_0": "MOSTLY_Q4_0",
+    "q4_1": "MOSTLY_Q4_1",
+}
 GGUF_NAMES = {  # Hugging Face name (inside model.layers.N.) -> llama.cpp's
     "input_layernorm": "attn_norm",
     "self_attn.q_proj": "attn_q",
@@ -59,7 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=131072, help="max_position_embeddings (default 131072)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--std", type=float, default=0.02, help="std of the random weights (default 0.02)")
-    p.add_argument("--gguf-type", default="f32", choices=["f32", "f16", "bf16"], help="the GGUF's 2-D tensors")
+    p.add_argument("--gguf-type", default="f32", choices=[*GGUF_TYPES], help="the GGUF's 2-D tensors")
     p.add_argument("--no-bf16", action="store_true", help="skip the bf16 directory")
     p.add_argument("--no-gguf", action="store_true", help="skip the GGUF")
     args = p.parse_args(argv)
@@ -154,14 +163,8 @@ def write_gguf(model, path: str, source_gguf: str, gguf_type: str) -> None:
 
     cfg = model.config
     head_dim = cfg.hidden_size // cfg.num_attention_heads
-    qtype = {
-        "f32": gguf.GGMLQuantizationType.F32,
-        "f16": gguf.GGMLQuantizationType.F16,
-        "bf16": gguf.GGMLQuantizationType.BF16,
-    }[gguf_type]
-    file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16}.get(
-        gguf_type, gguf.LlamaFileType.MOSTLY_BF16
-    )
+    qtype = gguf.GGMLQuantizationType[gguf_type.upper()]
+    file_type = gguf.LlamaFileType[GGUF_TYPES[gguf_type]]
     w = gguf.GGUFWriter(path, "llama")
     w.add_name("llama-3.2-1b-shaped (random weights)")
     w.add_block_count(cfg.num_hidden_layers)

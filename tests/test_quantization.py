@@ -48,14 +48,18 @@ def test_block_reader_equals_gguf_dequantize(type_name):
     assert torch.equal(weight.dequantize(rows), reference(type_name, raw, 6, 512)[rows])
 
 
-@pytest.fixture(params=["kernels", "torch"])
+@pytest.fixture(params=["kernels", "kernels-floats", "torch"])
 def backend(request, monkeypatch):
-    if request.param == "kernels":
-        if quant_kernels.library() is None:
-            pytest.skip("the AVX2 kernels cannot run here (no AVX2/FMA or no C compiler)")
-    else:
+    """The kernels (integer products from INT8_MIN_ROWS rows), the kernels' float products only
+    (PETREL_INT8_COMPUTE=0), or torch alone."""
+    if request.param == "torch":
         monkeypatch.setattr(quant_kernels, "library", lambda: None)
-    return request.param
+        return "torch"
+    if quant_kernels.library() is None:
+        pytest.skip("the AVX2 kernels cannot run here (no AVX2/FMA or no C compiler)")
+    if request.param == "kernels-floats":
+        monkeypatch.setenv("PETREL_INT8_COMPUTE", "0")
+    return "kernels"
 
 
 def rounded_activations(x: torch.Tensor) -> torch.Tensor:
@@ -66,13 +70,13 @@ def rounded_activations(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(blocks * inverse).double() * d.double()).reshape(x.shape)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 7, 40, 300])  # the few-row kernel, 12-row float tiles, torch's GEMM
+@pytest.mark.parametrize("rows", [1, 3, 7, 40, 300])  # few-row kernel; integers, or float tiles, torch GEMM
 @pytest.mark.parametrize("fmt", [*sorted(READERS), "int8"])
 def test_quantized_linear_matches_dequantized_product(fmt, rows, backend):
     """QuantizedLinear computes the dequantized weight's product: exactly (up to float summation order) on the torch
-    path and from GEMV_MAX_ROWS rows; the kernels' few-row products round the activations to int16 per 32 first
-    and keep the exact sums for the weights' mins; int8 weights from INT8_MIN_ROWS rows round each row of x to
-    16-bit integers (int8_gemm.c)."""
+    path and from GEMV_MAX_ROWS rows in floats; the kernels' few-row products round the activations to int16 per 32
+    first and keep the exact sums for the weights' mins; from INT8_MIN_ROWS rows (unless PETREL_INT8_COMPUTE=0)
+    each row of x is rounded to 16-bit integers (int8_gemm.c, group_gemm.c: at K = 512 both keep all 16 bits)."""
     out_features, in_features = 160, 512
     if fmt == "int8":
         dense = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(1))

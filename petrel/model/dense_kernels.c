@@ -362,15 +362,18 @@ void silu_and_mul(const float *x, int64_t T, int64_t I, float *out, int nthreads
 #define QUANT_GEMV_MAX_ROWS 12      /* quantization.GEMV_MAX_ROWS: beyond, dequantized tiles (quant_gemm) win */
 
 /* y[M][N] = x[M][K] @ W^T for either kind of weight (quantized: few rows in registers, from w->integer_rows rows in
- * integers, else dequantized tiles); 0, or KERNEL_OUT_OF_MEMORY (quantized products' scratch) */
+ * integers: int8_gemm for one scale a row, group_gemm for groups; else dequantized tiles); 0, or
+ * KERNEL_OUT_OF_MEMORY (quantized products' scratch) */
 static int product(const float *x, int64_t M, int64_t K, const weight *w, float *y, int64_t N, int nthreads) {
     if (w->bits == 32) {
         f32_gemv(x, M, K, (const float *)w->data, y, N, nthreads);
         return 0;
     }
     if (M <= QUANT_GEMV_MAX_ROWS) return quant_gemv(w->bits, x, M, K, w->data, w->scale, w->mins, w->gshift, y, N, nthreads);
-    if (w->integer_rows && M >= w->integer_rows)
+    if (w->integer_rows && M >= w->integer_rows && w->gshift >= 62)
         return int8_gemm(x, M, K, (const int8_t *)w->data, w->scale, y, N, nthreads, w->integer_isa);
+    if (w->integer_rows && M >= w->integer_rows)
+        return group_gemm(w->bits, x, M, K, w->data, w->scale, w->mins, w->gshift, y, N, nthreads, w->integer_isa);
     return quant_gemm(w->bits, x, M, K, w->data, w->scale, w->mins, w->gshift, y, N, nthreads);
 }
 

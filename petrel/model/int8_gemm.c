@@ -27,6 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "int16_rows.h"
 #include "kernels.h"
 #include "thread_pool.h"
 
@@ -34,88 +35,6 @@
 #define NR256 16
 #define MR512 8   /* measured on Zen 4: as fast as 12 rows (both about 200 GFLOP/s a core), less padding */
 #define NR512 32
-
-static inline int32_t pair_at(const int16_t *p) {
-    int32_t v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-typedef struct {
-    const float *x; int64_t M, K, Kp; int16_t *q; float *dx; int16_t Q;
-} rounding_args;
-
-/* rows [m0, m1) of x as codes q[m][Kp] (zeros from K on) and scales dx[m] */
-static void round_rows(void *args, int t, int T) {
-    const rounding_args *a = args;
-    const int64_t K = a->K;
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    int64_t m0, m1;
-    split_range(a->M, t, T, 1, &m0, &m1);
-    for (int64_t m = m0; m < m1; m++) {
-        const float *x = a->x + m * K;
-        int16_t *q = a->q + m * a->Kp;
-        __m256 mx8 = _mm256_setzero_ps();
-        int64_t k = 0;
-        for (; k + 8 <= K; k += 8) mx8 = _mm256_max_ps(mx8, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)));
-        float lanes[8], mx = 0.f;
-        _mm256_storeu_ps(lanes, mx8);
-        for (int j = 0; j < 8; j++) mx = lanes[j] > mx ? lanes[j] : mx;
-        for (; k < K; k++) mx = __builtin_fabsf(x[k]) > mx ? __builtin_fabsf(x[k]) : mx;
-        float inv = (float)a->Q / mx;
-        if (!(inv < __builtin_inff())) inv = 0.f;   /* an all-zero row (or one below 2^-113: taken as zeros) */
-        const __m256 inv8 = _mm256_set1_ps(inv);
-        for (k = 0; k + 16 <= K; k += 16) {   /* packs interleaves 128-bit lanes: the permute puts them in order */
-            const __m256i p = _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k), inv8)),
-                                                 _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k + 8), inv8)));
-            _mm256_storeu_si256((__m256i *)(q + k), _mm256_permute4x64_epi64(p, 0xD8));
-        }
-        for (; k < K; k++) q[k] = (int16_t)_mm_cvtss_si32(_mm_set_ss(x[k] * inv));
-        for (; k < a->Kp; k++) q[k] = 0;
-        a->dx[m] = mx / (float)a->Q;
-    }
-}
-
-/* r[i][j] = r[j][i] for an 8 x 8 matrix of int32 */
-static inline void transpose8(__m256i r[8]) {
-    __m256i t[8], u[8];
-    for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 8; i += 4) {
-        u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
-        u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
-        u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
-        u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    for (int i = 0; i < 4; i++) {
-        r[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
-        r[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
-    }
-}
-
-/* W rows [n, n + nr) as a panel wp[ceil(K/2)][width][2] of int16, zeros past nr and K. Eight whole rows and 16 k at a
- * time: each row's 16 codes widened are eight int32 pairs, and a transpose makes them eight pairs of each row. */
-static void pack_panel(const int8_t *codes, int64_t K, int64_t n, int nr, int width, int16_t *wp) {
-    const int64_t P = (K + 1) / 2;
-    memset(wp, 0, sizeof(int16_t) * P * width * 2);
-    int j0 = 0;
-    for (; j0 + 8 <= nr; j0 += 8) {
-        int64_t k = 0;
-        for (; k + 16 <= K; k += 16) {
-            __m256i r[8];
-            for (int i = 0; i < 8; i++)
-                r[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(codes + (n + j0 + i) * K + k)));
-            transpose8(r);
-            for (int p = 0; p < 8; p++) _mm256_storeu_si256((__m256i *)(wp + ((k / 2 + p) * width + j0) * 2), r[p]);
-        }
-        for (int j = j0; j < j0 + 8; j++)
-            for (int64_t kk = k; kk < K; kk++) wp[((kk >> 1) * width + j) * 2 + (kk & 1)] = codes[(n + j) * K + kk];
-    }
-    for (int j = j0; j < nr; j++)
-        for (int64_t k = 0; k < K; k++) wp[((k >> 1) * width + j) * 2 + (k & 1)] = codes[(n + j) * K + k];
-}
 
 /* row i of the block, one pair of k. The empty asm takes each row's sums as made: without it gcc computes all twelve
  * products first and keeps the accumulators on the stack (half the speed, measured) */
@@ -144,15 +63,6 @@ static void block_6x16(const int16_t *x, int64_t Kp, const float *dx, const int1
     float tile[MR256][NR256];
     OUT(0) OUT(1) OUT(2) OUT(3) OUT(4) OUT(5)
     for (int i = 0; i < mr; i++) memcpy(y + i * ldy, tile[i], sizeof(float) * nr);
-}
-
-/* the AVX-512 block's step: c + the products of w and x's pairs, summed in pairs (exact int32, wrapping) */
-__attribute__((target("avx512f,avx512bw"))) static inline __m512i madd_add(__m512i c, __m512i w, __m512i x) {
-    return _mm512_add_epi32(c, _mm512_madd_epi16(w, x));
-}
-
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) static inline __m512i dot_add(__m512i c, __m512i w, __m512i x) {
-    return _mm512_dpwssd_epi32(c, w, x);
 }
 
 /* block_6x16 at 512 bits: MR512 rows x NR512 columns, MADD the step; ROWS512(F, a) is F(i, a) for every row i. Named

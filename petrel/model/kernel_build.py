@@ -7,9 +7,9 @@ installed library matches the sources (no compiler at install time, or C files e
 setup.py loads this file by its path, before petrel or torch can be imported: it imports the standard library only.
 
 The flags target x86-64 with AVX2 + FMA, never the build machine's own CPU (-march=native): the library runs on any
-AVX2 CPU, and the AVX-512 functions (gemm_avx512.c, int8_gemm.c's AVX-512 and VNNI blocks) carry their own target
-attribute and run only where native.cpu_has_avx512 (and quant_kernels.int8_isa) say so, so one build serves every
-x86-64 machine the checkout runs on."""
+AVX2 CPU, and the AVX-512 functions (gemm_avx512.c, int8_gemm.c's and group_gemm.c's AVX-512 and VNNI blocks) carry
+their own target attribute and run only where native.cpu_has_avx512 (and quant_kernels.int8_isa) say so, so one
+build serves every x86-64 machine the checkout runs on."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ SOURCES = (
     "prefill_attention.c",
     "quant_kernels.c",
     "int8_gemm.c",
+    "group_gemm.c",
     "gemm_avx2.c",
     "gemm_avx512.c",
     "thread_pool.c",
@@ -35,6 +36,7 @@ SOURCES = (
     "thread_pool.h",
     "simd.h",
     "gemm_driver.h",
+    "int16_rows.h",
 )
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-pthread", "-shared", "-fPIC")
 LIBRARIES = ("-lm",)

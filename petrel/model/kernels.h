@@ -13,8 +13,8 @@
 
 /* A projection's weight [N][K] (dense_kernels.Weight mirrors it, field for field): float32 rows (bits 32, data
  * only), or quant_kernels.c's codes (bits 4 or 8) with their float32 scale and min per group of 2^gshift (mins may
- * be NULL); integer_rows: from this many rows of x its products run in integers (int8_gemm.c: 8-bit codes, one
- * scale a row, no mins) with integer_isa's kernel, 0 never. */
+ * be NULL); integer_rows: from this many rows of x its products run in integers with integer_isa's kernel
+ * (int8_gemm.c for 8-bit codes with one scale a row and no mins, gshift >= 62; group_gemm.c for groups), 0 never. */
 typedef struct {
     const void *data;
     const float *scale;
@@ -80,6 +80,10 @@ void quant_dequant(int bits, int64_t K, const void *codes, const float *scale, c
 #define INT8_AVX512_VNNI 2     /* and AVX512_VNNI */
 int int8_gemm(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scale, float *y, int64_t N,
               int nthreads, int isa);
+
+/* group_gemm.c; isa as int8_gemm's */
+int group_gemm(int bits, const float *x, int64_t M, int64_t K, const void *codes, const float *scale,
+               const float *mins, int gshift, float *y, int64_t N, int nthreads, int isa);
 
 /* build_info.c */
 const char *kernels_source_digest(void);

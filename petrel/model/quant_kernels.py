@@ -1,10 +1,10 @@
-"""The AVX2 low-bit kernels of quant_kernels.c (weight-only: float activations) and int8_gemm.c (int8 row-scaled
-weights times activations rounded to 16-bit integers, for many rows; AVX2, AVX-512 or AVX-512 VNNI, see int8_isa),
-built and loaded by petrel.model.native.
+"""The AVX2 low-bit kernels of quant_kernels.c (weight-only: float activations), and for many rows int8_gemm.c (int8
+row-scaled weights) and group_gemm.c (GGUF's group-quantized weights) times activations rounded to 16-bit integers
+(AVX2, AVX-512 or AVX-512 VNNI, see int8_isa), built and loaded by petrel.model.native.
 
 library() is None where the kernels cannot run (see native.load; switch: PETREL_QUANT_KERNELS=0): QuantizedLinear
 then dequantizes with torch instead (same results, slower). PETREL_INT8_COMPUTE=0 keeps int8 weights on the float
-products (see int8_compute)."""
+products (see int8_compute), and GGUF weights too."""
 
 from __future__ import annotations
 
@@ -110,11 +110,12 @@ def dequantize_rows(
 
 
 def int8_compute() -> bool:
-    """Whether int8 weights multiply many rows in integers (int8_gemm); PETREL_INT8_COMPUTE=0 keeps float products."""
+    """Whether quantized weights multiply many rows in integers (int8_gemm, group_gemm); PETREL_INT8_COMPUTE=0 keeps
+    the float products."""
     return os.environ.get("PETREL_INT8_COMPUTE", "1") != "0"
 
 
-INT8_AVX2, INT8_AVX512, INT8_AVX512_VNNI = 0, 1, 2  # int8_gemm's kernels (kernels.h)
+INT8_AVX2, INT8_AVX512, INT8_AVX512_VNNI = 0, 1, 2  # int8_gemm's and group_gemm's kernels (kernels.h)
 
 
 def int8_isa() -> int:
@@ -135,4 +136,30 @@ def int8_gemm(lib, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) ->
     threads = torch.get_num_threads()
     if lib.int8_gemm(x.data_ptr(), m, k, codes.data_ptr(), scale.data_ptr(), y.data_ptr(), n, threads, int8_isa()):
         raise native.out_of_memory("int8_gemm")
+    return y
+
+
+def group_gemm(
+    lib, bits: int, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None, gshift: int
+) -> torch.Tensor:
+    """x [M, K] float32 contiguous @ W^T -> [M, N] float32 for a group-quantized W (bits 4, or bits 8 in groups of
+    2**gshift; see quant_kernels.c): x's rows rounded to 16-bit integers, each group's products exact int32 sums
+    (group_gemm.c, int8_isa's kernel)."""
+    (m, k), n = x.shape, codes.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    if lib.group_gemm(
+        bits,
+        x.data_ptr(),
+        m,
+        k,
+        codes.data_ptr(),
+        scale.data_ptr(),
+        None if mins is None else mins.data_ptr(),
+        gshift,
+        y.data_ptr(),
+        n,
+        torch.get_num_threads(),
+        int8_isa(),
+    ):
+        raise native.out_of_memory("group_gemm")
     return y

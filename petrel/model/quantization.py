@@ -8,8 +8,9 @@ EngineConfig.quantization picks how a model's projections, LM head and embedding
 Products run in quant_kernels.c (AVX2): weights are widened to float in registers and multiplied with float
 activations, so a product equals the dequantized weight's up to the order of float additions. At batch 1 a
 decode step reads every weight once, so fewer bytes per weight is what makes it faster. Many rows (prefill,
-batched decode) are arithmetic-bound instead: there int8 per-row weights multiply x's rows rounded to 16-bit
-integers in exact integer sums (int8_gemm.c, INT8_MIN_ROWS; PETREL_INT8_COMPUTE=0 keeps the float products).
+batched decode) are arithmetic-bound instead: there the weights multiply x's rows rounded to 16-bit integers in exact
+integer sums, int8 per-row weights in int8_gemm.c and GGUF's groups in group_gemm.c (a float multiply-add per group),
+from INT8_MIN_ROWS rows; PETREL_INT8_COMPUTE=0 keeps the float products.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ TILE_ELEMENTS = 1 << 18  # beyond, tiles of this many weights (1 MB of float32: 
 # int8 per-row weights past the register kernel: integer products at any count (int8_gemm.c; Zen 4, one thread, a
 # busy machine: 1.3-2x the float tiles from 8 rows, about 1.5x float32 weights from 64; benchmarks/int8_gemm.py)
 INT8_MIN_ROWS = GEMV_MAX_ROWS + 1
+INTEGER_GROUP_SHIFTS = (4, 5)  # groups that multiply in integers (group_gemm.c): GGUF's 16 and 32
 
 
 class QuantizedWeight(nn.Module):
@@ -162,10 +164,12 @@ class QuantizedWeight(nn.Module):
 
     @property
     def integer_rows(self) -> int:
-        """From how many rows of x products run in integers (int8_gemm.c), 0 for never: int8 codes with one scale a
-        row (quantization='int8') from INT8_MIN_ROWS, unless PETREL_INT8_COMPUTE=0."""
+        """From how many rows of x products run in integers, 0 for never: int8 codes with one scale a row
+        (quantization='int8', int8_gemm.c) and GGUF's groups (group_gemm.c) from INT8_MIN_ROWS, unless
+        PETREL_INT8_COMPUTE=0."""
         per_row_int8 = self.bits == 8 and self.group_shift >= ROW_GROUP and self.mins is None
-        return INT8_MIN_ROWS if per_row_int8 and quant_kernels.int8_compute() else 0
+        grouped = self.group_shift in INTEGER_GROUP_SHIFTS
+        return INT8_MIN_ROWS if (per_row_int8 or grouped) and quant_kernels.int8_compute() else 0
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, in] -> x @ W^T, float32 [M, out]."""
@@ -174,7 +178,9 @@ class QuantizedWeight(nn.Module):
         lib = quant_kernels.library() if x.device.type == "cpu" and in_features % 32 == 0 else None
         mins = self.mins
         if lib is not None and 0 < self.integer_rows <= x.shape[0]:
-            return quant_kernels.int8_gemm(lib, x, self.codes, self.scale)
+            if self.group_shift >= ROW_GROUP:
+                return quant_kernels.int8_gemm(lib, x, self.codes, self.scale)
+            return quant_kernels.group_gemm(lib, self.bits, x, self.codes, self.scale, mins, self.group_shift)
         if lib is not None and x.shape[0] <= GEMM_MAX_ROWS:
             product = quant_kernels.gemv if x.shape[0] <= GEMV_MAX_ROWS else quant_kernels.gemm
             return product(lib, self.bits, x, self.codes, self.scale, mins, self.group_shift, out_features)

@@ -1,0 +1,300 @@
+"""GGUF's group-quantized weights times many rows in integers (group_gemm.c): every kernel this CPU runs (AVX2,
+AVX-512, AVX-512 VNNI) against a float64 product of the rounded rows and the weight (4-bit and 8-bit codes, groups
+of 32 and 16, with and without mins, ragged shapes, K from 32 to 4096, extreme codes and zero rows), the rounding's
+proven bound against the unrounded product, QuantizedLinear's switch, batched decode through decode_layers (C),
+and a tiny Llama written as a Q4_0 GGUF against its float products."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_int8_gemm import INT8_ISAS
+
+from petrel import LLM, SamplingParams
+from petrel.model import dense_kernels, quant_kernels
+from petrel.model.quantization import GEMV_MAX_ROWS, INT8_MIN_ROWS, QuantizedLinear, QuantizedWeight
+
+U = 2.0**-24  # float32's unit roundoff
+
+
+@pytest.fixture
+def lib():
+    lib = quant_kernels.library()
+    if lib is None:
+        pytest.skip("the AVX2 kernels cannot run here (no AVX2/FMA or no C compiler)")
+    return lib
+
+
+@pytest.fixture(params=INT8_ISAS)
+def isa(request, lib, monkeypatch):
+    """The kernel group_gemm runs in this test, forced by switching the wider ones off; a spy shows that it ran."""
+    if request.param == quant_kernels.INT8_AVX2:
+        monkeypatch.setenv("PETREL_AVX512", "0")
+    elif request.param == quant_kernels.INT8_AVX512:
+        monkeypatch.setenv("PETREL_AVX512_VNNI", "0")
+    ran, kernel = [], lib.group_gemm
+    monkeypatch.setattr(lib, "group_gemm", lambda *a: ran.append(a[-1]) or kernel(*a))
+    yield request.param
+    assert ran and set(ran) == {request.param}, ran
+
+
+def group_weight(kind: str, n: int, k: int, seed: int) -> QuantizedWeight:
+    """Random codes, scales and mins in each format's range: q4_0 (4-bit, mins -8 scale), q4_1 (4-bit, free mins),
+    q8_0 (8-bit, all of -128..127, no mins), q5_1 (8-bit 0..31, mins), q6_k (8-bit -32..31 in groups of 16, no
+    mins), q6_k_mins (groups of 16 with mins, as a fused Q4_K + Q6_K projection holds them)."""
+    g = torch.Generator().manual_seed(seed)
+    shift = 4 if kind.startswith("q6_k") else 5
+    groups = k >> shift
+    scale = torch.rand(n, groups, generator=g) * 0.02 + 1e-3
+    mins = -torch.rand(n, groups, generator=g) * 0.1
+    if kind in ("q4_0", "q4_1"):
+        codes = torch.randint(0, 256, (n, k // 32, 16), dtype=torch.uint8, generator=g)
+        return QuantizedWeight(codes, scale, -8 * scale if kind == "q4_0" else mins, 4, 5, (n, k), kind)
+    low, high = {"q8_0": (-128, 128), "q5_1": (0, 32)}.get(kind, (-32, 32))
+    codes = torch.randint(low, high, (n, k), dtype=torch.int8, generator=g)
+    with_mins = kind in ("q5_1", "q6_k_mins")
+    return QuantizedWeight(codes, scale, mins if with_mins else None, 8, shift, (n, k), kind)
+
+
+KINDS = ["q4_0", "q4_1", "q8_0", "q5_1", "q6_k", "q6_k_mins"]
+
+
+def codes_of(weight: QuantizedWeight) -> torch.Tensor:
+    """[N, K] codes as float64 (4-bit ones unpacked: element i of a group low in byte i, 16 + i high)."""
+    codes = weight.codes
+    if weight.bits == 4:
+        codes = torch.cat([codes & 0x0F, codes >> 4], dim=-1)
+    return codes.reshape(weight.shape).double()
+
+
+def weight64(weight: QuantizedWeight, magnitude: bool = False) -> torch.Tensor:
+    """The dequantized weight in float64: scale * code + min, each exact (dequantize() rounds it to float32); with
+    magnitude, |scale * code| + |min| instead (what the kernel's float sums add up)."""
+    n, k = weight.shape
+    size = weight.group_size
+    w = codes_of(weight).view(n, k // size, size) * weight.scale.double().unsqueeze(-1)
+    mins = weight.mins if weight.mins is not None else torch.zeros_like(weight.scale)
+    w = w.abs() + mins.double().abs().unsqueeze(-1) if magnitude else w + mins.double().unsqueeze(-1)
+    return w.view(n, k)
+
+
+def rounded_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x's rows as group_gemm.c rounds them, float64: codes round(x * (32767 / max|x|)) in float32 (half to even)
+    and scales max|x| / 32767 (groups keep the int32 sums small, so no K-dependent levels as int8_gemm's)."""
+    top = x.abs().amax(dim=1, keepdim=True)
+    most = torch.full_like(top, 32767)  # tensor / tensor: IEEE division, as the kernel's
+    inverse = torch.where(top > 0, most / top, torch.zeros_like(top))
+    return torch.round(x * inverse).double(), (top / most).double()
+
+
+def assert_float_rounding_only(got: torch.Tensor, x: torch.Tensor, weight: QuantizedWeight) -> None:
+    """got = dx sum_g (s P + z S) with P, S exact integer sums: against the float64 product of the rounded x and the
+    weight, what is left is float32 rounding: each group's two terms (P's conversion and the two multiply-adds),
+    their sum over G groups, the final multiply by dx: at most (2G + 4) u times the sum of the terms' magnitudes."""
+    q, dx = rounded_rows(x)
+    n, k = weight.shape
+    size, groups = weight.group_size, k // weight.group_size
+    expected = dx * (q @ weight64(weight).t())
+    products = torch.einsum("mgi,ngi->mng", q.view(-1, groups, size), codes_of(weight).view(n, groups, size))
+    magnitude = (products * weight.scale.double()).abs().sum(-1)
+    if weight.mins is not None:
+        magnitude += q.view(-1, groups, size).sum(-1).abs() @ weight.mins.double().abs().t()
+    bound = (2 * groups + 4) * U * dx * magnitude
+    error = (got.double() - expected).abs()
+    assert (error <= bound).all(), f"worst excess {(error - bound).max().item():.3e}"
+
+
+def run(lib, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
+    return quant_kernels.group_gemm(lib, weight.bits, x, weight.codes, weight.scale, weight.mins, weight.group_shift)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("m, k, n", [(1, 32, 1), (7, 64, 17), (45, 576, 50), (13, 1536, 33), (20, 2048, 97)])
+def test_group_gemm_equals_the_integer_product(lib, isa, kind, m, k, n):
+    """Ragged rows and columns (not multiples of any block's 3, 6, 16 or 32), one group to 128 of them."""
+    g = torch.Generator().manual_seed(m * k + n)
+    weight = group_weight(kind, n, k, seed=n)
+    x = torch.randn(m, k, generator=g)
+    assert_float_rounding_only(run(lib, weight, x), x, weight)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_group_gemm_reads_every_gguf_format(lib, isa, kind):
+    """Blocks of every GGUF type kept quantized, read by gguf_quants (K a multiple of the K-quants' 256)."""
+    from test_quantization import random_blocks
+
+    n, k = 40, 768
+    weight = QuantizedWeight.from_gguf(kind, random_blocks(kind, n, k, seed=3), n, k)
+    x = torch.randn(29, k, generator=torch.Generator().manual_seed(4))
+    assert weight.integer_rows == INT8_MIN_ROWS
+    assert_float_rounding_only(run(lib, weight, x), x, weight)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q6_k_mins"])
+def test_group_gemm_extremes(lib, isa, kind):
+    """The largest codes (4-bit 15; 8-bit -128 and 127) times rows of one value: each group's sum reaches 32767 x
+    128 x 32 = 134,213,632 (2^27) in every group of K = 4096; an outlier 10^4 times the rest; an all-zero row of
+    x and an all-zero row of codes; a weight row of 0 scale but non-zero mins."""
+    m, k, n = 9, 4096, 37
+    weight = group_weight(kind, n, k, seed=5)
+    codes = weight.codes
+    if weight.bits == 4:
+        codes[:] = 0xFF
+        codes[3] = 0
+    else:
+        codes.copy_(torch.where(torch.rand(codes.shape, generator=torch.Generator().manual_seed(6)) < 0.5, 127, -128))
+        codes[0], codes[1], codes[3] = -128, 127, 0
+    weight.scale[5] = 0
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(m, k, generator=g)
+    x[0, 5] = 1e4
+    x[1] = 0
+    x[2], x[4] = 3.5, -3.5
+    got = run(lib, weight, x)
+    assert_float_rounding_only(got, x, weight)
+    assert (got[1] == 0).all() and torch.equal(got[2], -got[4])
+    q, _ = rounded_rows(x)
+    largest = (15 if weight.bits == 4 else 128) * 32767 * weight.group_size  # row 0's codes: 15 or -128 throughout
+    assert q[2, 0] == 32767 and (codes_of(weight)[0] * q[2]).view(-1, weight.group_size).sum(-1).abs().max() == largest
+
+
+def test_rounding_rows_costs_at_most_half_a_step_per_activation(lib, isa):
+    """Against the weight's own product with the unrounded x: |y - x W^T| <= (max|x| / 2 32767) sum_k |W[n, k]|,
+    plus float rounding, outliers or not (the mins multiply the rounded x's group sums: the error is that of a
+    product with W itself). Float rounding: x's rounding in float32 (dx q - x within dx / 2 + 3u |x|) and the
+    kernel's sums (see assert_float_rounding_only), bounded by (2G + 8) u (|x| + dx) (|s c| + |z|)."""
+    g = torch.Generator().manual_seed(1)
+    for kind in KINDS:
+        weight = group_weight(kind, 96, 1536, seed=2)
+        x = torch.randn(40, 1536, generator=g)
+        x[::3, 7] *= 300
+        w = weight64(weight)
+        got = run(lib, weight, x).double()
+        _, dx = rounded_rows(x)
+        groups = 1536 // weight.group_size
+        exact_terms = (x.double().abs() + dx) @ weight64(weight, magnitude=True).t()
+        bound = dx / 2 * w.abs().sum(dim=1) + (2 * groups + 8) * U * exact_terms
+        assert ((got - x.double() @ w.t()).abs() <= bound).all(), kind
+
+
+def test_quantized_linear_switches_to_integers_from_int8_min_rows(lib, monkeypatch):
+    """GGUF weights from INT8_MIN_ROWS rows: group_gemm; fewer rows, or PETREL_INT8_COMPUTE=0: not."""
+    calls = []
+    kernel = quant_kernels.group_gemm
+    monkeypatch.setattr(quant_kernels, "group_gemm", lambda *a: calls.append(a[2].shape[0]) or kernel(*a))
+    weight = group_weight("q4_1", 64, 256, seed=8)
+    layer = QuantizedLinear(weight)
+    x = torch.randn(INT8_MIN_ROWS, 256, generator=torch.Generator().manual_seed(9))
+    assert_float_rounding_only(layer(x), x, weight)
+    layer(x[:GEMV_MAX_ROWS])
+    assert calls == [INT8_MIN_ROWS]
+    assert dense_kernels.describe(weight).integer_rows == INT8_MIN_ROWS  # decode_layers' products too
+    monkeypatch.setenv("PETREL_INT8_COMPUTE", "0")
+    exact = x.double() @ weight64(weight).t()
+    assert (layer(x).double() - exact).abs().max() <= 1e-5 * exact.abs().max()
+    assert calls == [INT8_MIN_ROWS] and weight.integer_rows == 0
+
+
+def test_batched_decode_layers_take_group_products(tiny, lib, monkeypatch):
+    """Decode-only steps of INT8_MIN_ROWS + 1 sequences with Q4_1 projections run the decoder stack in one C call
+    (decode_layers), whose products call group_gemm from C: its logits are the separate modules' (group_gemm
+    from Python) to float rounding, far closer than to the float products' (PETREL_INT8_COMPUTE=0), which round
+    no activation."""
+    from test_model_tiny import PagedDriver, quantized_copy
+    from tiny_llama import _tokens
+
+    from petrel.model.llama import LlamaDecoderLayer, LlamaForCausalLM
+
+    t = quantized_copy(tiny(2, False), "Q4_1")
+    prompts = [_tokens(3 + i, 80 + i) for i in range(INT8_MIN_ROWS + 1)]
+
+    def decode_logits() -> torch.Tensor:
+        t.model.__dict__.pop("_decode_stack", None)  # built anew: PETREL_INT8_COMPUTE is read when it is built
+        drv = PagedDriver(t, block_size=4)
+        seqs = [drv.new_seq(p) for p in prompts]
+        drv.step([(s, len(s.token_ids)) for s in seqs])
+        rows = []
+        for i in range(3):
+            for s in seqs:
+                s.token_ids.append(100 + i)
+            rows += drv.step([(s, 1) for s in seqs])
+        return torch.cat(rows)
+
+    taken = []
+    original = LlamaForCausalLM._decode_in_one_call
+    monkeypatch.setattr(
+        LlamaForCausalLM, "_decode_in_one_call", lambda self, *a: taken.append(out := original(self, *a)) or out
+    )
+    stacked = decode_logits()
+    assert sum(out is not None for out in taken) == 3  # every decode-only step, not the prefill
+    monkeypatch.setattr(LlamaForCausalLM, "_decode_in_one_call", lambda self, *a: None)
+    monkeypatch.setattr(LlamaDecoderLayer, "_decode_in_one_call", lambda self, *a: None)
+    separate = decode_logits()
+    monkeypatch.setenv("PETREL_INT8_COMPUTE", "0")
+    floats = decode_logits()
+    same, apart = (stacked - separate).abs().max().item(), (stacked - floats).abs().max().item()
+    print(f"decode_layers vs modules {same:.1e}, vs float products {apart:.1e}")
+    assert same <= 1e-5 and apart > 10 * same
+
+
+def _builder():
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "make_llama_1b.py"
+    spec = importlib.util.spec_from_file_location("make_llama_1b", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_q4_0_gguf_model_in_integers_matches_its_float_products(tmp_path, monkeypatch):
+    """A tiny random Llama written as a Q4_0 GGUF (gguf's quantizer), run with quantization='gguf' on
+    INT8_MIN_ROWS + 1 prompts (prefill through QuantizedLinear, decode steps through decode_layers, the tied head
+    on every sequence): greedy tokens equal those of PETREL_INT8_COMPUTE=0, and log-probabilities of every prompt
+    and generated position, over the whole vocabulary, within 1e-3 of the largest |logprob| (each activation moves
+    by up to 2^-16 of its row's largest; weights of std 0.5 make logprobs down to -56 here: measured 0.054), the
+    top token's within 0.02 (measured 0.0085)."""
+    pytest.importorskip("gguf")
+    if quant_kernels.library() is None:
+        pytest.skip("the kernels cannot run here")
+    shape = ["--layers", "2", "--hidden", "128", "--heads", "4", "--kv-heads", "2", "--intermediate", "256"]
+    args = ["--out", str(tmp_path), *shape, "--context", "4096", "--std", "0.5", "--gguf-type", "q4_0", "--no-bf16"]
+    assert _builder().main(args) == 0
+    calls = []
+    kernel = quant_kernels.group_gemm
+    monkeypatch.setattr(quant_kernels, "group_gemm", lambda *a: calls.append(a[1]) or kernel(*a))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(100, 30000, 20 + 3 * i).tolist() for i in range(INT8_MIN_ROWS + 1)]
+    params = SamplingParams(
+        temperature=0, max_tokens=6, ignore_eos=True, return_context_logits=True, return_generation_logits=True
+    )
+
+    def generate():
+        llm = LLM(str(tmp_path / "llama-1b-q4_0.gguf"), quantization="gguf", kv_cache_memory=16 << 20)
+        try:
+            return llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            llm.shutdown()
+
+    integer = generate()
+    assert calls and set(calls) == {4}  # the prompts' products: 4-bit codes in integers
+    monkeypatch.setenv("PETREL_INT8_COMPUTE", "0")
+    calls.clear()
+    floats = generate()
+    assert not calls
+    worst = top = scale = 0.0
+    for a, b in zip(integer, floats):
+        assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
+        got = torch.cat([a.context_logits, a.outputs[0].generation_logits]).log_softmax(-1)
+        expected = torch.cat([b.context_logits, b.outputs[0].generation_logits]).log_softmax(-1)
+        worst = max(worst, (got - expected).abs().max().item())
+        best = expected.argmax(-1, keepdim=True)
+        top = max(top, (got.gather(-1, best) - expected.gather(-1, best)).abs().max().item())
+        scale = max(scale, expected.abs().max().item())
+    print(
+        f"Q4_0 GGUF in integers vs float products: max |delta logprob| {worst:.2e} (top token {top:.2e}; "
+        f"largest |logprob| {scale:.0f})"
+    )
+    assert 0 < worst < 1e-3 * scale and top < 2e-2
