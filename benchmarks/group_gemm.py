@@ -15,7 +15,7 @@ import argparse
 
 import gguf
 import torch
-from int8_gemm import ISAS, best_ms, float_path, forced
+from int8_gemm import available_isas, best_ms, float_path, forced
 
 from petrel.model import dense_kernels, quant_kernels
 from petrel.model.quantization import QuantizedWeight
@@ -33,7 +33,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     lib = quant_kernels.library()
     assert lib is not None, "no kernels here"
-    isas = [(name, switches) for name, switches, isa in ISAS if forced(switches, quant_kernels.int8_isa) == isa]
+    isas = available_isas()
     names = [name for name, _ in isas]
     print(f"threads {args.threads}; GFLOP/s (2 M N K / time, best of 5)")
     header = " ".join(f"{'group ' + n:>12}" for n in names) + " " + " ".join(f"{'int8 ' + n:>11}" for n in names)

@@ -55,6 +55,11 @@ def forced(switches: dict[str, str], fn):
                 os.environ[name] = value
 
 
+def available_isas() -> list[tuple[str, dict[str, str]]]:
+    """(name, switches) of every kernel of ISAS this CPU runs: those whose switches make int8_isa pick them."""
+    return [(name, switches) for name, switches, isa in ISAS if forced(switches, quant_kernels.int8_isa) == isa]
+
+
 def float_path(weight: QuantizedWeight, x: torch.Tensor) -> float:
     os.environ["PETREL_INT8_COMPUTE"] = "0"
     try:
@@ -72,7 +77,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     lib = quant_kernels.library()
     assert lib is not None, "no kernels here"
-    isas = [(name, switches) for name, switches, isa in ISAS if forced(switches, quant_kernels.int8_isa) == isa]
+    isas = available_isas()
     print(f"threads {args.threads}; ms per call; x: the widest int8_gemm's speed-up over the float path and the best")
     print("float32; GFLOP/s: 2 M N K / time, the widest int8_gemm and petrel's float32 GEMM")
     header = " ".join(f"{'int8 ' + name:>11}" for name, _ in isas)

@@ -83,16 +83,23 @@ def test_many_row_product_writes_no_column_past_n(gemm_isa):
     torch.testing.assert_close(got, x @ w.t(), atol=1e-4, rtol=1e-4)
 
 
-def test_linear_layer_uses_the_gemm_for_prefill_with_bias(monkeypatch, gemm_isa):
-    monkeypatch.setenv("PETREL_GEMM", "petrel")
+def _prefill_gemm_calls(monkeypatch) -> tuple[list, torch.Tensor, Linear]:
+    """A biased Linear's product of SMALL_BATCH + 5 rows, checked against torch's; the calls it made to
+    dense_kernels.gemm (a spy), its input and the layer."""
     layer = Linear(64, 40, bias=True)
     x = torch.randn(Linear.SMALL_BATCH + 5, 64)
     calls = []
     gemm = dense_kernels.gemm
     monkeypatch.setattr(dense_kernels, "gemm", lambda *a: calls.append(1) or gemm(*a))
     torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), atol=1e-4, rtol=1e-4)
+    return calls, x, layer
+
+
+def test_linear_layer_uses_the_gemm_for_prefill_with_bias(monkeypatch, gemm_isa):
+    monkeypatch.setenv("PETREL_GEMM", "petrel")
+    calls, x, layer = _prefill_gemm_calls(monkeypatch)
     assert calls == [1]
-    assert gemm(x.double(), layer.weight.double()) is None
+    assert dense_kernels.gemm(x.double(), layer.weight.double()) is None
 
 
 @pytest.mark.parametrize("choice", ["", "torch", "petrel"])
@@ -102,12 +109,7 @@ def test_prefill_products_go_to_the_gemm_the_isa_measured_faster(monkeypatch, ch
     monkeypatch.setenv("PETREL_GEMM", choice)
     expected = choice == "petrel" or (choice == "" and not native.cpu_has_avx512())
     assert dense_kernels.prefill_gemm_is_petrels() is expected
-    layer = Linear(64, 40, bias=True)
-    x = torch.randn(Linear.SMALL_BATCH + 5, 64)
-    calls = []
-    gemm = dense_kernels.gemm
-    monkeypatch.setattr(dense_kernels, "gemm", lambda *a: calls.append(1) or gemm(*a))
-    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), atol=1e-4, rtol=1e-4)
+    calls, _, _ = _prefill_gemm_calls(monkeypatch)
     assert calls == ([1] if expected and dense_kernels.library() is not None else [])
 
 

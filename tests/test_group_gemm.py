@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_int8_gemm import INT8_ISAS
+from test_int8_gemm import INT8_ISAS, forced_isa
 
 from petrel import LLM, SamplingParams
 from petrel.model import dense_kernels, quant_kernels
@@ -32,14 +32,8 @@ def lib():
 @pytest.fixture(params=INT8_ISAS)
 def isa(request, lib, monkeypatch):
     """The kernel group_gemm runs in this test, forced by switching the wider ones off; a spy shows that it ran."""
-    if request.param == quant_kernels.INT8_AVX2:
-        monkeypatch.setenv("PETREL_AVX512", "0")
-    elif request.param == quant_kernels.INT8_AVX512:
-        monkeypatch.setenv("PETREL_AVX512_VNNI", "0")
-    ran, kernel = [], lib.group_gemm
-    monkeypatch.setattr(lib, "group_gemm", lambda *a: ran.append(a[-1]) or kernel(*a))
-    yield request.param
-    assert ran and set(ran) == {request.param}, ran
+    with forced_isa(request.param, lib, monkeypatch, "group_gemm"):
+        yield request.param
 
 
 def group_weight(kind: str, n: int, k: int, seed: int) -> QuantizedWeight:

@@ -5,6 +5,8 @@ tiny Llama under quantization='int8' against transformers on the dequantized wei
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -35,17 +37,25 @@ INT8_ISAS = [
 ]
 
 
+@contextlib.contextmanager
+def forced_isa(isa: int, lib, monkeypatch, kernel: str):
+    """`isa` forced for lib.<kernel> (int8_gemm or group_gemm: their ISA is the last argument) by switching the
+    wider ones off, with a spy on the library that checks, at the end, that the kernel ran with that ISA only."""
+    if isa == quant_kernels.INT8_AVX2:
+        monkeypatch.setenv("PETREL_AVX512", "0")
+    elif isa == quant_kernels.INT8_AVX512:
+        monkeypatch.setenv("PETREL_AVX512_VNNI", "0")
+    ran, function = [], getattr(lib, kernel)
+    monkeypatch.setattr(lib, kernel, lambda *a: ran.append(a[-1]) or function(*a))
+    yield
+    assert ran and set(ran) == {isa}, ran
+
+
 @pytest.fixture(params=INT8_ISAS)
 def int8_isa(request, lib, monkeypatch):
     """The kernel int8_gemm runs in this test; a spy on the library shows that it ran."""
-    if request.param == quant_kernels.INT8_AVX2:
-        monkeypatch.setenv("PETREL_AVX512", "0")
-    elif request.param == quant_kernels.INT8_AVX512:
-        monkeypatch.setenv("PETREL_AVX512_VNNI", "0")
-    ran, kernel = [], lib.int8_gemm
-    monkeypatch.setattr(lib, "int8_gemm", lambda *a: ran.append(a[-1]) or kernel(*a))
-    yield request.param
-    assert ran and set(ran) == {request.param}, ran
+    with forced_isa(request.param, lib, monkeypatch, "int8_gemm"):
+        yield request.param
 
 
 def test_int8_isa_is_the_widest_the_cpu_has(monkeypatch):

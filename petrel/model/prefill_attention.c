@@ -10,8 +10,8 @@
  *      kernel ran at half its short-prompt rate.
  *   2. Work items are GROUPS groups of ROWS query rows (a row: one position's query head) of one KV head, latest
  *      positions first (they see the most keys). An item walks its keys KEYS at a time, each block of keys read
- *      once for all its groups (from L1 after the first: long prompts' panels do not fit L2, and one group a
- *      read made the kernel wait on L3), each group with an online softmax: scores as a
+ *      once for all its groups (from cache after the first: long prompts' panels do not fit L2, and reading them
+ *      once per group of rows left the kernel waiting on L3), each group with an online softmax: scores as a
  *      ROWS x 16 register block per 16 keys (a broadcast of each row's query value against sixteen keys' values,
  *      per dimension), then the values as a ROWS x 16 block of the output per 16 dimensions.
  * torch's CPU flash attention runs these head_dim-64 shapes at ~70 GFLOP/s on two cores; this at about twice that. */
