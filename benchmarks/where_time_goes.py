@@ -1,0 +1,164 @@
+"""Where a model's prefill and decode time goes on this CPU: the figures behind BENCHMARKS.md's 2026-12-02 notes on the
+1B-shaped model and W6.
+
+    python benchmarks/where_time_goes.py gemm [--model DIR_OR_GGUF] [--rows 16,64,256,512,1024]
+    python benchmarks/where_time_goes.py prefill [--model ...] [--tokens 7936 | --w2-prompts 16]
+    python benchmarks/where_time_goes.py decode [--model ...] [--seqs 16] [--steps 32] [--temperature 0]
+
+gemm: each distinct projection shape of the model (fused q/k/v, o, fused gate/up, down) at each row count, GFLOP/s
+(2 M N K / time, best of 5, torch's threads): petrel's few-row kernel (dense_kernels.linear, up to 256 rows),
+petrel's register-blocked GEMM (dense_kernels.gemm), torch as x @ W^T and as (W @ x^T)^T.
+prefill: one prompt of --tokens random ids (or W2's first --w2-prompts prompts) through LLM.generate (max_tokens 1,
+prefix caching off), the time spent inside prefill attention and inside each projection shape's Linear.forward,
+summed over the prompts' chunks, and the products' GFLOP/s.
+decode: --seqs sequences of 8-token prompts, --steps decode steps; the time inside the decoder stack (one C call
+for all layers), the LM head (compute_logits) and the sampler, per step, and what is left around them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+
+import numpy as np
+import torch
+
+from petrel import LLM, SamplingParams
+from petrel.bench.workloads import make_w2_prompts
+from petrel.engine import sampler
+from petrel.model import dense_kernels, layers
+from petrel.model.config import ModelConfig
+from petrel.model.loader import load_model_config, resolve_model
+
+
+class Timers:
+    """Seconds and calls spent inside wrapped callables, by label."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = collections.defaultdict(float)
+        self.calls: collections.Counter = collections.Counter()
+
+    def wrap(self, owner, name: str, label=None) -> None:
+        """Time owner.name (a function or a method); label(args) names each call (default: `name`)."""
+        inner = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                key = label(args) if label else name
+                self.seconds[key] += time.perf_counter() - t0
+                self.calls[key] += 1
+
+        setattr(owner, name, timed)
+
+    def clear(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
+
+
+def best_s(fn, repeats: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def gemm(args) -> None:
+    cfg: ModelConfig = load_model_config(resolve_model(args.model))
+    h, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    shapes = [(h, q + 2 * kv), (q, h), (h, 2 * cfg.intermediate_size), (cfg.intermediate_size, h)]  # (K, N)
+    print("GFLOP/s: few-row kernel / petrel GEMM / torch x W^T / torch (W x^T)^T")
+    for k, n in shapes:
+        w = torch.randn(n, k) * 0.02
+        for m in [int(r) for r in args.rows.split(",")]:
+            x = torch.randn(m, k)
+            gflop = 2 * m * k * n / 1e9
+            few = gflop / best_s(lambda: dense_kernels.linear(x, w)) if m <= dense_kernels.GEMV_MAX_ROWS else 0.0
+            cells = [
+                few,
+                gflop / best_s(lambda: dense_kernels.gemm(x, w)),
+                gflop / best_s(lambda: torch.mm(x, w.t())),
+                gflop / best_s(lambda: torch.mm(w, x.t()).t()),
+            ]
+            print(f"K {k:>5} N {n:>5} M {m:>5}: " + " ".join(f"{c:7.1f}" for c in cells), flush=True)
+
+
+def prefill(args) -> None:
+    timers = Timers()
+    timers.wrap(dense_kernels, "prefill_attention")
+    linear_shapes: dict[str, tuple[int, int]] = {}
+
+    def linear_label(args) -> str:
+        shape = tuple(args[0].weight.shape)
+        linear_shapes[f"Linear {shape}"] = shape
+        return f"Linear {shape}"
+
+    timers.wrap(layers.Linear, "forward", linear_label)
+    llm = LLM(model=args.model, kv_cache_memory=4 << 30, enable_prefix_caching=False)
+    num_layers = load_model_config(resolve_model(args.model)).num_hidden_layers
+    if args.w2_prompts:
+        prompts = make_w2_prompts(args.w2_prompts)
+    else:
+        prompts = [np.random.default_rng(6).integers(100, 30000, size=args.tokens).tolist()]
+    llm.generate([{"prompt_token_ids": prompts[0][:64]}], SamplingParams(max_tokens=1), use_tqdm=False)  # warm-up
+    timers.clear()
+    t0 = time.perf_counter()
+    llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=1), use_tqdm=False)
+    tokens = sum(map(len, prompts))
+    print(f"prefill of {len(prompts)} prompt(s), {tokens} tokens: {time.perf_counter() - t0:.2f} s, of which")
+    for key, seconds in sorted(timers.seconds.items(), key=lambda kv: -kv[1]):
+        print(f"  {key}: {seconds:.2f} s ({timers.calls[key]} calls)")
+    # the decoder's projections see every prompt token (the LM head, vocab_size rows, only the last ones)
+    vocab = load_model_config(resolve_model(args.model)).vocab_size
+    shapes = {key: shape for key, shape in linear_shapes.items() if shape[0] != vocab}
+    seconds = sum(timers.seconds[key] for key in shapes)
+    flop = sum(2 * tokens * n * k * num_layers for n, k in shapes.values())
+    print(f"  the decoder's projections: {seconds:.2f} s, {flop / seconds / 1e9:.0f} GFLOP/s")
+
+
+def decode(args) -> None:
+    from petrel.model import llama
+
+    timers = Timers()
+    timers.wrap(dense_kernels.DecoderStack, "__call__", lambda a: "decoder stack (C)")
+    timers.wrap(llama.LlamaForCausalLM, "compute_logits", lambda a: "LM head")
+    timers.wrap(sampler.Sampler, "sample", lambda a: "sampler")
+    llm = LLM(model=args.model, kv_cache_memory=4 << 30, enable_prefix_caching=False)
+    prompts = [{"prompt_token_ids": p[:8]} for p in make_w2_prompts(args.seqs)]
+    params = SamplingParams(max_tokens=args.steps + 1, ignore_eos=True, temperature=args.temperature)
+    llm.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)  # warm-up
+    timers.clear()
+    t0 = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    per_step = (time.perf_counter() - t0) / (args.steps + 1)
+    print(f"{args.seqs} sequences, {args.steps} decode steps (+ the prefill): {per_step * 1000:.0f} ms a step")
+    inside = 0.0
+    for key, seconds in timers.seconds.items():
+        each = seconds / timers.calls[key]
+        inside += each
+        print(f"  {key}: {each * 1000:.1f} ms a call ({timers.calls[key]} calls)")
+    print(f"  around them: {(per_step - inside) * 1000:.0f} ms a step")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["gemm", "prefill", "decode"])
+    ap.add_argument("--model", default=None, help="a Hugging Face directory or GGUF file (default: the default model)")
+    ap.add_argument("--rows", default="16,64,256,512,1024", help="gemm: rows of x")
+    ap.add_argument("--tokens", type=int, default=7936, help="prefill: the prompt's length")
+    ap.add_argument("--w2-prompts", type=int, default=0, help="prefill: W2's first N prompts instead")
+    ap.add_argument("--seqs", type=int, default=16, help="decode: sequences")
+    ap.add_argument("--steps", type=int, default=32, help="decode: steps timed")
+    ap.add_argument("--temperature", type=float, default=0.0, help="decode: 0 for greedy rows")
+    args = ap.parse_args()
+    {"gemm": gemm, "prefill": prefill, "decode": decode}[args.what](args)
+
+
+if __name__ == "__main__":
+    main()
