@@ -4,6 +4,7 @@
     python benchmarks/where_time_goes.py gemm [--model DIR_OR_GGUF] [--rows 16,64,256,512,1024]
     python benchmarks/where_time_goes.py prefill [--model ...] [--tokens 7936 | --w2-prompts 16]
     python benchmarks/where_time_goes.py decode [--model ...] [--seqs 16] [--steps 32] [--temperature 0]
+    python benchmarks/where_time_goes.py attention [--chunks 2048@0,2048@5888]
 
 gemm: each distinct projection shape of the model (fused q/k/v, o, fused gate/up, down) at each row count, GFLOP/s
 (2 M N K / time, best of 5, torch's threads): petrel's few-row kernel (dense_kernels.linear, up to 256 rows),
@@ -13,6 +14,8 @@ prefix caching off), the time spent inside prefill attention and inside each pro
 summed over the prompts' chunks, and the products' GFLOP/s.
 decode: --seqs sequences of 8-token prompts, --steps decode steps; the time inside the decoder stack (one C call
 for all layers), the LM head (compute_logits) and the sampler, per step, and what is left around them.
+attention: the prefill attention kernel alone on one layer of the default model's heads (9 query heads, 3 KV heads,
+head_dim 64, 16-token blocks in shuffled order): a chunk of N queries after P cached positions for each N@P, best of 3.
 """
 
 from __future__ import annotations
@@ -146,9 +149,23 @@ def decode(args) -> None:
     print(f"  around them: {(per_step - inside) * 1000:.0f} ms a step")
 
 
+def attention(args) -> None:
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    for chunk in args.chunks.split(","):
+        n, first_pos = (int(v) for v in chunk.split("@"))
+        blocks = (first_pos + n + block_size - 1) // block_size
+        k_cache, v_cache = (torch.randn(blocks, block_size, kv_heads, head_dim) for _ in range(2))
+        table, q = torch.randperm(blocks), torch.randn(n, heads, head_dim)
+        seconds = best_s(
+            lambda: dense_kernels.prefill_attention(q, k_cache, v_cache, table, first_pos, head_dim**-0.5, None), 3
+        )
+        flop = 2 * 2 * heads * head_dim * sum(first_pos + i + 1 for i in range(n))  # causal: the keys each query sees
+        print(f"{n} queries after {first_pos}: {seconds * 1000:.0f} ms, {flop / seconds / 1e9:.0f} GFLOP/s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["gemm", "prefill", "decode"])
+    ap.add_argument("what", choices=["gemm", "prefill", "decode", "attention"])
     ap.add_argument("--model", default=None, help="a Hugging Face directory or GGUF file (default: the default model)")
     ap.add_argument("--rows", default="16,64,256,512,1024", help="gemm: rows of x")
     ap.add_argument("--tokens", type=int, default=7936, help="prefill: the prompt's length")
@@ -156,8 +173,9 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, default=16, help="decode: sequences")
     ap.add_argument("--steps", type=int, default=32, help="decode: steps timed")
     ap.add_argument("--temperature", type=float, default=0.0, help="decode: 0 for greedy rows")
+    ap.add_argument("--chunks", default="2048@0,2048@5888", help="attention: N@P, comma-separated")
     args = ap.parse_args()
-    {"gemm": gemm, "prefill": prefill, "decode": decode}[args.what](args)
+    {"gemm": gemm, "prefill": prefill, "decode": decode, "attention": attention}[args.what](args)
 
 
 if __name__ == "__main__":
