@@ -26,6 +26,7 @@ Where petrel and transformers differ on purpose, the test follows petrel's defin
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -362,16 +363,19 @@ def test_draws_follow_the_processed_distribution():
         assert _chi_square_p_value(counts, p) > 1e-3, (c, counts.tolist(), (p * n).tolist())
 
 
-def test_a_seeded_row_draws_the_same_tokens_in_any_batch():
-    """A row with its own generator (a request with a seed) draws the same token whatever else the batch holds."""
-    vocab = 100
+@pytest.mark.parametrize("vocab", [100, 1300])
+def test_a_seeded_row_draws_the_same_tokens_in_any_batch(vocab):
+    """A row with its own generator (a request with a seed) draws the same token whatever else the batch holds:
+    rows of the engine's generator, or rows seeded with generators of their own."""
     logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(2)) * 2
     params = SamplingParams(temperature=0.9, top_p=0.9, seed=42)
 
-    def draws(neighbours: int) -> list[int]:
+    def draws(neighbours: int, seeded: bool = False) -> list[int]:
         seq = make_seq(params, [1, 2])
         seq.generator = torch.Generator().manual_seed(42)
         others = [make_seq(SamplingParams(temperature=1.2, top_k=5), [3]) for _ in range(neighbours)]
+        for k, other in enumerate(others if seeded else ()):
+            other.generator = torch.Generator().manual_seed(k)
         out = []
         for _ in range(20):
             batch = torch.cat([torch.randn(neighbours, vocab), logits])
@@ -380,4 +384,193 @@ def test_a_seeded_row_draws_the_same_tokens_in_any_batch():
 
     alone = draws(0)
     assert len(set(alone)) > 1  # really random
-    assert draws(3) == alone and draws(8) == alone
+    assert draws(3) == alone and draws(8) == alone and draws(4, seeded=True) == alone
+
+
+# ---------------------------------------------------------------------------- inverse-CDF draws, greedy rows
+
+
+def test_inverse_cdf_draws_follow_the_distribution_over_blocks():
+    """20,000 draws (10 batches of 2,000 rows) from a vocabulary long enough for the two-level search (1300
+    tokens: five blocks of 256 and a last block of 20), two configurations interleaved: a few tokens placed at
+    block edges and in the last block, with top-k removing two of them, and a dense row of 1300 small
+    probabilities. Each configuration's frequencies pass a chi-square test against its float64 reference, and,
+    for the few-token configuration, every |freq - p| stays within 5 binomial standard deviations
+    (sqrt(p (1 - p) / n) with n = 10,000 draws; a false alarm over 8 tokens has probability about 5e-6); a
+    filtered token is never drawn."""
+    from petrel.engine import sampler as sampler_module
+
+    vocab = 1300
+    assert vocab >= 4 * sampler_module._BLOCK and vocab % sampler_module._BLOCK  # two levels, a shorter last block
+    sparse = torch.full((vocab,), INF)
+    placed = {0: 0.5, 255: 1.0, 256: -0.3, 257: 0.2, 700: 1.5, 1279: 0.0, 1280: 0.7, 1299: -1.0}
+    for t, v in placed.items():
+        sparse[t] = v
+    dense = torch.randn(vocab, generator=torch.Generator().manual_seed(8)) * 2
+    configs = [(sparse, SamplingParams(temperature=0.8, top_k=6)), (dense, SamplingParams(temperature=1.0))]
+    refs = []
+    for raw, params in configs:
+        x = raw.double() / params.temperature
+        if params.top_k:
+            x[x < x.topk(params.top_k).values[-1]] = INF
+        refs.append(torch.softmax(x, dim=0))
+    assert (refs[0] > 0).sum() == 6  # 256 and 1299 filtered by top-k
+    sampler = Sampler(vocab, seed=4)
+    tokens, which = [], []
+    for _ in range(10):
+        order = [i % 2 for i in range(2000)]
+        seqs = [make_seq(configs[c][1], [1]) for c in order]
+        result = sampler.sample(torch.stack([configs[c][0] for c in order]), seqs)
+        tokens += result.token_ids
+        which += order
+    tokens, which = torch.tensor(tokens), torch.tensor(which)
+    for c, p in enumerate(refs):
+        counts = torch.bincount(tokens[which == c], minlength=vocab).double()
+        n = counts.sum()
+        assert counts[p == 0].sum() == 0, f"config {c} drew a filtered token"
+        assert _chi_square_p_value(counts, p) > 1e-3, c
+        if c == 0:
+            freq = counts / n
+            bound = 5 * (p * (1 - p) / n).sqrt()
+            assert ((freq - p).abs() <= bound).all(), ((freq - p).tolist(), bound.tolist())
+
+
+@pytest.mark.parametrize("vocab", [7, 300, 1024, 1300, 4096])
+def test_inverse_cdf_never_draws_a_zero_probability_token_at_the_extreme_uniforms(vocab):
+    """u = 0 takes the first token of positive probability and u = 1 - 2**-53 (the largest float64 below 1) the
+    last one, whatever zeros surround them (at both ends, across block edges), and no u in between takes a token
+    of probability 0; a row without positive mass (its logits were all -inf: NaN probabilities) gets token 0."""
+    from petrel.engine.sampler import _inverse_cdf
+
+    gen = torch.Generator().manual_seed(vocab)
+    probs, first, last = [], [], []
+    for _ in range(40):
+        row = torch.rand(vocab, generator=gen)
+        row[row < 0.9] = 0.0  # most tokens filtered
+        ends = torch.randint(0, vocab, (2,), generator=gen).sort().values.tolist()
+        row[: ends[0]] = 0.0
+        row[ends[1] + 1 :] = 0.0
+        row[ends[0]] = row[ends[1]] = 0.95
+        if ends[1] - ends[0] > 1:  # tiny but positive inside
+            row[torch.randint(ends[0] + 1, ends[1], (3,), generator=gen)] = 1e-30
+        row = row / row.sum()
+        probs.append(row)
+        nonzero = (row > 0).nonzero().flatten()
+        first.append(int(nonzero[0]))
+        last.append(int(nonzero[-1]))
+    one = torch.zeros(vocab)
+    one[vocab - 1] = 1.0  # all the mass on the very last token
+    probs.append(one)
+    first.append(vocab - 1)
+    last.append(vocab - 1)
+    probs = torch.stack(probs)
+    n = probs.shape[0]
+    low = _inverse_cdf(probs, torch.zeros(n, dtype=torch.float64))
+    high = _inverse_cdf(probs, torch.full((n,), 1 - 2**-53, dtype=torch.float64))
+    assert low.tolist() == first
+    assert high.tolist() == last
+    for u in torch.rand(50, generator=gen, dtype=torch.float64):  # anywhere between: a token of positive mass
+        drawn = _inverse_cdf(probs, u.expand(n))
+        assert (probs.gather(1, drawn.unsqueeze(1)) > 0).all()
+    nan_row = torch.softmax(torch.full((1, vocab), INF), dim=1)
+    assert _inverse_cdf(nan_row, torch.full((1,), 0.5, dtype=torch.float64)).tolist() == [0]
+
+
+@pytest.mark.parametrize("u", [0.0, 1 - 2**-53])
+def test_a_masked_token_is_never_sampled_even_at_the_extreme_uniforms(monkeypatch, u):
+    """Through Sampler.sample, with every uniform forced to an end of [0, 1): top-k, top-p, min-p and -inf
+    logits remove tokens, and the token drawn is the first (u = 0) or last (u -> 1) of the kept ones."""
+    vocab = 2000
+    gen = torch.Generator().manual_seed(21)
+    logits = torch.randn(4, vocab, generator=gen) * 3
+    logits[3, :1500] = INF
+    logits[3, 1990:] = INF
+    params = [
+        SamplingParams(temperature=0.7, top_k=10),
+        SamplingParams(top_p=0.3),
+        SamplingParams(min_p=0.2, temperature=1.5),
+        SamplingParams(temperature=1.0),
+    ]
+    seqs = [make_seq(p, [1]) for p in params]
+    seqs[1].generator = torch.Generator().manual_seed(3)  # a seeded row draws from its own generator
+    asked = [make_seq(dataclasses.replace(p, logprobs=vocab), [1]) for p in params]
+    kept = [{t for t, v in row.top if v != INF} for row in Sampler(vocab).sample(logits.clone(), asked).logprobs]
+    real_rand = torch.rand
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: real_rand(*a, **k).fill_(u))
+    tokens = Sampler(vocab).sample(logits.clone(), seqs).token_ids
+    monkeypatch.undo()
+    for token, allowed in zip(tokens, kept):
+        assert token == (min(allowed) if u == 0.0 else max(allowed)), (token, sorted(allowed)[:3])
+
+
+def test_argmax_rows_equals_torch_argmax_on_ties_nan_and_a_shorter_last_block():
+    from petrel.engine.sampler import _argmax_rows
+
+    vocab = 1300  # five blocks of 256 and a last one of 20
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randint(-3, 3, (12, vocab), generator=gen).float()  # many ties of the maximum
+    x[1, 1290] = 9.0  # the maximum alone in the last block
+    x[2, [10, 700, 1295]] = 9.0  # tied across blocks: the first
+    x[3, [255, 256]] = 9.0  # tied across a block edge
+    x[4, [1280, 1299]] = 9.0  # tied inside the last block
+    x[5, [300, 900]] = float("nan")  # NaN counts as the maximum: the first NaN
+    x[6, 1299] = float("nan")
+    x[7] = INF  # all -inf: token 0
+    x[8] = float("inf")
+    x[9, [5, 1299]] = float("inf")
+    assert _argmax_rows(x).tolist() == x.argmax(dim=1).tolist()
+    assert _argmax_rows(x[:, :1280]).tolist() == x[:, :1280].argmax(dim=1).tolist()  # whole blocks only
+
+
+def test_greedy_tokens_and_logprobs_against_float64():
+    """Greedy rows (with and without logits-changing parameters, beside a random row): the token is torch.argmax
+    of the processed logits, bit for bit, and the logprob is float64 log_softmax's within 1e-5."""
+    vocab = 5000
+    gen = torch.Generator().manual_seed(9)
+    logits = torch.randn(6, vocab, generator=gen) * 4
+    logits[1, [17, 4000]] = 30.0  # a tie: the first
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, repetition_penalty=1.5, logit_bias={42: 20.0}),
+        SamplingParams(temperature=1.0, top_k=1),
+        SamplingParams(temperature=0.9),
+        SamplingParams(temperature=0.0, logprobs=3),
+    ]
+    seqs = [make_seq(p, tokens_with_repeats(vocab, 8, gen), tokens_with_repeats(vocab, 5, gen)) for p in params]
+    for rows in (range(6), [0, 1, 2, 3, 5]):  # with and without a random row in the batch
+        batch = logits[list(rows)]
+        result = Sampler(vocab).sample(batch.clone(), [seqs[i] for i in rows])
+        for j, i in enumerate(rows):
+            if i == 4:
+                continue
+            ref = penalised_reference(logits[i], seqs[i])
+            assert result.token_ids[j] == int(ref.argmax()), i
+            want = float(torch.log_softmax(ref.double(), dim=0)[result.token_ids[j]])
+            assert abs(result.sampled_logprobs[j] - want) < 1e-5, i
+        assert result.token_ids[1] == 17
+        assert result.logprobs[-1].logprob == result.sampled_logprobs[-1]
+
+
+def test_a_failed_batch_is_chosen_again_row_by_row_from_the_unchanged_logits():
+    """A row whose logit_bias names a token past the vocabulary makes the batch raise after other rows' bias
+    and penalties were applied; the rows are then chosen one at a time from the logits as they came in (the
+    bias counted once), so the other rows get what they get alone, and only that row fails."""
+    vocab = 2000
+    gen = torch.Generator().manual_seed(13)
+    logits = torch.randn(3, vocab, generator=gen) * 2
+    params = [
+        SamplingParams(temperature=0.0, logit_bias={7: 6.0}, repetition_penalty=1.3),
+        SamplingParams(temperature=0.0, logit_bias={vocab + 5: 1.0}),
+        SamplingParams(temperature=0.0, logit_bias={9: 7.0}),
+    ]
+    seqs = [make_seq(p, [1, 2, 7]) for p in params]
+    before = logits.clone()
+    result = Sampler(vocab).sample(logits, seqs)
+    assert torch.equal(logits, before)
+    assert set(result.errors) == {1} and "sampling failed" in result.errors[1]
+    for i in (0, 2):
+        alone = Sampler(vocab).sample(before[i : i + 1].clone(), [seqs[i]])
+        assert (result.token_ids[i], result.sampled_logprobs[i]) == (alone.token_ids[0], alone.sampled_logprobs[0])
+        ref = penalised_reference(before[i], seqs[i])
+        assert abs(result.sampled_logprobs[i] - float(torch.log_softmax(ref.double(), 0)[int(ref.argmax())])) < 1e-5
