@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from typing import NamedTuple
 
 import torch
@@ -115,14 +116,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def prefill_gemm_is_petrels() -> bool:
-    """Whether products of more than Linear.SMALL_BATCH rows run petrel's GEMM (gemm) or torch's. PETREL_GEMM=petrel
-    or =torch decides; by default petrel's on AVX2-only CPUs, where it measured level with torch's, and torch's where
-    AVX-512 runs, where petrel's AVX-512 GEMM measured 0.50-0.75x torch's on Zen 4 at Llama-1B shapes (512-1,024
-    rows; BENCHMARKS.md, 2026-12-02) and 0.67-0.84x on a Xeon."""
-    choice = os.environ.get("PETREL_GEMM", "")
-    if choice in ("petrel", "torch"):
-        return choice == "petrel"
-    return not native.cpu_has_avx512()
+    """Whether products of more than Linear.SMALL_BATCH rows run petrel's GEMM (gemm) or torch's: petrel's unless
+    PETREL_GEMM=torch. Measured (benchmarks/where_time_goes.py gemm, Zen 4, 2 threads, BENCHMARKS.md 2026-12-02):
+    at the default model's shapes 1.1-1.3x torch's; at a Llama-1B's, since K is sliced and W packed a chunk at a
+    time (gemm_driver.h), 1.1-1.4x (before: 0.50-0.75x, when torch's took these products on AVX-512 CPUs); on AVX2
+    CPUs level with torch's or ahead."""
+    return os.environ.get("PETREL_GEMM", "") != "torch"
 
 
 def gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
@@ -135,12 +134,24 @@ def gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     (m, k), n, threads = x.shape, weight.shape[0], torch.get_num_threads()
     y = torch.empty(m, n, dtype=torch.float32)
     if native.cpu_has_avx512():
-        workspace = torch.empty(lib.f32_gemm_workspace(k, n, threads), dtype=torch.float32)
+        workspace = _gemm_workspace(lib.f32_gemm_workspace(k, n, threads))
         lib.f32_gemm(x.data_ptr(), m, k, weight.data_ptr(), y.data_ptr(), n, workspace.data_ptr(), threads)
     else:
-        workspace = torch.empty(lib.f32_gemm_avx2_workspace(k, n, threads), dtype=torch.float32)
+        workspace = _gemm_workspace(lib.f32_gemm_avx2_workspace(k, n, threads))
         lib.f32_gemm_avx2(x.data_ptr(), m, k, weight.data_ptr(), y.data_ptr(), n, workspace.data_ptr(), threads)
     return y
+
+
+_workspaces = threading.local()
+
+
+def _gemm_workspace(floats: int) -> torch.Tensor:
+    """The calling thread's GEMM workspace of at least `floats` floats (a few MB: the packed chunks of W), kept from
+    call to call: a fresh one would be paid in page faults every product."""
+    buffer = getattr(_workspaces, "buffer", None)
+    if buffer is None or buffer.numel() < floats:
+        buffer = _workspaces.buffer = torch.empty(floats, dtype=torch.float32)
+    return buffer
 
 
 def decode_attention(

@@ -3,7 +3,7 @@
  * f32_gemm_avx2: y[M][N] = x[M][K] @ W[N][K]^T, gemm_avx512.c's scheme sized for 16 vector registers: the innermost
  * loop keeps a 6 x 16 block of y in 12 registers and, per k, loads two vectors of W and broadcasts one value from
  * each of 6 rows of x: 12 fused multiply-adds for 8 loads. W is first copied a panel of 16 columns at a time into
- * k-major order ([K][16]); packing, passing rows over the panels and the threads: gemm_driver.h.
+ * k-major order ([K][16]), and 6 rows of x into [K][6]; packing, slicing K and the threads: gemm_driver.h.
  * Built with the other kernels (-mavx2 -mfma): callers check native.cpu_has_avx2_fma, as for every kernel. */
 #include <immintrin.h>
 #include <stdint.h>
@@ -15,30 +15,38 @@
 #define MR 6
 #define NR 16
 
-/* y rows [0, mr) x columns [0, nr) = x rows [0, MR) (ldx floats apart) @ W panel. The twelve accumulators are
- * named variables, not an array: gcc keeps an array of vectors in memory, a store per multiply-add. The block goes
- * out through a stack tile, so that a partial panel (nr < NR) writes no column past N. */
-static void block_6x16(const float *x, int64_t ldx, const float *wp, int64_t K, float *y, int64_t ldy, int mr,
-                       int nr) {
-    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
-    __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-    const float *x0 = x, *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx, *x4 = x + 4 * ldx, *x5 = x + 5 * ldx;
-    for (int64_t k = 0; k < K; k++, wp += NR) {
+/* y rows [0, mr) x columns [0, nr) = 6 rows of x (x[i * rs + k * ks]) @ the W panel [K][16] (+ y where add). The twelve
+ * accumulators are named variables, not an array: gcc keeps an array of vectors in memory, a store per multiply-add.
+ * The block comes in (add) and goes out through a stack tile, so that a partial block (mr < MR or nr < NR) touches
+ * no row or column past it. */
+static void block_6x16(const float *x, int64_t rs, int64_t ks, const float *wp, int64_t K, float *y, int64_t ldy,
+                       int mr, int nr, int add) {
+    float tile[MR][NR];
+    memset(tile, 0, sizeof(tile));
+    if (add)
+        for (int i = 0; i < mr; i++) memcpy(tile[i], y + i * ldy, sizeof(float) * nr);
+    __m256 c00 = _mm256_loadu_ps(tile[0]), c01 = _mm256_loadu_ps(tile[0] + 8);
+    __m256 c10 = _mm256_loadu_ps(tile[1]), c11 = _mm256_loadu_ps(tile[1] + 8);
+    __m256 c20 = _mm256_loadu_ps(tile[2]), c21 = _mm256_loadu_ps(tile[2] + 8);
+    __m256 c30 = _mm256_loadu_ps(tile[3]), c31 = _mm256_loadu_ps(tile[3] + 8);
+    __m256 c40 = _mm256_loadu_ps(tile[4]), c41 = _mm256_loadu_ps(tile[4] + 8);
+    __m256 c50 = _mm256_loadu_ps(tile[5]), c51 = _mm256_loadu_ps(tile[5] + 8);
+    const float *x0 = x, *x1 = x + rs, *x2 = x + 2 * rs, *x3 = x + 3 * rs, *x4 = x + 4 * rs, *x5 = x + 5 * rs;
+    for (int64_t k = 0; k < K; k++, x0 += ks, x1 += ks, x2 += ks, x3 += ks, x4 += ks, x5 += ks, wp += NR) {
         const __m256 w0 = _mm256_loadu_ps(wp), w1 = _mm256_loadu_ps(wp + 8);
-        __m256 xb = _mm256_broadcast_ss(x0 + k);
+        __m256 xb = _mm256_broadcast_ss(x0);
         c00 = _mm256_fmadd_ps(w0, xb, c00), c01 = _mm256_fmadd_ps(w1, xb, c01);
-        xb = _mm256_broadcast_ss(x1 + k);
+        xb = _mm256_broadcast_ss(x1);
         c10 = _mm256_fmadd_ps(w0, xb, c10), c11 = _mm256_fmadd_ps(w1, xb, c11);
-        xb = _mm256_broadcast_ss(x2 + k);
+        xb = _mm256_broadcast_ss(x2);
         c20 = _mm256_fmadd_ps(w0, xb, c20), c21 = _mm256_fmadd_ps(w1, xb, c21);
-        xb = _mm256_broadcast_ss(x3 + k);
+        xb = _mm256_broadcast_ss(x3);
         c30 = _mm256_fmadd_ps(w0, xb, c30), c31 = _mm256_fmadd_ps(w1, xb, c31);
-        xb = _mm256_broadcast_ss(x4 + k);
+        xb = _mm256_broadcast_ss(x4);
         c40 = _mm256_fmadd_ps(w0, xb, c40), c41 = _mm256_fmadd_ps(w1, xb, c41);
-        xb = _mm256_broadcast_ss(x5 + k);
+        xb = _mm256_broadcast_ss(x5);
         c50 = _mm256_fmadd_ps(w0, xb, c50), c51 = _mm256_fmadd_ps(w1, xb, c51);
     }
-    float tile[MR][NR];
     _mm256_storeu_ps(tile[0], c00), _mm256_storeu_ps(tile[0] + 8, c01);
     _mm256_storeu_ps(tile[1], c10), _mm256_storeu_ps(tile[1] + 8, c11);
     _mm256_storeu_ps(tile[2], c20), _mm256_storeu_ps(tile[2] + 8, c21);

@@ -2,7 +2,7 @@
  *
  * f32_gemm: y[M][N] = x[M][K] @ W[N][K]^T. The innermost loop keeps a 14 x 32 block of y in 28 of the 32 vector
  * registers and, per k, loads two vectors of W and broadcasts one value from each of 14 rows of x: 28 fused
- * multiply-adds for 16 loads. Packing W into panels, passing rows over them and the threads: gemm_driver.h.
+ * multiply-adds for 16 loads. Packing W and x, slicing K and the threads: gemm_driver.h.
  * This file is built with the other kernels (-mavx2); its functions carry their own target, and callers check that
  * the CPU has AVX-512 first (native.cpu_has_avx512). */
 #include <immintrin.h>
@@ -14,19 +14,22 @@
 #define MR 14
 #define NR 32
 
-/* y rows [0, mr) x columns [0, nr) = x rows [0, MR) (ldx floats apart) @ W panel; masked stores write no column
- * past nr */
+/* y rows [0, mr) x columns [0, nr) = 14 rows of x (x[i * rs + k * ks]) @ the W panel [K][32] (+ y where add);
+ * masked loads and stores touch no column past nr and no row past mr */
 __attribute__((target("avx512f")))
-static void block_14x32(const float *x, int64_t ldx, const float *wp, int64_t K, float *y, int64_t ldy, int mr,
-                        int nr) {
+static void block_14x32(const float *x, int64_t rs, int64_t ks, const float *wp, int64_t K, float *y, int64_t ldy,
+                        int mr, int nr, int add) {
     const __mmask16 mask0 = nr >= 16 ? 0xFFFF : (__mmask16)((1u << nr) - 1);
     const __mmask16 mask1 = nr >= 32 ? 0xFFFF : nr <= 16 ? 0 : (__mmask16)((1u << (nr - 16)) - 1);
     __m512 c[MR][2];
-    for (int i = 0; i < MR; i++) c[i][0] = c[i][1] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k++, x++, wp += NR) {
+    for (int i = 0; i < MR; i++) {
+        c[i][0] = add && i < mr ? _mm512_maskz_loadu_ps(mask0, y + i * ldy) : _mm512_setzero_ps();
+        c[i][1] = add && i < mr ? _mm512_maskz_loadu_ps(mask1, y + i * ldy + 16) : _mm512_setzero_ps();
+    }
+    for (int64_t k = 0; k < K; k++, x += ks, wp += NR) {
         const __m512 w0 = _mm512_loadu_ps(wp), w1 = _mm512_loadu_ps(wp + 16);
         for (int i = 0; i < MR; i++) {
-            const __m512 xb = _mm512_set1_ps(x[i * ldx]);
+            const __m512 xb = _mm512_set1_ps(x[i * rs]);
             c[i][0] = _mm512_fmadd_ps(w0, xb, c[i][0]);
             c[i][1] = _mm512_fmadd_ps(w1, xb, c[i][1]);
         }
@@ -37,13 +40,13 @@ static void block_14x32(const float *x, int64_t ldx, const float *wp, int64_t K,
     }
 }
 
-/* W rows [n, n + nr) as the k-major panel wp [K][32]: 16 x 16 tiles of W transposed in registers, four rounds of
- * two-source permutes (round s swaps the off-diagonal s x s blocks of each 2s x 2s block); a partial panel, or K
- * not a multiple of 16, one float at a time */
+/* W rows [n, n + nr), columns [0, K) (rows ldw apart), as the k-major panel wp [K][32]: 16 x 16 tiles of W
+ * transposed in registers, four rounds of two-source permutes (round s swaps the off-diagonal s x s blocks of each
+ * 2s x 2s block); a partial panel, and the last K % 16 columns, one float at a time */
 __attribute__((target("avx512f")))
-static void pack_32(const float *W, int64_t K, int64_t n, int nr, int nr_full, float *wp) {
-    if (nr < NR || K % 16) {
-        gemm_pack_panel(W, K, n, nr, nr_full, wp);
+static void pack_32(const float *W, int64_t ldw, int64_t K, int64_t n, int nr, int nr_full, float *wp) {
+    if (nr < NR) {
+        gemm_pack_panel(W, ldw, K, n, nr, nr_full, wp);
         return;
     }
     __m512i lo[4], hi[4];
@@ -55,11 +58,12 @@ static void pack_32(const float *W, int64_t K, int64_t n, int nr, int nr_full, f
         }
         lo[r] = _mm512_loadu_si512(l), hi[r] = _mm512_loadu_si512(h);
     }
-    for (int64_t k = 0; k < K; k += 16)
+    const int64_t K16 = K / 16 * 16;
+    for (int64_t k = 0; k < K16; k += 16)
         for (int half = 0; half < 2; half++) {
             __m512 t[16];
 #pragma GCC unroll 16
-            for (int i = 0; i < 16; i++) t[i] = _mm512_loadu_ps(W + (n + 16 * half + i) * K + k);
+            for (int i = 0; i < 16; i++) t[i] = _mm512_loadu_ps(W + (n + 16 * half + i) * ldw + k);
 #pragma GCC unroll 4
             for (int r = 0, s = 8; r < 4; r++, s /= 2)
 #pragma GCC unroll 16
@@ -72,6 +76,7 @@ static void pack_32(const float *W, int64_t K, int64_t n, int nr, int nr_full, f
 #pragma GCC unroll 16
             for (int i = 0; i < 16; i++) _mm512_storeu_ps(wp + (k + i) * NR + 16 * half, t[i]);
         }
+    if (K16 < K) gemm_pack_panel(W + K16, ldw, K - K16, n, nr, nr_full, wp + K16 * NR);
 }
 
 static const gemm_kernel kernel = {MR, NR, block_14x32, pack_32};

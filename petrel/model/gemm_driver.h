@@ -1,10 +1,16 @@
 /* The part of petrel's register-blocked float32 GEMMs that does not depend on the vector width, shared by
  * gemm_avx2.c and gemm_avx512.c; each supplies its block (an MR x NR tile of y kept in registers) and its sizes.
  *
- * y[M][N] = x[M][K] @ W[N][K]^T: each thread takes whole panels of NR columns, copies its panels of W once per call
- * into k-major order ([K][NR], columns past N as zeros), then passes rows of x over them a few MR-row blocks at a time
- * (as many as fit ~256 KB of L2, so each packed panel serves many blocks while those rows stay in cache). The last
- * M % MR rows go through a zero-padded copy, so a block always reads MR whole rows; a block writes only its valid
+ * y[M][N] = x[M][K] @ W[N][K]^T: each thread takes whole panels of NR columns. K is cut into slices of ~512
+ * (gemm_k_slice) and a thread's columns into chunks of up to ~4 MB of packed W a slice (gemm_chunk_columns, so
+ * that a chunk stays in L3); each chunk is copied into k-major panels ([slice][NR], columns past N as zeros), then
+ * the rows of x pass over it a few MR-row blocks at a time (as many as fit ~256 KB of L2): a panel brought from
+ * L3 serves every block of the pass, and W is read from memory once a call. A block of x is read in place, unless
+ * its rows would crowd one L1 set (K floats apart: at K = 1,024 x 2^j all MR rows fall in one set, and evict each
+ * other at every k) or it is the last, partial block: those are copied k-major ([slice][MR], rows past M as zeros)
+ * once per chunk (copying every block measured 10-30% slower where N is small). (Packing all of W up front, as
+ * before, put 64 MB a thread of a 1B model's gate/up in memory, brought back for every 28 rows.) A block after the first slice starts from the y
+ * its earlier slices wrote, so the sums run in the same order as without slices; a block writes only its valid
  * rows and columns. */
 #pragma once
 #include <stdint.h>
@@ -12,12 +18,14 @@
 
 #include "thread_pool.h"
 
-/* y rows [0, mr) x columns [0, nr) = x rows [0, MR) (ldx floats apart) @ one packed panel wp [K][NR] */
-typedef void (*gemm_block_fn)(const float *x, int64_t ldx, const float *wp, int64_t K, float *y, int64_t ldy, int mr,
-                              int nr);
+/* y rows [0, mr) x columns [0, nr) = a block of MR rows of x (x[i * rs + k * ks]: in place rs = ldx, ks = 1;
+ * packed k-major rs = 1, ks = MR) @ a packed panel of W, wp [K][NR], plus y's own values where add is nonzero (a
+ * later slice of K) */
+typedef void (*gemm_block_fn)(const float *x, int64_t rs, int64_t ks, const float *wp, int64_t K, float *y,
+                              int64_t ldy, int mr, int nr, int add);
 
-/* W rows [n, n + nr) as a k-major panel wp [K][NR], columns nr..NR zero */
-typedef void (*gemm_pack_fn)(const float *W, int64_t K, int64_t n, int nr, int NR, float *wp);
+/* W rows [n, n + nr), columns [0, K) (rows ldw floats apart), as a k-major panel wp [K][NR], columns nr..NR zero */
+typedef void (*gemm_pack_fn)(const float *W, int64_t ldw, int64_t K, int64_t n, int nr, int NR, float *wp);
 
 typedef struct {
     int mr, nr;          /* the block's rows and columns */
@@ -25,50 +33,103 @@ typedef struct {
     gemm_pack_fn pack;   /* gemm_pack_panel, or a vectorized one */
 } gemm_kernel;
 
+/* the length of K's slices: K itself up to 768, else K cut into about equal slices of about 512, a multiple of 16 */
+static inline int64_t gemm_k_slice(int64_t K) {
+    if (K <= 768) return K;
+    const int64_t slices = (K + 256) / 512;
+    return ((K + slices - 1) / slices + 15) / 16 * 16;
+}
+
 /* a thread's share of the columns, whole panels: at most this many */
 static inline int64_t gemm_columns_per_thread(const gemm_kernel *g, int64_t N, int nthreads) {
     return ((N + nthreads - 1) / nthreads + g->nr - 1) / g->nr * g->nr;
 }
 
-/* floats of workspace gemm_run needs: the tail rows [MR][K] and every thread's packed panels */
-static inline int64_t gemm_workspace(const gemm_kernel *g, int64_t K, int64_t N, int nthreads) {
-    return g->mr * K + (int64_t)nthreads * K * gemm_columns_per_thread(g, N, nthreads);
+#define GEMM_CHUNK_BYTES (4 << 20) /* a thread's packed chunk of W: in L3 */
+#define GEMM_PASS_BYTES (256 << 10) /* a pass's packed blocks of x: in L2 */
+
+/* the columns of a packed chunk: whole panels of a K slice, ~GEMM_CHUNK_BYTES */
+static inline int64_t gemm_chunk_columns(const gemm_kernel *g, int64_t K) {
+    const int64_t panels = GEMM_CHUNK_BYTES / 4 / (gemm_k_slice(K) * g->nr);
+    return (panels < 1 ? 1 : panels) * g->nr;
 }
 
-/* tail: the last M % MR rows of x followed by zero rows (NULL when M is a multiple of MR); wp: the panels */
+/* the MR-row blocks of a pass: ~GEMM_PASS_BYTES of packed x */
+static inline int64_t gemm_pass_blocks(const gemm_kernel *g, int64_t K) {
+    const int64_t blocks = GEMM_PASS_BYTES / 4 / (gemm_k_slice(K) * g->mr);
+    return blocks < 1 ? 1 : blocks;
+}
+
+/* floats of workspace gemm_run needs: every thread's packed chunk of W and pass of x */
+static inline int64_t gemm_workspace(const gemm_kernel *g, int64_t K, int64_t N, int nthreads) {
+    const int64_t per_thread = gemm_columns_per_thread(g, N, nthreads), nc = gemm_chunk_columns(g, K);
+    const int64_t columns = per_thread < nc ? per_thread : nc;
+    return (int64_t)nthreads * gemm_k_slice(K) * (columns + gemm_pass_blocks(g, K) * g->mr);
+}
+
+/* wp: the threads' workspaces */
 typedef struct {
-    const gemm_kernel *g; const float *x; int64_t M, K; const float *W; float *y; int64_t N; const float *tail;
-    float *wp;
+    const gemm_kernel *g; const float *x; int64_t M, K; const float *W; float *y; int64_t N; float *wp;
 } gemm_args;
 
-/* W rows [n, n + nr) as a k-major panel [K][NR], columns nr..NR zero: one float at a time */
-static inline void gemm_pack_panel(const float *W, int64_t K, int64_t n, int nr, int NR, float *wp) {
+/* whether MR rows ldx floats apart put more of their cache lines in one set of an 8-way, 64-set L1 than it holds */
+static inline int gemm_rows_crowd_l1(int MR, int64_t ldx) {
+    int count[64] = {0};
+    for (int i = 0; i < MR; i++)
+        if (++count[(i * ldx * 4 / 64) % 64] > 8) return 1;
+    return 0;
+}
+
+/* x rows [0, mr) (ldx floats apart), K columns, as a k-major block xp [K][MR], rows mr..MR zero */
+static inline void gemm_pack_rows(const float *x, int64_t ldx, int64_t K, int mr, int MR, float *xp) {
+    if (mr < MR) memset(xp, 0, sizeof(float) * K * MR);
+    for (int i = 0; i < mr; i++)
+        for (int64_t k = 0; k < K; k++) xp[k * MR + i] = x[i * ldx + k];
+}
+
+/* W rows [n, n + nr), columns [0, K) (rows ldw apart), as a k-major panel [K][NR], columns nr..NR zero: one float
+ * at a time */
+static inline void gemm_pack_panel(const float *W, int64_t ldw, int64_t K, int64_t n, int nr, int NR, float *wp) {
     for (int64_t k = 0; k < K; k++) {
         float *dst = wp + k * NR;
-        for (int j = 0; j < nr; j++) dst[j] = W[(n + j) * K + k];
+        for (int j = 0; j < nr; j++) dst[j] = W[(n + j) * ldw + k];
         for (int j = nr; j < NR; j++) dst[j] = 0.f;
     }
 }
 
 static void gemm_part(void *args, int t, int T) {
     const gemm_args *a = args;
-    const int MR = a->g->mr, NR = a->g->nr;
-    const int64_t M = a->M, K = a->K, N = a->N, full = M / MR;
-    int64_t pass = (256 * 1024 / 4) / (MR * K);
-    if (pass < 1) pass = 1;
+    const gemm_kernel *g = a->g;
+    const int MR = g->mr, NR = g->nr;
+    const int64_t M = a->M, K = a->K, N = a->N, kc = gemm_k_slice(K), pass = gemm_pass_blocks(g, K);
+    const int64_t per_thread = gemm_columns_per_thread(g, N, T), chunk_max = gemm_chunk_columns(g, K);
+    const int64_t nc = per_thread < chunk_max ? per_thread : chunk_max, blocks = (M + MR - 1) / MR;
+    const int crowded = gemm_rows_crowd_l1(MR, K);
     int64_t n0, n1;
     split_range(N, t, T, NR, &n0, &n1);
-    float *const panels = a->wp + t * K * gemm_columns_per_thread(a->g, N, T);
-    for (int64_t n = n0; n < n1; n += NR)
-        a->g->pack(a->W, K, n, n1 - n < NR ? (int)(n1 - n) : NR, NR, panels + (n - n0) * K);
-    for (int64_t p0 = 0; p0 < full + (a->tail != NULL); p0 += pass) {
-        const int64_t p1 = p0 + pass < full ? p0 + pass : full;
-        for (int64_t n = n0; n < n1; n += NR) {
-            const float *wp = panels + (n - n0) * K;
-            const int nr = n1 - n < NR ? (int)(n1 - n) : NR;
-            for (int64_t p = p0; p < p1; p++) a->g->block(a->x + p * MR * K, K, wp, K, a->y + p * MR * N + n, N, MR, nr);
-            if (a->tail && p1 == full && p0 + pass > full)
-                a->g->block(a->tail, K, wp, K, a->y + full * MR * N + n, N, (int)(M - full * MR), nr);
+    float *const chunk = a->wp + t * kc * (nc + pass * MR), *const xp = chunk + kc * nc;
+    for (int64_t k0 = 0; k0 < K; k0 += kc) {
+        const int64_t kn = K - k0 < kc ? K - k0 : kc;
+        for (int64_t c0 = n0; c0 < n1; c0 += nc) {
+            const int64_t c1 = c0 + nc < n1 ? c0 + nc : n1;
+            for (int64_t n = c0; n < c1; n += NR)
+                g->pack(a->W + k0, K, kn, n, c1 - n < NR ? (int)(c1 - n) : NR, NR, chunk + (n - c0) * kn);
+            for (int64_t b0 = 0; b0 < blocks; b0 += pass) {
+                const int64_t b1 = b0 + pass < blocks ? b0 + pass : blocks;
+                for (int64_t b = b0; b < b1; b++) {
+                    const int mr = M - b * MR < MR ? (int)(M - b * MR) : MR;
+                    if (crowded || mr < MR) gemm_pack_rows(a->x + b * MR * K + k0, K, kn, mr, MR, xp + (b - b0) * kn * MR);
+                }
+                for (int64_t n = c0; n < c1; n += NR) {
+                    const int nr = c1 - n < NR ? (int)(c1 - n) : NR;
+                    for (int64_t b = b0; b < b1; b++) {
+                        const int mr = M - b * MR < MR ? (int)(M - b * MR) : MR;
+                        const int packed = crowded || mr < MR;
+                        g->block(packed ? xp + (b - b0) * kn * MR : a->x + b * MR * K + k0, packed ? 1 : K,
+                                 packed ? MR : 1, chunk + (n - c0) * kn, kn, a->y + b * MR * N + n, N, mr, nr, k0 > 0);
+                    }
+                }
+            }
         }
     }
 }
@@ -76,12 +137,6 @@ static void gemm_part(void *args, int t, int T) {
 /* y[M][N] = x[M][K] @ W[N][K]^T (x, W, y contiguous rows); workspace: gemm_workspace(g, K, N, nthreads) floats */
 static inline void gemm_run(const gemm_kernel *g, const float *x, int64_t M, int64_t K, const float *W, float *y,
                             int64_t N, float *workspace, int nthreads) {
-    const int64_t rest = M % g->mr;
-    float *tail = rest ? workspace : NULL;
-    if (tail) {
-        memcpy(tail, x + (M - rest) * K, sizeof(float) * rest * K);
-        memset(tail + rest * K, 0, sizeof(float) * (g->mr - rest) * K);
-    }
-    gemm_args a = {g, x, M, K, W, y, N, tail, workspace + g->mr * K};
+    gemm_args a = {g, x, M, K, W, y, N, workspace};
     parallel_run(gemm_part, &a, nthreads);
 }
