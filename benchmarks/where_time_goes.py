@@ -13,7 +13,8 @@ prefill: one prompt of --tokens random ids (or W2's first --w2-prompts prompts) 
 prefix caching off), the time spent inside prefill attention and inside each projection shape's Linear.forward,
 summed over the prompts' chunks, and the products' GFLOP/s.
 decode: --seqs sequences of 8-token prompts, --steps decode steps; the time inside the decoder stack (one C call
-for all layers), the LM head (compute_logits) and the sampler, per step, and what is left around them.
+for all layers), the LM head (compute_logits) and the sampler, per step, and what is left around them (the prompts'
+prefill timed in a run of its own and taken out).
 attention: the prefill attention kernel alone on one layer of the default model's heads (9 query heads, 3 KV heads,
 head_dim 64, 16-token blocks in shuffled order): a chunk of N queries after P cached positions for each N@P, best of 3.
 """
@@ -134,19 +135,27 @@ def decode(args) -> None:
     timers.wrap(sampler.Sampler, "sample", lambda a: "sampler")
     llm = LLM(model=args.model, kv_cache_memory=4 << 30, enable_prefix_caching=False)
     prompts = [{"prompt_token_ids": p[:8]} for p in make_w2_prompts(args.seqs)]
-    params = SamplingParams(max_tokens=args.steps + 1, ignore_eos=True, temperature=args.temperature)
     llm.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)  # warm-up
-    timers.clear()
-    t0 = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
-    per_step = (time.perf_counter() - t0) / (args.steps + 1)
-    print(f"{args.seqs} sequences, {args.steps} decode steps (+ the prefill): {per_step * 1000:.0f} ms a step")
+
+    def run(new_tokens: int) -> tuple[float, dict, collections.Counter]:
+        timers.clear()
+        params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=args.temperature)
+        t0 = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - t0, dict(timers.seconds), collections.Counter(timers.calls)
+
+    # the prompts' prefill (and its first token) alone, then with the decode steps: the difference is the steps'
+    prefill_s, prefill_seconds, prefill_calls = run(1)
+    total_s, seconds, calls = run(args.steps + 1)
+    per_step = (total_s - prefill_s) / args.steps
+    print(f"{args.seqs} sequences, {args.steps} decode steps: {per_step * 1000:.1f} ms a step", end="")
+    print(f" (the prefill, timed apart: {prefill_s:.2f} s)")
     inside = 0.0
-    for key, seconds in timers.seconds.items():
-        each = seconds / timers.calls[key]
+    for key in seconds:
+        each = (seconds[key] - prefill_seconds.get(key, 0.0)) / args.steps
         inside += each
-        print(f"  {key}: {each * 1000:.1f} ms a call ({timers.calls[key]} calls)")
-    print(f"  around them: {(per_step - inside) * 1000:.0f} ms a step")
+        print(f"  {key}: {each * 1000:.1f} ms a step ({calls[key] - prefill_calls.get(key, 0)} calls)")
+    print(f"  around them: {(per_step - inside) * 1000:.1f} ms a step")
 
 
 def attention(args) -> None:
