@@ -3,7 +3,7 @@
 
     python benchmarks/where_time_goes.py gemm [--model DIR_OR_GGUF] [--rows 16,64,256,512,1024]
     python benchmarks/where_time_goes.py prefill [--model ...] [--tokens 7936 | --w2-prompts 16]
-    python benchmarks/where_time_goes.py decode [--model ...] [--seqs 16] [--steps 32] [--temperature 0]
+    python benchmarks/where_time_goes.py decode [--model ...] [--seqs 16] [--steps 32] [--prompt-tokens 8]
     python benchmarks/where_time_goes.py attention [--chunks 2048@0,2048@5888]
 
 gemm: each distinct projection shape of the model (fused q/k/v, o, fused gate/up, down) at each row count, GFLOP/s
@@ -12,9 +12,10 @@ petrel's register-blocked GEMM (dense_kernels.gemm), torch as x @ W^T and as (W 
 prefill: one prompt of --tokens random ids (or W2's first --w2-prompts prompts) through LLM.generate (max_tokens 1,
 prefix caching off), the time spent inside prefill attention and inside each projection shape's Linear.forward,
 summed over the prompts' chunks, and the products' GFLOP/s.
-decode: --seqs sequences of 8-token prompts, --steps decode steps; the time inside the decoder stack (one C call
-for all layers), the LM head (compute_logits) and the sampler, per step, and what is left around them (the prompts'
-prefill timed in a run of its own and taken out).
+decode: --seqs sequences of W2's prompts cut to --prompt-tokens tokens (8; 0: whole), --steps new tokens
+(--temperature 0: greedy); the engine steps of decodes only (those that run the decoder stack: the prompts' prefill
+is not counted), their time, and inside them the decoder stack (one C call for all layers), the LM head
+(compute_logits) and the sampler, per step, and what is left around them.
 attention: the prefill attention kernel alone on one layer of the default model's heads (9 query heads, 3 KV heads,
 head_dim 64, 16-token blocks in shuffled order): a chunk of N queries after P cached positions for each N@P, best of 3.
 """
@@ -127,34 +128,44 @@ def prefill(args) -> None:
 
 
 def decode(args) -> None:
+    from petrel.engine import engine_core
     from petrel.model import llama
 
+    stack = "decoder stack (C)"
     timers = Timers()
-    timers.wrap(dense_kernels.DecoderStack, "__call__", lambda a: "decoder stack (C)")
+    timers.wrap(dense_kernels.DecoderStack, "__call__", lambda a: stack)
     timers.wrap(llama.LlamaForCausalLM, "compute_logits", lambda a: "LM head")
     timers.wrap(sampler.Sampler, "sample", lambda a: "sampler")
+    # the engine's steps that ran the decoder stack (decodes only: no prompt tokens), their time and their calls
+    steps = {"n": 0, "seconds": 0.0, "inside": collections.defaultdict(float), "calls": collections.Counter()}
+    inner_step = engine_core.EngineCore.step
+
+    def timed_step(self):
+        before, calls_before, t0 = dict(timers.seconds), collections.Counter(timers.calls), time.perf_counter()
+        try:
+            return inner_step(self)
+        finally:
+            if timers.calls[stack] > calls_before[stack]:
+                steps["n"] += 1
+                steps["seconds"] += time.perf_counter() - t0
+                for key, seconds in timers.seconds.items():
+                    steps["inside"][key] += seconds - before.get(key, 0.0)
+                    steps["calls"][key] += timers.calls[key] - calls_before[key]
+
+    engine_core.EngineCore.step = timed_step
     llm = LLM(model=args.model, kv_cache_memory=4 << 30, enable_prefix_caching=False)
-    prompts = [{"prompt_token_ids": p[:8]} for p in make_w2_prompts(args.seqs)]
+    prompts = [{"prompt_token_ids": p[: args.prompt_tokens or None]} for p in make_w2_prompts(args.seqs)]
     llm.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)  # warm-up
-
-    def run(new_tokens: int) -> tuple[float, dict, collections.Counter]:
-        timers.clear()
-        params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=args.temperature)
-        t0 = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        return time.perf_counter() - t0, dict(timers.seconds), collections.Counter(timers.calls)
-
-    # the prompts' prefill (and its first token) alone, then with the decode steps: the difference is the steps'
-    prefill_s, prefill_seconds, prefill_calls = run(1)
-    total_s, seconds, calls = run(args.steps + 1)
-    per_step = (total_s - prefill_s) / args.steps
-    print(f"{args.seqs} sequences, {args.steps} decode steps: {per_step * 1000:.1f} ms a step", end="")
-    print(f" (the prefill, timed apart: {prefill_s:.2f} s)")
+    steps.update(n=0, seconds=0.0, inside=collections.defaultdict(float), calls=collections.Counter())
+    params = SamplingParams(max_tokens=args.steps + 1, ignore_eos=True, temperature=args.temperature)
+    llm.generate(prompts, params, use_tqdm=False)
+    n = steps["n"]
+    per_step = steps["seconds"] / n
+    print(f"{args.seqs} sequences: {n} steps of decodes only, {per_step * 1000:.1f} ms a step")
     inside = 0.0
-    for key in seconds:
-        each = (seconds[key] - prefill_seconds.get(key, 0.0)) / args.steps
-        inside += each
-        print(f"  {key}: {each * 1000:.1f} ms a step ({calls[key] - prefill_calls.get(key, 0)} calls)")
+    for key, seconds in steps["inside"].items():
+        inside += seconds / n
+        print(f"  {key}: {seconds / n * 1000:.1f} ms a step ({steps['calls'][key]} calls)")
     print(f"  around them: {(per_step - inside) * 1000:.1f} ms a step")
 
 
@@ -182,6 +193,7 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, default=16, help="decode: sequences")
     ap.add_argument("--steps", type=int, default=32, help="decode: steps timed")
     ap.add_argument("--temperature", type=float, default=0.0, help="decode: 0 for greedy rows")
+    ap.add_argument("--prompt-tokens", type=int, default=8, help="decode: W2's prompts cut to N tokens (0: whole)")
     ap.add_argument("--chunks", default="2048@0,2048@5888", help="attention: N@P, comma-separated")
     args = ap.parse_args()
     {"gemm": gemm, "prefill": prefill, "decode": decode, "attention": attention}[args.what](args)
