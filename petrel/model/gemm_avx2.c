@@ -19,8 +19,9 @@
  * accumulators are named variables, not an array: gcc keeps an array of vectors in memory, a store per multiply-add.
  * The block comes in (add) and goes out through a stack tile, so that a partial block (mr < MR or nr < NR) touches
  * no row or column past it. */
-static void block_6x16(const float *x, int64_t rs, int64_t ks, const float *wp, int64_t K, float *y, int64_t ldy,
-                       int mr, int nr, int add) {
+static inline __attribute__((always_inline)) void block_6x16_at(const float *x, int64_t rs, int64_t ks,
+                                                                 const float *wp, int64_t K, float *y, int64_t ldy,
+                                                                 int mr, int nr, int add) {
     float tile[MR][NR];
     memset(tile, 0, sizeof(tile));
     if (add)
@@ -31,20 +32,20 @@ static void block_6x16(const float *x, int64_t rs, int64_t ks, const float *wp, 
     __m256 c30 = _mm256_loadu_ps(tile[3]), c31 = _mm256_loadu_ps(tile[3] + 8);
     __m256 c40 = _mm256_loadu_ps(tile[4]), c41 = _mm256_loadu_ps(tile[4] + 8);
     __m256 c50 = _mm256_loadu_ps(tile[5]), c51 = _mm256_loadu_ps(tile[5] + 8);
-    const float *x0 = x, *x1 = x + rs, *x2 = x + 2 * rs, *x3 = x + 3 * rs, *x4 = x + 4 * rs, *x5 = x + 5 * rs;
-    for (int64_t k = 0; k < K; k++, x0 += ks, x1 += ks, x2 += ks, x3 += ks, x4 += ks, x5 += ks, wp += NR) {
+    for (int64_t k = 0; k < K; k++, wp += NR) {
+        const float *xk = x + k * ks;
         const __m256 w0 = _mm256_loadu_ps(wp), w1 = _mm256_loadu_ps(wp + 8);
-        __m256 xb = _mm256_broadcast_ss(x0);
+        __m256 xb = _mm256_broadcast_ss(xk);
         c00 = _mm256_fmadd_ps(w0, xb, c00), c01 = _mm256_fmadd_ps(w1, xb, c01);
-        xb = _mm256_broadcast_ss(x1);
+        xb = _mm256_broadcast_ss(xk + rs);
         c10 = _mm256_fmadd_ps(w0, xb, c10), c11 = _mm256_fmadd_ps(w1, xb, c11);
-        xb = _mm256_broadcast_ss(x2);
+        xb = _mm256_broadcast_ss(xk + 2 * rs);
         c20 = _mm256_fmadd_ps(w0, xb, c20), c21 = _mm256_fmadd_ps(w1, xb, c21);
-        xb = _mm256_broadcast_ss(x3);
+        xb = _mm256_broadcast_ss(xk + 3 * rs);
         c30 = _mm256_fmadd_ps(w0, xb, c30), c31 = _mm256_fmadd_ps(w1, xb, c31);
-        xb = _mm256_broadcast_ss(x4);
+        xb = _mm256_broadcast_ss(xk + 4 * rs);
         c40 = _mm256_fmadd_ps(w0, xb, c40), c41 = _mm256_fmadd_ps(w1, xb, c41);
-        xb = _mm256_broadcast_ss(x5);
+        xb = _mm256_broadcast_ss(xk + 5 * rs);
         c50 = _mm256_fmadd_ps(w0, xb, c50), c51 = _mm256_fmadd_ps(w1, xb, c51);
     }
     _mm256_storeu_ps(tile[0], c00), _mm256_storeu_ps(tile[0] + 8, c01);
@@ -54,6 +55,14 @@ static void block_6x16(const float *x, int64_t rs, int64_t ks, const float *wp, 
     _mm256_storeu_ps(tile[4], c40), _mm256_storeu_ps(tile[4] + 8, c41);
     _mm256_storeu_ps(tile[5], c50), _mm256_storeu_ps(tile[5] + 8, c51);
     for (int i = 0; i < mr; i++) memcpy(y + i * ldy, tile[i], sizeof(float) * nr);
+}
+
+/* the block with its strides known to the compiler (in place: ks 1; packed: rs 1, ks MR), so that the loop
+ * addresses each row of x off one pointer instead of stepping six */
+static void block_6x16(const float *x, int64_t rs, int64_t ks, const float *wp, int64_t K, float *y, int64_t ldy,
+                       int mr, int nr, int add) {
+    if (ks == 1) block_6x16_at(x, rs, 1, wp, K, y, ldy, mr, nr, add);
+    else block_6x16_at(x, 1, MR, wp, K, y, ldy, mr, nr, add);
 }
 
 static const gemm_kernel kernel = {MR, NR, block_6x16, gemm_pack_panel};

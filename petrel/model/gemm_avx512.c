@@ -16,9 +16,9 @@
 
 /* y rows [0, mr) x columns [0, nr) = 14 rows of x (x[i * rs + k * ks]) @ the W panel [K][32] (+ y where add);
  * masked loads and stores touch no column past nr and no row past mr */
-__attribute__((target("avx512f")))
-static void block_14x32(const float *x, int64_t rs, int64_t ks, const float *wp, int64_t K, float *y, int64_t ldy,
-                        int mr, int nr, int add) {
+__attribute__((target("avx512f"), always_inline))
+static inline void block_14x32_at(const float *x, int64_t rs, int64_t ks, const float *wp, int64_t K, float *y,
+                                  int64_t ldy, int mr, int nr, int add) {
     const __mmask16 mask0 = nr >= 16 ? 0xFFFF : (__mmask16)((1u << nr) - 1);
     const __mmask16 mask1 = nr >= 32 ? 0xFFFF : nr <= 16 ? 0 : (__mmask16)((1u << (nr - 16)) - 1);
     __m512 c[MR][2];
@@ -77,6 +77,14 @@ static void pack_32(const float *W, int64_t ldw, int64_t K, int64_t n, int nr, i
             for (int i = 0; i < 16; i++) _mm512_storeu_ps(wp + (k + i) * NR + 16 * half, t[i]);
         }
     if (K16 < K) gemm_pack_panel(W + K16, ldw, K - K16, n, nr, nr_full, wp + K16 * NR);
+}
+
+/* the block with its strides known to the compiler (in place: ks 1; packed: rs 1, ks MR) */
+__attribute__((target("avx512f")))
+static void block_14x32(const float *x, int64_t rs, int64_t ks, const float *wp, int64_t K, float *y, int64_t ldy,
+                        int mr, int nr, int add) {
+    if (ks == 1) block_14x32_at(x, rs, 1, wp, K, y, ldy, mr, nr, add);
+    else block_14x32_at(x, 1, MR, wp, K, y, ldy, mr, nr, add);
 }
 
 static const gemm_kernel kernel = {MR, NR, block_14x32, pack_32};
