@@ -9,9 +9,9 @@
  * its rows would crowd one L1 set (K floats apart: at K = 1,024 x 2^j all MR rows fall in one set, and evict each
  * other at every k) or it is the last, partial block: those are copied k-major ([slice][MR], rows past M as zeros)
  * once per chunk (copying every block measured 10-30% slower where N is small). (Packing all of W up front, as
- * before, put 64 MB a thread of a 1B model's gate/up in memory, brought back for every 28 rows.) A block after the first slice starts from the y
- * its earlier slices wrote, so the sums run in the same order as without slices; a block writes only its valid
- * rows and columns. */
+ * before, put 64 MB a thread of a 1B model's gate/up in memory, brought back for every 28 rows.) A block after the
+ * first slice starts from the y its earlier slices wrote, so the sums run in the same order as without slices; a
+ * block writes only its valid rows and columns. */
 #pragma once
 #include <stdint.h>
 #include <string.h>
@@ -48,10 +48,11 @@ static inline int64_t gemm_columns_per_thread(const gemm_kernel *g, int64_t N, i
 #define GEMM_CHUNK_BYTES (4 << 20) /* a thread's packed chunk of W: in L3 */
 #define GEMM_PASS_BYTES (256 << 10) /* a pass's packed blocks of x: in L2 */
 
-/* the columns of a packed chunk: whole panels of a K slice, ~GEMM_CHUNK_BYTES */
-static inline int64_t gemm_chunk_columns(const gemm_kernel *g, int64_t K) {
+/* the columns of a packed chunk: whole panels of a K slice, ~GEMM_CHUNK_BYTES, at most a thread's share */
+static inline int64_t gemm_chunk_columns(const gemm_kernel *g, int64_t K, int64_t N, int nthreads) {
     const int64_t panels = GEMM_CHUNK_BYTES / 4 / (gemm_k_slice(K) * g->nr);
-    return (panels < 1 ? 1 : panels) * g->nr;
+    const int64_t columns = (panels < 1 ? 1 : panels) * g->nr, share = gemm_columns_per_thread(g, N, nthreads);
+    return columns < share ? columns : share;
 }
 
 /* the MR-row blocks of a pass: ~GEMM_PASS_BYTES of packed x */
@@ -62,9 +63,8 @@ static inline int64_t gemm_pass_blocks(const gemm_kernel *g, int64_t K) {
 
 /* floats of workspace gemm_run needs: every thread's packed chunk of W and pass of x */
 static inline int64_t gemm_workspace(const gemm_kernel *g, int64_t K, int64_t N, int nthreads) {
-    const int64_t per_thread = gemm_columns_per_thread(g, N, nthreads), nc = gemm_chunk_columns(g, K);
-    const int64_t columns = per_thread < nc ? per_thread : nc;
-    return (int64_t)nthreads * gemm_k_slice(K) * (columns + gemm_pass_blocks(g, K) * g->mr);
+    const int64_t columns = gemm_chunk_columns(g, K, N, nthreads), rows = gemm_pass_blocks(g, K) * g->mr;
+    return (int64_t)nthreads * gemm_k_slice(K) * (columns + rows);
 }
 
 /* wp: the threads' workspaces */
@@ -97,13 +97,24 @@ static inline void gemm_pack_panel(const float *W, int64_t ldw, int64_t K, int64
     }
 }
 
+/* MR-row block b of x in the K slice from k0: its rows (returned), and where the kernel reads them (*x, strides *rs,
+ * *ks): in place, or from `copy` (k-major, gemm_pack_rows) when its rows crowd one L1 set or it is the last, partial
+ * block */
+static inline int gemm_block_source(const gemm_args *a, int64_t b, int64_t k0, int crowded, float *copy,
+                                    const float **x, int64_t *rs, int64_t *ks) {
+    const int MR = a->g->mr, mr = a->M - b * MR < MR ? (int)(a->M - b * MR) : MR, copied = crowded || mr < MR;
+    *x = copied ? copy : a->x + b * MR * a->K + k0;
+    *rs = copied ? 1 : a->K;
+    *ks = copied ? MR : 1;
+    return mr;
+}
+
 static void gemm_part(void *args, int t, int T) {
     const gemm_args *a = args;
     const gemm_kernel *g = a->g;
     const int MR = g->mr, NR = g->nr;
     const int64_t M = a->M, K = a->K, N = a->N, kc = gemm_k_slice(K), pass = gemm_pass_blocks(g, K);
-    const int64_t per_thread = gemm_columns_per_thread(g, N, T), chunk_max = gemm_chunk_columns(g, K);
-    const int64_t nc = per_thread < chunk_max ? per_thread : chunk_max, blocks = (M + MR - 1) / MR;
+    const int64_t nc = gemm_chunk_columns(g, K, N, T), blocks = (M + MR - 1) / MR;
     const int crowded = gemm_rows_crowd_l1(MR, K);
     int64_t n0, n1;
     split_range(N, t, T, NR, &n0, &n1);
@@ -116,17 +127,20 @@ static void gemm_part(void *args, int t, int T) {
                 g->pack(a->W + k0, K, kn, n, c1 - n < NR ? (int)(c1 - n) : NR, NR, chunk + (n - c0) * kn);
             for (int64_t b0 = 0; b0 < blocks; b0 += pass) {
                 const int64_t b1 = b0 + pass < blocks ? b0 + pass : blocks;
-                for (int64_t b = b0; b < b1; b++) {
-                    const int mr = M - b * MR < MR ? (int)(M - b * MR) : MR;
-                    if (crowded || mr < MR) gemm_pack_rows(a->x + b * MR * K + k0, K, kn, mr, MR, xp + (b - b0) * kn * MR);
+                for (int64_t b = b0; b < b1; b++) {  /* the blocks to copy: copied once for the chunk's panels */
+                    float *const copy = xp + (b - b0) * kn * MR;
+                    const float *x;
+                    int64_t rs, ks;
+                    const int mr = gemm_block_source(a, b, k0, crowded, copy, &x, &rs, &ks);
+                    if (x == copy) gemm_pack_rows(a->x + b * MR * K + k0, K, kn, mr, MR, copy);
                 }
                 for (int64_t n = c0; n < c1; n += NR) {
                     const int nr = c1 - n < NR ? (int)(c1 - n) : NR;
                     for (int64_t b = b0; b < b1; b++) {
-                        const int mr = M - b * MR < MR ? (int)(M - b * MR) : MR;
-                        const int packed = crowded || mr < MR;
-                        g->block(packed ? xp + (b - b0) * kn * MR : a->x + b * MR * K + k0, packed ? 1 : K,
-                                 packed ? MR : 1, chunk + (n - c0) * kn, kn, a->y + b * MR * N + n, N, mr, nr, k0 > 0);
+                        const float *x;
+                        int64_t rs, ks;
+                        const int mr = gemm_block_source(a, b, k0, crowded, xp + (b - b0) * kn * MR, &x, &rs, &ks);
+                        g->block(x, rs, ks, chunk + (n - c0) * kn, kn, a->y + b * MR * N + n, N, mr, nr, k0 > 0);
                     }
                 }
             }
