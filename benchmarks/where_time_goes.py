@@ -28,6 +28,7 @@ import time
 
 import numpy as np
 import torch
+from int8_gemm import best_ms
 
 from petrel import LLM, SamplingParams
 from petrel.bench.workloads import make_w2_prompts
@@ -65,13 +66,7 @@ class Timers:
 
 
 def best_s(fn, repeats: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return best_ms(fn, repeats) / 1e3
 
 
 def gemm(args) -> None:

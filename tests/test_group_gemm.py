@@ -12,21 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_int8_gemm import INT8_ISAS, forced_isa
+from test_int8_gemm import INT8_ISAS, forced_isa, lib  # noqa: F401 - lib: the fixture, shared
 
 from petrel import LLM, SamplingParams
 from petrel.model import dense_kernels, quant_kernels
 from petrel.model.quantization import GEMV_MAX_ROWS, INT8_MIN_ROWS, QuantizedLinear, QuantizedWeight
 
 U = 2.0**-24  # float32's unit roundoff
-
-
-@pytest.fixture
-def lib():
-    lib = quant_kernels.library()
-    if lib is None:
-        pytest.skip("the AVX2 kernels cannot run here (no AVX2/FMA or no C compiler)")
-    return lib
 
 
 @pytest.fixture(params=INT8_ISAS)

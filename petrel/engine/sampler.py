@@ -208,7 +208,7 @@ class Sampler:
                 sampled_lp[random_rows] = random_lp
         random_set = set(random_rows)
         greedy_rows = [i for i in plain if i not in random_set and params[i].logprobs is None]
-        if greedy_rows:  # without the whole log-distribution: logit - logsumexp
+        if greedy_rows:  # their token's logprob only (no top-k or rank asked for)
             if len(greedy_rows) == n:
                 sampled_lp = self._chosen_logprobs(logits, tokens)
             else:
