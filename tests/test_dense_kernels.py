@@ -244,6 +244,18 @@ def test_paged_prefill_attention_equals_masked_softmax(n, first_pos, heads, kv_h
     torch.testing.assert_close(got, _prefill_reference(q, cache, table, first_pos, scale, window), atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("scale", [3.0, 0.0])
+def test_prefill_attention_at_extreme_scores(scale):
+    """Scores ~25 standard deviations wide (most weights underflow to exactly 0, the kernel's 2^x at its clamp)
+    and all-equal scores (every weight exactly 1), over several key blocks."""
+    n, first_pos = 70, 600
+    q, cache, table = _prefill_case(n, first_pos, 9, 3, 64, 16, seed=11)
+    got = dense_kernels.prefill_attention(q, cache[0], cache[1], table, first_pos, scale, None)
+    assert got is not None and got.isfinite().all()
+    # float32 scores of magnitude ~100 are exact to ~1e-5, which their weights inherit: 1e-4 is that, not slack
+    torch.testing.assert_close(got, _prefill_reference(q, cache, table, first_pos, scale, None), atol=1e-4, rtol=1e-4)
+
+
 def test_prefill_attention_never_reads_behind_the_window_or_past_the_context():
     n, first_pos, block_size, window = 10, 27, 4, 8
     q, cache, table = _prefill_case(n, first_pos, 4, 2, 32, block_size, seed=7)
