@@ -167,6 +167,32 @@ def test_paged_decode_attention_equals_torch_path(heads, kv_heads, head_dim, blo
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,block_size,window",
+    [
+        (9, 3, 64, 16, None),  # SmolLM2's shape
+        (4, 1, 256, 16, None),  # Gemma 3 270M's
+        (4, 1, 256, 16, 500),  # ... a local layer's window, the parts split what it sees
+        (10, 2, 56, 16, None),  # 5 query heads a KV head (3 + 2 at once), head_dim 32 + 24
+        (16, 16, 48, 8, 700),  # MHA, head_dim 32 + 16
+    ],
+)
+@pytest.mark.parametrize("lens", [[2000], [1100, 3]], ids=["one-seq", "long-and-short"])
+def test_decode_attention_splits_few_long_contexts(heads, kv_heads, head_dim, block_size, window, lens):
+    """Fewer sequences than the threads can share out: each context is split into parts (more parts than the short
+    one has blocks, so some parts see nothing), each part's softmax merged into the output at the end."""
+    q, cache, tables, lens_t = _paged_case(len(lens), heads, kv_heads, head_dim, block_size, lens, seed=head_dim)
+    scale = head_dim**-0.5
+    got = dense_kernels.decode_attention(q, cache[0], cache[1], tables, lens_t, scale, window)
+    assert got is not None
+    span = torch.arange(tables.shape[1] * block_size).unsqueeze(0)
+    mask = span < lens_t.unsqueeze(1)
+    if window is not None:
+        mask &= span >= (lens_t - window).unsqueeze(1)
+    expected = _decode_attention(q, cache[0], cache[1], tables, mask, scale)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+
+
 def test_decode_attention_never_reads_behind_the_window_or_past_the_context():
     """Blocks wholly behind the window (given back, their FREED entries read as block 0) and the table's padding
     must not matter: filling them with NaN leaves the result unchanged."""

@@ -3,11 +3,9 @@
  * f32_gemv: y = x W^T for a few rows of x (decode at small batches). torch's BLAS reaches about half of this
  *   machine's memory bandwidth on these skinny products; here each thread streams its share of W's rows once,
  *   several weight rows at a time so that enough FMAs are in flight.
- * paged_decode_attention: one query token per sequence against its paged KV cache, read in place (no gather of the
- *   blocks into a contiguous copy), with an online softmax a block at a time.
  * rms_norm, rotary, silu_and_mul: the small per-layer operations, each one pass over its rows instead of the
  *   five to eight torch operations (and their dispatch overhead, ~10 us each at one row) they replace.
- * decode_layer: all of the above for a whole Llama decoder layer; its products take float32 weights or the
+ * decode_layer: all of the above and decode_attention.c's attention for a whole Llama decoder layer; its products take float32 weights or the
  *   quantized ones of quant_kernels.c (compiled into the same library), each described by a `weight`.
  * Work is shared out over nthreads threads of thread_pool.c; the small operations stay on the calling thread unless
  * there are many rows. */
@@ -105,156 +103,6 @@ void f32_tile_product(const float *x, int64_t M, int64_t K, const float *tile, i
 void f32_gemv(const float *x, int64_t M, int64_t K, const float *W, float *y, int64_t N, int nthreads) {
     gemv_args a = {x, M, K, W, y, N};
     parallel_run(f32_gemv_part, &a, nthreads);
-}
-
-#define MAX_HD 16384  /* query heads x head_dim of one sequence (the running sums of a work item) */
-#define MAX_G 64      /* query heads per KV head */
-#define MAX_BS 256
-
-/* The next block's keys and values that a work item will read (`tokens` rows of `lines` cache lines, `stride`
- * bytes apart), brought into L2 a line of each at a time while the current block is worked on: issued all at
- * once they stall the core, and the hardware prefetcher cannot guess where the next (scattered) block lies. */
-typedef struct { const char *k, *v; int64_t stride, lines, tokens, t, c; } block_prefetch;
-
-static inline void prefetch_line(block_prefetch *p) {
-    if (p->t >= p->tokens) return;
-    const int64_t off = p->t * p->stride + 64 * p->c;
-    _mm_prefetch(p->k + off, _MM_HINT_T1);
-    _mm_prefetch(p->v + off, _MM_HINT_T1);
-    if (++p->c == p->lines) { p->c = 0; p->t++; }
-}
-
-/* One block's contribution to the running softmax of the G query heads of KV head kh: their scores against the
- * block's keys t0..t1, one rescale of the running sums (max m, denominator l, accumulator acc), then the values
- * (accumulated in registers, 64 dims at a time), prefetching two lines of the next block for each value row. */
-static void attend_block(const float *qs, const float *kb, const float *vb, int64_t t0, int64_t t1, int64_t G,
-                         int64_t D, int64_t row, float scale, float *acc, float *m, float *l, block_prefetch *pf) {
-    float p[MAX_BS + 8] __attribute__((aligned(32)));
-    for (int64_t g = 0; g < G; g++) {
-        const float *qg = qs + g * D;
-        float mx = m[g];
-        __m256 vmax = _mm256_set1_ps(-INFINITY);
-        int64_t t = t0;
-        for (; t + 8 <= t1; t += 8) {     /* eight keys at once: eight sums reduced together */
-            __m256 a[8];
-            for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
-            for (int64_t d = 0; d < D; d += 8) {
-                const __m256 qv = _mm256_loadu_ps(qg + d);
-                for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kb + (t + j) * row + d), a[j]);
-            }
-            const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-            const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-            const __m256 sc = _mm256_mul_ps(_mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
-                                                          _mm256_permute2f128_ps(s0123, s4567, 0x31)),
-                                            _mm256_set1_ps(scale));
-            _mm256_storeu_ps(p + t, sc);
-            vmax = _mm256_max_ps(vmax, sc);
-        }
-        for (; t < t1; t++) {
-            const float *k = kb + t * row;
-            __m256 a0 = _mm256_setzero_ps();
-            for (int64_t d = 0; d < D; d += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), _mm256_loadu_ps(k + d), a0);
-            const float sc = hsum(a0) * scale;
-            p[t] = sc;
-            if (sc > mx) mx = sc;
-        }
-        {
-            __m128 h = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
-            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-            h = _mm_max_ss(h, _mm_movehdup_ps(h));
-            if (_mm_cvtss_f32(h) > mx) mx = _mm_cvtss_f32(h);
-        }
-        const float corr = expf(m[g] - mx);   /* 0 on the first block (m = -inf) */
-        const __m256 vmx = _mm256_set1_ps(mx);
-        __m256 vsum = _mm256_setzero_ps();
-        for (t = t0; t + 8 <= t1; t += 8) {
-            __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(p + t), vmx));
-            _mm256_storeu_ps(p + t, e);
-            vsum = _mm256_add_ps(vsum, e);
-        }
-        float sum = hsum(vsum);
-        for (; t < t1; t++) { p[t] = expf(p[t] - mx); sum += p[t]; }
-        l[g] = l[g] * corr + sum;
-        m[g] = mx;
-        const __m256 c = _mm256_set1_ps(corr);
-        float *ag = acc + g * D;
-        for (int64_t d0 = 0; d0 < D; d0 += 64) {
-            const int nv = D - d0 >= 64 ? 8 : (int)((D - d0) / 8);
-            __m256 a[8];
-            for (int j = 0; j < nv; j++) a[j] = _mm256_mul_ps(c, _mm256_loadu_ps(ag + d0 + 8 * j));
-            for (int64_t u = t0; u < t1; u++) {
-                prefetch_line(pf);
-                prefetch_line(pf);
-                const __m256 pv = _mm256_set1_ps(p[u]);
-                const float *v = vb + u * row + d0;
-                for (int j = 0; j < nv; j++) a[j] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 8 * j), a[j]);
-            }
-            for (int j = 0; j < nv; j++) _mm256_storeu_ps(ag + d0 + 8 * j, a[j]);
-        }
-    }
-}
-
-typedef struct {
-    const float *q; int64_t q_stride; const float *key_cache, *value_cache; const int64_t *tables; int64_t max_blocks;
-    const int64_t *context_lens; int64_t H, KVH, D, bs, window; float scale; float *out;
-    int64_t heads_per_item, items, next;     /* next: the first work item no thread has taken */
-} attention_args;
-
-static void attention_part(void *args, int part, int parts) {
-    attention_args *a = args;
-    const float *q = a->q, *key_cache = a->key_cache, *value_cache = a->value_cache;
-    const int64_t *tables = a->tables, *context_lens = a->context_lens;
-    const int64_t q_stride = a->q_stride, max_blocks = a->max_blocks, H = a->H, KVH = a->KVH, D = a->D, bs = a->bs;
-    const int64_t window = a->window, heads_per_item = a->heads_per_item, G = H / KVH, row = KVH * D;
-    const float scale = a->scale;
-    float *out = a->out;
-    (void)part; (void)parts;
-    for (;;) {                   /* items handed out one at a time: sequences differ in length */
-        const int64_t item = __atomic_fetch_add(&a->next, 1, __ATOMIC_RELAXED);
-        if (item >= a->items) break;
-        const int64_t s = item / (KVH / heads_per_item), kh0 = item % (KVH / heads_per_item) * heads_per_item;
-        const int64_t kh1 = kh0 + heads_per_item, len = context_lens[s];
-        const int64_t lo = window > 0 && len > window ? len - window : 0;
-        float acc[MAX_HD], m[MAX_HD / 8], l[MAX_HD / 8];
-        for (int64_t i = 0; i < heads_per_item * G * D; i++) acc[i] = 0.f;
-        for (int64_t i = 0; i < heads_per_item * G; i++) { m[i] = -INFINITY; l[i] = 0.f; }
-        for (int64_t b = lo / bs; b * bs < len; b++) {
-            const int64_t block = tables[s * max_blocks + b];
-            const int64_t t0 = b * bs < lo ? lo - b * bs : 0, t1 = (b + 1) * bs <= len ? bs : len - b * bs;
-            const int64_t next = (b + 1) * bs < len ? tables[s * max_blocks + b + 1] : -1;
-            const int64_t ahead = (next >= 0 ? next : block) * bs * row + kh0 * D;
-            block_prefetch pf = {(const char *)(key_cache + ahead), (const char *)(value_cache + ahead),
-                                 (int64_t)sizeof(float) * row, ((kh1 - kh0) * D + 15) / 16, next >= 0 ? bs : 0, 0, 0};
-            for (int64_t kh = kh0; kh < kh1; kh++)
-                attend_block(q + s * q_stride + kh * G * D, key_cache + block * bs * row + kh * D,
-                             value_cache + block * bs * row + kh * D, t0, t1, G, D, row, scale,
-                             acc + (kh - kh0) * G * D, m + (kh - kh0) * G, l + (kh - kh0) * G, &pf);
-        }
-        for (int64_t kh = kh0; kh < kh1; kh++) {
-            const int64_t i = kh - kh0;
-            float *os = out + (s * H + kh * G) * D;
-            for (int64_t g = 0; g < G; g++) {
-                const float inv = l[i * G + g] > 0.f ? 1.f / l[i * G + g] : 0.f;
-                for (int64_t d = 0; d < D; d++) os[g * D + d] = acc[(i * G + g) * D + d] * inv;
-            }
-        }
-    }
-}
-
-/* One query token per sequence against its paged context, read in place.
- * q [S][H][D] (rows q_stride floats apart), out [S][H][D]; key_cache, value_cache [num_blocks][bs][KVH][D];
- * tables [S][max_blocks]; context_lens [S].
- * Query head h uses KV head h / (H / KVH). With window > 0 a row sees its last `window` positions only.
- * D a multiple of 8. A work item is a sequence's KV heads kh0..kh1: all of them when there are enough sequences
- * to share out (each block's keys and values, all heads together, are then read once, contiguously), else one. */
-void paged_decode_attention(const float *q, int64_t q_stride, const float *key_cache, const float *value_cache,
-                            const int64_t *tables, int64_t max_blocks, const int64_t *context_lens,
-                            int64_t S, int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t window,
-                            float scale, float *out, int nthreads) {
-    const int64_t heads_per_item = S >= 4 * nthreads ? KVH : 1;
-    attention_args a = {q, q_stride, key_cache, value_cache, tables, max_blocks, context_lens, H, KVH, D, bs, window,
-                        scale, out, heads_per_item, S * (KVH / heads_per_item), 0};
-    parallel_run(attention_part, &a, nthreads);
 }
 
 #define PARALLEL_ELEMENTS 262144   /* below this many elements one thread is faster than waking the others */

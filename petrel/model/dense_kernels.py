@@ -1,4 +1,4 @@
-"""petrel's float32 CPU kernels (dense_kernels.c): a skinny matrix product for decode at small batches, paged
+"""petrel's float32 CPU kernels (dense_kernels.c; the attention in decode_attention.c and prefill_attention.c): a
 decode attention that reads the KV blocks in place, one-pass RMS norm, rotary embedding and SiLU-and-multiply, and
 all of them as one call for a whole Llama decoder layer when a step has only decodes (its projections float32 or
 quantized: see Weight).
@@ -62,7 +62,7 @@ def describe(weight: torch.Tensor | QuantizedWeight) -> Weight | None:
 
 
 GEMV_MAX_ROWS = 256  # measured (2 threads): 1.2-2x torch up to 128 rows, even at 256, behind torch's GEMM from 512
-_MAX_GROUP, _MAX_HEAD_DIMS = 64, 16384  # query heads per KV head; query heads x head_dim (dense_kernels.c)
+_MAX_GROUP, _MAX_HEAD_DIMS = 64, 16384  # query heads per KV head; query heads x head_dim (decode_attention.c)
 _MAX_BLOCK_SIZE = 256
 _MAX_PREFILL_HEAD_DIM = 256  # MAX_D in prefill_attention.c
 

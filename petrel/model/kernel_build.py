@@ -25,6 +25,7 @@ HEADER = "kernels.h"  # the exported functions' declarations (native.py reads th
 SOURCES = (
     "dense_kernels.c",
     "prefill_attention.c",
+    "decode_attention.c",
     "quant_kernels.c",
     "int8_gemm.c",
     "group_gemm.c",

@@ -63,22 +63,6 @@ static void pack_part(void *args, int t, int T) {
     }
 }
 
-/* 2^x for x <= 0, relative error < 1e-7; x <= -127 (and -inf) gives exactly 0, never a subnormal: 2^n * 2^r
- * with n = round(x), |r| <= 1/2, 2^r by a degree-6 polynomial fitted for relative error */
-static inline __m256 exp2_nonpositive(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-127.f));
-    const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), r = _mm256_sub_ps(x, n);
-    __m256 y = _mm256_set1_ps(1.5353361959569156e-4f);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3398875016719103e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(9.61843691766262e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.5503323674201965e-2f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(2.4022647738456726e-1f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(6.931471824645996e-1f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
 /* acc[r] += a[r][i] * (b0, b1) for every row r: one column of a times one row of b, sixteen wide */
 static inline void add_outer_product(__m256 acc[ROWS][2], const float *const a[ROWS], int64_t i, __m256 b0,
                                      __m256 b1) {

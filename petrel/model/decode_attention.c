@@ -1,0 +1,309 @@
+/* Decode attention over the paged KV cache for x86-64 CPUs (AVX2 + FMA), loaded with ctypes (native.py).
+ *
+ * paged_decode_attention: one query token per sequence against its context, the blocks read in place (no gather
+ * into a contiguous copy). Reading the keys and values bounds it, so the work is laid out for that:
+ *   1. A work item is a sequence's context with every KV head when there are sequences enough to share out (each
+ *      block's keys, then its values, one contiguous read), else with one KV head; with fewer sequences x KV heads
+ *      than ITEMS_PER_THREAD a thread, a part of that context (split-K, as in flash-decoding): each part keeps its
+ *      own running softmax, merged into the output at the end. Without the parts, one 8k-token sequence kept one
+ *      of two threads idle a third of the time (three KV heads).
+ *   2. An item walks its blocks a span (SPAN keys: whole blocks, one block when blocks are bigger) at a time, and
+ *      prefetches the next span's lines into L2 a couple at a time while it works on this one: issued all at once
+ *      they stall the core, and the hardware prefetcher cannot guess where the next scattered block lies. Spans
+ *      of 128 keys, or prefetching two spans ahead, measured slower or no faster.
+ *   3. Per KV head and span: the scores of its query heads (eight keys at a time per head, reduced together), one
+ *      online-softmax step per query head, in base 2 (the queries copied once times scale * log2 e, so that a
+ *      score is the exponent its weight needs), then the values, each value row loaded once for up to three query
+ *      heads. With the keys and values in cache this runs ~1.6x the rate of the kernel before it (one value row
+ *      load per query head, 2^x by way of e^x), which leaves the memory more of each step's time. */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+#include "simd.h"
+#include "thread_pool.h"
+
+#define MAX_HD 16384          /* query heads x head_dim of one sequence (the running sums of a work item) */
+#define MAX_G 64              /* query heads per KV head */
+#define MAX_BS 256
+#define SPAN 16               /* keys one softmax step covers (whole blocks; one block when blocks are bigger) */
+#define SPAN_BLOCKS SPAN      /* the most blocks of a span (blocks of one token) */
+#define MAX_SPAN (SPAN > MAX_BS ? SPAN : MAX_BS)  /* the most keys of a span */
+#define ITEMS_PER_THREAD 4    /* work items wanted a thread */
+#define MIN_PART_KEYS 256     /* the fewest keys of a part of a context */
+
+/* The lines of the next span's blocks, brought into L2 a few at a time: block i's keys and values from k[i] and
+ * v[i], `tokens` rows `stride` bytes apart, `lines` cache lines of each (the item's KV heads) */
+typedef struct {
+    const char *k[SPAN_BLOCKS], *v[SPAN_BLOCKS];
+    int64_t blocks, tokens, stride, lines, i, t, c;
+} span_prefetch;
+
+static inline void prefetch_lines(span_prefetch *p, int lines) {
+    for (int n = 0; n < lines && p->i < p->blocks; n++) {
+        const int64_t off = p->t * p->stride + 64 * p->c;
+        _mm_prefetch(p->k[p->i] + off, _MM_HINT_T1);
+        _mm_prefetch(p->v[p->i] + off, _MM_HINT_T1);
+        if (++p->c == p->lines) {
+            p->c = 0;
+            if (++p->t == p->tokens) { p->t = 0; p->i++; }
+        }
+    }
+}
+
+typedef struct {
+    const float *q; int64_t q_stride; const float *key_cache, *value_cache; const int64_t *tables; int64_t max_blocks;
+    const int64_t *context_lens; int64_t H, KVH, D, bs, window; float scale; float *out;
+    int64_t heads, parts, items;  /* work items: a sequence's context in `parts` parts x its KV heads `heads` at a
+                                   * time (all of them, or one) */
+    float *partial;         /* parts > 1: [S][parts][H][D + 2], each part's unnormalized output, its max and its sum */
+    int64_t next;           /* the first work item no thread has taken */
+} decode_args;
+
+/* one span's blocks: where each one's keys and values start (at KV head 0) and which of its tokens are seen */
+typedef struct {
+    const float *k[SPAN_BLOCKS], *v[SPAN_BLOCKS];
+    int64_t t0[SPAN_BLOCKS], t1[SPAN_BLOCKS], n;
+} span_blocks;
+
+/* The scores of G query heads (qs, pre-scaled, D apart) against tokens t0..t1 of one block (kb: token 0's keys of
+ * this KV head, rows `row` floats apart), into p[g * MAX_SPAN + j ..] */
+static void block_scores(const float *qs, int64_t G, int64_t D, const float *kb, int64_t row, int64_t t0, int64_t t1,
+                         float *p, int64_t j, span_prefetch *pf) {
+    for (int64_t g = 0; g < G; g++) {
+        const float *qg = qs + g * D;
+        float *pg = p + g * MAX_SPAN + j - t0;
+        int64_t t = t0;
+        for (; t + 8 <= t1; t += 8) {     /* eight keys at once: eight sums reduced together */
+            prefetch_lines(pf, 2);
+            __m256 a[8];
+            for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+            for (int64_t d = 0; d < D; d += 8) {
+                const __m256 qv = _mm256_loadu_ps(qg + d);
+                for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kb + (t + i) * row + d), a[i]);
+            }
+            const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+            const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+            _mm256_storeu_ps(pg + t, _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                                                   _mm256_permute2f128_ps(s0123, s4567, 0x31)));
+        }
+        for (; t < t1; t++) {
+            __m256 a0 = _mm256_setzero_ps();
+            for (int64_t d = 0; d < D; d += 8)
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), _mm256_loadu_ps(kb + t * row + d), a0);
+            pg[t] = hsum(a0);
+        }
+    }
+}
+
+/* One online-softmax step of query head g over the span's n scores p[0..n) (padded with -inf to a multiple of
+ * 16): the scores become weights, the running max m and sum l move on, the running output acc [D] is rescaled */
+static void softmax_step(float *p, int64_t n, float *m, float *l, float *acc, int64_t D) {
+    __m256 vmax = _mm256_load_ps(p), vmax1 = _mm256_load_ps(p + 8);
+    for (int64_t j = 16; j < n; j += 16) {
+        vmax = _mm256_max_ps(vmax, _mm256_load_ps(p + j));
+        vmax1 = _mm256_max_ps(vmax1, _mm256_load_ps(p + j + 8));
+    }
+    vmax = _mm256_max_ps(vmax, vmax1);
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float mx = _mm_cvtss_f32(h) > *m ? _mm_cvtss_f32(h) : *m;
+    const float corr = exp2f(*m - mx);                   /* 0 on the first span (m = -inf) */
+    const __m256 vmx = _mm256_set1_ps(mx);
+    __m256 vsum = _mm256_setzero_ps(), vsum1 = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {
+        const __m256 e = exp2_nonpositive(_mm256_sub_ps(_mm256_load_ps(p + j), vmx));
+        const __m256 e1 = exp2_nonpositive(_mm256_sub_ps(_mm256_load_ps(p + j + 8), vmx));
+        _mm256_store_ps(p + j, e);
+        _mm256_store_ps(p + j + 8, e1);
+        vsum = _mm256_add_ps(vsum, e);
+        vsum1 = _mm256_add_ps(vsum1, e1);
+    }
+    *l = *l * corr + hsum(_mm256_add_ps(vsum, vsum1));
+    *m = mx;
+    const __m256 c = _mm256_set1_ps(corr);
+    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(acc + d, _mm256_mul_ps(c, _mm256_loadu_ps(acc + d)));
+}
+
+/* acc[g][d0 .. d0+8*NV) += sum over the span's tokens of p[g][j] * value row, for GN (<= 3) query heads at once:
+ * each value row's NV vectors loaded once for all of them */
+static inline __attribute__((always_inline)) void span_values_part(const span_blocks *sb, int64_t kh, int64_t D,
+                                                                   int64_t row, const float *p, float *acc,
+                                                                   int64_t d0, const int GN, const int NV,
+                                                                   span_prefetch *pf) {
+    __m256 a[3][4];
+    for (int g = 0; g < GN; g++)
+        for (int i = 0; i < NV; i++) a[g][i] = _mm256_loadu_ps(acc + g * D + d0 + 8 * i);
+    int64_t j = 0;
+    for (int64_t b = 0; b < sb->n; b++) {
+        const float *vb = sb->v[b] + kh * D + d0;
+        for (int64_t u = sb->t0[b]; u < sb->t1[b]; u++, j++) {
+            prefetch_lines(pf, 2);
+            __m256 v[4];
+            for (int i = 0; i < NV; i++) v[i] = _mm256_loadu_ps(vb + u * row + 8 * i);
+            for (int g = 0; g < GN; g++) {
+                const __m256 w = _mm256_broadcast_ss(p + g * MAX_SPAN + j);
+                for (int i = 0; i < NV; i++) a[g][i] = _mm256_fmadd_ps(w, v[i], a[g][i]);
+            }
+        }
+    }
+    for (int g = 0; g < GN; g++)
+        for (int i = 0; i < NV; i++) _mm256_storeu_ps(acc + g * D + d0 + 8 * i, a[g][i]);
+}
+
+/* the span's values into the running outputs acc [G][D] of KV head kh's query heads, weights p [G][MAX_SPAN] */
+static void span_values(const span_blocks *sb, int64_t kh, int64_t G, int64_t D, int64_t row, const float *p,
+                        float *acc, span_prefetch *pf) {
+    for (int64_t g0 = 0; g0 < G; g0 += 3) {
+        const float *pg = p + g0 * MAX_SPAN;
+        float *ag = acc + g0 * D;
+        const int gn = G - g0 >= 3 ? 3 : (int)(G - g0);
+        int64_t d0 = 0;
+        for (; d0 + 32 <= D; d0 += 32) {
+            if (gn == 3) span_values_part(sb, kh, D, row, pg, ag, d0, 3, 4, pf);
+            else if (gn == 2) span_values_part(sb, kh, D, row, pg, ag, d0, 2, 4, pf);
+            else span_values_part(sb, kh, D, row, pg, ag, d0, 1, 4, pf);
+        }
+        if (d0 < D)                        /* the last 8, 16 or 24 dimensions, a query head at a time */
+            for (int g = 0; g < gn; g++) {
+                const float *pq = pg + g * MAX_SPAN;
+                float *aq = ag + g * D;
+                if (D - d0 == 8) span_values_part(sb, kh, D, row, pq, aq, d0, 1, 1, pf);
+                else if (D - d0 == 16) span_values_part(sb, kh, D, row, pq, aq, d0, 1, 2, pf);
+                else span_values_part(sb, kh, D, row, pq, aq, d0, 1, 3, pf);
+            }
+    }
+}
+
+/* blocks b .. b+n-1 of sequence s (of its `len` keys, those from lo on) into sb */
+static void gather_span(const decode_args *a, int64_t s, int64_t b, int64_t n, int64_t lo, int64_t len,
+                        span_blocks *sb) {
+    const int64_t bs = a->bs, row = a->KVH * a->D;
+    sb->n = n;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t block = a->tables[s * a->max_blocks + b + i], first = (b + i) * bs;
+        sb->k[i] = a->key_cache + block * bs * row;
+        sb->v[i] = a->value_cache + block * bs * row;
+        sb->t0[i] = first < lo ? lo - first : 0;
+        sb->t1[i] = first + bs <= len ? bs : len - first;
+    }
+}
+
+/* work item (s, part, KV heads kh0 ..): that part of its blocks' keys and values against those heads' queries */
+static void decode_item(decode_args *a, int64_t item) {
+    const int64_t H = a->H, KVH = a->KVH, D = a->D, bs = a->bs, G = H / KVH, row = KVH * D;
+    const int64_t groups = KVH / a->heads, kh0 = item % groups * a->heads, nkh = a->heads, h0 = kh0 * G;
+    const int64_t s = item / groups / a->parts, part = item / groups % a->parts, len = a->context_lens[s];
+    const int64_t lo = a->window > 0 && len > a->window ? len - a->window : 0;
+    const int64_t first = lo / bs, blocks = (len + bs - 1) / bs - first, per = (blocks + a->parts - 1) / a->parts;
+    const int64_t b0 = first + part * per, b1 = b0 + per < first + blocks ? b0 + per : first + blocks;
+    const int64_t span = SPAN / bs > 1 ? SPAN / bs : 1;
+    const float scale_log2e = a->scale * 1.44269504088896341f;
+    float qs[MAX_HD] __attribute__((aligned(32))), acc[MAX_HD], m[MAX_HD / 8], l[MAX_HD / 8];
+    float p[MAX_G * MAX_SPAN] __attribute__((aligned(32)));
+    span_blocks sb;
+    span_prefetch pf = {.tokens = bs, .stride = row * (int64_t)sizeof(float), .lines = (nkh * D + 15) / 16};
+    const float *q = a->q + s * a->q_stride + h0 * D;
+    for (int64_t i = 0; i < nkh * G * D; i++) { qs[i] = q[i] * scale_log2e; acc[i] = 0.f; }
+    for (int64_t h = 0; h < nkh * G; h++) { m[h] = -INFINITY; l[h] = 0.f; }
+    for (int64_t b = b0; b < b1; b += span) {
+        const int64_t n = b + span <= b1 ? span : b1 - b, next = b + n + span <= b1 ? span : b1 - b - n;
+        gather_span(a, s, b, n, lo, len, &sb);
+        pf.blocks = next; pf.i = pf.t = pf.c = 0;
+        for (int64_t i = 0; i < next; i++) {
+            const int64_t block = a->tables[s * a->max_blocks + b + n + i];
+            pf.k[i] = (const char *)(a->key_cache + block * bs * row + kh0 * D);
+            pf.v[i] = (const char *)(a->value_cache + block * bs * row + kh0 * D);
+        }
+        for (int64_t kh = kh0; kh < kh0 + nkh; kh++) {
+            const int64_t i0 = (kh - kh0) * G;           /* the item's first query head of this KV head */
+            int64_t keys = 0;
+            for (int64_t i = 0; i < sb.n; i++) {
+                block_scores(qs + i0 * D, G, D, sb.k[i] + kh * D, row, sb.t0[i], sb.t1[i], p, keys, &pf);
+                keys += sb.t1[i] - sb.t0[i];
+            }
+            const int64_t padded = (keys + 15) / 16 * 16;
+            for (int64_t g = 0; g < G; g++) {
+                for (int64_t j = keys; j < padded; j++) p[g * MAX_SPAN + j] = -INFINITY;
+                softmax_step(p + g * MAX_SPAN, padded, &m[i0 + g], &l[i0 + g], acc + (i0 + g) * D, D);
+            }
+            span_values(&sb, kh, G, D, row, p, acc + i0 * D, &pf);
+        }
+    }
+    if (a->parts == 1) {
+        float *out = a->out + (s * H + h0) * D;
+        for (int64_t h = 0; h < nkh * G; h++) {
+            const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+            for (int64_t d = 0; d < D; d++) out[h * D + d] = acc[h * D + d] * inv;
+        }
+        return;
+    }
+    float *mine = a->partial + ((s * a->parts + part) * H + h0) * (D + 2);
+    for (int64_t h = 0; h < nkh * G; h++) {
+        memcpy(mine + h * (D + 2), acc + h * D, sizeof(float) * D);
+        mine[h * (D + 2) + D] = m[h];
+        mine[h * (D + 2) + D + 1] = l[h];
+    }
+}
+
+static void decode_part(void *args, int t, int T) {
+    decode_args *a = args;
+    (void)t; (void)T;
+    for (;;) {                     /* items handed out one at a time: sequences differ in length */
+        const int64_t item = __atomic_fetch_add(&a->next, 1, __ATOMIC_RELAXED);
+        if (item >= a->items) break;
+        decode_item(a, item);
+    }
+}
+
+/* the parts' running sums of each sequence and query head into its output */
+static void merge_parts(const decode_args *a, int64_t S) {
+    const int64_t H = a->H, D = a->D, P = a->parts, stride = H * (D + 2);
+    for (int64_t s = 0; s < S; s++)
+        for (int64_t h = 0; h < H; h++) {
+            const float *first = a->partial + s * P * stride + h * (D + 2);
+            float mx = -INFINITY, sum = 0.f, *out = a->out + (s * H + h) * D;
+            for (int64_t p = 0; p < P; p++) mx = first[p * stride + D] > mx ? first[p * stride + D] : mx;
+            for (int64_t d = 0; d < D; d++) out[d] = 0.f;
+            if (mx == -INFINITY) continue;
+            for (int64_t p = 0; p < P; p++) {
+                const float *part = first + p * stride, w = exp2f(part[D] - mx);
+                sum += part[D + 1] * w;
+                for (int64_t d = 0; d < D; d++) out[d] += part[d] * w;
+            }
+            const float inv = sum > 0.f ? 1.f / sum : 0.f;
+            for (int64_t d = 0; d < D; d++) out[d] *= inv;
+        }
+}
+
+/* One query token per sequence against its paged context, read in place.
+ * q [S][H][D] (rows q_stride floats apart), out [S][H][D]; key_cache, value_cache [num_blocks][bs][KVH][D];
+ * tables [S][max_blocks]; context_lens [S]. Query head h uses KV head h / (H / KVH). With window > 0 a row sees
+ * its last `window` positions only. D a multiple of 8, H * D <= MAX_HD, H / KVH <= MAX_G, bs <= MAX_BS. */
+void paged_decode_attention(const float *q, int64_t q_stride, const float *key_cache, const float *value_cache,
+                            const int64_t *tables, int64_t max_blocks, const int64_t *context_lens,
+                            int64_t S, int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t window,
+                            float scale, float *out, int nthreads) {
+    const int64_t wanted = ITEMS_PER_THREAD * nthreads, heads = S >= wanted ? KVH : 1;
+    int64_t parts = 1;
+    if (S * KVH < wanted) {          /* too few sequences and heads to share out: split their contexts too */
+        int64_t longest = 0;
+        for (int64_t s = 0; s < S; s++) {
+            const int64_t keys = window > 0 && context_lens[s] > window ? window : context_lens[s];
+            longest = keys > longest ? keys : longest;
+        }
+        parts = (wanted + S * KVH - 1) / (S * KVH);
+        if (parts > longest / MIN_PART_KEYS) parts = longest / MIN_PART_KEYS > 1 ? longest / MIN_PART_KEYS : 1;
+    }
+    float *partial = NULL;
+    if (parts > 1 && !(partial = malloc(sizeof(float) * S * parts * H * (D + 2)))) parts = 1;
+    decode_args a = {q, q_stride, key_cache, value_cache, tables, max_blocks, context_lens, H, KVH, D, bs, window,
+                     scale, out, heads, parts, S * parts * (KVH / heads), partial, 0};
+    parallel_run(decode_part, &a, nthreads);
+    if (parts > 1) merge_parts(&a, S);
+    free(partial);
+}
