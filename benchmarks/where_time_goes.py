@@ -5,6 +5,7 @@
     python benchmarks/where_time_goes.py prefill [--model ...] [--tokens 7936 | --w2-prompts 16]
     python benchmarks/where_time_goes.py decode [--model ...] [--seqs 16] [--steps 32] [--prompt-tokens 8]
     python benchmarks/where_time_goes.py attention [--chunks 2048@0,2048@5888]
+    python benchmarks/where_time_goes.py decode-attention [--contexts 4x7936,16x2000,64x400,1x7936]
 
 gemm: each distinct projection shape of the model (fused q/k/v, o, fused gate/up, down) at each row count, GFLOP/s
 (2 M N K / time, best of 5, torch's threads): petrel's few-row kernel (dense_kernels.linear, up to 256 rows),
@@ -18,6 +19,9 @@ is not counted), their time, and inside them the decoder stack (one C call for a
 (compute_logits) and the sampler, per step, and what is left around them.
 attention: the prefill attention kernel alone on one layer of the default model's heads (9 query heads, 3 KV heads,
 head_dim 64, 16-token blocks in shuffled order): a chunk of N queries after P cached positions for each N@P, best of 3.
+decode-attention: the decode attention kernel alone on those heads, S sequences of C keys each for every SxC, over
+six layers' caches in turn (so that one call's keys and values are not in cache from the last), best of 5: GB/s of
+keys and values read, and, same run, the rate torch sums the same caches at (a sequential read: the memory's rate).
 """
 
 from __future__ import annotations
@@ -178,9 +182,36 @@ def attention(args) -> None:
         print(f"{n} queries after {first_pos}: {seconds * 1000:.0f} ms, {flop / seconds / 1e9:.0f} GFLOP/s")
 
 
+def decode_attention(args) -> None:
+    heads, kv_heads, head_dim, block_size, layers_ = 9, 3, 64, 16, 6
+    for case in args.contexts.split(","):
+        seqs, ctx = (int(v) for v in case.split("x"))
+        blocks = (ctx + block_size - 1) // block_size
+        caches = [
+            tuple(torch.randn(seqs * blocks, block_size, kv_heads, head_dim) for _ in range(2)) for _ in range(layers_)
+        ]
+        tables = torch.stack([torch.randperm(seqs * blocks)[:blocks] for _ in range(seqs)])
+        lens, q = torch.full((seqs,), ctx, dtype=torch.int64), torch.randn(seqs, heads, head_dim)
+
+        def attend():
+            for k, v in caches:
+                dense_kernels.decode_attention(q, k, v, tables, lens, head_dim**-0.5, None)
+
+        def read():
+            for k, v in caches:
+                k.sum(), v.sum()
+
+        seconds, read_s = best_s(attend) / layers_, best_s(read) / layers_
+        kv_gb, cache_gb = seqs * ctx * 2 * kv_heads * head_dim * 4 / 1e9, 2 * caches[0][0].numel() * 4 / 1e9
+        print(
+            f"{seqs} x {ctx} keys: {seconds * 1000:.2f} ms a layer, {kv_gb / seconds:.1f} GB/s of keys and values; "
+            f"torch's sum of the caches {cache_gb / read_s:.1f} GB/s ({kv_gb / seconds / (cache_gb / read_s):.0%})"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["gemm", "prefill", "decode", "attention"])
+    ap.add_argument("what", choices=["gemm", "prefill", "decode", "attention", "decode-attention"])
     ap.add_argument("--model", default=None, help="a Hugging Face directory or GGUF file (default: the default model)")
     ap.add_argument("--rows", default="16,64,256,512,1024", help="gemm: rows of x")
     ap.add_argument("--tokens", type=int, default=7936, help="prefill: the prompt's length")
@@ -190,8 +221,11 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0, help="decode: 0 for greedy rows")
     ap.add_argument("--prompt-tokens", type=int, default=8, help="decode: W2's prompts cut to N tokens (0: whole)")
     ap.add_argument("--chunks", default="2048@0,2048@5888", help="attention: N@P, comma-separated")
+    ap.add_argument("--contexts", default="4x7936,16x2000,64x400,1x7936", help="decode-attention: SxC, comma-separated")
     args = ap.parse_args()
-    {"gemm": gemm, "prefill": prefill, "decode": decode, "attention": attention}[args.what](args)
+    what = {"gemm": gemm, "prefill": prefill, "decode": decode, "attention": attention}
+    what["decode-attention"] = decode_attention
+    what[args.what](args)
 
 
 if __name__ == "__main__":

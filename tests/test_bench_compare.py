@@ -129,3 +129,39 @@ def test_a_peer_runs_through_its_script_and_its_figures_reach_the_table(tmp_path
     assert rows["prompt tokens from cache"]["value"] == 0  # transformers has no prefix cache
     assert any(line.startswith("| w4 | wall (s) | ") for line in doc["table"])
     assert json.loads((tmp_path / "results" / "hf_w4_compare.json").read_text())["wall_s"] == raw["wall_s"]
+
+
+def test_llama_server_w3_has_w3_concurrency_slots_on_each_gguf(tmp_path):
+    """W3 against llama.cpp's C++ server: found in $PEERS_HOME/llama-server-build/bin, started on the F32 and the
+    Q4_1 GGUF with W3's concurrency in slots, its figures in rows named by the GGUF's kind. The server here is a
+    stand-in that records its command line and serves the same GGUF through `petrel serve`."""
+    from petrel.bench.workloads import W3_CONCURRENCY
+    from petrel.model.loader import default_model_path
+
+    models = tmp_path / "models"
+    models.mkdir()
+    for name in ("smollm2-135m-instruct-f32.gguf", "SmolLM2-135M-Instruct.Q4_1.gguf"):
+        (models / name).symlink_to(default_model_path())
+    server = tmp_path / "llama-server-build" / "bin" / "llama-server"
+    server.parent.mkdir(parents=True)
+    argv_log = tmp_path / "argv.jsonl"
+    server.write_text(
+        f"#!{sys.executable}\n"
+        "import json, os, sys\n"
+        f"open({str(argv_log)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
+        "opt = dict(zip(sys.argv[1::2], sys.argv[2::2]))\n"
+        "os.execv(sys.executable, [sys.executable, '-m', 'petrel.cli', 'serve', '--model', opt['--model'], "
+        "'--port', opt['--port'], '--served-model-name', opt['--alias'], '--log-level', 'warning'])\n"
+    )
+    server.chmod(0o755)
+    cmp = compare.Compare(compare.build_parser().parse_args(["--peers-home", str(tmp_path), "--quick"]))
+    if cmp.llama_server() != str(server):
+        pytest.skip("a llama-server on PATH comes first")
+    cmp.llamacpp_w3()
+    argvs = [json.loads(line) for line in argv_log.read_text().splitlines()]
+    assert [a[a.index("--model") + 1] for a in argvs] == [cmp.gguf["f32"], cmp.gguf["q4_1"]]
+    assert all(a[a.index("--parallel") + 1] == str(W3_CONCURRENCY) for a in argvs)
+    rows = {r["metric"]: r for r in cmp.rows if r["engine"] == "llamacpp" and r["workload"] == "w3"}
+    assert rows["output tok/s"]["value"] > 0 and rows["output tok/s (Q4_1)"]["value"] > 0
+    assert f"{W3_CONCURRENCY} slots" in rows["output tok/s"]["note"]
+    assert cmp.raw["llamacpp_w3_f32"]["valid"] and cmp.raw["llamacpp_w3_q4_1"]["valid"]

@@ -8,8 +8,11 @@
 #   venv-llamacpp  llama-cpp-python[server] 0.3.36, compiled from source (~15 minutes on 2 cores), and
 #                  models/smollm2-135m-instruct-f32.gguf, the fp32 directory written back as an F32 GGUF by
 #                  llama.cpp's own converter
-# Usage: benchmarks/peers/setup_peers.sh [hf] [vllm] [llamacpp]     (no argument: all three; vllm and llamacpp
-# use the model files that hf makes, so hf comes first). Running it again skips what is already there.
+#   llama-server-build/bin/llama-server  (llamaserver, only when asked) llama.cpp's own C++ server, for W3 with 16
+#                  slots, built with cmake from the llama.cpp that release vendors (~10 minutes on 2 cores; needs
+#                  cmake and g++)
+# Usage: benchmarks/peers/setup_peers.sh [hf] [vllm] [llamacpp] [llamaserver]     (no argument: the first three;
+# vllm and llamacpp use the model files that hf makes, so hf comes first). Running it again skips what is there.
 set -euo pipefail
 
 PEERS_HOME=${PEERS_HOME:-$HOME/petrel-peers}
@@ -59,10 +62,23 @@ setup_llamacpp() {
   fi
 }
 
+setup_llamaserver() {
+  local src=$SRC/llama_cpp_python-$LLAMA_CPP_PYTHON/vendor/llama.cpp build=$PEERS_HOME/llama-server-build
+  [ -x "$build/bin/llama-server" ] && return
+  if [ ! -d "$src" ]; then
+    python3 -m pip download -q --no-deps --no-binary :all: -d "$SRC" "llama-cpp-python==$LLAMA_CPP_PYTHON"
+    tar -xzf "$SRC/llama_cpp_python-$LLAMA_CPP_PYTHON.tar.gz" -C "$SRC"
+  fi
+  cmake -S "$src" -B "$build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \
+    -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_APP=OFF
+  cmake --build "$build" --target llama-server -j "$(nproc)"
+}
+
 for peer in "$@"; do
   case $peer in
-    hf|vllm|llamacpp) "setup_$peer" ;;
-    *) echo "unknown peer '$peer' (known: hf vllm llamacpp)" >&2; exit 2 ;;
+    hf|vllm|llamacpp|llamaserver) "setup_$peer" ;;
+    *) echo "unknown peer '$peer' (known: hf vllm llamacpp llamaserver)" >&2; exit 2 ;;
   esac
 done
 echo "peers ready under $PEERS_HOME: $*"

@@ -13,9 +13,12 @@ in its own virtual environment: transformers (`venv-hf`), vLLM's CPU build (`ven
 llama-cpp-python (`venv-llamacpp`). A peer that is not installed is left out (and said so). Each engine runs in its
 own process, one after the other (the machine has 2 cores); this process samples the summed RSS of each one's
 process tree. Peers run W1, W2 and W4 through the scripts in benchmarks/peers (`--peers-dir`), petrel through
-`petrel bench`; W3 is `petrel bench serve`'s client against each engine's own server (`petrel serve`, vLLM's
-OpenAI server). Every engine does exactly the work of petrel/bench/workloads.py. Figures are float32 unless the
-row says; a figure whose engine did not produce the right number of tokens is left out.
+`petrel bench`; W3 is `petrel bench serve`'s client against each engine's own server: `petrel serve` (float32
+and, on the default model, the Q4_1 GGUF kept quantized), vLLM's OpenAI server, and llama.cpp's own C++ server
+with 16 slots on the F32 and Q4_1 GGUFs (`llama-server` on PATH, or built by `setup_peers.sh llamaserver`;
+llama-cpp-python's server runs one request at a time). Every engine does exactly the work of
+petrel/bench/workloads.py. Figures are float32 unless the row says; a figure whose engine did not produce the right
+number of tokens is left out.
 
 --model PATH (any Hugging Face directory or GGUF file petrel loads) runs every engine on that model instead of the
 default one: petrel on PATH; transformers on PATH; vLLM on PATH when it is a Hugging Face directory (a GGUF: left
@@ -33,6 +36,7 @@ import asyncio
 import json
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -164,13 +168,14 @@ class Compare:
             argv += ["--w2-requests", str(self.args.w2_requests)]
         return argv
 
-    def record_w3(self, engine: str, r: dict, note: str = "") -> None:
+    def record_w3(self, engine: str, r: dict, note: str = "", label: str = "") -> None:
+        """W3's rows; `label` names the weights' kind in each metric (" (Q4_1)"), empty for float32."""
         expected = r["requests"] * r["max_tokens"]
         note = note + ("" if r["valid"] else f" (only {r['output_tokens']} of {expected} tokens)")
-        self.add("w3", "output tok/s", engine, r["output_tok_s"] if r["valid"] else None, "tok/s", note)
-        self.add("w3", "TTFT p99", engine, r["ttft_p99_s"], "s", note)
-        self.add("w3", "TTFT p50", engine, r["ttft_p50_s"], "s", note)
-        self.add("w3", "TPOT p50", engine, r["tpot_p50_s"] * 1000, "ms", note)
+        self.add("w3", "output tok/s" + label, engine, r["output_tok_s"] if r["valid"] else None, "tok/s", note)
+        self.add("w3", "TTFT p99" + label, engine, r["ttft_p99_s"], "s", note)
+        self.add("w3", "TTFT p50" + label, engine, r["ttft_p50_s"], "s", note)
+        self.add("w3", "TPOT p50" + label, engine, r["tpot_p50_s"] * 1000, "ms", note)
 
     def w6_argv(self) -> list[str]:
         return ["w6", *self.w6.to_argv(), "--tag", "compare"]
@@ -264,7 +269,10 @@ class Compare:
                         "tokens",
                         "" if self.args.quick else W4_CACHE_NOTE,
                     )
-        if "w3" in workloads:
+        # W3 in float32, and (the default model) with the GGUF's Q4_1 blocks kept quantized, as llama-server runs it
+        for label, quantization in (("", []), *(() if self.model else ((" (Q4_1)", ["--quantization", "gguf"]),))):
+            if "w3" not in workloads:
+                break
             port = free_port()
             server = Server(
                 [
@@ -279,6 +287,7 @@ class Compare:
                     "--served-model-name",
                     "petrel",
                     *self.petrel_model_argv(),
+                    *quantization,
                 ],
                 port,
             )
@@ -286,9 +295,9 @@ class Compare:
                 r = w3_against(port, "petrel", self.args.quick)
             finally:
                 peak = server.close()
-            self.raw["petrel_w3"] = r
-            self.record_w3("petrel", r)
-            self.add("w3", "peak RSS (server)", "petrel", peak, "MiB")
+            self.raw["petrel_w3" + ("_gguf" if quantization else "")] = r
+            self.record_w3("petrel", r, "quantization='gguf'" if quantization else "", label)
+            self.add("w3", "peak RSS (server)" + label, "petrel", peak, "MiB")
         if "startup" in workloads:
             results, _ = run_script([sys.executable, "-c", STARTUP_PROBE, *([self.model] if self.model else [])])
             self.add("startup", "LLM() to first token", "petrel", results[0]["first_token_s"], "s")
@@ -411,6 +420,46 @@ class Compare:
                 self.add("w3", "peak RSS (server)", "vllm", peak, "MiB")
 
     # ---- llama.cpp
+    def llama_server(self) -> str | None:
+        """llama.cpp's own C++ server: `llama-server` on PATH, else the one `setup_peers.sh llamaserver` builds."""
+        built = os.path.join(self.peers_home, "llama-server-build", "bin", "llama-server")
+        return shutil.which("llama-server") or (built if os.access(built, os.X_OK) else None)
+
+    def llamacpp_w3(self) -> None:
+        """W3 against llama-server with W3's concurrency in slots (llama-cpp-python's server runs one request at a
+        time), on the F32 and the Q4_1 GGUF (--model: its GGUF)."""
+        binary = self.llama_server()
+        if binary is None:
+            log("llama.cpp's W3 left out: no llama-server on PATH or in $PEERS_HOME/llama-server-build/bin")
+            return
+        from petrel.bench.workloads import W3_CONCURRENCY
+
+        ggufs = (
+            (("model", "", self.llamacpp_gguf()),)
+            if self.model
+            else (("f32", "", self.gguf["f32"]), ("q4_1", " (Q4_1)", self.gguf["q4_1"]))
+        )
+        for tag, label, gguf in ggufs:
+            if not gguf or not os.path.exists(gguf):
+                continue
+            port = free_port()
+            server = Server(
+                [
+                    binary,
+                    *("--model", gguf, "--alias", "llamacpp", "--host", "127.0.0.1", "--port", str(port)),
+                    *("--threads", str(os.cpu_count() or 1), "--parallel", str(W3_CONCURRENCY)),
+                    *("--ctx-size", str(W3_CONCURRENCY * 1024)),  # per slot: W2's longest prompt (512) + 128 new
+                ],
+                port,
+            )
+            try:
+                r = w3_against(port, "llamacpp", self.args.quick)
+            finally:
+                peak = server.close()
+            self.raw[f"llamacpp_w3_{tag}"] = r
+            self.record_w3("llamacpp", r, f"llama-server, {os.path.basename(gguf)}, {W3_CONCURRENCY} slots", label)
+            self.add("w3", "peak RSS (server)" + label, "llamacpp", peak, "MiB")
+
     def llamacpp(self, workloads: list[str]) -> None:
         # --model: its own GGUF (peer_script adds --gguf), its figures in the fp32 row whatever its type (said so)
         ggufs = (
@@ -452,6 +501,8 @@ class Compare:
             r = self.peer_script("llamacpp", *self.w6_argv(), *given)[0][-1]
             self.raw["llamacpp_w6"] = r
             self.record_w6("llamacpp", r, f"{os.path.basename(gguf)}, requests one at a time")
+        if "w3" in workloads:
+            self.llamacpp_w3()
         if "w4" in workloads:
             r = self.peer_script("llamacpp", "w4", *given, "--tag", "compare")[0][-1]
             self.raw["llamacpp_w4"] = r
