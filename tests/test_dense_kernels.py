@@ -137,6 +137,20 @@ def _paged_case(num_seqs, heads, kv_heads, head_dim, block_size, lens, seed):
     return q, cache, tables, torch.tensor(lens, dtype=torch.int64)
 
 
+def _assert_decode_attention_is_torchs(q, cache, tables, lens_t, window):
+    """The C kernel's result against the torch path's (attention._decode_attention) on the same paged case."""
+    block_size, head_dim = cache.shape[2], q.shape[2]
+    scale = head_dim**-0.5
+    got = dense_kernels.decode_attention(q, cache[0], cache[1], tables, lens_t, scale, window)
+    assert got is not None
+    span = torch.arange(tables.shape[1] * block_size).unsqueeze(0)
+    mask = span < lens_t.unsqueeze(1)
+    if window is not None:
+        mask &= span >= (lens_t - window).unsqueeze(1)
+    expected = _decode_attention(q, cache[0], cache[1], tables, mask, scale)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim,block_size,window",
     [
@@ -156,15 +170,7 @@ def test_paged_decode_attention_equals_torch_path(heads, kv_heads, head_dim, blo
     )
     if many:  # queries as the model hands them over: a slice of each row of a wider (q, k) tensor
         q = torch.cat([q, torch.randn(len(lens), kv_heads, head_dim)], dim=1)[:, :heads]
-    scale = head_dim**-0.5
-    got = dense_kernels.decode_attention(q, cache[0], cache[1], tables, lens_t, scale, window)
-    assert got is not None
-    span = torch.arange(tables.shape[1] * block_size).unsqueeze(0)
-    mask = span < lens_t.unsqueeze(1)
-    if window is not None:
-        mask &= span >= (lens_t - window).unsqueeze(1)
-    expected = _decode_attention(q, cache[0], cache[1], tables, mask, scale)
-    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+    _assert_decode_attention_is_torchs(q, cache, tables, lens_t, window)
 
 
 @pytest.mark.parametrize(
@@ -182,15 +188,7 @@ def test_decode_attention_splits_few_long_contexts(heads, kv_heads, head_dim, bl
     """Fewer sequences than the threads can share out: each context is split into parts (more parts than the short
     one has blocks, so some parts see nothing), each part's softmax merged into the output at the end."""
     q, cache, tables, lens_t = _paged_case(len(lens), heads, kv_heads, head_dim, block_size, lens, seed=head_dim)
-    scale = head_dim**-0.5
-    got = dense_kernels.decode_attention(q, cache[0], cache[1], tables, lens_t, scale, window)
-    assert got is not None
-    span = torch.arange(tables.shape[1] * block_size).unsqueeze(0)
-    mask = span < lens_t.unsqueeze(1)
-    if window is not None:
-        mask &= span >= (lens_t - window).unsqueeze(1)
-    expected = _decode_attention(q, cache[0], cache[1], tables, mask, scale)
-    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+    _assert_decode_attention_is_torchs(q, cache, tables, lens_t, window)
 
 
 def test_decode_attention_never_reads_behind_the_window_or_past_the_context():
