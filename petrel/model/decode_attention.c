@@ -23,6 +23,7 @@
 #include <string.h>
 
 #include "kernels.h"
+#include "online_softmax.h"
 #include "simd.h"
 #include "thread_pool.h"
 
@@ -97,36 +98,6 @@ static void block_scores(const float *qs, int64_t G, int64_t D, const float *kb,
             pg[t] = hsum(a0);
         }
     }
-}
-
-/* One online-softmax step of query head g over the span's n scores p[0..n) (padded with -inf to a multiple of
- * 16): the scores become weights, the running max m and sum l move on, the running output acc [D] is rescaled */
-static void softmax_step(float *p, int64_t n, float *m, float *l, float *acc, int64_t D) {
-    __m256 vmax = _mm256_load_ps(p), vmax1 = _mm256_load_ps(p + 8);
-    for (int64_t j = 16; j < n; j += 16) {
-        vmax = _mm256_max_ps(vmax, _mm256_load_ps(p + j));
-        vmax1 = _mm256_max_ps(vmax1, _mm256_load_ps(p + j + 8));
-    }
-    vmax = _mm256_max_ps(vmax, vmax1);
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_max_ss(h, _mm_movehdup_ps(h));
-    const float mx = _mm_cvtss_f32(h) > *m ? _mm_cvtss_f32(h) : *m;
-    const float corr = exp2f(*m - mx);                   /* 0 on the first span (m = -inf) */
-    const __m256 vmx = _mm256_set1_ps(mx);
-    __m256 vsum = _mm256_setzero_ps(), vsum1 = _mm256_setzero_ps();
-    for (int64_t j = 0; j < n; j += 16) {
-        const __m256 e = exp2_nonpositive(_mm256_sub_ps(_mm256_load_ps(p + j), vmx));
-        const __m256 e1 = exp2_nonpositive(_mm256_sub_ps(_mm256_load_ps(p + j + 8), vmx));
-        _mm256_store_ps(p + j, e);
-        _mm256_store_ps(p + j + 8, e1);
-        vsum = _mm256_add_ps(vsum, e);
-        vsum1 = _mm256_add_ps(vsum1, e1);
-    }
-    *l = *l * corr + hsum(_mm256_add_ps(vsum, vsum1));
-    *m = mx;
-    const __m256 c = _mm256_set1_ps(corr);
-    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(acc + d, _mm256_mul_ps(c, _mm256_loadu_ps(acc + d)));
 }
 
 /* acc[g][d0 .. d0+8*NV) += sum over the span's tokens of p[g][j] * value row, for GN (<= 3) query heads at once:
@@ -229,7 +200,7 @@ static void decode_item(decode_args *a, int64_t item) {
             const int64_t padded = (keys + 15) / 16 * 16;
             for (int64_t g = 0; g < G; g++) {
                 for (int64_t j = keys; j < padded; j++) p[g * MAX_SPAN + j] = -INFINITY;
-                softmax_step(p + g * MAX_SPAN, padded, &m[i0 + g], &l[i0 + g], acc + (i0 + g) * D, D);
+                online_softmax_step(p + g * MAX_SPAN, padded, &m[i0 + g], &l[i0 + g], acc + (i0 + g) * D, D);
             }
             span_values(&sb, kh, G, D, row, p, acc + i0 * D, &pf);
         }

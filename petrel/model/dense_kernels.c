@@ -5,8 +5,9 @@
  *   several weight rows at a time so that enough FMAs are in flight.
  * rms_norm, rotary, silu_and_mul: the small per-layer operations, each one pass over its rows instead of the
  *   five to eight torch operations (and their dispatch overhead, ~10 us each at one row) they replace.
- * decode_layer: all of the above and decode_attention.c's attention for a whole Llama decoder layer; its products take float32 weights or the
- *   quantized ones of quant_kernels.c (compiled into the same library), each described by a `weight`.
+ * decode_layer: all of the above and decode_attention.c's attention for a whole Llama decoder layer; its products
+ *   take float32 weights or the quantized ones of quant_kernels.c (compiled into the same library), each described
+ *   by a `weight`.
  * Work is shared out over nthreads threads of thread_pool.c; the small operations stay on the calling thread unless
  * there are many rows. */
 #include <immintrin.h>

@@ -36,6 +36,7 @@ SOURCES = (
     HEADER,
     "thread_pool.h",
     "simd.h",
+    "online_softmax.h",
     "gemm_driver.h",
     "int16_rows.h",
 )

@@ -25,7 +25,7 @@
 #include <string.h>
 
 #include "kernels.h"
-#include "simd.h"
+#include "online_softmax.h"
 #include "thread_pool.h"
 
 #define ROWS 6
@@ -109,36 +109,7 @@ static void attend_keys(const prefill_args *a, row_group *rg, int64_t kb, int64_
         if (masked)
             for (int64_t j = 0; j < nk; j++)
                 if (kb + j > rg->pos[r] || (window > 0 && kb + j <= rg->pos[r] - window)) s[r][j] = -INFINITY;
-        __m256 vmax = _mm256_load_ps(s[r]), vmax1 = _mm256_load_ps(s[r] + 8);
-        for (int64_t j = 16; j < nk; j += 16) {
-            vmax = _mm256_max_ps(vmax, _mm256_load_ps(s[r] + j));
-            vmax1 = _mm256_max_ps(vmax1, _mm256_load_ps(s[r] + j + 8));
-        }
-        vmax = _mm256_max_ps(vmax, vmax1);
-        __m128 h = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
-        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-        h = _mm_max_ss(h, _mm_movehdup_ps(h));
-        const float mx = _mm_cvtss_f32(h) > rg->m[r] ? _mm_cvtss_f32(h) : rg->m[r];
-        if (mx == -INFINITY) {                       /* nothing visible yet: no weight */
-            memset(s[r], 0, sizeof(float) * nk);
-            continue;
-        }
-        const float corr = exp2f(rg->m[r] - mx);     /* 0 on a row's first keys (m = -inf) */
-        const __m256 vmx = _mm256_set1_ps(mx);
-        __m256 vsum = _mm256_setzero_ps(), vsum1 = _mm256_setzero_ps();
-        for (int64_t j = 0; j < nk; j += 16) {      /* masked keys (-inf) weigh exactly 0 */
-            const __m256 e = exp2_nonpositive(_mm256_sub_ps(_mm256_load_ps(s[r] + j), vmx));
-            const __m256 e1 = exp2_nonpositive(_mm256_sub_ps(_mm256_load_ps(s[r] + j + 8), vmx));
-            _mm256_store_ps(s[r] + j, e);
-            _mm256_store_ps(s[r] + j + 8, e1);
-            vsum = _mm256_add_ps(vsum, e);
-            vsum1 = _mm256_add_ps(vsum1, e1);
-        }
-        rg->l[r] = rg->l[r] * corr + hsum(_mm256_add_ps(vsum, vsum1));
-        rg->m[r] = mx;
-        const __m256 vc = _mm256_set1_ps(corr);
-        for (int64_t d = 0; d < D; d += 8)
-            _mm256_store_ps(rg->o[r] + d, _mm256_mul_ps(_mm256_load_ps(rg->o[r] + d), vc));
+        online_softmax_step(s[r], nk, &rg->m[r], &rg->l[r], rg->o[r], D);
     }
     for (int64_t d = 0; d < D; d += 16) {            /* the values, 16 dimensions of all rows at a time */
         __m256 acc[ROWS][2];
