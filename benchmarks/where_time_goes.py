@@ -226,8 +226,13 @@ def main() -> None:
     ap.add_argument("--chunks", default="2048@0,2048@5888", help="attention: N@P, comma-separated")
     ap.add_argument("--contexts", default="4x7936,16x2000,64x400,1x7936", help="decode-attention: SxC, comma-separated")
     args = ap.parse_args()
-    what = {"gemm": gemm, "prefill": prefill, "decode": decode, "attention": attention}
-    what["decode-attention"] = decode_attention
+    what = {
+        "gemm": gemm,
+        "prefill": prefill,
+        "decode": decode,
+        "attention": attention,
+        "decode-attention": decode_attention,
+    }
     what[args.what](args)
 
 

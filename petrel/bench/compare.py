@@ -177,6 +177,18 @@ class Compare:
         self.add("w3", "TTFT p50" + label, engine, r["ttft_p50_s"], "s", note)
         self.add("w3", "TPOT p50" + label, engine, r["tpot_p50_s"] * 1000, "ms", note)
 
+    def w3_server(self, engine: str, cmd: list[str], port: int, raw_key: str, note: str, label: str) -> None:
+        """W3 against the server `cmd` starts on `port` (its model named `engine`): its result under raw[raw_key],
+        its rows and its peak RSS recorded (record_w3's note and label)."""
+        server = Server(cmd, port)
+        try:
+            r = w3_against(port, engine, self.args.quick)
+        finally:
+            peak = server.close()
+        self.raw[raw_key] = r
+        self.record_w3(engine, r, note, label)
+        self.add("w3", "peak RSS (server)" + label, engine, peak, "MiB")
+
     def w6_argv(self) -> list[str]:
         return ["w6", *self.w6.to_argv(), "--tag", "compare"]
 
@@ -270,34 +282,13 @@ class Compare:
                         "" if self.args.quick else W4_CACHE_NOTE,
                     )
         # W3 in float32, and (the default model) with the GGUF's Q4_1 blocks kept quantized, as llama-server runs it
-        for label, quantization in (("", []), *(() if self.model else ((" (Q4_1)", ["--quantization", "gguf"]),))):
-            if "w3" not in workloads:
-                break
+        w3_runs = (("", []), *(() if self.model else ((" (Q4_1)", ["--quantization", "gguf"]),)))
+        for label, quantization in w3_runs if "w3" in workloads else ():
             port = free_port()
-            server = Server(
-                [
-                    sys.executable,
-                    "-m",
-                    "petrel.cli",
-                    "serve",
-                    "--port",
-                    str(port),
-                    "--log-level",
-                    "warning",
-                    "--served-model-name",
-                    "petrel",
-                    *self.petrel_model_argv(),
-                    *quantization,
-                ],
-                port,
-            )
-            try:
-                r = w3_against(port, "petrel", self.args.quick)
-            finally:
-                peak = server.close()
-            self.raw["petrel_w3" + ("_gguf" if quantization else "")] = r
-            self.record_w3("petrel", r, "quantization='gguf'" if quantization else "", label)
-            self.add("w3", "peak RSS (server)" + label, "petrel", peak, "MiB")
+            serve = [sys.executable, "-m", "petrel.cli", "serve", "--port", str(port), "--log-level", "warning"]
+            serve += ["--served-model-name", "petrel", *self.petrel_model_argv(), *quantization]
+            raw_key = "petrel_w3" + ("_gguf" if quantization else "")
+            self.w3_server("petrel", serve, port, raw_key, "quantization='gguf'" if quantization else "", label)
         if "startup" in workloads:
             results, _ = run_script([sys.executable, "-c", STARTUP_PROBE, *([self.model] if self.model else [])])
             self.add("startup", "LLM() to first token", "petrel", results[0]["first_token_s"], "s")
@@ -443,22 +434,14 @@ class Compare:
             if not gguf or not os.path.exists(gguf):
                 continue
             port = free_port()
-            server = Server(
-                [
-                    binary,
-                    *("--model", gguf, "--alias", "llamacpp", "--host", "127.0.0.1", "--port", str(port)),
-                    *("--threads", str(os.cpu_count() or 1), "--parallel", str(W3_CONCURRENCY)),
-                    *("--ctx-size", str(W3_CONCURRENCY * 1024)),  # per slot: W2's longest prompt (512) + 128 new
-                ],
-                port,
-            )
-            try:
-                r = w3_against(port, "llamacpp", self.args.quick)
-            finally:
-                peak = server.close()
-            self.raw[f"llamacpp_w3_{tag}"] = r
-            self.record_w3("llamacpp", r, f"llama-server, {os.path.basename(gguf)}, {W3_CONCURRENCY} slots", label)
-            self.add("w3", "peak RSS (server)" + label, "llamacpp", peak, "MiB")
+            serve = [
+                binary,
+                *("--model", gguf, "--alias", "llamacpp", "--host", "127.0.0.1", "--port", str(port)),
+                *("--threads", str(os.cpu_count() or 1), "--parallel", str(W3_CONCURRENCY)),
+                *("--ctx-size", str(W3_CONCURRENCY * 1024)),  # per slot: W2's longest prompt (512) + 128 new
+            ]
+            note = f"llama-server, {os.path.basename(gguf)}, {W3_CONCURRENCY} slots"
+            self.w3_server("llamacpp", serve, port, f"llamacpp_w3_{tag}", note, label)
 
     def llamacpp(self, workloads: list[str]) -> None:
         # --model: its own GGUF (peer_script adds --gguf), its figures in the fp32 row whatever its type (said so)
