@@ -3,7 +3,8 @@
  * f32_gemm_avx2: y[M][N] = x[M][K] @ W[N][K]^T, gemm_avx512.c's scheme sized for 16 vector registers: the innermost
  * loop keeps a 6 x 16 block of y in 12 registers and, per k, loads two vectors of W and broadcasts one value from
  * each of 6 rows of x: 12 fused multiply-adds for 8 loads. W is first copied a panel of 16 columns at a time into
- * k-major order ([K][16]), and 6 rows of x into [K][6]; packing, slicing K and the threads: gemm_driver.h.
+ * k-major order ([K][16], 8 x 8 transposes in registers), and 6 rows of x into [K][6] where needed; slicing K, the
+ * blocks' order and the threads: gemm_driver.h.
  * Built with the other kernels (-mavx2 -mfma): callers check native.cpu_has_avx2_fma, as for every kernel. */
 #include <immintrin.h>
 #include <stdint.h>
@@ -11,6 +12,7 @@
 
 #include "gemm_driver.h"
 #include "kernels.h"
+#include "simd.h"
 
 #define MR 6
 #define NR 16
@@ -32,6 +34,7 @@ static inline __attribute__((always_inline)) void block_6x16_at(const float *x, 
     __m256 c30 = _mm256_loadu_ps(tile[3]), c31 = _mm256_loadu_ps(tile[3] + 8);
     __m256 c40 = _mm256_loadu_ps(tile[4]), c41 = _mm256_loadu_ps(tile[4] + 8);
     __m256 c50 = _mm256_loadu_ps(tile[5]), c51 = _mm256_loadu_ps(tile[5] + 8);
+#pragma GCC unroll 4
     for (int64_t k = 0; k < K; k++, wp += NR) {
         const float *xk = x + k * ks;
         const __m256 w0 = _mm256_loadu_ps(wp), w1 = _mm256_loadu_ps(wp + 8);
@@ -65,7 +68,26 @@ static void block_6x16(const float *x, int64_t rs, int64_t ks, const float *wp, 
     else block_6x16_at(x, 1, MR, wp, K, y, ldy, mr, nr, add);
 }
 
-static const gemm_kernel kernel = {MR, NR, block_6x16, gemm_pack_panel};
+/* W rows [n, n + nr), columns [0, K) (rows ldw apart), as the k-major panel wp [K][16]: 8 x 8 tiles of W transposed
+ * in registers (the float-at-a-time copy took ~10% of a 512-row product over 576 x 576); a partial panel, and the
+ * last K % 8 columns, one float at a time */
+static void pack_16(const float *W, int64_t ldw, int64_t K, int64_t n, int nr, int nr_full, float *wp) {
+    if (nr < NR) {
+        gemm_pack_panel(W, ldw, K, n, nr, nr_full, wp);
+        return;
+    }
+    const int64_t K8 = K / 8 * 8;
+    for (int64_t k = 0; k < K8; k += 8)
+        for (int half = 0; half < 2; half++) {
+            __m256i t[8];
+            for (int i = 0; i < 8; i++) t[i] = _mm256_castps_si256(_mm256_loadu_ps(W + (n + 8 * half + i) * ldw + k));
+            transpose8(t);
+            for (int i = 0; i < 8; i++) _mm256_storeu_ps(wp + (k + i) * NR + 8 * half, _mm256_castsi256_ps(t[i]));
+        }
+    if (K8 < K) gemm_pack_panel(W + K8, ldw, K - K8, n, nr, nr_full, wp + K8 * NR);
+}
+
+static const gemm_kernel kernel = {MR, NR, block_6x16, pack_16};
 
 /* floats of workspace f32_gemm_avx2 needs */
 int64_t f32_gemm_avx2_workspace(int64_t K, int64_t N, int nthreads) {

@@ -6,6 +6,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "simd.h"
 #include "thread_pool.h"
 
 /* the two int16 at p as one int32 (to broadcast a pair of k) */
@@ -47,25 +48,6 @@ static void round_rows(void *args, int t, int T) {
         for (; k < K; k++) q[k] = (int16_t)_mm_cvtss_si32(_mm_set_ss(x[k] * inv));
         for (; k < a->Kp; k++) q[k] = 0;
         a->dx[m] = mx / (float)a->Q;
-    }
-}
-
-/* r[i][j] = r[j][i] for an 8 x 8 matrix of int32 */
-static inline void transpose8(__m256i r[8]) {
-    __m256i t[8], u[8];
-    for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 8; i += 4) {
-        u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
-        u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
-        u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
-        u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    for (int i = 0; i < 4; i++) {
-        r[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
-        r[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
     }
 }
 
