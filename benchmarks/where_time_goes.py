@@ -1,7 +1,8 @@
 """Where a model's prefill and decode time goes on this CPU: the figures behind BENCHMARKS.md's 2026-12-02 notes on the
 1B-shaped model and W6.
 
-    python benchmarks/where_time_goes.py gemm [--model DIR_OR_GGUF] [--rows 16,64,256,512,1024]
+    python benchmarks/where_time_goes.py gemm [--model DIR_OR_GGUF] [--rows 16,64,256,512,1024] [--repeats 5]
+                                              [--ceiling]
     python benchmarks/where_time_goes.py prefill [--model ...] [--tokens 7936 | --w2-prompts 16]
     python benchmarks/where_time_goes.py decode [--model ...] [--seqs 16] [--steps 32] [--prompt-tokens 8]
     python benchmarks/where_time_goes.py attention [--chunks 2048@0,2048@5888]
@@ -9,7 +10,9 @@
 
 gemm: each distinct projection shape of the model (fused q/k/v, o, fused gate/up, down) at each row count, GFLOP/s
 (2 M N K / time, best of 5, torch's threads): petrel's few-row kernel (dense_kernels.linear, up to 256 rows),
-petrel's register-blocked GEMM (dense_kernels.gemm), torch as x @ W^T and as (W @ x^T)^T.
+petrel's register-blocked GEMM (dense_kernels.gemm), torch as x @ W^T and as (W @ x^T)^T. With --ceiling, also this
+machine's float32 FMA ceiling on as many threads (benchmarks/fma_peak.c, compiled with gcc; 256-bit FMAs), measured
+before and after the table, and the GEMM's share of the higher of the two.
 prefill: one prompt of --tokens random ids (or W2's first --w2-prompts prompts) through LLM.generate (max_tokens 1,
 prefix caching off), the time spent inside prefill attention and inside each projection shape's Linear.forward,
 summed over the prompts' chunks, and the products' GFLOP/s.
@@ -74,24 +77,51 @@ def best_s(fn, repeats: int = 5) -> float:
     return best_ms(fn, repeats) / 1e3
 
 
+def fma_ceiling(threads: int) -> float:
+    """GFLOP/s of fma_peak.c (this directory) on `threads` threads: the float32 FMA ceiling no product can pass."""
+    import pathlib
+    import subprocess
+    import tempfile
+
+    source = pathlib.Path(__file__).with_name("fma_peak.c")
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = pathlib.Path(tmp) / "fma_peak"
+        subprocess.run(["gcc", "-O3", "-march=native", "-fopenmp", str(source), "-o", str(exe)], check=True)
+        out = subprocess.run([str(exe), str(threads)], check=True, capture_output=True, text=True).stdout
+    return float(out.split("threads:")[1].split("GFLOP/s")[0])
+
+
 def gemm(args) -> None:
     cfg: ModelConfig = load_model_config(resolve_model(args.model))
     h, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     shapes = [(h, q + 2 * kv), (q, h), (h, 2 * cfg.intermediate_size), (cfg.intermediate_size, h)]  # (K, N)
+    threads, repeats = torch.get_num_threads(), args.repeats
+    ceilings = [fma_ceiling(threads)] if args.ceiling else []
+    if ceilings:
+        print(f"FMA ceiling, {threads} threads: {ceilings[0]:.1f} GFLOP/s")
     print("GFLOP/s: few-row kernel / petrel GEMM / torch x W^T / torch (W x^T)^T")
+    gemm_rates = []
     for k, n in shapes:
         w = torch.randn(n, k) * 0.02
         for m in [int(r) for r in args.rows.split(",")]:
             x = torch.randn(m, k)
             gflop = 2 * m * k * n / 1e9
-            few = gflop / best_s(lambda: dense_kernels.linear(x, w)) if m <= dense_kernels.GEMV_MAX_ROWS else 0.0
+            few = gflop / best_s(lambda: dense_kernels.linear(x, w), repeats) if m <= dense_kernels.GEMV_MAX_ROWS else 0
             cells = [
                 few,
-                gflop / best_s(lambda: dense_kernels.gemm(x, w)),
-                gflop / best_s(lambda: torch.mm(x, w.t())),
-                gflop / best_s(lambda: torch.mm(w, x.t()).t()),
+                gflop / best_s(lambda: dense_kernels.gemm(x, w), repeats),
+                gflop / best_s(lambda: torch.mm(x, w.t()), repeats),
+                gflop / best_s(lambda: torch.mm(w, x.t()).t(), repeats),
             ]
+            gemm_rates.append(cells[1])
             print(f"K {k:>5} N {n:>5} M {m:>5}: " + " ".join(f"{c:7.1f}" for c in cells), flush=True)
+    if ceilings:
+        ceilings.append(fma_ceiling(threads))
+        top = max(ceilings)
+        print(
+            f"FMA ceiling after: {ceilings[1]:.1f} GFLOP/s; petrel GEMM {min(gemm_rates) / top:.0%}-"
+            f"{max(gemm_rates) / top:.0%} of {top:.1f}"
+        )
 
 
 def prefill(args) -> None:
@@ -217,6 +247,8 @@ def main() -> None:
     ap.add_argument("what", choices=["gemm", "prefill", "decode", "attention", "decode-attention"])
     ap.add_argument("--model", default=None, help="a Hugging Face directory or GGUF file (default: the default model)")
     ap.add_argument("--rows", default="16,64,256,512,1024", help="gemm: rows of x")
+    ap.add_argument("--repeats", type=int, default=5, help="gemm: each cell the best of this many calls")
+    ap.add_argument("--ceiling", action="store_true", help="gemm: also the FMA ceiling (gcc, fma_peak.c)")
     ap.add_argument("--tokens", type=int, default=7936, help="prefill: the prompt's length")
     ap.add_argument("--w2-prompts", type=int, default=0, help="prefill: W2's first N prompts instead")
     ap.add_argument("--seqs", type=int, default=16, help="decode: sequences")

@@ -162,7 +162,8 @@ def _assert_decode_attention_is_torchs(q, cache, tables, lens_t, window):
         (12, 4, 64, 32, None),
     ],
 )
-@pytest.mark.parametrize("many", [False, True], ids=["few-seqs", "many-seqs"])  # short contexts split by KV head / by sequence
+# few short contexts: the work split by KV head; many: by sequence
+@pytest.mark.parametrize("many", [False, True], ids=["few-seqs", "many-seqs"])
 def test_paged_decode_attention_equals_torch_path(heads, kv_heads, head_dim, block_size, window, many):
     lens = [1, 5, block_size, block_size + 1, 3 * block_size - 1, 70, 133] * (3 if many else 1)
     q, cache, tables, lens_t = _paged_case(
