@@ -77,26 +77,42 @@ def best_s(fn, repeats: int = 5) -> float:
     return best_ms(fn, repeats) / 1e3
 
 
-def fma_ceiling(threads: int) -> float:
-    """GFLOP/s of fma_peak.c (this directory) on `threads` threads: the float32 FMA ceiling no product can pass."""
-    import pathlib
+def fma_ceiling(exe: str, threads: int) -> float:
+    """GFLOP/s of fma_peak.c built as `exe` (build_fma_peak) on `threads` threads: the float32 FMA ceiling no product
+    can pass."""
     import subprocess
-    import tempfile
 
-    source = pathlib.Path(__file__).with_name("fma_peak.c")
-    with tempfile.TemporaryDirectory() as tmp:
-        exe = pathlib.Path(tmp) / "fma_peak"
-        subprocess.run(["gcc", "-O3", "-march=native", "-fopenmp", str(source), "-o", str(exe)], check=True)
-        out = subprocess.run([str(exe), str(threads)], check=True, capture_output=True, text=True).stdout
+    out = subprocess.run([exe, str(threads)], check=True, capture_output=True, text=True).stdout
     return float(out.split("threads:")[1].split("GFLOP/s")[0])
 
 
+def build_fma_peak(directory: str) -> str:
+    """fma_peak.c (this directory) compiled with gcc into `directory`; the executable's path."""
+    import os
+    import subprocess
+
+    exe = os.path.join(directory, "fma_peak")
+    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fma_peak.c")
+    subprocess.run(["gcc", "-O3", "-march=native", "-fopenmp", source, "-o", exe], check=True)
+    return exe
+
+
 def gemm(args) -> None:
+    if not args.ceiling:
+        return gemm_table(args, None)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        gemm_table(args, build_fma_peak(tmp))
+
+
+def gemm_table(args, fma_peak: str | None) -> None:
+    """gemm's table; with fma_peak (an fma_peak.c executable) the FMA ceiling before and after it"""
     cfg: ModelConfig = load_model_config(resolve_model(args.model))
     h, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     shapes = [(h, q + 2 * kv), (q, h), (h, 2 * cfg.intermediate_size), (cfg.intermediate_size, h)]  # (K, N)
     threads, repeats = torch.get_num_threads(), args.repeats
-    ceilings = [fma_ceiling(threads)] if args.ceiling else []
+    ceilings = [fma_ceiling(fma_peak, threads)] if fma_peak else []
     if ceilings:
         print(f"FMA ceiling, {threads} threads: {ceilings[0]:.1f} GFLOP/s")
     print("GFLOP/s: few-row kernel / petrel GEMM / torch x W^T / torch (W x^T)^T")
@@ -116,7 +132,7 @@ def gemm(args) -> None:
             gemm_rates.append(cells[1])
             print(f"K {k:>5} N {n:>5} M {m:>5}: " + " ".join(f"{c:7.1f}" for c in cells), flush=True)
     if ceilings:
-        ceilings.append(fma_ceiling(threads))
+        ceilings.append(fma_ceiling(fma_peak, threads))
         top = max(ceilings)
         print(
             f"FMA ceiling after: {ceilings[1]:.1f} GFLOP/s; petrel GEMM {min(gemm_rates) / top:.0%}-"
