@@ -21,7 +21,8 @@ decode: --seqs sequences of W2's prompts cut to --prompt-tokens tokens (8; 0: wh
 is not counted), their time, and inside them the decoder stack (one C call for all layers), the LM head
 (compute_logits) and the sampler, per step, and what is left around them.
 attention: the prefill attention kernel alone on one layer of the default model's heads (9 query heads, 3 KV heads,
-head_dim 64, 16-token blocks in shuffled order): a chunk of N queries after P cached positions for each N@P, best of 3.
+head_dim 64, 16-token blocks in shuffled order): a chunk of N queries after P cached positions for each N@P, best of 3
+calls --repeats times, with each ISA's kernel this CPU runs (AVX2; AVX-512 too where it has it) in turn.
 decode-attention: the decode attention kernel alone on those heads, S sequences of C keys each for every SxC, over
 six layers' caches in turn (so that one call's keys and values are not in cache from the last): GB/s of keys and
 values read, and the rate torch sums the same caches at (a sequential read: the memory's rate), the best of seven
@@ -32,6 +33,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import os
 import time
 
 import numpy as np
@@ -41,7 +44,7 @@ from int8_gemm import best_ms
 from petrel import LLM, SamplingParams
 from petrel.bench.workloads import make_w2_prompts
 from petrel.engine import sampler
-from petrel.model import dense_kernels, layers
+from petrel.model import dense_kernels, layers, native
 from petrel.model.config import ModelConfig
 from petrel.model.loader import load_model_config, resolve_model
 
@@ -75,6 +78,21 @@ class Timers:
 
 def best_s(fn, repeats: int = 5) -> float:
     return best_ms(fn, repeats) / 1e3
+
+
+@contextlib.contextmanager
+def kernel_isa(isa: str):
+    """petrel's kernels of this ISA ("avx2", or "avx512" where the CPU has it) inside the block: PETREL_AVX512=0
+    keeps an AVX-512 machine on the AVX2 ones."""
+    before = os.environ.get("PETREL_AVX512")
+    os.environ["PETREL_AVX512"] = "1" if isa == "avx512" else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["PETREL_AVX512"]
+        else:
+            os.environ["PETREL_AVX512"] = before
 
 
 def fma_ceiling(exe: str, threads: int) -> float:
@@ -217,16 +235,26 @@ def decode(args) -> None:
 
 def attention(args) -> None:
     heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    isas = ["avx2", "avx512"] if native.cpu_has_avx512() else ["avx2"]
     for chunk in args.chunks.split(","):
         n, first_pos = (int(v) for v in chunk.split("@"))
         blocks = (first_pos + n + block_size - 1) // block_size
         k_cache, v_cache = (torch.randn(blocks, block_size, kv_heads, head_dim) for _ in range(2))
         table, q = torch.randperm(blocks), torch.randn(n, heads, head_dim)
-        seconds = best_s(
-            lambda: dense_kernels.prefill_attention(q, k_cache, v_cache, table, first_pos, head_dim**-0.5, None), 3
-        )
         flop = 2 * 2 * heads * head_dim * sum(first_pos + i + 1 for i in range(n))  # causal: the keys each query sees
-        print(f"{n} queries after {first_pos}: {seconds * 1000:.0f} ms, {flop / seconds / 1e9:.0f} GFLOP/s")
+        best = {}
+        for _ in range(args.repeats):  # each ISA's kernel in turn, so that both see the machine's same minutes
+            for isa in isas:
+                with kernel_isa(isa):
+                    seconds = best_s(
+                        lambda: dense_kernels.prefill_attention(
+                            q, k_cache, v_cache, table, first_pos, head_dim**-0.5, None
+                        ),
+                        3,
+                    )
+                best[isa] = min(best.get(isa, seconds), seconds)
+        rates = ", ".join(f"{isa} {s * 1000:.0f} ms {flop / s / 1e9:.0f} GFLOP/s" for isa, s in best.items())
+        print(f"{n} queries after {first_pos}: {rates}")
 
 
 def decode_attention(args) -> None:
@@ -263,7 +291,9 @@ def main() -> None:
     ap.add_argument("what", choices=["gemm", "prefill", "decode", "attention", "decode-attention"])
     ap.add_argument("--model", default=None, help="a Hugging Face directory or GGUF file (default: the default model)")
     ap.add_argument("--rows", default="16,64,256,512,1024", help="gemm: rows of x")
-    ap.add_argument("--repeats", type=int, default=5, help="gemm: each cell the best of this many calls")
+    ap.add_argument(
+        "--repeats", type=int, default=5, help="gemm: each cell the best of this many calls; attention: rounds"
+    )
     ap.add_argument("--ceiling", action="store_true", help="gemm: also the FMA ceiling (gcc, fma_peak.c)")
     ap.add_argument("--tokens", type=int, default=7936, help="prefill: the prompt's length")
     ap.add_argument("--w2-prompts", type=int, default=0, help="prefill: W2's first N prompts instead")

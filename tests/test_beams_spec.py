@@ -49,9 +49,12 @@ def llm(tiny, tokenizer_dir):
 def results(ex: Executor, request: Request) -> list:
     rid, out = ex.enqueue_request(request), []
     while not out or not out[-1].is_final:
-        [r] = [r for r in ex.await_responses(rid, timeout=60.0)] or [None]
-        assert r is not None and not r.has_error(), r and r.error_msg
-        out.append(r.result)
+        # a streamed request's steps queue up while this reader is slow: take every response waiting, in order
+        responses = ex.await_responses(rid, timeout=60.0)
+        assert responses, "no response within 60 s"
+        for r in responses:
+            assert not r.has_error(), r.error_msg
+            out.append(r.result)
     return out
 
 

@@ -44,10 +44,10 @@ def test_linear_layer_uses_the_kernel_with_bias_and_falls_back():
 needs_avx512 = pytest.mark.skipif(not native.cpu_has_avx512(), reason="no AVX-512 here")
 # every many-row kernel this CPU can run: the AVX2 one runs everywhere the kernels do (forced with PETREL_AVX512=0 on
 # AVX-512 machines, so CI tests both ISAs' kernels there and the AVX2 one on AVX2-only machines)
-GEMM_ISAS = [pytest.param("avx2", id="avx2"), pytest.param("avx512", id="avx512", marks=needs_avx512)]
+ISAS = [pytest.param("avx2", id="avx2"), pytest.param("avx512", id="avx512", marks=needs_avx512)]
 
 
-@pytest.fixture(params=GEMM_ISAS)
+@pytest.fixture(params=ISAS)
 def gemm_isa(request, monkeypatch):
     """The ISA whose GEMM dense_kernels.gemm runs in this test; a spy on the library shows which one ran."""
     if request.param == "avx2":
@@ -58,6 +58,19 @@ def gemm_isa(request, monkeypatch):
         monkeypatch.setattr(lib, name, lambda *a, kernel=kernel, name=name: ran.append(name) or kernel(*a))
     yield request.param
     assert ran and set(ran) == {"f32_gemm" if request.param == "avx512" else "f32_gemm_avx2"}, ran
+
+
+@pytest.fixture(params=ISAS)
+def prefill_isa(request, monkeypatch):
+    """The ISA whose inner step dense_kernels.prefill_attention runs in this test (its next-to-last argument, avx512,
+    chooses); a spy on the library shows which one ran."""
+    if request.param == "avx2":
+        monkeypatch.setenv("PETREL_AVX512", "0")
+    lib, ran = dense_kernels.library(), []
+    kernel = lib.paged_prefill_attention
+    monkeypatch.setattr(lib, "paged_prefill_attention", lambda *a: ran.append(a[-2]) or kernel(*a))
+    yield request.param
+    assert ran and set(ran) == {int(request.param == "avx512")}, ran
 
 
 # whole blocks of rows (6 and 14: both kernels' block heights), and tails; K in one slice (576) and in several (1000,
@@ -259,7 +272,9 @@ def _prefill_reference(q, cache, table, first_pos, scale, window):
         (300, 700, 8, 2, 64, 16, 128),  # ... windowed: key blocks wholly behind some groups' windows
     ],
 )
-def test_paged_prefill_attention_equals_masked_softmax(n, first_pos, heads, kv_heads, head_dim, block_size, window):
+def test_paged_prefill_attention_equals_masked_softmax(
+    n, first_pos, heads, kv_heads, head_dim, block_size, window, prefill_isa
+):
     q, cache, table = _prefill_case(n, first_pos, heads, kv_heads, head_dim, block_size, seed=n + head_dim)
     if n > 1:  # queries as the model hands them over: a slice of each row of a wider (q, k) tensor
         q = torch.cat([q, torch.randn(n, kv_heads, head_dim)], dim=1)[:, :heads]
@@ -270,7 +285,7 @@ def test_paged_prefill_attention_equals_masked_softmax(n, first_pos, heads, kv_h
 
 
 @pytest.mark.parametrize("scale", [3.0, 0.0])
-def test_prefill_attention_at_extreme_scores(scale):
+def test_prefill_attention_at_extreme_scores(scale, prefill_isa):
     """Scores ~25 standard deviations wide (most weights underflow to exactly 0, the kernel's 2^x at its clamp)
     and all-equal scores (every weight exactly 1), over several key blocks."""
     n, first_pos = 70, 600
@@ -281,7 +296,7 @@ def test_prefill_attention_at_extreme_scores(scale):
     torch.testing.assert_close(got, _prefill_reference(q, cache, table, first_pos, scale, None), atol=1e-4, rtol=1e-4)
 
 
-def test_prefill_attention_never_reads_behind_the_window_or_past_the_context():
+def test_prefill_attention_never_reads_behind_the_window_or_past_the_context(prefill_isa):
     n, first_pos, block_size, window = 10, 27, 4, 8
     q, cache, table = _prefill_case(n, first_pos, 4, 2, 32, block_size, seed=7)
     clean = dense_kernels.prefill_attention(q, cache[0], cache[1], table, first_pos, 0.2, window)

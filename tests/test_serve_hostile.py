@@ -262,7 +262,9 @@ def test_the_server_keeps_serving_after_hostile_inputs(server, llm):
     for _, path, body, _, _ in CASES[:20]:
         post(server.url + path, body)
     r = httpx.post(
-        f"{server.url}/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 4}, timeout=60
+        f"{server.url}/v1/completions",
+        json={"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0, "ignore_eos": True},
+        timeout=60,
     )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200

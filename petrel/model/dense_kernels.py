@@ -247,6 +247,7 @@ def prefill_attention(
         scale,
         out.data_ptr(),
         workspace.data_ptr(),
+        int(native.cpu_has_avx512()),
         threads,
     )
     return out

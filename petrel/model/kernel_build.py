@@ -7,9 +7,9 @@ installed library matches the sources (no compiler at install time, or C files e
 setup.py loads this file by its path, before petrel or torch can be imported: it imports the standard library only.
 
 The flags target x86-64 with AVX2 + FMA, never the build machine's own CPU (-march=native): the library runs on any
-AVX2 CPU, and the AVX-512 functions (gemm_avx512.c, int8_gemm.c's and group_gemm.c's AVX-512 and VNNI blocks) carry
-their own target attribute and run only where native.cpu_has_avx512 (and quant_kernels.int8_isa) say so, so one
-build serves every x86-64 machine the checkout runs on."""
+AVX2 CPU, and the AVX-512 functions (gemm_avx512.c, prefill_attention_avx512.c, int8_gemm.c's and group_gemm.c's
+AVX-512 and VNNI blocks) carry their own target attribute and run only where native.cpu_has_avx512 (and
+quant_kernels.int8_isa) say so, so one build serves every x86-64 machine the checkout runs on."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ HEADER = "kernels.h"  # the exported functions' declarations (native.py reads th
 SOURCES = (
     "dense_kernels.c",
     "prefill_attention.c",
+    "prefill_attention_avx512.c",
     "decode_attention.c",
     "quant_kernels.c",
     "int8_gemm.c",
@@ -37,6 +38,7 @@ SOURCES = (
     "thread_pool.h",
     "simd.h",
     "online_softmax.h",
+    "prefill_attention.h",
     "gemm_driver.h",
     "int16_rows.h",
 )

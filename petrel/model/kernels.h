@@ -54,7 +54,8 @@ int decode_layers(int64_t L, const float *x, float *x_out, int64_t T, int64_t H,
 int64_t prefill_attention_workspace(int64_t n, int64_t p0, int64_t window, int64_t KVH, int64_t D);
 void paged_prefill_attention(const float *q, int64_t q_stride, const float *key_cache, const float *value_cache,
                              const int64_t *table, int64_t n, int64_t p0, int64_t H, int64_t KVH, int64_t D,
-                             int64_t bs, int64_t window, float scale, float *out, float *workspace, int nthreads);
+                             int64_t bs, int64_t window, float scale, float *out, float *workspace, int avx512,
+                             int nthreads);
 
 /* gemm_avx512.c */
 int64_t f32_gemm_workspace(int64_t K, int64_t N, int nthreads);

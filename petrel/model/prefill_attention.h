@@ -1,0 +1,50 @@
+/* What prefill_attention.c (the packing and the work items) shares with each ISA's inner step (attend_keys in
+ * prefill_attention.c for AVX2, prefill_attention_avx512.c for AVX-512) */
+#pragma once
+#include <stdint.h>
+
+#define ROWS 6
+#define GROUPS 8  /* row groups per work item: each block of keys is read once for all of their rows */
+#define KEYS 256
+#define MAX_D 256
+
+typedef struct prefill_args prefill_args;
+
+/* ROWS query rows of one KV head and their running softmax (max m, denominator l, unnormalized output o) */
+typedef struct {
+    float o[ROWS][MAX_D] __attribute__((aligned(64)));
+    float qs[ROWS][MAX_D] __attribute__((aligned(64)));  /* the rows' queries times scale * log2(e) */
+    const float *q[ROWS];
+    float *out[ROWS];
+    int64_t pos[ROWS];
+    float m[ROWS], l[ROWS];
+    int nr;                                   /* rows of the chunk in the group (the rest repeat its last row) */
+} row_group;
+
+/* The group's scores against keys kb .. kb+nk-1 (nk a multiple of 16, at most KEYS; kt: their tiles [nk/16][D][16],
+ * vv: their value rows [nk][D]), masked, one online-softmax step per row, then the values into o */
+typedef void (*attend_fn)(const prefill_args *a, row_group *rg, int64_t kb, int64_t nk, const float *kt,
+                          const float *vv);
+
+struct prefill_args {
+    const float *q; int64_t q_stride; const float *key_cache, *value_cache; const int64_t *table;
+    int64_t n, p0, H, KVH, D, bs, window, lo, L;     /* keys lo .. lo+L-1 packed (L a multiple of 16) */
+    float scale; float *out, *kt, *v;                /* kt [KVH][L/16][D][16], v [KVH][L][D] */
+    int64_t tiles_per_head, next;
+    attend_fn attend;
+};
+
+/* the mask of row r against keys kb .. kb+nk-1: -inf where the key is after the row's position or behind its
+ * window (called only where some key of the block is masked for some row) */
+static inline void mask_scores(const prefill_args *a, const row_group *rg, int r, int64_t kb, int64_t nk, float *s) {
+    for (int64_t j = 0; j < nk; j++)
+        if (kb + j > rg->pos[r] || (a->window > 0 && kb + j <= rg->pos[r] - a->window)) s[j] = -(float)__builtin_inff();
+}
+
+/* whether some key of kb .. kb+nk-1 is masked for some row of the group */
+static inline int block_is_masked(const prefill_args *a, const row_group *rg, int64_t kb, int64_t nk) {
+    return kb + nk - 1 > rg->pos[0] || (a->window > 0 && kb <= rg->pos[rg->nr - 1] - a->window);
+}
+
+void attend_keys_avx512(const prefill_args *a, row_group *rg, int64_t kb, int64_t nk, const float *kt,
+                        const float *vv);

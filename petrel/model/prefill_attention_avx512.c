@@ -1,0 +1,113 @@
+/* Prefill attention's inner step with AVX-512 vectors (prefill_attention.c has the packing, the work items and the
+ * AVX2 step; prefill_attention.h what they share). Built with the other kernels (-mavx2): the functions here carry
+ * their own target, and paged_prefill_attention_avx512 is called only where native.cpu_has_avx512 says so.
+ *
+ * A key tile ([D][16]: sixteen keys' values of one dimension in a cache line) is one vector, so a step of scores
+ * keeps ROWS x 4 vectors (64 keys) in registers: per dimension four loads and ROWS broadcasts feed 4 * ROWS fused
+ * multiply-adds (the AVX2 step: two loads and ROWS broadcasts for 2 * ROWS, of half the width). The values run the
+ * same way, 64 output dimensions of ROWS rows per pass over the weights. The softmax is prefill_attention.c's, base
+ * 2 and masked keys weighing exactly 0, sixteen wide. */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "prefill_attention.h"
+
+#define TARGET __attribute__((target("avx512f")))
+#define INLINE TARGET __attribute__((always_inline)) static inline
+
+/* 2^x for x <= 0 (simd.h's exp2_nonpositive, sixteen wide): x <= -127 (and -inf) gives exactly 0 */
+INLINE __m512 exp2_nonpositive16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-127.f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), r = _mm512_sub_ps(x, n);
+    __m512 y = _mm512_set1_ps(1.5353361959569156e-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3398875016719103e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(9.61843691766262e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.5503323674201965e-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(2.4022647738456726e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(6.931471824645996e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+/* online_softmax.h's step, sixteen wide: n scores p (a multiple of 16) become their weights, *m and *l move on,
+ * and the running output acc [D] is rescaled to the new max */
+INLINE void online_softmax_step16(float *p, int64_t n, float *m, float *l, float *acc, int64_t D) {
+    __m512 vmax = _mm512_loadu_ps(p);
+    for (int64_t j = 16; j < n; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(p + j));
+    const float block_max = _mm512_reduce_max_ps(vmax), mx = block_max > *m ? block_max : *m;
+    if (mx == -INFINITY) {                           /* nothing visible yet: no weight */
+        memset(p, 0, sizeof(float) * n);
+        return;
+    }
+    const float corr = exp2f(*m - mx);               /* 0 on the first scores (m = -inf) */
+    const __m512 vmx = _mm512_set1_ps(mx);
+    __m512 vsum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {
+        const __m512 e = exp2_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(p + j), vmx));
+        _mm512_storeu_ps(p + j, e);
+        vsum = _mm512_add_ps(vsum, e);
+    }
+    *l = *l * corr + _mm512_reduce_add_ps(vsum);
+    *m = mx;
+    if (corr != 1.f) {
+        const __m512 c = _mm512_set1_ps(corr);
+        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(acc + d, _mm512_mul_ps(c, _mm512_loadu_ps(acc + d)));
+    }
+}
+
+/* s[r][c .. c+16*NV) = the ROWS queries' scores against NV tiles of keys (tiles: NV x [D][16], one after another) */
+INLINE void score_tiles(const row_group *rg, const float *tiles, int64_t D, float s[ROWS][KEYS], int64_t c,
+                        const int NV) {
+    __m512 acc[ROWS][4];
+    for (int r = 0; r < ROWS; r++)
+        for (int v = 0; v < NV; v++) acc[r][v] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d++) {
+        __m512 k[4];
+        for (int v = 0; v < NV; v++) k[v] = _mm512_loadu_ps(tiles + v * 16 * D + d * 16);
+        for (int r = 0; r < ROWS; r++) {
+            const __m512 q = _mm512_set1_ps(rg->qs[r][d]);
+            for (int v = 0; v < NV; v++) acc[r][v] = _mm512_fmadd_ps(q, k[v], acc[r][v]);
+        }
+    }
+    for (int r = 0; r < ROWS; r++)
+        for (int v = 0; v < NV; v++) _mm512_storeu_ps(s[r] + c + 16 * v, acc[r][v]);
+}
+
+/* o[r][d .. d+16*NV) += the weights s[r][0 .. nk) times the value rows' same dimensions, for the ROWS rows */
+INLINE void add_weighted_values(row_group *rg, const float s[ROWS][KEYS], const float *vv, int64_t nk, int64_t D,
+                                int64_t d, const int NV) {
+    __m512 acc[ROWS][4];
+    for (int r = 0; r < ROWS; r++)
+        for (int v = 0; v < NV; v++) acc[r][v] = _mm512_loadu_ps(rg->o[r] + d + 16 * v);
+    for (int64_t j = 0; j < nk; j++) {
+        __m512 x[4];
+        for (int v = 0; v < NV; v++) x[v] = _mm512_loadu_ps(vv + j * D + d + 16 * v);
+        for (int r = 0; r < ROWS; r++) {
+            const __m512 w = _mm512_set1_ps(s[r][j]);
+            for (int v = 0; v < NV; v++) acc[r][v] = _mm512_fmadd_ps(w, x[v], acc[r][v]);
+        }
+    }
+    for (int r = 0; r < ROWS; r++)
+        for (int v = 0; v < NV; v++) _mm512_storeu_ps(rg->o[r] + d + 16 * v, acc[r][v]);
+}
+
+/* attend_fn (prefill_attention.h): 64 keys, then 64 dimensions, of ROWS rows at a time (16 for the tails) */
+TARGET void attend_keys_avx512(const prefill_args *a, row_group *rg, int64_t kb, int64_t nk, const float *kt,
+                               const float *vv) {
+    const int64_t D = a->D;
+    float s[ROWS][KEYS] __attribute__((aligned(64)));
+    int64_t c = 0;
+    for (; c + 64 <= nk; c += 64) score_tiles(rg, kt + c * D, D, s, c, 4);
+    for (; c < nk; c += 16) score_tiles(rg, kt + c * D, D, s, c, 1);
+    const int masked = block_is_masked(a, rg, kb, nk);
+    for (int r = 0; r < ROWS; r++) {
+        if (masked) mask_scores(a, rg, r, kb, nk, s[r]);
+        online_softmax_step16(s[r], nk, &rg->m[r], &rg->l[r], rg->o[r], D);
+    }
+    int64_t d = 0;
+    for (; d + 64 <= D; d += 64) add_weighted_values(rg, s, vv, nk, D, d, 4);
+    for (; d < D; d += 16) add_weighted_values(rg, s, vv, nk, D, d, 1);
+}
