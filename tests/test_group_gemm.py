@@ -47,6 +47,16 @@ def group_weight(kind: str, n: int, k: int, seed: int) -> QuantizedWeight:
 
 
 KINDS = ["q4_0", "q4_1", "q8_0", "q5_1", "q6_k", "q6_k_mins"]
+# each kind with the activations its codes may take: 4-bit codes 8-bit ones a group (the default) or 16-bit ones a
+# row (PETREL_Q4_ACTIVATIONS=16), 8-bit codes 16-bit ones only
+KIND_ACTIVATIONS = [
+    pytest.param(kind, bits, id=f"{kind}-a{bits}") for kind in KINDS for bits in ((8, 16) if kind[1] == "4" else (16,))
+]
+
+
+def use_activations(monkeypatch, bits: int) -> None:
+    monkeypatch.setenv("PETREL_Q4_ACTIVATIONS", str(bits))
+    assert quant_kernels.q4_activation_bits() == bits
 
 
 def codes_of(weight: QuantizedWeight) -> torch.Tensor:
@@ -68,28 +78,38 @@ def weight64(weight: QuantizedWeight, magnitude: bool = False) -> torch.Tensor:
     return w.view(n, k)
 
 
-def rounded_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x's rows as group_gemm.c rounds them, float64: codes round(x * (32767 / max|x|)) in float32 (half to even)
-    and scales max|x| / 32767 (groups keep the int32 sums small, so no K-dependent levels as int8_gemm's)."""
-    top = x.abs().amax(dim=1, keepdim=True)
-    most = torch.full_like(top, 32767)  # tensor / tensor: IEEE division, as the kernel's
+def rounded_rows(x: torch.Tensor, weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as the kernel rounds it for this weight, float64: codes round(x * (Q / max|x|)) in float32 (half to even)
+    and, for every element, its scale max|x| / Q: Q = 32767 and the max over the row (group_gemm.c; groups keep the
+    int32 sums small, so no K-dependent levels as int8_gemm's), or for 4-bit codes with 8-bit activations
+    (q4_activation_bits) Q = 127 and the max over the element's group of 32 (group_gemm_q8.c)."""
+    m, k = x.shape
+    eight = weight.bits == 4 and quant_kernels.q4_activation_bits() == 8
+    spans = x.view(m, k // 32, 32) if eight else x.view(m, 1, k)
+    top = spans.abs().amax(dim=-1, keepdim=True)
+    most = torch.full_like(top, 127 if eight else 32767)  # tensor / tensor: IEEE division, as the kernel's
     inverse = torch.where(top > 0, most / top, torch.zeros_like(top))
-    return torch.round(x * inverse).double(), (top / most).double()
+    q = torch.round(spans * inverse).view(m, k).double()
+    return q, (top / most).double().expand(spans.shape).reshape(m, k)
 
 
 def assert_float_rounding_only(got: torch.Tensor, x: torch.Tensor, weight: QuantizedWeight) -> None:
-    """got = dx sum_g (s P + z S) with P, S exact integer sums: against the float64 product of the rounded x and the
-    weight, what is left is float32 rounding: each group's two terms (P's conversion and the two multiply-adds),
-    their sum over G groups, the final multiply by dx: at most (2G + 4) u times the sum of the terms' magnitudes."""
-    q, dx = rounded_rows(x)
+    """got = sum_g (dx s P + z dx S) with P, S exact integer sums (dx one a row, or one a group of 32 for 8-bit
+    activations): against the float64 product of the rounded x and the weight, what is left is float32 rounding:
+    each group's two terms (P's conversion and the two multiply-adds; with 8-bit activations s dx and dx S rounded
+    too), their sum over G groups, the final multiply by dx: at most (2G + 4) u, or (2G + 6) u, times the sum of
+    the terms' magnitudes."""
+    q, dx = rounded_rows(x, weight)
     n, k = weight.shape
     size, groups = weight.group_size, k // weight.group_size
-    expected = dx * (q @ weight64(weight).t())
+    expected = (q * dx) @ weight64(weight).t()
+    group_dx = dx.view(-1, groups, size)[:, :, 0]  # [M, G]: a row's or a group's scale
     products = torch.einsum("mgi,ngi->mng", q.view(-1, groups, size), codes_of(weight).view(n, groups, size))
-    magnitude = (products * weight.scale.double()).abs().sum(-1)
+    magnitude = (products * weight.scale.double() * group_dx.unsqueeze(1)).abs().sum(-1)
     if weight.mins is not None:
-        magnitude += q.view(-1, groups, size).sum(-1).abs() @ weight.mins.double().abs().t()
-    bound = (2 * groups + 4) * U * dx * magnitude
+        magnitude += (q.view(-1, groups, size).sum(-1) * group_dx).abs() @ weight.mins.double().abs().t()
+    eight = weight.bits == 4 and quant_kernels.q4_activation_bits() == 8
+    bound = (2 * groups + (6 if eight else 4)) * U * magnitude
     error = (got.double() - expected).abs()
     assert (error <= bound).all(), f"worst excess {(error - bound).max().item():.3e}"
 
@@ -98,10 +118,11 @@ def run(lib, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
     return quant_kernels.group_gemm(lib, weight.bits, x, weight.codes, weight.scale, weight.mins, weight.group_shift)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind, activations", KIND_ACTIVATIONS)
 @pytest.mark.parametrize("m, k, n", [(1, 32, 1), (7, 64, 17), (45, 576, 50), (13, 1536, 33), (20, 2048, 97)])
-def test_group_gemm_equals_the_integer_product(lib, isa, kind, m, k, n):
+def test_group_gemm_equals_the_integer_product(lib, isa, kind, activations, m, k, n, monkeypatch):
     """Ragged rows and columns (not multiples of any block's 3, 6, 16 or 32), one group to 128 of them."""
+    use_activations(monkeypatch, activations)
     g = torch.Generator().manual_seed(m * k + n)
     weight = group_weight(kind, n, k, seed=n)
     x = torch.randn(m, k, generator=g)
@@ -109,10 +130,13 @@ def test_group_gemm_equals_the_integer_product(lib, isa, kind, m, k, n):
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
-def test_group_gemm_reads_every_gguf_format(lib, isa, kind):
-    """Blocks of every GGUF type kept quantized, read by gguf_quants (K a multiple of the K-quants' 256)."""
+@pytest.mark.parametrize("activations", [8, 16], ids=["a8", "a16"])
+def test_group_gemm_reads_every_gguf_format(lib, isa, kind, activations, monkeypatch):
+    """Blocks of every GGUF type kept quantized, read by gguf_quants (K a multiple of the K-quants' 256); 4-bit
+    formats with 8-bit and 16-bit activations (the switch leaves 8-bit codes on 16-bit ones)."""
     from test_quantization import random_blocks
 
+    use_activations(monkeypatch, activations)
     n, k = 40, 768
     weight = QuantizedWeight.from_gguf(kind, random_blocks(kind, n, k, seed=3), n, k)
     x = torch.randn(29, k, generator=torch.Generator().manual_seed(4))
@@ -120,11 +144,12 @@ def test_group_gemm_reads_every_gguf_format(lib, isa, kind):
     assert_float_rounding_only(run(lib, weight, x), x, weight)
 
 
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q6_k_mins"])
-def test_group_gemm_extremes(lib, isa, kind):
+@pytest.mark.parametrize("kind, activations", [("q4_1", 8), ("q4_1", 16), ("q8_0", 16), ("q6_k_mins", 16)])
+def test_group_gemm_extremes(lib, isa, kind, activations, monkeypatch):
     """The largest codes (4-bit 15; 8-bit -128 and 127) times rows of one value: each group's sum reaches 32767 x
     128 x 32 = 134,213,632 (2^27) in every group of K = 4096; an outlier 10^4 times the rest; an all-zero row of
     x and an all-zero row of codes; a weight row of 0 scale but non-zero mins."""
+    use_activations(monkeypatch, activations)
     m, k, n = 9, 4096, 37
     weight = group_weight(kind, n, k, seed=5)
     codes = weight.codes
@@ -143,16 +168,20 @@ def test_group_gemm_extremes(lib, isa, kind):
     got = run(lib, weight, x)
     assert_float_rounding_only(got, x, weight)
     assert (got[1] == 0).all() and torch.equal(got[2], -got[4])
-    q, _ = rounded_rows(x)
-    largest = (15 if weight.bits == 4 else 128) * 32767 * weight.group_size  # row 0's codes: 15 or -128 throughout
-    assert q[2, 0] == 32767 and (codes_of(weight)[0] * q[2]).view(-1, weight.group_size).sum(-1).abs().max() == largest
+    q, _ = rounded_rows(x, weight)
+    most = 127 if activations == 8 else 32767
+    largest = (15 if weight.bits == 4 else 128) * most * weight.group_size  # row 0's codes: 15 or -128 throughout
+    assert q[2, 0] == most and (codes_of(weight)[0] * q[2]).view(-1, weight.group_size).sum(-1).abs().max() == largest
 
 
-def test_rounding_rows_costs_at_most_half_a_step_per_activation(lib, isa):
-    """Against the weight's own product with the unrounded x: |y - x W^T| <= (max|x| / 2 32767) sum_k |W[n, k]|,
-    plus float rounding, outliers or not (the mins multiply the rounded x's group sums: the error is that of a
-    product with W itself). Float rounding: x's rounding in float32 (dx q - x within dx / 2 + 3u |x|) and the
-    kernel's sums (see assert_float_rounding_only), bounded by (2G + 8) u (|x| + dx) (|s c| + |z|)."""
+@pytest.mark.parametrize("activations", [8, 16], ids=["a8", "a16"])
+def test_rounding_rows_costs_at_most_half_a_step_per_activation(lib, isa, activations, monkeypatch):
+    """Against the weight's own product with the unrounded x: |y - x W^T| <= sum_k dx_k / 2 |W[n, k]| (dx_k: the
+    scale of x's element k, max|x| / 32767 over its row or max|x| / 127 over its group of 32), plus float rounding,
+    outliers or not (the mins multiply the rounded x's group sums: the error is that of a product with W itself).
+    Float rounding: x's rounding in float32 (dx q - x within dx / 2 + 3u |x|) and the kernel's sums (see
+    assert_float_rounding_only), bounded by (2G + 8) u (|x| + dx) (|s c| + |z|), (2G + 10) u for 8-bit ones."""
+    use_activations(monkeypatch, activations)
     g = torch.Generator().manual_seed(1)
     for kind in KINDS:
         weight = group_weight(kind, 96, 1536, seed=2)
@@ -160,10 +189,11 @@ def test_rounding_rows_costs_at_most_half_a_step_per_activation(lib, isa):
         x[::3, 7] *= 300
         w = weight64(weight)
         got = run(lib, weight, x).double()
-        _, dx = rounded_rows(x)
+        _, dx = rounded_rows(x, weight)
         groups = 1536 // weight.group_size
         exact_terms = (x.double().abs() + dx) @ weight64(weight, magnitude=True).t()
-        bound = dx / 2 * w.abs().sum(dim=1) + (2 * groups + 8) * U * exact_terms
+        eight = weight.bits == 4 and activations == 8
+        bound = dx / 2 @ w.abs().t() + (2 * groups + (10 if eight else 8)) * U * exact_terms
         assert ((got - x.double() @ w.t()).abs() <= bound).all(), kind
 
 
@@ -238,13 +268,16 @@ def _builder():
 def test_q4_0_gguf_model_in_integers_matches_its_float_products(tmp_path, monkeypatch):
     """A tiny random Llama written as a Q4_0 GGUF (gguf's quantizer), run with quantization='gguf' on
     INT8_MIN_ROWS + 1 prompts (prefill through QuantizedLinear, decode steps through decode_layers, the tied head
-    on every sequence): greedy tokens equal those of PETREL_INT8_COMPUTE=0, and log-probabilities of every prompt
-    and generated position, over the whole vocabulary, within 1e-3 of the largest |logprob| (each activation moves
-    by up to 2^-16 of its row's largest; weights of std 0.5 make logprobs down to -56 here: measured 0.054), the
-    top token's within 0.02 (measured 0.0085)."""
+    on every sequence), 16-bit activations: greedy tokens equal those of PETREL_INT8_COMPUTE=0, and
+    log-probabilities of every prompt and generated position, over the whole vocabulary, within 1e-3 of the largest
+    |logprob| (each activation moves by up to 2^-16 of its row's largest; weights of std 0.5 make logprobs down to
+    -56 here: measured 0.054), the top token's within 0.02 (measured 0.0085). This model's large weights magnify a
+    change of the hidden state many times (8-bit activations move its logprobs by up to 11): the default 8-bit
+    activations are measured on the default model instead (test_quantization.py)."""
     pytest.importorskip("gguf")
     if quant_kernels.library() is None:
         pytest.skip("the kernels cannot run here")
+    use_activations(monkeypatch, 16)
     shape = ["--layers", "2", "--hidden", "128", "--heads", "4", "--kv-heads", "2", "--intermediate", "256"]
     args = ["--out", str(tmp_path), *shape, "--context", "4096", "--std", "0.5", "--gguf-type", "q4_0", "--no-bf16"]
     assert _builder().main(args) == 0

@@ -27,7 +27,7 @@ class Weight(ctypes.Structure):
     """A projection's weight as decode_layer reads it (kernels.h's `weight`, field for field): float32 rows (bits
     32), or a QuantizedWeight's codes, scales and mins (bits 4 or 8, groups of 2**gshift), products by
     quant_kernels.c, and from integer_rows rows (0: never; see QuantizedWeight.integer_rows) in integers by
-    int8_gemm.c (one scale a row) or group_gemm.c (groups) with the kernel integer_isa (quant_kernels.int8_isa)."""
+    int8_gemm.c (one scale a row) or group_gemm.c (groups) with the kernel integer_isa (quant_kernels.integer_isa)."""
 
     _fields_ = [
         ("data", _P),
@@ -54,7 +54,7 @@ def describe(weight: torch.Tensor | QuantizedWeight) -> Weight | None:
             weight.bits,
             weight.group_shift,
             weight.integer_rows,
-            quant_kernels.int8_isa(),
+            quant_kernels.integer_isa(weight.bits),
         )
     if not (_is_cpu_f32(weight) and weight.is_contiguous()):
         return None

@@ -33,6 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "group_gemm_q8.h"
 #include "int16_rows.h"
 #include "kernels.h"
 #include "thread_pool.h"
@@ -43,7 +44,7 @@
 static void pack_panel_q4(const uint8_t *codes, int64_t K, int64_t n, int nr, int width, int16_t *wp) {
     const int64_t B = K / 2;   /* bytes a row */
     const __m128i mask = _mm_set1_epi8(0x0F);
-    memset(wp, 0, sizeof(int16_t) * K * width);
+    if (nr < width) memset(wp, 0, sizeof(int16_t) * K * width);   /* a whole panel's every value is written below */
     int j0 = 0;
     for (; j0 + 8 <= nr; j0 += 8)
         for (int64_t k = 0; k < K; k += 32) {
@@ -239,10 +240,15 @@ static void product_part(void *args, int t, int T) {
 
 /* y[M][N] = x[M][K] @ W^T for W = scale * codes + mins in groups along K (quant_kernels.c's layouts: bits 4, groups
  * of 32, or bits 8, groups of 2^gshift, 1 <= gshift <= 9; mins may be NULL), x's rows rounded to 16-bit integers
- * first (see above), with the kernel of isa (an int8_isa the CPU has); K a multiple of 32. 0, or
+ * first (see above), with the kernel of isa (an int8_isa the CPU has; with INT8_ACTIVATIONS, 4-bit codes go to
+ * group_gemm_q8.c); K a multiple of 32. 0, or
  * KERNEL_OUT_OF_MEMORY (y then not written) */
 int group_gemm(int bits, const float *x, int64_t M, int64_t K, const void *codes, const float *scale,
                const float *mins, int gshift, float *y, int64_t N, int nthreads, int isa) {
+    if (isa & INT8_ACTIVATIONS) {
+        if (bits == 4) return group_gemm_q8(x, M, K, codes, scale, mins, y, N, nthreads, isa & ~INT8_ACTIVATIONS);
+        isa &= ~INT8_ACTIVATIONS;
+    }
     const group_kernel *g = &KERNELS[isa];
     const int T = nthreads < 1 ? 1 : nthreads;
     if (bits == 4) gshift = 5;

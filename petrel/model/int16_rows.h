@@ -55,7 +55,7 @@ static void round_rows(void *args, int t, int T) {
  * time: each row's 16 codes widened are eight int32 pairs, and a transpose makes them eight pairs of each row. */
 static void pack_panel(const int8_t *codes, int64_t K, int64_t n, int nr, int width, int16_t *wp) {
     const int64_t P = (K + 1) / 2;
-    memset(wp, 0, sizeof(int16_t) * P * width * 2);
+    if (nr < width || K % 2) memset(wp, 0, sizeof(int16_t) * P * width * 2);   /* else every value is written */
     int j0 = 0;
     for (; j0 + 8 <= nr; j0 += 8) {
         int64_t k = 0;

@@ -30,6 +30,7 @@ SOURCES = (
     "quant_kernels.c",
     "int8_gemm.c",
     "group_gemm.c",
+    "group_gemm_q8.c",
     "gemm_avx2.c",
     "gemm_avx512.c",
     "thread_pool.c",
@@ -39,6 +40,7 @@ SOURCES = (
     "simd.h",
     "online_softmax.h",
     "prefill_attention.h",
+    "group_gemm_q8.h",
     "gemm_driver.h",
     "int16_rows.h",
 )

@@ -82,7 +82,9 @@ void quant_dequant(int bits, int64_t K, const void *codes, const float *scale, c
 int int8_gemm(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scale, float *y, int64_t N,
               int nthreads, int isa);
 
-/* group_gemm.c; isa as int8_gemm's */
+/* group_gemm.c; isa as int8_gemm's, or'ed with INT8_ACTIVATIONS for 4-bit codes times activations rounded to 8 bits
+ * a group (group_gemm_q8.c) instead of 16 a row */
+#define INT8_ACTIVATIONS 4
 int group_gemm(int bits, const float *x, int64_t M, int64_t K, const void *codes, const float *scale,
                const float *mins, int gshift, float *y, int64_t N, int nthreads, int isa);
 

@@ -1,6 +1,7 @@
 """The AVX2 low-bit kernels of quant_kernels.c (weight-only: float activations), and for many rows int8_gemm.c (int8
 row-scaled weights) and group_gemm.c (GGUF's group-quantized weights) times activations rounded to 16-bit integers
-(AVX2, AVX-512 or AVX-512 VNNI, see int8_isa), built and loaded by petrel.model.native.
+(4-bit GGUF codes: 8-bit ones a group of 32, group_gemm_q8.c; see q4_activation_bits) (AVX2, AVX-512 or AVX-512
+VNNI, see int8_isa), built and loaded by petrel.model.native.
 
 library() is None where the kernels cannot run (see native.load; switch: PETREL_QUANT_KERNELS=0): QuantizedLinear
 then dequantizes with torch instead (same results, slower). PETREL_INT8_COMPUTE=0 keeps int8 weights on the float
@@ -128,6 +129,22 @@ def int8_isa() -> int:
     return INT8_AVX512
 
 
+INT8_ACTIVATIONS = 4  # or'ed into group_gemm's isa: 4-bit codes times 8-bit activations (kernels.h)
+
+
+def q4_activation_bits() -> int:
+    """The bits 4-bit GGUF weights' integer products round activations to: 8, one scale a group of 32
+    (group_gemm_q8.c, as llama.cpp's Q8 blocks: half the integer work), or 16 with one scale a row
+    (group_gemm.c, PETREL_Q4_ACTIVATIONS=16)."""
+    return 16 if os.environ.get("PETREL_Q4_ACTIVATIONS", "8") == "16" else 8
+
+
+def integer_isa(bits: int) -> int:
+    """group_gemm's isa argument for codes of this many bits: int8_isa, with INT8_ACTIVATIONS for 4-bit codes
+    unless q4_activation_bits says 16."""
+    return int8_isa() | (INT8_ACTIVATIONS if bits == 4 and q4_activation_bits() == 8 else 0)
+
+
 def int8_gemm(lib, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [M, K] float32 contiguous @ (scale * codes)^T -> [M, N] float32, codes int8 [N, K] with one scale a row:
     x's rows rounded to 16-bit integers, the products exact int32 sums (int8_gemm.c, int8_isa's kernel)."""
@@ -143,8 +160,8 @@ def group_gemm(
     lib, bits: int, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None, gshift: int
 ) -> torch.Tensor:
     """x [M, K] float32 contiguous @ W^T -> [M, N] float32 for a group-quantized W (bits 4, or bits 8 in groups of
-    2**gshift; see quant_kernels.c): x's rows rounded to 16-bit integers, each group's products exact int32 sums
-    (group_gemm.c, int8_isa's kernel)."""
+    2**gshift; see quant_kernels.c): x rounded to integers (4-bit codes: see q4_activation_bits; else 16 bits with
+    one scale a row), each group's products exact int32 sums (group_gemm.c, integer_isa's kernel)."""
     (m, k), n = x.shape, codes.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
     if lib.group_gemm(
@@ -159,7 +176,7 @@ def group_gemm(
         y.data_ptr(),
         n,
         torch.get_num_threads(),
-        int8_isa(),
+        integer_isa(bits),
     ):
         raise native.out_of_memory("group_gemm")
     return y
