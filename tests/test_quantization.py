@@ -218,6 +218,14 @@ PROMPTS = [
 ]
 
 
+def dequantized_logits(llm, out) -> torch.Tensor:
+    """The logits the dequantized engine `llm` gives at each of out's generated positions, fed the same tokens (one
+    prefill of the whole text)."""
+    prompt, tokens = list(out.prompt_token_ids), list(out.outputs[0].token_ids)
+    params = SamplingParams(max_tokens=1, return_context_logits=True)
+    return llm.generate([prompt + tokens[:-1]], params, use_tqdm=False)[0].context_logits[len(prompt) - 1 :]
+
+
 @pytest.mark.e2e
 def test_default_model_gguf_blocks_agree_with_dequantized(llm, monkeypatch):
     """The default model (Q4_1 projections, Q8_0 embedding and tied head) with its blocks kept: at every step of 8
@@ -236,11 +244,7 @@ def test_default_model_gguf_blocks_agree_with_dequantized(llm, monkeypatch):
         quantized.shutdown()
     agree, worst = 0, 0.0
     for out in outs:
-        prompt, tokens = list(out.prompt_token_ids), list(out.outputs[0].token_ids)
-        exact = llm.generate(
-            [prompt + tokens[:-1]], SamplingParams(max_tokens=1, return_context_logits=True), use_tqdm=False
-        )[0].context_logits[len(prompt) - 1 :]
-        native = out.outputs[0].generation_logits
+        exact, native = dequantized_logits(llm, out), out.outputs[0].generation_logits
         assert native.shape == exact.shape == (64, model.config.vocab_size)
         agree += int((native.argmax(-1) == exact.argmax(-1)).sum())
         worst = max(
@@ -296,11 +300,7 @@ def test_default_model_gguf_integer_products_agree_with_dequantized(llm, activat
     assert calls and min(calls) >= 13  # the prompts' products (Python); the decodes' call group_gemm from C
     agree, changes = 0, []
     for out in outs:
-        prompt, tokens = list(out.prompt_token_ids), list(out.outputs[0].token_ids)
-        exact = llm.generate(
-            [prompt + tokens[:-1]], SamplingParams(max_tokens=1, return_context_logits=True), use_tqdm=False
-        )[0].context_logits[len(prompt) - 1 :]
-        native = out.outputs[0].generation_logits
+        exact, native = dequantized_logits(llm, out), out.outputs[0].generation_logits
         agree += int((native.argmax(-1) == exact.argmax(-1)).sum())
         best = exact.argmax(-1, keepdim=True)
         changes.append((native.log_softmax(-1) - exact.log_softmax(-1)).gather(1, best).abs().squeeze(1))

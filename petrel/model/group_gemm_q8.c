@@ -148,55 +148,18 @@ static inline int32_t quad_at(const int8_t *p) {
         for (int i = 0; i < mr; i++) memcpy(y + i * ldy, tile[i], sizeof(float) * nr); \
     }
 
-#define VW 8
-#define VI __m256i
-#define VF __m256
-#define VLOADI(p) _mm256_loadu_si256((const __m256i *)(p))
-#define VSET1I(v) _mm256_set1_epi32(v)
-#define VZEROI() _mm256_setzero_si256()
+#define VECTOR_BITS 256
+#include "vector_ops.h"
 #define VDOT(c, w, x) _mm256_add_epi16(c, _mm256_maddubs_epi16(w, x))
 #define VSUM(c) _mm256_madd_epi16(c, _mm256_set1_epi16(1))
-#define VKEEP(v) "+x"(v)
-#define VZEROF() _mm256_setzero_ps()
-#define VCVT(v) _mm256_cvtepi32_ps(v)
-#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
-#define VLOADF(p) _mm256_loadu_ps(p)
-#define VSTOREF(p, v) _mm256_storeu_ps(p, v)
-#define VSET1F(v) _mm256_set1_ps(v)
-#define VMUL(a, b) _mm256_mul_ps(a, b)
 Q8_BLOCK(block_3x16, "avx2,fma", ROWS3, 3)
-#undef VW
-#undef VI
-#undef VF
-#undef VLOADI
-#undef VSET1I
-#undef VZEROI
 #undef VDOT
 #undef VSUM
-#undef VKEEP
-#undef VZEROF
-#undef VCVT
-#undef VFMA
-#undef VLOADF
-#undef VSTOREF
-#undef VSET1F
-#undef VMUL
 
+#undef VECTOR_BITS
+#define VECTOR_BITS 512
+#include "vector_ops.h"
 #define AVX512 "avx512f,avx512bw"
-#define VW 16
-#define VI __m512i
-#define VF __m512
-#define VLOADI(p) _mm512_loadu_si512(p)
-#define VSET1I(v) _mm512_set1_epi32(v)
-#define VZEROI() _mm512_setzero_si512()
-#define VKEEP(v) "+v"(v)
-#define VZEROF() _mm512_setzero_ps()
-#define VCVT(v) _mm512_cvtepi32_ps(v)
-#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
-#define VLOADF(p) _mm512_loadu_ps(p)
-#define VSTOREF(p, v) _mm512_storeu_ps(p, v)
-#define VSET1F(v) _mm512_set1_ps(v)
-#define VMUL(a, b) _mm512_mul_ps(a, b)
 #define VDOT(c, w, x) _mm512_add_epi16(c, _mm512_maddubs_epi16(w, x))
 #define VSUM(c) _mm512_madd_epi16(c, _mm512_set1_epi16(1))
 Q8_BLOCK(block_avx512, AVX512, ROWS6, 6)

@@ -41,6 +41,7 @@ SOURCES = (
     "online_softmax.h",
     "prefill_attention.h",
     "group_gemm_q8.h",
+    "vector_ops.h",
     "gemm_driver.h",
     "int16_rows.h",
 )
