@@ -5,7 +5,7 @@
                                               [--ceiling]
     python benchmarks/where_time_goes.py prefill [--model ...] [--tokens 7936 | --w2-prompts 16]
     python benchmarks/where_time_goes.py decode [--model ...] [--seqs 16] [--steps 32] [--prompt-tokens 8]
-    python benchmarks/where_time_goes.py attention [--chunks 2048@0,2048@5888]
+    python benchmarks/where_time_goes.py attention [--chunks 2048@0,2048@5888] [--repeats 5]
     python benchmarks/where_time_goes.py decode-attention [--contexts 4x7936,16x2000,64x400,1x7936]
 
 gemm: each distinct projection shape of the model (fused q/k/v, o, fused gate/up, down) at each row count, GFLOP/s
