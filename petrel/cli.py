@@ -71,7 +71,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quantization",
         default=None,
-        choices=["none", "int8", "gguf"],
+        choices=["none", "int8", "gguf", "bf16"],
         help="weights kept quantized: int8 per row (any model) or the GGUF's own blocks (default: none)",
     )
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")

@@ -141,9 +141,9 @@ class EngineConfig:
     # the KV block store instances share (issue 26): a Redis / Valkey server's redis://, rediss:// or unix:// URL
     # (None: none); repr=False: the URL may hold a password
     kv_store_url: str | None = field(default=None, repr=False)
-    quantization: str | None = (
-        None  # None/'none': weights dequantized to dtype; 'int8': int8 per row; 'gguf': GGUF blocks kept
-    )
+    # None/'none': weights dequantized to dtype; 'int8': int8 per row; 'gguf': GGUF blocks kept; 'bf16': bfloat16
+    # weights, float32 arithmetic (what dtype 'bfloat16' becomes on the CPU)
+    quantization: str | None = None
     tensor_parallel_size: int = 1  # ranks the model is split over (kv_cache_memory is per rank)
     distributed_executor_backend: str = "mp"  # with tensor_parallel_size > 1: 'mp' (local processes) or 'ray'
     # vision-language models (petrel/multimodal): images / videos per prompt by kind (vLLM's limit_mm_per_prompt;
@@ -237,6 +237,11 @@ class EngineConfig:
                 f"quantization {self.quantization!r} is not supported with tensor_parallel_size={size} "
                 "(quantized weights are not split over ranks)"
             )
+        if self.device == "cpu" and self.dtype == "bfloat16" and self.quantization in (None, "none") and size == 1:
+            # bfloat16 weights (half the memory, half the bytes a decode step reads) with float32 activations and
+            # KV cache: petrel's kernels widen each weight exactly; torch's own bfloat16 CPU arithmetic ran W1 at
+            # 0.45x float32's speed (BENCHMARKS.md, 2026-12-03)
+            self.dtype, self.quantization = "float32", "bf16"
 
     def _check_kv_tiers(self) -> None:
         """Sizes, the disk path and the store's URL well formed; any tier or store needs the prefix cache, one rank."""

@@ -47,17 +47,29 @@ needs_avx512 = pytest.mark.skipif(not native.cpu_has_avx512(), reason="no AVX-51
 ISAS = [pytest.param("avx2", id="avx2"), pytest.param("avx512", id="avx512", marks=needs_avx512)]
 
 
-@pytest.fixture(params=ISAS)
-def gemm_isa(request, monkeypatch):
-    """The ISA whose GEMM dense_kernels.gemm runs in this test; a spy on the library shows which one ran."""
+def _run_isa(request, monkeypatch, kernels: dict[str, str]):
+    """Force request.param's ISA (kernels: ISA -> the library function that ISA runs), yield it, then check with a
+    spy on the library that its kernel, and only it, ran."""
     if request.param == "avx2":
         monkeypatch.setenv("PETREL_AVX512", "0")
     lib, ran = dense_kernels.library(), []
-    for name in ("f32_gemm", "f32_gemm_avx2"):
+    for name in kernels.values():
         kernel = getattr(lib, name)
         monkeypatch.setattr(lib, name, lambda *a, kernel=kernel, name=name: ran.append(name) or kernel(*a))
     yield request.param
-    assert ran and set(ran) == {"f32_gemm" if request.param == "avx512" else "f32_gemm_avx2"}, ran
+    assert ran and set(ran) == {kernels[request.param]}, ran
+
+
+@pytest.fixture(params=ISAS)
+def gemm_isa(request, monkeypatch):
+    """The ISA whose GEMM dense_kernels.gemm runs in this test."""
+    yield from _run_isa(request, monkeypatch, {"avx512": "f32_gemm", "avx2": "f32_gemm_avx2"})
+
+
+@pytest.fixture(params=ISAS)
+def bf16_gemm_isa(request, monkeypatch):
+    """The ISA whose GEMM dense_kernels.bf16_product runs for many rows in this test."""
+    yield from _run_isa(request, monkeypatch, {"avx512": "bf16_gemm", "avx2": "bf16_gemm_avx2"})
 
 
 @pytest.fixture(params=ISAS)
@@ -104,6 +116,32 @@ def test_many_row_product_writes_no_column_past_n(gemm_isa):
     x, w = torch.randn(300, 40, generator=g), torch.randn(21, 40, generator=g)
     got = dense_kernels.gemm(x, w)
     torch.testing.assert_close(got, x @ w.t(), atol=1e-4, rtol=1e-4)
+
+
+def _bf16_case(rows: int, out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(rows * 7 + out_features)
+    return torch.randn(rows, in_features, generator=g), torch.randn(out_features, in_features, generator=g).bfloat16()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 13, 64, 256])
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (37, 16), (1001, 576)])
+def test_bf16_few_row_product_equals_the_widened_weights(rows, out_features, in_features):
+    """bfloat16 weight rows (quantization 'bf16') multiply as the float32 values they widen to, exactly."""
+    x, w = _bf16_case(rows, out_features, in_features)
+    got = dense_kernels.bf16_product(x, w)
+    assert got is not None and got.shape == (rows, out_features)
+    _assert_within_float32_sum_bound(got, x, w.float())
+
+
+# as the float32 GEMM's cases: K in one slice and in several, the last not a multiple of 8 or 16 (the packing's
+# tails), N in partial panels
+@pytest.mark.parametrize("rows", [257, 14 * 30])
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (33, 1000), (300, 2100), (17, 5)])
+def test_bf16_many_row_product_equals_the_widened_weights(rows, out_features, in_features, bf16_gemm_isa):
+    x, w = _bf16_case(rows, out_features, in_features)
+    got = dense_kernels.bf16_product(x, w)
+    assert got is not None and got.shape == (rows, out_features)
+    _assert_within_float32_sum_bound(got, x, w.float())
 
 
 def _prefill_gemm_calls(monkeypatch) -> tuple[list, torch.Tensor, Linear]:

@@ -206,6 +206,96 @@ def test_int8_logits_and_lora_match_transformers_on_dequantized_weights(tiny, tm
         llm.shutdown()
 
 
+def _bf16_reference(hf):
+    """transformers' float32 model with every projection, head and embedding rounded to bfloat16."""
+    ref = copy.deepcopy(hf)
+    with torch.no_grad():
+        for module in ref.modules():
+            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+                module.weight.copy_(module.weight.bfloat16().float())
+    return ref
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_bf16_dtype_on_cpu_matches_transformers_on_rounded_weights(tiny, tmp_path, tied):
+    """dtype='bfloat16' on the CPU holds the projections, head and embedding in bfloat16 with float32 activations and
+    KV cache (quantization 'bf16'): the logits are transformers' in float32 on the weights rounded to bfloat16 (the
+    kernels widen each weight exactly), through the decoder stack's kernel, the few-row products and the GEMM."""
+    from test_lora import hf_greedy, prompt
+
+    from petrel.model import dense_kernels
+    from petrel.model.loader import resolve_model
+    from petrel.model.tokenizer import load_tokenizer
+
+    t = tiny(2, tied)
+    ref = _bf16_reference(t.hf)
+    load_tokenizer(resolve_model(None)).save_pretrained(tmp_path / "tok")
+    llm = LLM(t.path, tokenizer=str(tmp_path / "tok"), kv_cache_memory=1 << 20, dtype="bfloat16")
+    try:
+        assert (llm.engine.config.dtype, llm.engine.config.quantization) == ("float32", "bf16")
+        model = llm.engine.core.runner.model
+        down = model.model.layers[0].mlp.down_proj
+        assert isinstance(down, QuantizedLinear) and down.qweight.codes.dtype == torch.bfloat16
+        assert (model.lm_head.qweight is model.model.embed_tokens.qweight) == tied
+        stacks = []
+        build = dense_kernels.DecoderStack.build
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(dense_kernels.DecoderStack, "build", lambda *a: stacks.append(build(*a)) or stacks[-1])
+            params = SamplingParams(
+                temperature=0, max_tokens=5, ignore_eos=True, return_context_logits=True, return_generation_logits=True
+            )
+            ids = prompt(4)
+            out = llm.generate(ids, params, use_tqdm=False)
+        assert stacks and all(s is not None for s in stacks)  # the decode steps ran the one-call stack
+        tokens = out.outputs[0].token_ids
+        with torch.no_grad():
+            expected = ref(torch.tensor([ids + tokens])).logits[0].float()
+        torch.testing.assert_close(out.context_logits, expected[: len(ids)], atol=1e-3, rtol=1e-3)
+        torch.testing.assert_close(
+            out.outputs[0].generation_logits, expected[len(ids) - 1 : len(ids) + len(tokens) - 1], atol=1e-3, rtol=1e-3
+        )
+        prompts = [prompt(10 + i, 15 + i) for i in range(16)]  # a prefill past the few-row limit: the GEMM
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(ref, p, 4) for p in prompts]
+    finally:
+        llm.shutdown()
+
+
+def test_bf16_dtype_becomes_bf16_weights_only_on_one_cpu_process():
+    """dtype 'bfloat16' keeps its meaning on CUDA, beside another quantization and over tensor-parallel ranks (whose
+    weights are not held quantized); quantization 'bf16' may also be asked for by name."""
+    assert (EngineConfig(dtype="bfloat16").dtype, EngineConfig(dtype="bfloat16").quantization) == ("float32", "bf16")
+    for kwargs in ({"device": "cuda"}, {"quantization": "int8"}, {"tensor_parallel_size": 2}):
+        config = EngineConfig(dtype="bfloat16", **kwargs)
+        assert config.dtype == "bfloat16" and config.quantization != "bf16", kwargs
+    assert EngineConfig(quantization="bf16").dtype == "float32"
+
+
+@pytest.mark.e2e
+def test_default_model_bf16_greedy_matches_transformers_on_rounded_weights(hf_model):
+    """The default model at dtype 'bfloat16': batched greedy continuations and their logits are those of
+    transformers on the weights rounded to bfloat16 (float32 arithmetic)."""
+    from test_lora import hf_greedy
+
+    ref = _bf16_reference(hf_model)
+    llm = LLM(dtype="bfloat16", kv_cache_memory=64 << 20)
+    try:
+        tok = llm.tokenizer
+        prompts = [tok.encode(p) for p in PROMPTS]
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, return_generation_logits=True)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        for ids, out in zip(prompts, outs):
+            tokens = list(out.outputs[0].token_ids)
+            assert tokens == hf_greedy(ref, ids, 12)
+            with torch.no_grad():
+                expected = ref(torch.tensor([ids + tokens])).logits[0].float()
+            torch.testing.assert_close(
+                out.outputs[0].generation_logits, expected[len(ids) - 1 : -1], atol=2e-3, rtol=1e-3
+            )
+    finally:
+        llm.shutdown()
+
+
 PROMPTS = [
     "The capital of France is",
     "Write a short poem about the sea.",

@@ -367,7 +367,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument(
         "--quantization",
         default=None,
-        choices=["none", "int8", "gguf"],
+        choices=["none", "int8", "gguf", "bf16"],
         help="petrel's weights kept quantized (see benchmarks/quantization.py for all three at once)",
     )
     parallel_arguments(group)

@@ -1,8 +1,7 @@
 /* Dense float32 kernels for petrel on x86-64 CPUs (AVX2 + FMA), loaded with ctypes (petrel/model/native.py).
  *
- * f32_gemv: y = x W^T for a few rows of x (decode at small batches). torch's BLAS reaches about half of this
- *   machine's memory bandwidth on these skinny products; here each thread streams its share of W's rows once,
- *   several weight rows at a time so that enough FMAs are in flight.
+ * f32_gemv, bf16_gemv: y = x W^T for a few rows of x (decode at small batches), W float32 or bfloat16 rows
+ *   (gemv_rows.h).
  * rms_norm, rotary, silu_and_mul: the small per-layer operations, each one pass over its rows instead of the
  *   five to eight torch operations (and their dispatch overhead, ~10 us each at one row) they replace.
  * decode_layer: all of the above and decode_attention.c's attention for a whole Llama decoder layer; its products
@@ -20,77 +19,28 @@
 #include "simd.h"
 #include "thread_pool.h"
 
-/* y[m][n] for MR rows of x and NR weight rows at a time, KS floats of k per iteration (8 or 16); each iteration
- * also prefetches PF cache lines of *pf (up to pf_end) into L2 */
-#define KER(NAME, MR, NR, KS, PF) \
-static void NAME(const float *x, int64_t K, const float *W, float *y, int64_t N, int64_t n0, int64_t n1, \
-                 const char **pf, const char *pf_end) { \
-    const char *p = *pf; \
-    for (int64_t n = n0; n < n1; n += NR) { \
-        const int nr = n1 - n < NR ? (int)(n1 - n) : NR; \
-        __m256 acc[MR][NR][KS / 8]; \
-        for (int m = 0; m < MR; m++) for (int j = 0; j < NR; j++) for (int h = 0; h < KS / 8; h++) acc[m][j][h] = _mm256_setzero_ps(); \
-        if (nr == NR) { \
-            for (int64_t k = 0; k < K; k += KS) { \
-                for (int q = 0; q < PF; q++) if (p < pf_end) { _mm_prefetch(p, _MM_HINT_T1); p += 64; } \
-                for (int h = 0; h < KS / 8; h++) { \
-                    __m256 w[NR]; \
-                    for (int j = 0; j < NR; j++) w[j] = _mm256_loadu_ps(W + (n + j) * K + k + 8 * h); \
-                    for (int m = 0; m < MR; m++) { \
-                        __m256 xv = _mm256_loadu_ps(x + m * K + k + 8 * h); \
-                        for (int j = 0; j < NR; j++) acc[m][j][h] = _mm256_fmadd_ps(w[j], xv, acc[m][j][h]); \
-                    } \
-                } \
-            } \
-        } else { \
-            for (int j = 0; j < nr; j++) for (int64_t k = 0; k < K; k += 8) { \
-                __m256 w = _mm256_loadu_ps(W + (n + j) * K + k); \
-                for (int m = 0; m < MR; m++) acc[m][j][0] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * K + k), acc[m][j][0]); \
-            } \
-        } \
-        for (int m = 0; m < MR; m++) for (int j = 0; j < nr; j++) { \
-            __m256 t = acc[m][j][0]; \
-            for (int h = 1; h < KS / 8; h++) t = _mm256_add_ps(t, acc[m][j][h]); \
-            y[m * N + n + j] = hsum(t); \
-        } \
-    } \
-    *pf = p; \
-}
-/* PF: enough that the next tile is all on its way within one pass over this one (the passes of up to 4 rows are
- * the only ones; a 4-row pass among others shares the work) */
-KER(f32_rows_1, 1, 4, 16, 4) KER(f32_rows_2, 2, 2, 16, 2) KER(f32_rows_3, 3, 3, 8, 2) KER(f32_rows_4, 4, 3, 8, 1)
-KER(f32_rows_4_alone, 4, 3, 8, 2)
-/* y[M][N] = x[M][K] @ W[N][K]^T; K a multiple of 16. Each thread walks its weight rows in tiles of 12; a tile
- * stays in L1 or L2 while every group of four x rows passes over it, so W is read from memory once for any M. */
-typedef struct { const float *x; int64_t M, K; const float *W; float *y; int64_t N; } gemv_args;
+/* f32_gemv, bf16_gemv (bfloat16 rows: each weight widened to float32 exactly, a shift) */
+#define GEMV_WEIGHT float
+#define GEMV_LOAD8(p) _mm256_loadu_ps(p)
+#define GEMV_NAME(s) f32_##s
+#include "gemv_rows.h"
+#undef GEMV_WEIGHT
+#undef GEMV_LOAD8
+#undef GEMV_NAME
+#define GEMV_WEIGHT uint16_t
+#define GEMV_LOAD8(p) bf16_load8(p)
+#define GEMV_NAME(s) bf16_##s
+#include "gemv_rows.h"
+#undef GEMV_WEIGHT
+#undef GEMV_LOAD8
+#undef GEMV_NAME
 
-/* y[m][n..ne) for every row m of x over the weight rows n..ne (a tile), four x rows a pass, prefetching *pf */
-static void tile_passes(const float *x, int64_t M, int64_t K, const float *W, float *y, int64_t N, int64_t n,
-                        int64_t ne, const char **pf, const char *pf_end) {
-    for (int64_t m = 0; m < M; m += 4) {
-        const int64_t r = M - m < 4 ? M - m : 4;
-        if (M == 4) f32_rows_4_alone(x, K, W, y, N, n, ne, pf, pf_end);
-        else if (r == 4) f32_rows_4(x + m * K, K, W, y + m * N, N, n, ne, pf, pf_end);
-        else if (r == 3) f32_rows_3(x + m * K, K, W, y + m * N, N, n, ne, pf, pf_end);
-        else if (r == 2) f32_rows_2(x + m * K, K, W, y + m * N, N, n, ne, pf, pf_end);
-        else f32_rows_1(x + m * K, K, W, y + m * N, N, n, ne, pf, pf_end);
-    }
+void f32_gemv(const float *x, int64_t M, int64_t K, const float *W, float *y, int64_t N, int nthreads) {
+    f32_gemv_run(x, M, K, W, y, N, nthreads);
 }
 
-static void f32_gemv_part(void *args, int t, int T) {
-    const gemv_args *a = args;
-    const float *W = a->W;
-    const int64_t K = a->K, N = a->N;
-    int64_t n0, n1;
-    split_range(N, t, T, 8, &n0, &n1);
-    /* the next tile comes into L2 while this one is worked on, a few lines per inner iteration so that all of it
-     * is on its way within the first pass over this one: the hardware prefetcher alone leaves the first pass over
-     * each tile waiting on memory (and one row streams a third slower) */
-    for (int64_t n = n0; n < n1; n += 12) {
-        const int64_t ne = n + 12 < n1 ? n + 12 : n1;
-        const char *pf = (const char *)(W + ne * K), *pf_end = (const char *)(W + (ne + 12 < n1 ? ne + 12 : n1) * K);
-        tile_passes(a->x, a->M, K, W, a->y, N, n, ne, &pf, pf_end);
-    }
+void bf16_gemv(const float *x, int64_t M, int64_t K, const uint16_t *W, float *y, int64_t N, int nthreads) {
+    bf16_gemv_run(x, M, K, W, y, N, nthreads);
 }
 
 /* y[m][n0 + j] = x[m] . tile[j] for all M rows of x and the `rows` weight rows of a float32 tile [rows][K] (in
@@ -98,12 +48,7 @@ static void f32_gemv_part(void *args, int t, int T) {
 void f32_tile_product(const float *x, int64_t M, int64_t K, const float *tile, int64_t rows, float *y, int64_t N,
                       int64_t n0) {
     const char *none = 0;
-    tile_passes(x, M, K, tile, y + n0, N, 0, rows, &none, none);
-}
-
-void f32_gemv(const float *x, int64_t M, int64_t K, const float *W, float *y, int64_t N, int nthreads) {
-    gemv_args a = {x, M, K, W, y, N};
-    parallel_run(f32_gemv_part, &a, nthreads);
+    f32_tile_passes(x, M, K, tile, y + n0, N, 0, rows, &none, none);
 }
 
 #define PARALLEL_ELEMENTS 262144   /* below this many elements one thread is faster than waking the others */
@@ -216,6 +161,10 @@ void silu_and_mul(const float *x, int64_t T, int64_t I, float *out, int nthreads
 static int product(const float *x, int64_t M, int64_t K, const weight *w, float *y, int64_t N, int nthreads) {
     if (w->bits == 32) {
         f32_gemv(x, M, K, (const float *)w->data, y, N, nthreads);
+        return 0;
+    }
+    if (w->bits == 16) {
+        bf16_gemv(x, M, K, (const uint16_t *)w->data, y, N, nthreads);
         return 0;
     }
     if (M <= QUANT_GEMV_MAX_ROWS) return quant_gemv(w->bits, x, M, K, w->data, w->scale, w->mins, w->gshift, y, N, nthreads);

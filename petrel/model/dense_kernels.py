@@ -25,9 +25,10 @@ _P = ctypes.c_void_p
 
 class Weight(ctypes.Structure):
     """A projection's weight as decode_layer reads it (kernels.h's `weight`, field for field): float32 rows (bits
-    32), or a QuantizedWeight's codes, scales and mins (bits 4 or 8, groups of 2**gshift), products by
-    quant_kernels.c, and from integer_rows rows (0: never; see QuantizedWeight.integer_rows) in integers by
-    int8_gemm.c (one scale a row) or group_gemm.c (groups) with the kernel integer_isa (quant_kernels.integer_isa)."""
+    32), bfloat16 rows (bits 16: a QuantizedWeight of quantization 'bf16'), or a QuantizedWeight's codes, scales
+    and mins (bits 4 or 8, groups of 2**gshift), products by quant_kernels.c, and from integer_rows rows (0: never;
+    see QuantizedWeight.integer_rows) in integers by int8_gemm.c (one scale a row) or group_gemm.c (groups) with
+    the kernel integer_isa (quant_kernels.integer_isa)."""
 
     _fields_ = [
         ("data", _P),
@@ -42,6 +43,9 @@ class Weight(ctypes.Structure):
 
 def describe(weight: torch.Tensor | QuantizedWeight) -> Weight | None:
     """A [out, in] float32 tensor or a QuantizedWeight as a Weight, or None where the kernels cannot take it."""
+    if isinstance(weight, QuantizedWeight) and weight.bits == 16:
+        ok = weight.codes.is_cpu and weight.shape[1] % 16 == 0 and library() is not None
+        return Weight(weight.codes.data_ptr(), None, None, 16, 0, 0, 0) if ok else None
     if isinstance(weight, QuantizedWeight):
         codes = weight.codes
         if not codes.is_cpu or weight.shape[1] % 32 or quant_kernels.library() is None:
@@ -112,6 +116,25 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     x = x.contiguous()
     y = torch.empty(m, weight.shape[0], dtype=torch.float32)
     lib.f32_gemv(x.data_ptr(), m, k, weight.data_ptr(), y.data_ptr(), weight.shape[0], torch.get_num_threads())
+    return y
+
+
+def bf16_product(x: torch.Tensor, codes: torch.Tensor) -> torch.Tensor | None:
+    """x [M, K] float32 contiguous @ codes[N, K]^T for bfloat16 codes, each widened to float32 exactly: the few-row
+    kernel up to GEMV_MAX_ROWS rows, else the GEMM of this CPU's widest vectors (which widens W as it packs it);
+    None where neither runs."""
+    (m, k), n = x.shape, codes.shape[0]
+    if (m <= GEMV_MAX_ROWS and k % 16) or not x.is_cpu or not codes.is_cpu or (lib := library()) is None:
+        return None
+    y, threads = torch.empty(m, n, dtype=torch.float32), torch.get_num_threads()
+    if m <= GEMV_MAX_ROWS:
+        lib.bf16_gemv(x.data_ptr(), m, k, codes.data_ptr(), y.data_ptr(), n, threads)
+    elif native.cpu_has_avx512():
+        workspace = _gemm_workspace(lib.f32_gemm_workspace(k, n, threads))
+        lib.bf16_gemm(x.data_ptr(), m, k, codes.data_ptr(), y.data_ptr(), n, workspace.data_ptr(), threads)
+    else:
+        workspace = _gemm_workspace(lib.f32_gemm_avx2_workspace(k, n, threads))
+        lib.bf16_gemm_avx2(x.data_ptr(), m, k, codes.data_ptr(), y.data_ptr(), n, workspace.data_ptr(), threads)
     return y
 
 

@@ -68,26 +68,40 @@ static void block_6x16(const float *x, int64_t rs, int64_t ks, const float *wp, 
     else block_6x16_at(x, 1, MR, wp, K, y, ldy, mr, nr, add);
 }
 
-/* W rows [n, n + nr), columns [0, K) (rows ldw apart), as the k-major panel wp [K][16]: 8 x 8 tiles of W transposed
- * in registers (the float-at-a-time copy took ~10% of a 512-row product over 576 x 576); a partial panel, and the
- * last K % 8 columns, one float at a time */
-static void pack_16(const float *W, int64_t ldw, int64_t K, int64_t n, int nr, int nr_full, float *wp) {
+/* W rows [n, n + nr), columns [0, K) (rows ldw apart; float32, or bfloat16 where bf16, widened exactly), as the
+ * k-major panel wp [K][16]: 8 x 8 tiles of W transposed in registers (the float-at-a-time copy took ~10% of a
+ * 512-row product over 576 x 576); a partial panel, and the last K % 8 columns, one value at a time */
+static inline __attribute__((always_inline)) void pack_16_from(const void *W, int bf16, int64_t ldw, int64_t K,
+                                                                int64_t n, int nr, int nr_full, float *wp) {
     if (nr < NR) {
-        gemm_pack_panel(W, ldw, K, n, nr, nr_full, wp);
+        if (bf16) gemm_pack_panel_bf16(W, ldw, K, n, nr, nr_full, wp);
+        else gemm_pack_panel(W, ldw, K, n, nr, nr_full, wp);
         return;
     }
     const int64_t K8 = K / 8 * 8;
     for (int64_t k = 0; k < K8; k += 8)
         for (int half = 0; half < 2; half++) {
             __m256i t[8];
-            for (int i = 0; i < 8; i++) t[i] = _mm256_castps_si256(_mm256_loadu_ps(W + (n + 8 * half + i) * ldw + k));
+            for (int i = 0; i < 8; i++) {
+                const int64_t at = (n + 8 * half + i) * ldw + k;
+                t[i] = _mm256_castps_si256(bf16 ? bf16_load8((const uint16_t *)W + at) : _mm256_loadu_ps((const float *)W + at));
+            }
             transpose8(t);
             for (int i = 0; i < 8; i++) _mm256_storeu_ps(wp + (k + i) * NR + 8 * half, _mm256_castsi256_ps(t[i]));
         }
-    if (K8 < K) gemm_pack_panel(W + K8, ldw, K - K8, n, nr, nr_full, wp + K8 * NR);
+    if (K8 < K && bf16) gemm_pack_panel_bf16((const uint16_t *)W + K8, ldw, K - K8, n, nr, nr_full, wp + K8 * NR);
+    else if (K8 < K) gemm_pack_panel((const float *)W + K8, ldw, K - K8, n, nr, nr_full, wp + K8 * NR);
 }
 
-static const gemm_kernel kernel = {MR, NR, block_6x16, pack_16};
+static void pack_16(const float *W, int64_t ldw, int64_t K, int64_t n, int nr, int nr_full, float *wp) {
+    pack_16_from(W, 0, ldw, K, n, nr, nr_full, wp);
+}
+
+static void pack_16_bf16(const uint16_t *W, int64_t ldw, int64_t K, int64_t n, int nr, int nr_full, float *wp) {
+    pack_16_from(W, 1, ldw, K, n, nr, nr_full, wp);
+}
+
+static const gemm_kernel kernel = {MR, NR, block_6x16, pack_16, pack_16_bf16};
 
 /* floats of workspace f32_gemm_avx2 needs */
 int64_t f32_gemm_avx2_workspace(int64_t K, int64_t N, int nthreads) {
@@ -98,5 +112,11 @@ int64_t f32_gemm_avx2_workspace(int64_t K, int64_t N, int nthreads) {
  * floats */
 void f32_gemm_avx2(const float *x, int64_t M, int64_t K, const float *W, float *y, int64_t N, float *workspace,
                    int nthreads) {
-    gemm_run(&kernel, x, M, K, W, y, N, workspace, nthreads);
+    gemm_run(&kernel, x, M, K, W, NULL, y, N, workspace, nthreads);
+}
+
+/* f32_gemm_avx2 for bfloat16 rows of W (widened to float32 exactly as they are packed); the same workspace */
+void bf16_gemm_avx2(const float *x, int64_t M, int64_t K, const uint16_t *W, float *y, int64_t N, float *workspace,
+                    int nthreads) {
+    gemm_run(&kernel, x, M, K, NULL, W, y, N, workspace, nthreads);
 }

@@ -40,13 +40,24 @@ static inline void block_14x32_at(const float *x, int64_t rs, int64_t ks, const 
     }
 }
 
-/* W rows [n, n + nr), columns [0, K) (rows ldw apart), as the k-major panel wp [K][32]: 16 x 16 tiles of W
- * transposed in registers, four rounds of two-source permutes (round s swaps the off-diagonal s x s blocks of each
- * 2s x 2s block); a partial panel, and the last K % 16 columns, one float at a time */
-__attribute__((target("avx512f")))
-static void pack_32(const float *W, int64_t ldw, int64_t K, int64_t n, int nr, int nr_full, float *wp) {
+/* sixteen elements i.. of W, float32 or bfloat16 (widened exactly) */
+__attribute__((target("avx512f"), always_inline))
+static inline __m512 load16(const void *W, int bf16, int64_t i) {
+    if (!bf16) return _mm512_loadu_ps((const float *)W + i);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)W + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* W rows [n, n + nr), columns [0, K) (rows ldw apart; float32, or bfloat16 where bf16), as the k-major panel wp
+ * [K][32]: 16 x 16 tiles of W transposed in registers, four rounds of two-source permutes (round s swaps the
+ * off-diagonal s x s blocks of each 2s x 2s block); a partial panel, and the last K % 16 columns, one value at a
+ * time */
+__attribute__((target("avx512f"), always_inline))
+static inline void pack_32_from(const void *W, int bf16, int64_t ldw, int64_t K, int64_t n, int nr, int nr_full,
+                                float *wp) {
     if (nr < NR) {
-        gemm_pack_panel(W, ldw, K, n, nr, nr_full, wp);
+        if (bf16) gemm_pack_panel_bf16(W, ldw, K, n, nr, nr_full, wp);
+        else gemm_pack_panel(W, ldw, K, n, nr, nr_full, wp);
         return;
     }
     __m512i lo[4], hi[4];
@@ -63,7 +74,7 @@ static void pack_32(const float *W, int64_t ldw, int64_t K, int64_t n, int nr, i
         for (int half = 0; half < 2; half++) {
             __m512 t[16];
 #pragma GCC unroll 16
-            for (int i = 0; i < 16; i++) t[i] = _mm512_loadu_ps(W + (n + 16 * half + i) * ldw + k);
+            for (int i = 0; i < 16; i++) t[i] = load16(W, bf16, (n + 16 * half + i) * ldw + k);
 #pragma GCC unroll 4
             for (int r = 0, s = 8; r < 4; r++, s /= 2)
 #pragma GCC unroll 16
@@ -76,7 +87,18 @@ static void pack_32(const float *W, int64_t ldw, int64_t K, int64_t n, int nr, i
 #pragma GCC unroll 16
             for (int i = 0; i < 16; i++) _mm512_storeu_ps(wp + (k + i) * NR + 16 * half, t[i]);
         }
-    if (K16 < K) gemm_pack_panel(W + K16, ldw, K - K16, n, nr, nr_full, wp + K16 * NR);
+    if (K16 < K && bf16) gemm_pack_panel_bf16((const uint16_t *)W + K16, ldw, K - K16, n, nr, nr_full, wp + K16 * NR);
+    else if (K16 < K) gemm_pack_panel((const float *)W + K16, ldw, K - K16, n, nr, nr_full, wp + K16 * NR);
+}
+
+__attribute__((target("avx512f")))
+static void pack_32(const float *W, int64_t ldw, int64_t K, int64_t n, int nr, int nr_full, float *wp) {
+    pack_32_from(W, 0, ldw, K, n, nr, nr_full, wp);
+}
+
+__attribute__((target("avx512f")))
+static void pack_32_bf16(const uint16_t *W, int64_t ldw, int64_t K, int64_t n, int nr, int nr_full, float *wp) {
+    pack_32_from(W, 1, ldw, K, n, nr, nr_full, wp);
 }
 
 /* the block with its strides known to the compiler (in place: ks 1; packed: rs 1, ks MR) */
@@ -87,7 +109,7 @@ static void block_14x32(const float *x, int64_t rs, int64_t ks, const float *wp,
     else block_14x32_at(x, 1, MR, wp, K, y, ldy, mr, nr, add);
 }
 
-static const gemm_kernel kernel = {MR, NR, block_14x32, pack_32};
+static const gemm_kernel kernel = {MR, NR, block_14x32, pack_32, pack_32_bf16};
 
 /* floats of workspace f32_gemm needs */
 int64_t f32_gemm_workspace(int64_t K, int64_t N, int nthreads) {
@@ -97,5 +119,11 @@ int64_t f32_gemm_workspace(int64_t K, int64_t N, int nthreads) {
 /* y[M][N] = x[M][K] @ W[N][K]^T (x, W, y contiguous rows); workspace: f32_gemm_workspace(K, N, nthreads) floats */
 void f32_gemm(const float *x, int64_t M, int64_t K, const float *W, float *y, int64_t N, float *workspace,
               int nthreads) {
-    gemm_run(&kernel, x, M, K, W, y, N, workspace, nthreads);
+    gemm_run(&kernel, x, M, K, W, NULL, y, N, workspace, nthreads);
+}
+
+/* f32_gemm for bfloat16 rows of W (widened to float32 exactly as they are packed); the same workspace */
+void bf16_gemm(const float *x, int64_t M, int64_t K, const uint16_t *W, float *y, int64_t N, float *workspace,
+               int nthreads) {
+    gemm_run(&kernel, x, M, K, NULL, W, y, N, workspace, nthreads);
 }

@@ -11,7 +11,8 @@
  * once per chunk (copying every block measured 10-30% slower where N is small). (Packing all of W up front, as
  * before, put 64 MB a thread of a 1B model's gate/up in memory, brought back for every 28 rows.) A block after the
  * first slice starts from the y its earlier slices wrote, so the sums run in the same order as without slices; a
- * block writes only its valid rows and columns. */
+ * block writes only its valid rows and columns. W may be bfloat16 rows instead: the packing widens them to float32
+ * (exactly), so the products are those of the widened weights, at the float32 rate, from half the bytes. */
 #pragma once
 #include <stdint.h>
 #include <string.h>
@@ -26,11 +27,14 @@ typedef void (*gemm_block_fn)(const float *x, int64_t rs, int64_t ks, const floa
 
 /* W rows [n, n + nr), columns [0, K) (rows ldw floats apart), as a k-major panel wp [K][NR], columns nr..NR zero */
 typedef void (*gemm_pack_fn)(const float *W, int64_t ldw, int64_t K, int64_t n, int nr, int NR, float *wp);
+/* the same from bfloat16 rows of W (each value widened to float32 exactly) */
+typedef void (*gemm_pack_bf16_fn)(const uint16_t *W, int64_t ldw, int64_t K, int64_t n, int nr, int NR, float *wp);
 
 typedef struct {
     int mr, nr;          /* the block's rows and columns */
     gemm_block_fn block;
     gemm_pack_fn pack;   /* gemm_pack_panel, or a vectorized one */
+    gemm_pack_bf16_fn pack_bf16;
 } gemm_kernel;
 
 /* the length of K's slices: K itself up to 768, else K cut into about equal slices of about 512, a multiple of 16 */
@@ -67,9 +71,10 @@ static inline int64_t gemm_workspace(const gemm_kernel *g, int64_t K, int64_t N,
     return (int64_t)nthreads * gemm_k_slice(K) * (columns + rows);
 }
 
-/* wp: the threads' workspaces */
+/* W float32 rows, or W16 bfloat16 ones (the other NULL); wp: the threads' workspaces */
 typedef struct {
-    const gemm_kernel *g; const float *x; int64_t M, K; const float *W; float *y; int64_t N; float *wp;
+    const gemm_kernel *g; const float *x; int64_t M, K; const float *W; const uint16_t *W16; float *y; int64_t N;
+    float *wp;
 } gemm_args;
 
 /* whether MR rows ldx floats apart put more of their cache lines in one set of an 8-way, 64-set L1 than it holds */
@@ -93,6 +98,19 @@ static inline void gemm_pack_panel(const float *W, int64_t ldw, int64_t K, int64
     for (int64_t k = 0; k < K; k++) {
         float *dst = wp + k * NR;
         for (int j = 0; j < nr; j++) dst[j] = W[(n + j) * ldw + k];
+        for (int j = nr; j < NR; j++) dst[j] = 0.f;
+    }
+}
+
+/* gemm_pack_panel from bfloat16 rows */
+static inline void gemm_pack_panel_bf16(const uint16_t *W, int64_t ldw, int64_t K, int64_t n, int nr, int NR,
+                                        float *wp) {
+    for (int64_t k = 0; k < K; k++) {
+        float *dst = wp + k * NR;
+        for (int j = 0; j < nr; j++) {
+            const uint32_t bits = (uint32_t)W[(n + j) * ldw + k] << 16;
+            memcpy(dst + j, &bits, sizeof(float));
+        }
         for (int j = nr; j < NR; j++) dst[j] = 0.f;
     }
 }
@@ -123,8 +141,11 @@ static void gemm_part(void *args, int t, int T) {
         const int64_t kn = K - k0 < kc ? K - k0 : kc;
         for (int64_t c0 = n0; c0 < n1; c0 += nc) {
             const int64_t c1 = c0 + nc < n1 ? c0 + nc : n1;
-            for (int64_t n = c0; n < c1; n += NR)
-                g->pack(a->W + k0, K, kn, n, c1 - n < NR ? (int)(c1 - n) : NR, NR, chunk + (n - c0) * kn);
+            for (int64_t n = c0; n < c1; n += NR) {
+                const int nr = c1 - n < NR ? (int)(c1 - n) : NR;
+                if (a->W16) g->pack_bf16(a->W16 + k0, K, kn, n, nr, NR, chunk + (n - c0) * kn);
+                else g->pack(a->W + k0, K, kn, n, nr, NR, chunk + (n - c0) * kn);
+            }
             for (int64_t b0 = 0; b0 < blocks; b0 += pass) {
                 const int64_t b1 = b0 + pass < blocks ? b0 + pass : blocks;
                 for (int64_t b = b0; b < b1; b++) {  /* the blocks to copy: copied once for the chunk's panels */
@@ -148,9 +169,10 @@ static void gemm_part(void *args, int t, int T) {
     }
 }
 
-/* y[M][N] = x[M][K] @ W[N][K]^T (x, W, y contiguous rows); workspace: gemm_workspace(g, K, N, nthreads) floats */
-static inline void gemm_run(const gemm_kernel *g, const float *x, int64_t M, int64_t K, const float *W, float *y,
-                            int64_t N, float *workspace, int nthreads) {
-    gemm_args a = {g, x, M, K, W, y, N, workspace};
+/* y[M][N] = x[M][K] @ W[N][K]^T (x, W, y contiguous rows), W float32 rows or W16 bfloat16 ones (the other NULL);
+ * workspace: gemm_workspace(g, K, N, nthreads) floats */
+static inline void gemm_run(const gemm_kernel *g, const float *x, int64_t M, int64_t K, const float *W,
+                            const uint16_t *W16, float *y, int64_t N, float *workspace, int nthreads) {
+    gemm_args a = {g, x, M, K, W, W16, y, N, workspace};
     parallel_run(gemm_part, &a, nthreads);
 }

@@ -43,6 +43,7 @@ SOURCES = (
     "group_gemm_q8.h",
     "vector_ops.h",
     "gemm_driver.h",
+    "gemv_rows.h",
     "int16_rows.h",
 )
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-pthread", "-shared", "-fPIC")

@@ -12,7 +12,7 @@
 #define KERNEL_OUT_OF_MEMORY 1
 
 /* A projection's weight [N][K] (dense_kernels.Weight mirrors it, field for field): float32 rows (bits 32, data
- * only), or quant_kernels.c's codes (bits 4 or 8) with their float32 scale and min per group of 2^gshift (mins may
+ * only), bfloat16 rows (bits 16, data only: products of the weights widened to float32), or quant_kernels.c's codes (bits 4 or 8) with their float32 scale and min per group of 2^gshift (mins may
  * be NULL); integer_rows: from this many rows of x its products run in integers with integer_isa's kernel
  * (int8_gemm.c for 8-bit codes with one scale a row and no mins, gshift >= 62; group_gemm.c for groups), 0 never. */
 typedef struct {
@@ -27,6 +27,7 @@ typedef struct {
 
 /* dense_kernels.c */
 void f32_gemv(const float *x, int64_t M, int64_t K, const float *W, float *y, int64_t N, int nthreads);
+void bf16_gemv(const float *x, int64_t M, int64_t K, const uint16_t *W, float *y, int64_t N, int nthreads);
 void f32_tile_product(const float *x, int64_t M, int64_t K, const float *tile, int64_t rows, float *y, int64_t N,
                       int64_t n0);
 void paged_decode_attention(const float *q, int64_t q_stride, const float *key_cache, const float *value_cache,
@@ -61,11 +62,15 @@ void paged_prefill_attention(const float *q, int64_t q_stride, const float *key_
 int64_t f32_gemm_workspace(int64_t K, int64_t N, int nthreads);
 void f32_gemm(const float *x, int64_t M, int64_t K, const float *W, float *y, int64_t N, float *workspace,
               int nthreads);
+void bf16_gemm(const float *x, int64_t M, int64_t K, const uint16_t *W, float *y, int64_t N, float *workspace,
+               int nthreads);
 
 /* gemm_avx2.c */
 int64_t f32_gemm_avx2_workspace(int64_t K, int64_t N, int nthreads);
 void f32_gemm_avx2(const float *x, int64_t M, int64_t K, const float *W, float *y, int64_t N, float *workspace,
                    int nthreads);
+void bf16_gemm_avx2(const float *x, int64_t M, int64_t K, const uint16_t *W, float *y, int64_t N, float *workspace,
+                    int nthreads);
 
 /* quant_kernels.c */
 int quant_gemv(int bits, const float *x, int64_t M, int64_t K, const void *codes, const float *scale,

@@ -374,7 +374,8 @@ class _ReadingFiles:
 def load_model(
     source: ModelSource, dtype: torch.dtype, device: str, quantization: str | None = None, tp: TensorParallel = SINGLE
 ) -> tuple[torch.nn.Module, ModelConfig]:
-    """quantization (petrel.model.quantization): None or 'none', 'int8' (any checkpoint), 'gguf' (GGUF files).
+    """quantization (petrel.model.quantization): None or 'none', 'int8' or 'bf16' (any checkpoint), 'gguf' (GGUF
+    files).
     tp: with tensor parallelism, this rank's shard of the model (each checkpoint tensor is read whole and the rank
     keeps its slice; quantization stays 'none')."""
     quantization = quantization or "none"
@@ -404,6 +405,10 @@ def load_model(
         from petrel.model.quantization import quantize_int8
 
         quantize_int8(model)
+    if quantization == "bf16":
+        from petrel.model.quantization import hold_bf16
+
+        hold_bf16(model)
     if quantization != "none":
         _return_freed_memory()
     return model.to(device=device, dtype=dtype).eval(), cfg

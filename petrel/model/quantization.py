@@ -5,6 +5,11 @@ EngineConfig.quantization picks how a model's projections, LM head and embedding
   int8  every projection quantized after loading, int8 per output row, symmetric (any checkpoint).
   gguf  a GGUF's own blocks kept (Q4_0, Q4_1, Q4_K as 4-bit codes with a scale and a min per 32; Q8_0, Q5_0,
         Q5_1, Q5_K as 8-bit codes per 32; Q6_K as 8-bit codes per 16); other GGUF types load dequantized.
+  bf16  every projection, the LM head and the embedding held as bfloat16 (rounded to nearest even), activations
+        and the KV cache float32; what dtype='bfloat16' means on the CPU (EngineConfig). The products widen each
+        weight to float32 exactly (a shift) and run the float32 kernels' arithmetic from half the bytes: at one
+        row, bound by memory, about twice as fast as float32 weights; at many, the same rate (dense_kernels.c's
+        bf16_gemv, gemm_avx512.c / gemm_avx2.c's bf16_gemm, which widen W as they pack it).
 Products run in quant_kernels.c (AVX2): weights are widened to float in registers and multiplied with float
 activations, so a product equals the dequantized weight's up to the order of float additions. At batch 1 a
 decode step reads every weight once, so fewer bytes per weight is what makes it faster. Many rows (prefill,
@@ -21,7 +26,7 @@ from torch import nn
 
 from petrel.model import quant_kernels
 
-QUANTIZATION_METHODS = ("none", "int8", "gguf")
+QUANTIZATION_METHODS = ("none", "int8", "gguf", "bf16")
 ROW_GROUP = 62  # group shift meaning "one group per row" (per-output-channel scales)
 GEMV_MAX_ROWS = 12  # up to this many rows of x the register kernel wins; beyond, dequantized tiles:
 GEMM_MAX_ROWS = 256  # up to this many, 12-row tiles under the float32 decode kernel (one call, quant_kernels.gemm);
@@ -37,6 +42,7 @@ class QuantizedWeight(nn.Module):
 
     bits 4: codes [out, in/32, 16] uint8 (two codes a byte, see quant_kernels.c), groups of 32.
     bits 8: codes [out, in] int8, groups of 2**group_shift (group_shift ROW_GROUP: one group per row).
+    bits 16: codes [out, in] bfloat16, the weights themselves (no scale or min: w = code).
     A module so that .to(device) moves it; its buffers keep their dtypes through model.to(dtype)."""
 
     def __init__(
@@ -97,6 +103,12 @@ class QuantizedWeight(nn.Module):
         codes = torch.round(w / scale).clamp_(-127, 127).to(torch.int8)
         return cls(codes, scale.contiguous(), None, 8, ROW_GROUP, tuple(w.shape), "int8")
 
+    @classmethod
+    def bfloat16(cls, weight: torch.Tensor) -> QuantizedWeight:
+        """The weight rounded to bfloat16 (nearest even), kept as such."""
+        codes = weight.detach().to(torch.bfloat16).contiguous()
+        return cls(codes, None, None, 16, ROW_GROUP, tuple(codes.shape), "bf16")
+
     def permute_rows(self, order: np.ndarray) -> QuantizedWeight:
         index = torch.from_numpy(np.asarray(order, dtype=np.int64))
         pick = lambda t: None if t is None else t[index].contiguous()  # noqa: E731
@@ -151,6 +163,8 @@ class QuantizedWeight(nn.Module):
     def dequantize(self, rows: torch.Tensor | slice | None = None) -> torch.Tensor:
         """Float32 weight rows (all by default) with torch alone: the reference and the kernels' fallback."""
         sel = slice(None) if rows is None else rows
+        if self.bits == 16:
+            return self.codes[sel].float()
         codes, scale = self.codes[sel], self.scale[sel]
         n = codes.shape[0]
         if self.bits == 4:
@@ -175,6 +189,11 @@ class QuantizedWeight(nn.Module):
         """x [M, in] -> x @ W^T, float32 [M, out]."""
         out_features, in_features = self.shape
         x = x.to(torch.float32).contiguous()
+        if self.bits == 16:
+            from petrel.model import dense_kernels  # it imports this module
+
+            out = dense_kernels.bf16_product(x, self.codes)
+            return out if out is not None else x @ self.dequantize().t()
         lib = quant_kernels.library() if x.device.type == "cpu" and in_features % 32 == 0 else None
         mins = self.mins
         if lib is not None and 0 < self.integer_rows <= x.shape[0]:
@@ -287,6 +306,21 @@ def quantize_int8(model: nn.Module) -> None:
             _replace(model, path, QuantizedLinear(QuantizedWeight.int8_per_channel(module.weight), module.bias))
     if isinstance(embed, nn.Embedding):
         qweight = QuantizedWeight.int8_per_channel(embed.weight)
+        model.model.embed_tokens = QuantizedEmbedding(qweight, embed.weight.dtype)
+        if tied:
+            model.lm_head = QuantizedLinear(qweight)
+
+
+def hold_bf16(model: nn.Module) -> None:
+    """Every nn.Linear of a loaded model -> a QuantizedLinear of its weight in bfloat16; the embedding too, one weight
+    for both where the LM head is tied to it (quantization 'bf16')."""
+    embed = model.model.embed_tokens
+    tied = getattr(model.lm_head, "weight", None) is getattr(embed, "weight", False)
+    for path, module in list(model.named_modules()):
+        if isinstance(module, nn.Linear) and not (tied and path == "lm_head"):
+            _replace(model, path, QuantizedLinear(QuantizedWeight.bfloat16(module.weight), module.bias))
+    if isinstance(embed, nn.Embedding):
+        qweight = QuantizedWeight.bfloat16(embed.weight)
         model.model.embed_tokens = QuantizedEmbedding(qweight, embed.weight.dtype)
         if tied:
             model.lm_head = QuantizedLinear(qweight)

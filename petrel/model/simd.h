@@ -1,6 +1,7 @@
 /* Small AVX2 helpers shared by petrel's kernel files */
 #pragma once
 #include <immintrin.h>
+#include <stdint.h>
 
 /* the sum of a vector's eight floats */
 static inline float hsum(__m256 v) {
@@ -8,6 +9,11 @@ static inline float hsum(__m256 v) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+}
+
+/* eight bfloat16 values (the top halves of float32s) from p as floats: exact */
+static inline __m256 bf16_load8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
 
 /* e^x, relative error ~1e-7 (clamped to [-87, 88]): 2^n * e^r with |r| <= ln2/2, degree-6 polynomial */

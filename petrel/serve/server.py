@@ -122,7 +122,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument(
         "--quantization",
         default=None,
-        choices=["none", "int8", "gguf"],
+        choices=["none", "int8", "gguf", "bf16"],
         help="weights kept quantized: int8 per row (any model) or the GGUF's own blocks (default: none)",
     )
     g.add_argument("--max-model-len", type=int, default=None)
