@@ -236,6 +236,16 @@ def test_compare_hands_each_peer_the_model_in_its_own_form(tmp_path, tiny_llama)
     assert default.model_argv("hf") == [] and default.petrel_model_argv() == []
 
 
+def test_compare_runs_petrel_and_vllm_at_the_dtype_asked_for(tmp_path, tiny_llama):
+    """--dtype bfloat16: W1's row says bf16, transformers (float32 only) is left out with its reason."""
+    cmp = _compare(["--model", str(tiny_llama / "bf16"), "--dtype", "bfloat16"], tmp_path)
+    assert cmp.w1_metric == "decode tok/s (bf16)" and cmp.skip_reason("vllm") is None
+    assert "float32 only" in cmp.skip_reason("hf")
+    assert _compare([], tmp_path).w1_metric == "decode tok/s (fp32)"
+    with pytest.raises(SystemExit):
+        _compare(["--dtype", "float16"], tmp_path)
+
+
 def test_compare_leaves_out_a_peer_that_cannot_run_the_model_and_says_why(tmp_path, tiny_llama, capsys):
     _fake_venv(tmp_path, "llamacpp")
     out = tmp_path / "c.json"

@@ -105,8 +105,15 @@ class Compare:
             return self.model
         return os.path.abspath(self.args.gguf) if self.args.gguf else None
 
+    @property
+    def w1_metric(self) -> str:
+        """W1's row: decode tok/s at --dtype ("fp32", "bf16")."""
+        return f"decode tok/s ({DTYPE_LABELS[self.args.dtype]})"
+
     def skip_reason(self, engine: str) -> str | None:
-        """Why an installed engine cannot run --model (None: it can)."""
+        """Why an installed engine cannot run --model at --dtype (None: it can)."""
+        if engine == "hf" and self.args.dtype != "float32":
+            return "the transformers peer runs float32 only"
         if not self.model:
             return None
         if engine == "vllm" and self.model_is_gguf:
@@ -231,6 +238,8 @@ class Compare:
                     "--workloads",
                     workloads,
                     *self.petrel_model_argv(),
+                    "--dtype",
+                    self.args.dtype,
                     *options,
                     *self.size_argv("--w1-runs"),
                     "--json",
@@ -286,7 +295,8 @@ class Compare:
         for label, quantization in w3_runs if "w3" in workloads else ():
             port = free_port()
             serve = [sys.executable, "-m", "petrel.cli", "serve", "--port", str(port), "--log-level", "warning"]
-            serve += ["--served-model-name", "petrel", *self.petrel_model_argv(), *quantization]
+            serve += ["--served-model-name", "petrel", *self.petrel_model_argv(), "--dtype", self.args.dtype]
+            serve += quantization
             raw_key = "petrel_w3" + ("_gguf" if quantization else "")
             self.w3_server("petrel", serve, port, raw_key, "quantization='gguf'" if quantization else "", label)
         if "startup" in workloads:
@@ -304,6 +314,8 @@ class Compare:
                     "--log-level",
                     "warning",
                     *self.petrel_model_argv(),
+                    "--dtype",
+                    self.args.dtype,
                 ],
                 port,
             )
@@ -312,7 +324,7 @@ class Compare:
 
     def _petrel_result(self, r: dict) -> None:
         if r["workload"] == "w1":
-            self.add("w1", "decode tok/s (fp32)", "petrel", r["decode_tok_s"] if r["valid"] else None, "tok/s")
+            self.add("w1", self.w1_metric, "petrel", r["decode_tok_s"] if r["valid"] else None, "tok/s")
             self.add("w1", "TTFT", "petrel", r["ttft_s"] * 1000, "ms")
         else:
             self.add("w2", "output tok/s", "petrel", r["output_tok_s"] if r["valid"] else None, "tok/s")
@@ -355,14 +367,12 @@ class Compare:
         if batch:
             which = "both" if len(batch) == 2 else batch[0]
             results, peak = self.peer_script(
-                "vllm", which, "--dtype", "float32", "--tag", "compare", env=self.vllm_env()
+                "vllm", which, "--dtype", self.args.dtype, "--tag", "compare", env=self.vllm_env()
             )
             for r in results:
                 self.raw[r["name"]] = r
                 if r["workload"] == "w1":
-                    self.add(
-                        "w1", "decode tok/s (fp32)", "vllm", r["median_decode_tok_s"] if r["valid"] else None, "tok/s"
-                    )
+                    self.add("w1", self.w1_metric, "vllm", r["median_decode_tok_s"] if r["valid"] else None, "tok/s")
                     self.add("w1", "TTFT", "vllm", r["median_ttft_s"] * 1000, "ms")
                 else:
                     self.add("w2", "output tok/s", "vllm", r["output_tok_s"] if r["valid"] else None, "tok/s")
@@ -371,11 +381,13 @@ class Compare:
             if "w2" in batch:
                 self.add("w2", "peak RSS (w1+w2 process)", "vllm", peak, "MiB", f"KV {KV_GIB} GiB")
         if "w4" in workloads:  # its own process: prefix caching on (the W1 runs above need it off)
-            r = self.peer_script("vllm", "w4", "--dtype", "float32", "--tag", "compare", env=self.vllm_env())[0][-1]
+            r = self.peer_script("vllm", "w4", "--dtype", self.args.dtype, "--tag", "compare", env=self.vllm_env())[0][
+                -1
+            ]
             self.raw["vllm_w4"] = r
             self.record_w4("vllm", r, "prefix caching on")
         if "w6" in workloads:
-            r = self.peer_script("vllm", *self.w6_argv(), "--dtype", "float32", env=self.vllm_env())[0][-1]
+            r = self.peer_script("vllm", *self.w6_argv(), "--dtype", self.args.dtype, env=self.vllm_env())[0][-1]
             self.raw["vllm_w6"] = r
             self.record_w6("vllm", r)
         if "w3" in workloads or "startup" in workloads:
@@ -388,7 +400,7 @@ class Compare:
                     "--model",
                     self.model or self.model_dir,
                     "--dtype",
-                    "float32",
+                    self.args.dtype,
                     "--host",
                     "127.0.0.1",
                     "--port",
@@ -446,7 +458,7 @@ class Compare:
     def llamacpp(self, workloads: list[str]) -> None:
         # --model: its own GGUF (peer_script adds --gguf), its figures in the fp32 row whatever its type (said so)
         ggufs = (
-            (("model", "decode tok/s (fp32)"),)
+            (("model", self.w1_metric),)
             if self.model
             else (
                 ("f32", "decode tok/s (fp32)"),
@@ -495,6 +507,9 @@ class Compare:
                 f"{os.path.basename(gguf)}, 32 sequential requests, each reusing the "
                 "previous one's KV for the prefix they share",
             )
+
+
+DTYPE_LABELS = {"float32": "fp32", "bfloat16": "bf16"}
 
 
 def run(args) -> dict:
@@ -644,6 +659,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a Hugging Face directory or GGUF file petrel loads, for every engine (default: the default model)",
     )
     p.add_argument("--gguf", default=None, help="with an HF --model: the same weights as a GGUF, for llama.cpp")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=sorted(DTYPE_LABELS),
+        help="petrel's and vLLM's dtype (default float32; bfloat16: petrel holds bfloat16 weights with float32 "
+        "arithmetic on the CPU, vLLM runs bfloat16; llama.cpp runs --gguf's types; transformers is left out)",
+    )
     p.add_argument(
         "--w2-requests",
         type=int,
