@@ -125,19 +125,50 @@ def _bf16_case(rows: int, out_features: int, in_features: int) -> tuple[torch.Te
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 13, 64, 256])
 @pytest.mark.parametrize("out_features,in_features", [(96, 64), (37, 16), (1001, 576)])
-def test_bf16_few_row_product_equals_the_widened_weights(rows, out_features, in_features):
-    """bfloat16 weight rows (quantization 'bf16') multiply as the float32 values they widen to, exactly."""
+def test_bf16_few_row_product_equals_the_widened_weights(rows, out_features, in_features, monkeypatch):
+    """bfloat16 weight rows (quantization 'bf16') multiply float32 x as the float32 values they widen to, exactly."""
+    monkeypatch.setenv("PETREL_BF16_ACTIVATIONS", "0")
     x, w = _bf16_case(rows, out_features, in_features)
     got = dense_kernels.bf16_product(x, w)
     assert got is not None and got.shape == (rows, out_features)
     _assert_within_float32_sum_bound(got, x, w.float())
 
 
+needs_bf16_pairs = pytest.mark.skipif(not dense_kernels.bf16_pairs_rows(), reason="no AVX512_BF16 here")
+
+
+@needs_bf16_pairs
+@pytest.mark.parametrize("rows", [32, 33, 257, 14 * 30])
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (33, 1000), (300, 2100), (17, 18)])
+def test_bf16_pairs_product_equals_rounded_x_times_the_weights(rows, out_features, in_features, monkeypatch):
+    """From bf16_pairs_rows() rows x is rounded to bfloat16 (nearest even, as torch rounds) and multiplied two
+    products an instruction (dpbf16): the float64 product of the rounded x and the weights, within float32 sums'
+    bound (K in one slice and in several; rows x K not a multiple of 32: the rounding's masked tail)."""
+    x, w = _bf16_case(rows, out_features, in_features)
+    lib, ran = dense_kernels.library(), []
+    kernel = lib.bf16_pairs_product
+    monkeypatch.setattr(lib, "bf16_pairs_product", lambda *a: ran.append(a[1]) or kernel(*a))
+    got = dense_kernels.bf16_product(x, w)
+    assert ran == [rows] and got.shape == (rows, out_features)
+    _assert_within_float32_sum_bound(got, x.bfloat16().float(), w.float())
+
+
+def test_bf16_activations_switch(monkeypatch):
+    """PETREL_BF16_ACTIVATIONS=0 (or PETREL_AVX512=0) keeps every bfloat16 product on float32 x."""
+    for switch in ("PETREL_BF16_ACTIVATIONS", "PETREL_AVX512"):
+        with monkeypatch.context() as patch:
+            patch.setenv(switch, "0")
+            assert dense_kernels.bf16_pairs_rows() == 0
+            x, w = _bf16_case(40, 24, 64)
+            _assert_within_float32_sum_bound(dense_kernels.bf16_product(x, w), x, w.float())
+
+
 # as the float32 GEMM's cases: K in one slice and in several, the last not a multiple of 8 or 16 (the packing's
 # tails), N in partial panels
 @pytest.mark.parametrize("rows", [257, 14 * 30])
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (33, 1000), (300, 2100), (17, 5)])
-def test_bf16_many_row_product_equals_the_widened_weights(rows, out_features, in_features, bf16_gemm_isa):
+def test_bf16_many_row_product_equals_the_widened_weights(rows, out_features, in_features, bf16_gemm_isa, monkeypatch):
+    monkeypatch.setenv("PETREL_BF16_ACTIVATIONS", "0")
     x, w = _bf16_case(rows, out_features, in_features)
     got = dense_kernels.bf16_product(x, w)
     assert got is not None and got.shape == (rows, out_features)

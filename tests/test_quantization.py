@@ -217,7 +217,7 @@ def _bf16_reference(hf):
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_bf16_dtype_on_cpu_matches_transformers_on_rounded_weights(tiny, tmp_path, tied):
+def test_bf16_dtype_on_cpu_matches_transformers_on_rounded_weights(tiny, tmp_path, tied, monkeypatch):
     """dtype='bfloat16' on the CPU holds the projections, head and embedding in bfloat16 with float32 activations and
     KV cache (quantization 'bf16'): the logits are transformers' in float32 on the weights rounded to bfloat16 (the
     kernels widen each weight exactly), through the decoder stack's kernel, the few-row products and the GEMM."""
@@ -227,6 +227,9 @@ def test_bf16_dtype_on_cpu_matches_transformers_on_rounded_weights(tiny, tmp_pat
     from petrel.model.loader import resolve_model
     from petrel.model.tokenizer import load_tokenizer
 
+    monkeypatch.setenv(
+        "PETREL_BF16_ACTIVATIONS", "0"
+    )  # exact: x rounded to bfloat16 is the e2e test's and the kernels'
     t = tiny(2, tied)
     ref = _bf16_reference(t.hf)
     load_tokenizer(resolve_model(None)).save_pretrained(tmp_path / "tok")
@@ -272,26 +275,42 @@ def test_bf16_dtype_becomes_bf16_weights_only_on_one_cpu_process():
 
 
 @pytest.mark.e2e
-def test_default_model_bf16_greedy_matches_transformers_on_rounded_weights(hf_model):
-    """The default model at dtype 'bfloat16': batched greedy continuations and their logits are those of
-    transformers on the weights rounded to bfloat16 (float32 arithmetic)."""
+@pytest.mark.parametrize("activations", ["float32", "bf16"])
+def test_default_model_bf16_agrees_with_transformers_on_rounded_weights(hf_model, activations, monkeypatch):
+    """The default model at dtype 'bfloat16', 32 prompts at once (the prefill and the decode steps reach
+    BF16_PAIRS_MIN_ROWS rows). With float32 activations (PETREL_BF16_ACTIVATIONS=0) the greedy continuations and
+    their logits are transformers' on the weights rounded to bfloat16. With x rounded to bfloat16 too (the default
+    where the CPU has AVX512_BF16) they drift, bounded (measured on Zen 4: 381 of 384 steps keep the top token, its
+    logprob moving by 0.007 on average, 0.044 at most)."""
     from test_lora import hf_greedy
 
+    from petrel.model import dense_kernels
+
+    if activations == "float32":
+        monkeypatch.setenv("PETREL_BF16_ACTIVATIONS", "0")
+    elif not dense_kernels.bf16_pairs_rows():
+        pytest.skip("no AVX512_BF16 here: every product widens the weights")
     ref = _bf16_reference(hf_model)
     llm = LLM(dtype="bfloat16", kv_cache_memory=64 << 20)
     try:
         tok = llm.tokenizer
-        prompts = [tok.encode(p) for p in PROMPTS]
+        prompts = [tok.encode(f"{p} ({i})") for i in range(4) for p in PROMPTS]
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, return_generation_logits=True)
         outs = llm.generate(prompts, params, use_tqdm=False)
+        steps = agree = 0
+        drift = []
         for ids, out in zip(prompts, outs):
-            tokens = list(out.outputs[0].token_ids)
-            assert tokens == hf_greedy(ref, ids, 12)
+            tokens, got = list(out.outputs[0].token_ids), out.outputs[0].generation_logits
             with torch.no_grad():
-                expected = ref(torch.tensor([ids + tokens])).logits[0].float()
-            torch.testing.assert_close(
-                out.outputs[0].generation_logits, expected[len(ids) - 1 : -1], atol=2e-3, rtol=1e-3
-            )
+                expected = ref(torch.tensor([ids + tokens])).logits[0].float()[len(ids) - 1 : -1]
+            if activations == "float32":
+                assert tokens == hf_greedy(ref, ids, 12)
+                torch.testing.assert_close(got, expected, atol=2e-3, rtol=1e-3)
+            top = expected.argmax(-1, keepdim=True)
+            steps, agree = steps + len(top), agree + int((got.argmax(-1, keepdim=True) == top).sum())
+            drift.append((got.log_softmax(-1).gather(1, top) - expected.log_softmax(-1).gather(1, top)).abs())
+        drift = torch.cat(drift)
+        assert agree >= 0.97 * steps and drift.mean() < 0.02 and drift.max() < 0.2, (agree, steps, drift.max())
     finally:
         llm.shutdown()
 

@@ -119,8 +119,8 @@ def run_batch(runner, prompts: list[list[int]], n: int, tag: str) -> dict:
 
 
 def plan_w6(model_config, args, sizes: Sizes) -> W6Plan:
-    """W6's plan for this model (its vocabulary, context and KV bytes per token at --dtype) and petrel's KV budget
-    (--kv-cache-memory, else EngineConfig's default on CPU)."""
+    """W6's plan for this model (its vocabulary, context and KV bytes per token of --dtype's cache) and petrel's KV
+    budget (--kv-cache-memory, else EngineConfig's default on CPU)."""
     from petrel.config import CPU_KV_CACHE_MEMORY, EngineConfig
 
     defaults = EngineConfig.__dataclass_fields__
@@ -130,7 +130,7 @@ def plan_w6(model_config, args, sizes: Sizes) -> W6Plan:
         model_config.num_hidden_layers,
         model_config.num_key_value_heads,
         model_config.head_dim,
-        DTYPE_BYTES.get(args.dtype, 4),
+        DTYPE_BYTES.get(EngineConfig(dtype=args.dtype).dtype, 4),  # the cache's dtype ('bfloat16' on CPU: float32)
     )
     return w6_plan(model_config.vocab_size, model_config.max_position_embeddings, budget, kv, sizes, block)
 

@@ -45,7 +45,7 @@ def describe(weight: torch.Tensor | QuantizedWeight) -> Weight | None:
     """A [out, in] float32 tensor or a QuantizedWeight as a Weight, or None where the kernels cannot take it."""
     if isinstance(weight, QuantizedWeight) and weight.bits == 16:
         ok = weight.codes.is_cpu and weight.shape[1] % 16 == 0 and library() is not None
-        return Weight(weight.codes.data_ptr(), None, None, 16, 0, 0, 0) if ok else None
+        return Weight(weight.codes.data_ptr(), None, None, 16, 0, bf16_pairs_rows(), 0) if ok else None
     if isinstance(weight, QuantizedWeight):
         codes = weight.codes
         if not codes.is_cpu or weight.shape[1] % 32 or quant_kernels.library() is None:
@@ -119,15 +119,34 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     return y
 
 
+BF16_PAIRS_MIN_ROWS = 32  # from here x rounded to bfloat16 and dpbf16 (Zen 4, 2 threads: 1.1-1.2x the widened
+# few-row kernel at 32 rows, 1.6-1.9x at 64, 2x at many; at 16 rows, 0.5-0.7x: it packs W a call)
+
+
+def bf16_pairs_rows() -> int:
+    """From how many rows of x bfloat16 weights multiply x rounded to bfloat16, two products an element
+    (gemm_avx512.c's bf16_pairs_product, AVX512_BF16's dpbf16: twice the float32 FMA's rate): BF16_PAIRS_MIN_ROWS
+    where the CPU has AVX512_BF16 and neither PETREL_AVX512 nor PETREL_BF16_ACTIVATIONS is 0, else 0 (never: the
+    weights widened to float32 times float32 x)."""
+    on = os.environ.get("PETREL_BF16_ACTIVATIONS", "1") != "0" and native.cpu_has_avx512()
+    return BF16_PAIRS_MIN_ROWS if on and native.cpu_has("avx512_bf16", "avx512bw") else 0
+
+
 def bf16_product(x: torch.Tensor, codes: torch.Tensor) -> torch.Tensor | None:
-    """x [M, K] float32 contiguous @ codes[N, K]^T for bfloat16 codes, each widened to float32 exactly: the few-row
-    kernel up to GEMV_MAX_ROWS rows, else the GEMM of this CPU's widest vectors (which widens W as it packs it);
-    None where neither runs."""
+    """x [M, K] float32 contiguous @ codes[N, K]^T for bfloat16 codes: from bf16_pairs_rows() rows (K even), x
+    rounded to bfloat16 and two products an instruction (bf16_pairs_product); below, each weight widened to float32
+    exactly: the few-row kernel up to GEMV_MAX_ROWS rows, else the GEMM of this CPU's widest vectors (which widens W
+    as it packs it); None where none runs."""
     (m, k), n = x.shape, codes.shape[0]
-    if (m <= GEMV_MAX_ROWS and k % 16) or not x.is_cpu or not codes.is_cpu or (lib := library()) is None:
+    pairs = bf16_pairs_rows()
+    pairs = pairs and m >= pairs and k % 2 == 0
+    if (not pairs and m <= GEMV_MAX_ROWS and k % 16) or not x.is_cpu or not codes.is_cpu or (lib := library()) is None:
         return None
     y, threads = torch.empty(m, n, dtype=torch.float32), torch.get_num_threads()
-    if m <= GEMV_MAX_ROWS:
+    if pairs:
+        if lib.bf16_pairs_product(x.data_ptr(), m, k, codes.data_ptr(), y.data_ptr(), n, threads):
+            raise native.out_of_memory("bf16_pairs_product")
+    elif m <= GEMV_MAX_ROWS:
         lib.bf16_gemv(x.data_ptr(), m, k, codes.data_ptr(), y.data_ptr(), n, threads)
     elif native.cpu_has_avx512():
         workspace = _gemm_workspace(lib.f32_gemm_workspace(k, n, threads))

@@ -7,6 +7,7 @@
  * the CPU has AVX-512 first (native.cpu_has_avx512). */
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "gemm_driver.h"
 #include "kernels.h"
@@ -15,30 +16,37 @@
 #define NR 32
 
 /* y rows [0, mr) x columns [0, nr) = 14 rows of x (x[i * rs + k * ks]) @ the W panel [K][32] (+ y where add);
- * masked loads and stores touch no column past nr and no row past mr */
-__attribute__((target("avx512f"), always_inline))
-static inline void block_14x32_at(const float *x, int64_t rs, int64_t ks, const float *wp, int64_t K, float *y,
-                                  int64_t ldy, int mr, int nr, int add) {
-    const __mmask16 mask0 = nr >= 16 ? 0xFFFF : (__mmask16)((1u << nr) - 1);
-    const __mmask16 mask1 = nr >= 32 ? 0xFFFF : nr <= 16 ? 0 : (__mmask16)((1u << (nr - 16)) - 1);
-    __m512 c[MR][2];
-    for (int i = 0; i < MR; i++) {
-        c[i][0] = add && i < mr ? _mm512_maskz_loadu_ps(mask0, y + i * ldy) : _mm512_setzero_ps();
-        c[i][1] = add && i < mr ? _mm512_maskz_loadu_ps(mask1, y + i * ldy + 16) : _mm512_setzero_ps();
-    }
-    for (int64_t k = 0; k < K; k++, x += ks, wp += NR) {
-        const __m512 w0 = _mm512_loadu_ps(wp), w1 = _mm512_loadu_ps(wp + 16);
-        for (int i = 0; i < MR; i++) {
-            const __m512 xb = _mm512_set1_ps(x[i * rs]);
-            c[i][0] = _mm512_fmadd_ps(w0, xb, c[i][0]);
-            c[i][1] = _mm512_fmadd_ps(w1, xb, c[i][1]);
-        }
-    }
-    for (int i = 0; i < mr; i++) {
-        _mm512_mask_storeu_ps(y + i * ldy, mask0, c[i][0]);
-        _mm512_mask_storeu_ps(y + i * ldy + 16, mask1, c[i][1]);
-    }
+ * masked loads and stores touch no column past nr and no row past mr. MULADD(w, xb, c): c + w * xb lane by lane
+ * (FMA), or for the bfloat16 GEMM, where every 32-bit element of x and W is a pair of bfloat16 values (consecutive
+ * k), c + the pair's two products (dpbf16). */
+#define BLOCK_14X32(NAME, TARGET, MULADD) \
+__attribute__((target(TARGET), always_inline)) \
+static inline void NAME(const float *x, int64_t rs, int64_t ks, const float *wp, int64_t K, float *y, int64_t ldy, \
+                        int mr, int nr, int add) { \
+    const __mmask16 mask0 = nr >= 16 ? 0xFFFF : (__mmask16)((1u << nr) - 1); \
+    const __mmask16 mask1 = nr >= 32 ? 0xFFFF : nr <= 16 ? 0 : (__mmask16)((1u << (nr - 16)) - 1); \
+    __m512 c[MR][2]; \
+    for (int i = 0; i < MR; i++) { \
+        c[i][0] = add && i < mr ? _mm512_maskz_loadu_ps(mask0, y + i * ldy) : _mm512_setzero_ps(); \
+        c[i][1] = add && i < mr ? _mm512_maskz_loadu_ps(mask1, y + i * ldy + 16) : _mm512_setzero_ps(); \
+    } \
+    for (int64_t k = 0; k < K; k++, x += ks, wp += NR) { \
+        const __m512 w0 = _mm512_loadu_ps(wp), w1 = _mm512_loadu_ps(wp + 16); \
+        for (int i = 0; i < MR; i++) { \
+            const __m512 xb = _mm512_set1_ps(x[i * rs]); \
+            c[i][0] = MULADD(w0, xb, c[i][0]); \
+            c[i][1] = MULADD(w1, xb, c[i][1]); \
+        } \
+    } \
+    for (int i = 0; i < mr; i++) { \
+        _mm512_mask_storeu_ps(y + i * ldy, mask0, c[i][0]); \
+        _mm512_mask_storeu_ps(y + i * ldy + 16, mask1, c[i][1]); \
+    } \
 }
+#define FMA(w, xb, c) _mm512_fmadd_ps(w, xb, c)
+#define DPBF16(w, xb, c) _mm512_dpbf16_ps(c, (__m512bh)(w), (__m512bh)(xb))
+BLOCK_14X32(block_14x32_at, "avx512f", FMA)
+BLOCK_14X32(block_14x32_pairs_at, "avx512f,avx512bf16", DPBF16)
 
 /* sixteen elements i.. of W, float32 or bfloat16 (widened exactly) */
 __attribute__((target("avx512f"), always_inline))
@@ -109,7 +117,17 @@ static void block_14x32(const float *x, int64_t rs, int64_t ks, const float *wp,
     else block_14x32_at(x, 1, MR, wp, K, y, ldy, mr, nr, add);
 }
 
+/* the bfloat16 pairs' block, its strides known to the compiler as block_14x32's */
+__attribute__((target("avx512f,avx512bf16")))
+static void block_14x32_pairs(const float *x, int64_t rs, int64_t ks, const float *wp, int64_t K, float *y,
+                              int64_t ldy, int mr, int nr, int add) {
+    if (ks == 1) block_14x32_pairs_at(x, rs, 1, wp, K, y, ldy, mr, nr, add);
+    else block_14x32_pairs_at(x, 1, MR, wp, K, y, ldy, mr, nr, add);
+}
+
 static const gemm_kernel kernel = {MR, NR, block_14x32, pack_32, pack_32_bf16};
+/* bfloat16 x bfloat16: each 32-bit element a pair of bfloat16 values, moved as a float (bits unchanged) */
+static const gemm_kernel pairs_kernel = {MR, NR, block_14x32_pairs, pack_32, NULL};
 
 /* floats of workspace f32_gemm needs */
 int64_t f32_gemm_workspace(int64_t K, int64_t N, int nthreads) {
@@ -126,4 +144,44 @@ void f32_gemm(const float *x, int64_t M, int64_t K, const float *W, float *y, in
 void bf16_gemm(const float *x, int64_t M, int64_t K, const uint16_t *W, float *y, int64_t N, float *workspace,
                int nthreads) {
     gemm_run(&kernel, x, M, K, NULL, W, y, N, workspace, nthreads);
+}
+
+/* floats of workspace bf16_pairs_gemm needs */
+static int64_t bf16_pairs_gemm_workspace(int64_t K, int64_t N, int nthreads) {
+    return gemm_workspace(&pairs_kernel, K / 2, N, nthreads);
+}
+
+/* y[M][N] = x[M][K] @ W[N][K]^T for bfloat16 x (activations rounded by the caller) and W, K even, with AVX512_BF16's
+ * dpbf16 (twice the multiply-adds of an FMA an instruction; each product exact in float32, sums in float32): the
+ * float32 GEMM's driver over K / 2 elements of 32 bits, each a pair of consecutive k, which its packing moves
+ * unchanged; callers check the CPU has AVX512_BF16. Workspace: bf16_pairs_gemm_workspace(K, N, nthreads) floats */
+static void bf16_pairs_gemm(const uint16_t *x, int64_t M, int64_t K, const uint16_t *W, float *y, int64_t N,
+                            float *workspace, int nthreads) {
+    gemm_run(&pairs_kernel, (const float *)x, M, K / 2, (const float *)W, NULL, y, N, workspace, nthreads);
+}
+
+/* x rounded to bfloat16 (nearest even; AVX512_BF16's conversion, which takes subnormal floats as zero), n values */
+__attribute__((target("avx512f,avx512bf16")))
+static void round_to_bf16(const float *x, int64_t n, uint16_t *out) {
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32)
+        _mm512_storeu_si512(out + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i)));
+    if (i < n) {
+        const __mmask16 lo = (__mmask16)((1u << (n - i < 16 ? n - i : 16)) - 1);
+        const __mmask16 hi = (__mmask16)(n - i > 16 ? (1u << (n - i - 16)) - 1 : 0);
+        const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, x + i + 16), _mm512_maskz_loadu_ps(lo, x + i));
+        _mm512_mask_storeu_epi16(out + i, ((__mmask32)hi << 16) | lo, (__m512i)v);
+    }
+}
+
+/* y[M][N] = x[M][K] @ W[N][K]^T for bfloat16 W, K even, x rounded to bfloat16 first: bf16_pairs_gemm (AVX512_BF16
+ * and AVX-512 BW: callers check); 0, or KERNEL_OUT_OF_MEMORY */
+int bf16_pairs_product(const float *x, int64_t M, int64_t K, const uint16_t *W, float *y, int64_t N, int nthreads) {
+    const int64_t rounded = (M * K + 1) / 2;   /* floats' room for M x K bfloat16 values */
+    float *const scratch = malloc(sizeof(float) * (rounded + bf16_pairs_gemm_workspace(K, N, nthreads)));
+    if (!scratch) return KERNEL_OUT_OF_MEMORY;
+    round_to_bf16(x, M * K, (uint16_t *)scratch);
+    bf16_pairs_gemm((const uint16_t *)scratch, M, K, W, y, N, scratch + rounded, nthreads);
+    free(scratch);
+    return 0;
 }

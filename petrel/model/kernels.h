@@ -12,7 +12,8 @@
 #define KERNEL_OUT_OF_MEMORY 1
 
 /* A projection's weight [N][K] (dense_kernels.Weight mirrors it, field for field): float32 rows (bits 32, data
- * only), bfloat16 rows (bits 16, data only: products of the weights widened to float32), or quant_kernels.c's codes (bits 4 or 8) with their float32 scale and min per group of 2^gshift (mins may
+ * only), bfloat16 rows (bits 16, data only: products of the weights widened to float32, or from integer_rows
+ * rows, if not 0, of x rounded to bfloat16 too: bf16_pairs_product), or quant_kernels.c's codes (bits 4 or 8) with their float32 scale and min per group of 2^gshift (mins may
  * be NULL); integer_rows: from this many rows of x its products run in integers with integer_isa's kernel
  * (int8_gemm.c for 8-bit codes with one scale a row and no mins, gshift >= 62; group_gemm.c for groups), 0 never. */
 typedef struct {
@@ -64,6 +65,7 @@ void f32_gemm(const float *x, int64_t M, int64_t K, const float *W, float *y, in
               int nthreads);
 void bf16_gemm(const float *x, int64_t M, int64_t K, const uint16_t *W, float *y, int64_t N, float *workspace,
                int nthreads);
+int bf16_pairs_product(const float *x, int64_t M, int64_t K, const uint16_t *W, float *y, int64_t N, int nthreads);
 
 /* gemm_avx2.c */
 int64_t f32_gemm_avx2_workspace(int64_t K, int64_t N, int nthreads);
