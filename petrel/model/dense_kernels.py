@@ -119,8 +119,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     return y
 
 
-BF16_PAIRS_MIN_ROWS = 32  # from here x rounded to bfloat16 and dpbf16 (Zen 4, 2 threads: 1.1-1.2x the widened
-# few-row kernel at 32 rows, 1.6-1.9x at 64, 2x at many; at 16 rows, 0.5-0.7x: it packs W a call)
+BF16_PAIRS_MIN_ROWS = 16  # from here x rounded to bfloat16 and dpbf16 (Zen 4, 2 threads, weights from memory:
+# 1.0-1.5x the widened few-row kernel at 16 rows, 1.2-1.6x at 32, 1.5-2x from 64; 0.6-1.2x at 8)
 
 
 def bf16_pairs_rows() -> int:

@@ -7,8 +7,8 @@
  * the CPU has AVX-512 first (native.cpu_has_avx512). */
 #include <immintrin.h>
 #include <stdint.h>
-#include <stdlib.h>
 
+#include "bf16_pairs.h"
 #include "gemm_driver.h"
 #include "kernels.h"
 
@@ -147,7 +147,7 @@ void bf16_gemm(const float *x, int64_t M, int64_t K, const uint16_t *W, float *y
 }
 
 /* floats of workspace bf16_pairs_gemm needs */
-static int64_t bf16_pairs_gemm_workspace(int64_t K, int64_t N, int nthreads) {
+int64_t bf16_pairs_gemm_workspace(int64_t K, int64_t N, int nthreads) {
     return gemm_workspace(&pairs_kernel, K / 2, N, nthreads);
 }
 
@@ -155,33 +155,7 @@ static int64_t bf16_pairs_gemm_workspace(int64_t K, int64_t N, int nthreads) {
  * dpbf16 (twice the multiply-adds of an FMA an instruction; each product exact in float32, sums in float32): the
  * float32 GEMM's driver over K / 2 elements of 32 bits, each a pair of consecutive k, which its packing moves
  * unchanged; callers check the CPU has AVX512_BF16. Workspace: bf16_pairs_gemm_workspace(K, N, nthreads) floats */
-static void bf16_pairs_gemm(const uint16_t *x, int64_t M, int64_t K, const uint16_t *W, float *y, int64_t N,
-                            float *workspace, int nthreads) {
+void bf16_pairs_gemm(const uint16_t *x, int64_t M, int64_t K, const uint16_t *W, float *y, int64_t N,
+                     float *workspace, int nthreads) {
     gemm_run(&pairs_kernel, (const float *)x, M, K / 2, (const float *)W, NULL, y, N, workspace, nthreads);
-}
-
-/* x rounded to bfloat16 (nearest even; AVX512_BF16's conversion, which takes subnormal floats as zero), n values */
-__attribute__((target("avx512f,avx512bf16")))
-static void round_to_bf16(const float *x, int64_t n, uint16_t *out) {
-    int64_t i = 0;
-    for (; i + 32 <= n; i += 32)
-        _mm512_storeu_si512(out + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i)));
-    if (i < n) {
-        const __mmask16 lo = (__mmask16)((1u << (n - i < 16 ? n - i : 16)) - 1);
-        const __mmask16 hi = (__mmask16)(n - i > 16 ? (1u << (n - i - 16)) - 1 : 0);
-        const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, x + i + 16), _mm512_maskz_loadu_ps(lo, x + i));
-        _mm512_mask_storeu_epi16(out + i, ((__mmask32)hi << 16) | lo, (__m512i)v);
-    }
-}
-
-/* y[M][N] = x[M][K] @ W[N][K]^T for bfloat16 W, K even, x rounded to bfloat16 first: bf16_pairs_gemm (AVX512_BF16
- * and AVX-512 BW: callers check); 0, or KERNEL_OUT_OF_MEMORY */
-int bf16_pairs_product(const float *x, int64_t M, int64_t K, const uint16_t *W, float *y, int64_t N, int nthreads) {
-    const int64_t rounded = (M * K + 1) / 2;   /* floats' room for M x K bfloat16 values */
-    float *const scratch = malloc(sizeof(float) * (rounded + bf16_pairs_gemm_workspace(K, N, nthreads)));
-    if (!scratch) return KERNEL_OUT_OF_MEMORY;
-    round_to_bf16(x, M * K, (uint16_t *)scratch);
-    bf16_pairs_gemm((const uint16_t *)scratch, M, K, W, y, N, scratch + rounded, nthreads);
-    free(scratch);
-    return 0;
 }

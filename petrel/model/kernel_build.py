@@ -33,6 +33,7 @@ SOURCES = (
     "group_gemm_q8.c",
     "gemm_avx2.c",
     "gemm_avx512.c",
+    "bf16_pairs.c",
     "thread_pool.c",
     "build_info.c",
     HEADER,
@@ -44,6 +45,7 @@ SOURCES = (
     "vector_ops.h",
     "gemm_driver.h",
     "gemv_rows.h",
+    "bf16_pairs.h",
     "int16_rows.h",
 )
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-pthread", "-shared", "-fPIC")

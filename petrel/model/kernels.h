@@ -65,6 +65,8 @@ void f32_gemm(const float *x, int64_t M, int64_t K, const float *W, float *y, in
               int nthreads);
 void bf16_gemm(const float *x, int64_t M, int64_t K, const uint16_t *W, float *y, int64_t N, float *workspace,
                int nthreads);
+
+/* bf16_pairs.c */
 int bf16_pairs_product(const float *x, int64_t M, int64_t K, const uint16_t *W, float *y, int64_t N, int nthreads);
 
 /* gemm_avx2.c */
