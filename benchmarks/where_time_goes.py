@@ -47,6 +47,7 @@ from petrel.engine import sampler
 from petrel.model import dense_kernels, layers, native
 from petrel.model.config import ModelConfig
 from petrel.model.loader import load_model_config, resolve_model
+from petrel.model.quantization import QuantizedLinear
 
 
 class Timers:
@@ -164,12 +165,14 @@ def prefill(args) -> None:
     linear_shapes: dict[str, tuple[int, int]] = {}
 
     def linear_label(args) -> str:
-        shape = tuple(args[0].weight.shape)
+        layer = args[0]
+        shape = tuple(layer.qweight.shape if isinstance(layer, QuantizedLinear) else layer.weight.shape)
         linear_shapes[f"Linear {shape}"] = shape
         return f"Linear {shape}"
 
     timers.wrap(layers.Linear, "forward", linear_label)
-    llm = LLM(model=args.model, kv_cache_memory=4 << 30, enable_prefix_caching=False)
+    timers.wrap(QuantizedLinear, "forward", linear_label)  # quantization, dtype bfloat16 on the CPU
+    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory=4 << 30, enable_prefix_caching=False)
     num_layers = load_model_config(resolve_model(args.model)).num_hidden_layers
     if args.w2_prompts:
         prompts = make_w2_prompts(args.w2_prompts)
@@ -217,7 +220,7 @@ def decode(args) -> None:
                     steps["calls"][key] += timers.calls[key] - calls_before[key]
 
     engine_core.EngineCore.step = timed_step
-    llm = LLM(model=args.model, kv_cache_memory=4 << 30, enable_prefix_caching=False)
+    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory=4 << 30, enable_prefix_caching=False)
     prompts = [{"prompt_token_ids": p[: args.prompt_tokens or None]} for p in make_w2_prompts(args.seqs)]
     llm.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)  # warm-up
     steps.update(n=0, seconds=0.0, inside=collections.defaultdict(float), calls=collections.Counter())
@@ -295,6 +298,7 @@ def main() -> None:
         "--repeats", type=int, default=5, help="gemm: each cell the best of this many calls; attention: rounds"
     )
     ap.add_argument("--ceiling", action="store_true", help="gemm: also the FMA ceiling (gcc, fma_peak.c)")
+    ap.add_argument("--dtype", default="auto", help="prefill, decode: the engine's dtype (bfloat16: bfloat16 weights)")
     ap.add_argument("--tokens", type=int, default=7936, help="prefill: the prompt's length")
     ap.add_argument("--w2-prompts", type=int, default=0, help="prefill: W2's first N prompts instead")
     ap.add_argument("--seqs", type=int, default=16, help="decode: sequences")

@@ -137,9 +137,9 @@ def test_bf16_few_row_product_equals_the_widened_weights(rows, out_features, in_
 needs_bf16_pairs = pytest.mark.skipif(not dense_kernels.bf16_pairs_rows(), reason="no AVX512_BF16 here")
 
 
-# rows: the few-row kernels (passes of 4, 1, 3 rows), the GEMM (from 48); K a multiple of 32 or not (masked last step)
+# rows: the few-row kernels (passes of 1, 2, 3, 4 rows), the GEMM (from 128); K a multiple of 32 or not (masked)
 @needs_bf16_pairs
-@pytest.mark.parametrize("rows", [16, 17, 47, 48, 257, 14 * 30])
+@pytest.mark.parametrize("rows", [1, 2, 3, 17, 127, 128, 257, 14 * 30])
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (33, 1000), (300, 2100), (17, 18)])
 def test_bf16_pairs_product_equals_rounded_x_times_the_weights(rows, out_features, in_features, monkeypatch):
     """From bf16_pairs_rows() rows x is rounded to bfloat16 (nearest even, as torch rounds) and multiplied two

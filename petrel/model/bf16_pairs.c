@@ -16,8 +16,9 @@
 #include "thread_pool.h"
 
 #define TARGET "avx512f,avx512bw,avx512bf16"
-#define PAIRS_GEMM_ROWS 48   /* from here the GEMM: it packs W a call, which only many rows repay (Zen 4: the few-row
-                              * kernels 223-282 GFLOP/s at 47 rows, the GEMM 190-251 at 64) */
+#define PAIRS_GEMM_ROWS 128  /* from here the GEMM: it packs W a call, which only many rows repay (Zen 4, weights
+                              * from memory: the few-row kernels 265-364 GFLOP/s at 64 rows, the GEMM 238-270; at
+                              * 128, 274-374 and 299-330; at 256, 269-379 and 351-378) */
 #define TILE 12
 
 /* x rounded to bfloat16 (nearest even; the conversion takes subnormal floats as zero), n values */
@@ -34,11 +35,14 @@ static void round_to_bf16(const float *x, int64_t n, uint16_t *out) {
     }
 }
 
-/* y[m][n] for MR rows of x and the weight rows [n0, n1), NR at a time; K even (a last step of K % 32 masked) */
-#define PAIRS_ROWS(MR, NR) \
+/* y[m][n] for MR rows of x and the weight rows [n0, n1), NR at a time; K even (a last step of K % 32 masked);
+ * each step also prefetches PF cache lines of *pf (up to pf_end) into L2: enough that the next tile is on its way
+ * within one pass over this one (the hardware prefetcher alone leaves a tile's first pass waiting on memory) */
+#define PAIRS_ROWS(MR, NR, PF) \
 __attribute__((target(TARGET))) \
 static void pairs_rows_##MR(const uint16_t *x, int64_t K, const uint16_t *W, float *y, int64_t N, int64_t n0, \
-                            int64_t n1) { \
+                            int64_t n1, const char **pf, const char *pf_end) { \
+    const char *p = *pf; \
     for (int64_t n = n0; n < n1; n += NR) { \
         const int nr = n1 - n < NR ? (int)(n1 - n) : NR; \
         const uint16_t *w[NR]; \
@@ -47,6 +51,7 @@ static void pairs_rows_##MR(const uint16_t *x, int64_t K, const uint16_t *W, flo
         for (int m = 0; m < MR; m++) for (int j = 0; j < NR; j++) acc[m][j] = _mm512_setzero_ps(); \
         for (int64_t k = 0; k < K; k += 32) { \
             const __mmask32 mask = K - k >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << (K - k)) - 1); \
+            for (int q = 0; q < PF; q++) if (p < pf_end) { _mm_prefetch(p, _MM_HINT_T1); p += 64; } \
             __m512i wv[NR]; \
             for (int j = 0; j < NR; j++) wv[j] = _mm512_maskz_loadu_epi16(mask, w[j] + k); \
             for (int m = 0; m < MR; m++) { \
@@ -60,8 +65,9 @@ static void pairs_rows_##MR(const uint16_t *x, int64_t K, const uint16_t *W, flo
                 if (j < nr) y[m * N + n + j] = sum; \
             } \
     } \
+    *pf = p; \
 }
-PAIRS_ROWS(1, 4) PAIRS_ROWS(2, 3) PAIRS_ROWS(3, 3) PAIRS_ROWS(4, 3)
+PAIRS_ROWS(1, 4, 4) PAIRS_ROWS(2, 3, 3) PAIRS_ROWS(3, 3, 3) PAIRS_ROWS(4, 3, 3)
 
 typedef struct { const uint16_t *x; int64_t M, K; const uint16_t *W; float *y; int64_t N; } pairs_args;
 
@@ -72,14 +78,16 @@ static void pairs_part(void *args, int t, int T) {
     split_range(N, t, T, TILE, &n0, &n1);
     for (int64_t n = n0; n < n1; n += TILE) {
         const int64_t ne = n + TILE < n1 ? n + TILE : n1;
+        const char *pf = (const char *)(a->W + ne * K);
+        const char *const pf_end = (const char *)(a->W + (ne + TILE < n1 ? ne + TILE : n1) * K);
         for (int64_t m = 0; m < a->M; m += 4) {
             const uint16_t *x = a->x + m * K;
             float *y = a->y + m * N;
             const int64_t r = a->M - m < 4 ? a->M - m : 4;
-            if (r == 4) pairs_rows_4(x, K, a->W, y, N, n, ne);
-            else if (r == 3) pairs_rows_3(x, K, a->W, y, N, n, ne);
-            else if (r == 2) pairs_rows_2(x, K, a->W, y, N, n, ne);
-            else pairs_rows_1(x, K, a->W, y, N, n, ne);
+            if (r == 4) pairs_rows_4(x, K, a->W, y, N, n, ne, &pf, pf_end);
+            else if (r == 3) pairs_rows_3(x, K, a->W, y, N, n, ne, &pf, pf_end);
+            else if (r == 2) pairs_rows_2(x, K, a->W, y, N, n, ne, &pf, pf_end);
+            else pairs_rows_1(x, K, a->W, y, N, n, ne, &pf, pf_end);
         }
     }
 }

@@ -119,13 +119,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     return y
 
 
-BF16_PAIRS_MIN_ROWS = 16  # from here x rounded to bfloat16 and dpbf16 (Zen 4, 2 threads, weights from memory:
-# 1.0-1.5x the widened few-row kernel at 16 rows, 1.2-1.6x at 32, 1.5-2x from 64; 0.6-1.2x at 8)
+BF16_PAIRS_MIN_ROWS = 1  # from here x rounded to bfloat16 and dpbf16 (Zen 4, 2 threads, weights from memory: 1.1-1.5x
+# the widened few-row kernel at one row, 1.2-1.5x at 4, 1.7-2x from 16)
 
 
 def bf16_pairs_rows() -> int:
     """From how many rows of x bfloat16 weights multiply x rounded to bfloat16, two products an element
-    (gemm_avx512.c's bf16_pairs_product, AVX512_BF16's dpbf16: twice the float32 FMA's rate): BF16_PAIRS_MIN_ROWS
+    (bf16_pairs.c's bf16_pairs_product, AVX512_BF16's dpbf16: twice the float32 FMA's rate): BF16_PAIRS_MIN_ROWS
     where the CPU has AVX512_BF16 and neither PETREL_AVX512 nor PETREL_BF16_ACTIVATIONS is 0, else 0 (never: the
     weights widened to float32 times float32 x)."""
     on = os.environ.get("PETREL_BF16_ACTIVATIONS", "1") != "0" and native.cpu_has_avx512()
