@@ -237,11 +237,13 @@ class EngineConfig:
                 f"quantization {self.quantization!r} is not supported with tensor_parallel_size={size} "
                 "(quantized weights are not split over ranks)"
             )
-        if self.device == "cpu" and self.dtype == "bfloat16" and self.quantization in (None, "none") and size == 1:
-            # bfloat16 weights (half the memory, half the bytes a decode step reads) with float32 activations and
-            # KV cache: petrel's kernels widen each weight exactly; torch's own bfloat16 CPU arithmetic ran W1 at
-            # 0.45x float32's speed (BENCHMARKS.md, 2026-12-03)
-            self.dtype, self.quantization = "float32", "bf16"
+        if self.device == "cpu" and self.dtype == "bfloat16" and size == 1:
+            # bfloat16 weights (half the memory, half the bytes a decode step reads; unless another quantization
+            # holds them) with float32 activations and KV cache, which petrel's CPU kernels take: torch's own
+            # bfloat16 CPU arithmetic ran W1 at 0.45x float32's speed (BENCHMARKS.md, 2026-12-03)
+            self.dtype = "float32"
+            if self.quantization in (None, "none"):
+                self.quantization = "bf16"
 
     def _check_kv_tiers(self) -> None:
         """Sizes, the disk path and the store's URL well formed; any tier or store needs the prefix cache, one rank."""

@@ -265,12 +265,15 @@ def test_bf16_dtype_on_cpu_matches_transformers_on_rounded_weights(tiny, tmp_pat
 
 
 def test_bf16_dtype_becomes_bf16_weights_only_on_one_cpu_process():
-    """dtype 'bfloat16' keeps its meaning on CUDA, beside another quantization and over tensor-parallel ranks (whose
+    """On the CPU (one process) dtype 'bfloat16' means float32 activations and KV cache, the weights held in bfloat16
+    unless another quantization holds them; it keeps its meaning on CUDA and over tensor-parallel ranks (whose
     weights are not held quantized); quantization 'bf16' may also be asked for by name."""
     assert (EngineConfig(dtype="bfloat16").dtype, EngineConfig(dtype="bfloat16").quantization) == ("float32", "bf16")
-    for kwargs in ({"device": "cuda"}, {"quantization": "int8"}, {"tensor_parallel_size": 2}):
+    int8 = EngineConfig(dtype="bfloat16", quantization="int8")
+    assert (int8.dtype, int8.quantization) == ("float32", "int8")
+    for kwargs in ({"device": "cuda"}, {"tensor_parallel_size": 2}):
         config = EngineConfig(dtype="bfloat16", **kwargs)
-        assert config.dtype == "bfloat16" and config.quantization != "bf16", kwargs
+        assert config.dtype == "bfloat16" and config.quantization is None, kwargs
     assert EngineConfig(quantization="bf16").dtype == "float32"
 
 
