@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from petrel.model import dense_kernels, native
+from petrel.model import dense_kernels, gemm_kernels, native
 from petrel.model.attention import _decode_attention
 from petrel.model.layers import Linear, RMSNorm, RotaryEmbedding, silu_and_mul
 
@@ -68,7 +68,7 @@ def gemm_isa(request, monkeypatch):
 
 @pytest.fixture(params=ISAS)
 def bf16_gemm_isa(request, monkeypatch):
-    """The ISA whose GEMM dense_kernels.bf16_product runs for many rows in this test."""
+    """The ISA whose GEMM gemm_kernels.bf16_product runs for many rows in this test."""
     yield from _run_isa(request, monkeypatch, {"avx512": "bf16_gemm", "avx2": "bf16_gemm_avx2"})
 
 
@@ -129,12 +129,12 @@ def test_bf16_few_row_product_equals_the_widened_weights(rows, out_features, in_
     """bfloat16 weight rows (quantization 'bf16') multiply float32 x as the float32 values they widen to, exactly."""
     monkeypatch.setenv("PETREL_BF16_ACTIVATIONS", "0")
     x, w = _bf16_case(rows, out_features, in_features)
-    got = dense_kernels.bf16_product(x, w)
+    got = gemm_kernels.bf16_product(x, w)
     assert got is not None and got.shape == (rows, out_features)
     _assert_within_float32_sum_bound(got, x, w.float())
 
 
-needs_bf16_pairs = pytest.mark.skipif(not dense_kernels.bf16_pairs_rows(), reason="no AVX512_BF16 here")
+needs_bf16_pairs = pytest.mark.skipif(not gemm_kernels.bf16_pairs_rows(), reason="no AVX512_BF16 here")
 
 
 # rows: the few-row kernels (passes of 1, 2, 3, 4 rows), the GEMM (from 128); K a multiple of 32 or not (masked)
@@ -149,7 +149,7 @@ def test_bf16_pairs_product_equals_rounded_x_times_the_weights(rows, out_feature
     lib, ran = dense_kernels.library(), []
     kernel = lib.bf16_pairs_product
     monkeypatch.setattr(lib, "bf16_pairs_product", lambda *a: ran.append(a[1]) or kernel(*a))
-    got = dense_kernels.bf16_product(x, w)
+    got = gemm_kernels.bf16_product(x, w)
     assert ran == [rows] and got.shape == (rows, out_features)
     _assert_within_float32_sum_bound(got, x.bfloat16().float(), w.float())
 
@@ -159,9 +159,9 @@ def test_bf16_activations_switch(monkeypatch):
     for switch in ("PETREL_BF16_ACTIVATIONS", "PETREL_AVX512"):
         with monkeypatch.context() as patch:
             patch.setenv(switch, "0")
-            assert dense_kernels.bf16_pairs_rows() == 0
+            assert gemm_kernels.bf16_pairs_rows() == 0
             x, w = _bf16_case(40, 24, 64)
-            _assert_within_float32_sum_bound(dense_kernels.bf16_product(x, w), x, w.float())
+            _assert_within_float32_sum_bound(gemm_kernels.bf16_product(x, w), x, w.float())
 
 
 # as the float32 GEMM's cases: K in one slice and in several, the last not a multiple of 8 or 16 (the packing's
@@ -171,7 +171,7 @@ def test_bf16_activations_switch(monkeypatch):
 def test_bf16_many_row_product_equals_the_widened_weights(rows, out_features, in_features, bf16_gemm_isa, monkeypatch):
     monkeypatch.setenv("PETREL_BF16_ACTIVATIONS", "0")
     x, w = _bf16_case(rows, out_features, in_features)
-    got = dense_kernels.bf16_product(x, w)
+    got = gemm_kernels.bf16_product(x, w)
     assert got is not None and got.shape == (rows, out_features)
     _assert_within_float32_sum_bound(got, x, w.float())
 

@@ -14,7 +14,7 @@ from test_int8_gemm import rounded_rows
 
 from petrel import LLM, LoRARequest, SamplingParams
 from petrel.config import EngineConfig
-from petrel.model import quant_kernels, quantization
+from petrel.model import gemm_kernels, quant_kernels, quantization
 from petrel.model.gguf_quants import READERS
 from petrel.model.quantization import GEMV_MAX_ROWS, QuantizedLinear, QuantizedWeight
 
@@ -280,18 +280,16 @@ def test_bf16_dtype_becomes_bf16_weights_only_on_one_cpu_process():
 @pytest.mark.e2e
 @pytest.mark.parametrize("activations", ["float32", "bf16"])
 def test_default_model_bf16_agrees_with_transformers_on_rounded_weights(hf_model, activations, monkeypatch):
-    """The default model at dtype 'bfloat16', 32 prompts at once (the prefill and the decode steps reach
-    BF16_PAIRS_MIN_ROWS rows). With float32 activations (PETREL_BF16_ACTIVATIONS=0) the greedy continuations and
-    their logits are transformers' on the weights rounded to bfloat16. With x rounded to bfloat16 too (the default
-    where the CPU has AVX512_BF16) they drift, bounded (measured on Zen 4: 379 of 384 steps keep the top token, its
+    """The default model at dtype 'bfloat16', 32 prompts at once (a prefill past the few-row kernels, decode steps of
+    32 rows). With float32 activations (PETREL_BF16_ACTIVATIONS=0) the greedy continuations and their logits are
+    transformers' on the weights rounded to bfloat16. With x rounded to bfloat16 too (the default where the CPU has
+    AVX512_BF16) they drift, bounded (measured on Zen 4: 379 of 384 steps keep the top token, its
     logprob moving by 0.007 on average, 0.041 at most)."""
     from test_lora import hf_greedy
 
-    from petrel.model import dense_kernels
-
     if activations == "float32":
         monkeypatch.setenv("PETREL_BF16_ACTIVATIONS", "0")
-    elif not dense_kernels.bf16_pairs_rows():
+    elif not gemm_kernels.bf16_pairs_rows():
         pytest.skip("no AVX512_BF16 here: every product widens the weights")
     ref = _bf16_reference(hf_model)
     llm = LLM(dtype="bfloat16", kv_cache_memory=64 << 20)

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import ctypes
 import os
-import threading
 from typing import NamedTuple
 
 import torch
 
-from petrel.model import native, quant_kernels
+from petrel.model import gemm_kernels, native, quant_kernels
+from petrel.model.gemm_kernels import GEMV_MAX_ROWS
 from petrel.model.quantization import GEMM_MAX_ROWS as QUANT_GEMM_MAX_ROWS
 from petrel.model.quantization import QuantizedWeight
 
@@ -45,7 +45,7 @@ def describe(weight: torch.Tensor | QuantizedWeight) -> Weight | None:
     """A [out, in] float32 tensor or a QuantizedWeight as a Weight, or None where the kernels cannot take it."""
     if isinstance(weight, QuantizedWeight) and weight.bits == 16:
         ok = weight.codes.is_cpu and weight.shape[1] % 16 == 0 and library() is not None
-        return Weight(weight.codes.data_ptr(), None, None, 16, 0, bf16_pairs_rows(), 0) if ok else None
+        return Weight(weight.codes.data_ptr(), None, None, 16, 0, gemm_kernels.bf16_pairs_rows(), 0) if ok else None
     if isinstance(weight, QuantizedWeight):
         codes = weight.codes
         if not codes.is_cpu or weight.shape[1] % 32 or quant_kernels.library() is None:
@@ -65,14 +65,13 @@ def describe(weight: torch.Tensor | QuantizedWeight) -> Weight | None:
     return Weight(weight.data_ptr(), None, None, 32, 0, 0, 0)
 
 
-GEMV_MAX_ROWS = 256  # measured (2 threads): 1.2-2x torch up to 128 rows, even at 256, behind torch's GEMM from 512
 _MAX_GROUP, _MAX_HEAD_DIMS = 64, 16384  # query heads per KV head; query heads x head_dim (decode_attention.c)
 _MAX_BLOCK_SIZE = 256
 _MAX_PREFILL_HEAD_DIM = 256  # MAX_D in prefill_attention.c
 
 
 def library() -> ctypes.CDLL | None:
-    return native.load("PETREL_DENSE_KERNELS", "float32 decode kernels")
+    return gemm_kernels.library()
 
 
 def _is_cpu_f32(*tensors: torch.Tensor) -> bool:
@@ -119,44 +118,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     return y
 
 
-BF16_PAIRS_MIN_ROWS = 1  # from here x rounded to bfloat16 and dpbf16 (Zen 4, 2 threads, weights from memory: 1.1-1.5x
-# the widened few-row kernel at one row, 1.2-1.5x at 4, 1.7-2x from 16)
-
-
-def bf16_pairs_rows() -> int:
-    """From how many rows of x bfloat16 weights multiply x rounded to bfloat16, two products an element
-    (bf16_pairs.c's bf16_pairs_product, AVX512_BF16's dpbf16: twice the float32 FMA's rate): BF16_PAIRS_MIN_ROWS
-    where the CPU has AVX512_BF16 and neither PETREL_AVX512 nor PETREL_BF16_ACTIVATIONS is 0, else 0 (never: the
-    weights widened to float32 times float32 x)."""
-    on = os.environ.get("PETREL_BF16_ACTIVATIONS", "1") != "0" and native.cpu_has_avx512()
-    return BF16_PAIRS_MIN_ROWS if on and native.cpu_has("avx512_bf16", "avx512bw") else 0
-
-
-def bf16_product(x: torch.Tensor, codes: torch.Tensor) -> torch.Tensor | None:
-    """x [M, K] float32 contiguous @ codes[N, K]^T for bfloat16 codes: from bf16_pairs_rows() rows (K even), x
-    rounded to bfloat16 and two products an instruction (bf16_pairs_product); below, each weight widened to float32
-    exactly: the few-row kernel up to GEMV_MAX_ROWS rows, else the GEMM of this CPU's widest vectors (which widens W
-    as it packs it); None where none runs."""
-    (m, k), n = x.shape, codes.shape[0]
-    pairs = bf16_pairs_rows()
-    pairs = pairs and m >= pairs and k % 2 == 0
-    if (not pairs and m <= GEMV_MAX_ROWS and k % 16) or not x.is_cpu or not codes.is_cpu or (lib := library()) is None:
-        return None
-    y, threads = torch.empty(m, n, dtype=torch.float32), torch.get_num_threads()
-    if pairs:
-        if lib.bf16_pairs_product(x.data_ptr(), m, k, codes.data_ptr(), y.data_ptr(), n, threads):
-            raise native.out_of_memory("bf16_pairs_product")
-    elif m <= GEMV_MAX_ROWS:
-        lib.bf16_gemv(x.data_ptr(), m, k, codes.data_ptr(), y.data_ptr(), n, threads)
-    elif native.cpu_has_avx512():
-        workspace = _gemm_workspace(lib.f32_gemm_workspace(k, n, threads))
-        lib.bf16_gemm(x.data_ptr(), m, k, codes.data_ptr(), y.data_ptr(), n, workspace.data_ptr(), threads)
-    else:
-        workspace = _gemm_workspace(lib.f32_gemm_avx2_workspace(k, n, threads))
-        lib.bf16_gemm_avx2(x.data_ptr(), m, k, codes.data_ptr(), y.data_ptr(), n, workspace.data_ptr(), threads)
-    return y
-
-
 def prefill_gemm_is_petrels() -> bool:
     """Whether products of more than Linear.SMALL_BATCH rows run petrel's GEMM (gemm) or torch's: petrel's unless
     PETREL_GEMM=torch. Measured (benchmarks/where_time_goes.py gemm, Zen 4, 2 threads, BENCHMARKS.md 2026-12-02):
@@ -173,27 +134,9 @@ def gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     if not (_is_cpu_f32(x, weight) and weight.is_contiguous()) or (lib := library()) is None:
         return None
     x = x.contiguous()
-    (m, k), n, threads = x.shape, weight.shape[0], torch.get_num_threads()
-    y = torch.empty(m, n, dtype=torch.float32)
-    if native.cpu_has_avx512():
-        workspace = _gemm_workspace(lib.f32_gemm_workspace(k, n, threads))
-        lib.f32_gemm(x.data_ptr(), m, k, weight.data_ptr(), y.data_ptr(), n, workspace.data_ptr(), threads)
-    else:
-        workspace = _gemm_workspace(lib.f32_gemm_avx2_workspace(k, n, threads))
-        lib.f32_gemm_avx2(x.data_ptr(), m, k, weight.data_ptr(), y.data_ptr(), n, workspace.data_ptr(), threads)
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+    gemm_kernels.widest_gemm(lib, x, weight, y)
     return y
-
-
-_workspaces = threading.local()
-
-
-def _gemm_workspace(floats: int) -> torch.Tensor:
-    """The calling thread's GEMM workspace of at least `floats` floats (a few MB: the packed chunks of W), kept from
-    call to call: a fresh one would be paid in page faults every product."""
-    buffer = getattr(_workspaces, "buffer", None)
-    if buffer is None or buffer.numel() < floats:
-        buffer = _workspaces.buffer = torch.empty(floats, dtype=torch.float32)
-    return buffer
 
 
 def decode_attention(

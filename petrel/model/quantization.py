@@ -20,11 +20,13 @@ from INT8_MIN_ROWS rows; PETREL_INT8_COMPUTE=0 keeps the float products.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 from torch import nn
 
-from petrel.model import quant_kernels
+from petrel.model import gemm_kernels, quant_kernels
 
 QUANTIZATION_METHODS = ("none", "int8", "gguf", "bf16")
 ROW_GROUP = 62  # group shift meaning "one group per row" (per-output-channel scales)
@@ -190,9 +192,7 @@ class QuantizedWeight(nn.Module):
         out_features, in_features = self.shape
         x = x.to(torch.float32).contiguous()
         if self.bits == 16:
-            from petrel.model import dense_kernels  # it imports this module
-
-            out = dense_kernels.bf16_product(x, self.codes)
+            out = gemm_kernels.bf16_product(x, self.codes)
             return out if out is not None else x @ self.dequantize().t()
         lib = quant_kernels.library() if x.device.type == "cpu" and in_features % 32 == 0 else None
         mins = self.mins
@@ -296,34 +296,29 @@ class QuantizedLoads:
                     params[name].data[offset : offset + qweight.shape[0]].copy_(qweight.dequantize())
 
 
-def quantize_int8(model: nn.Module) -> None:
-    """Every nn.Linear of a loaded model -> a QuantizedLinear of int8 per-row codes; the embedding too (rows are
-    its output channels), one weight for both where the LM head is tied to it."""
+def _hold(model: nn.Module, make: Callable[[torch.Tensor], QuantizedWeight]) -> None:
+    """Every nn.Linear of a loaded model -> a QuantizedLinear of make(its weight); the embedding too (rows are its
+    output channels), one weight for both where the LM head is tied to it."""
     embed = model.model.embed_tokens
     tied = getattr(model.lm_head, "weight", None) is getattr(embed, "weight", False)
     for path, module in list(model.named_modules()):
         if isinstance(module, nn.Linear) and not (tied and path == "lm_head"):
-            _replace(model, path, QuantizedLinear(QuantizedWeight.int8_per_channel(module.weight), module.bias))
+            _replace(model, path, QuantizedLinear(make(module.weight), module.bias))
     if isinstance(embed, nn.Embedding):
-        qweight = QuantizedWeight.int8_per_channel(embed.weight)
+        qweight = make(embed.weight)
         model.model.embed_tokens = QuantizedEmbedding(qweight, embed.weight.dtype)
         if tied:
             model.lm_head = QuantizedLinear(qweight)
+
+
+def quantize_int8(model: nn.Module) -> None:
+    """The projections, LM head and embedding as int8 per-row codes (quantization 'int8')."""
+    _hold(model, QuantizedWeight.int8_per_channel)
 
 
 def hold_bf16(model: nn.Module) -> None:
-    """Every nn.Linear of a loaded model -> a QuantizedLinear of its weight in bfloat16; the embedding too, one weight
-    for both where the LM head is tied to it (quantization 'bf16')."""
-    embed = model.model.embed_tokens
-    tied = getattr(model.lm_head, "weight", None) is getattr(embed, "weight", False)
-    for path, module in list(model.named_modules()):
-        if isinstance(module, nn.Linear) and not (tied and path == "lm_head"):
-            _replace(model, path, QuantizedLinear(QuantizedWeight.bfloat16(module.weight), module.bias))
-    if isinstance(embed, nn.Embedding):
-        qweight = QuantizedWeight.bfloat16(embed.weight)
-        model.model.embed_tokens = QuantizedEmbedding(qweight, embed.weight.dtype)
-        if tied:
-            model.lm_head = QuantizedLinear(qweight)
+    """The projections, LM head and embedding in bfloat16 (quantization 'bf16')."""
+    _hold(model, QuantizedWeight.bfloat16)
 
 
 def weight_bytes(model: nn.Module) -> int:
