@@ -34,6 +34,7 @@
 #include <string.h>
 
 #include "group_gemm_q8.h"
+#include "group_panels.h"
 #include "int16_rows.h"
 #include "kernels.h"
 #include "thread_pool.h"
@@ -66,13 +67,6 @@ static void pack_panel_q4(const uint8_t *codes, int64_t K, int64_t n, int nr, in
             const uint8_t b = codes[(n + j) * B + k / 32 * 16 + k % 16];
             wp[((k >> 1) * width + j) * 2 + (k & 1)] = (int16_t)(k % 32 < 16 ? b & 0x0F : b >> 4);
         }
-}
-
-/* rows [n, n + nr) of a [N][G] float array as [G][width], zeros past nr */
-static void pack_groups(const float *src, int64_t G, int64_t n, int nr, int width, float *dst) {
-    memset(dst, 0, sizeof(float) * G * width);
-    for (int j = 0; j < nr; j++)
-        for (int64_t g = 0; g < G; g++) dst[g * width + j] = src[(n + j) * G + g];
 }
 
 /* The blocks, one macro for both widths, all accumulators in registers. Each takes MR rows of x's

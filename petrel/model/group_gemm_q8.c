@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "group_gemm_q8.h"
+#include "group_panels.h"
 #include "kernels.h"
 #include "simd.h"
 #include "thread_pool.h"
@@ -84,13 +85,6 @@ static void pack_panel_q4_quads(const uint8_t *codes, int64_t K, int64_t n, int 
             const uint8_t b = codes[(n + j) * B + k / 32 * 16 + k % 16];
             wp[((k >> 2) * width + j) * 4 + (k & 3)] = (uint8_t)(k % 32 < 16 ? b & 0x0F : b >> 4);
         }
-}
-
-/* rows [n, n + nr) of a [N][G] float array as [G][width], zeros past nr */
-static void pack_groups(const float *src, int64_t G, int64_t n, int nr, int width, float *dst) {
-    memset(dst, 0, sizeof(float) * G * width);
-    for (int j = 0; j < nr; j++)
-        for (int64_t g = 0; g < G; g++) dst[g * width + j] = src[(n + j) * G + g];
 }
 
 /* the four bytes at p as one int32 (to broadcast a quad of k) */

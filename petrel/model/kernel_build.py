@@ -42,6 +42,7 @@ SOURCES = (
     "online_softmax.h",
     "prefill_attention.h",
     "group_gemm_q8.h",
+    "group_panels.h",
     "vector_ops.h",
     "gemm_driver.h",
     "gemv_rows.h",
