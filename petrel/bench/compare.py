@@ -381,9 +381,10 @@ class Compare:
             if "w2" in batch:
                 self.add("w2", "peak RSS (w1+w2 process)", "vllm", peak, "MiB", f"KV {KV_GIB} GiB")
         if "w4" in workloads:  # its own process: prefix caching on (the W1 runs above need it off)
-            r = self.peer_script("vllm", "w4", "--dtype", self.args.dtype, "--tag", "compare", env=self.vllm_env())[0][
-                -1
-            ]
+            results, _ = self.peer_script(
+                "vllm", "w4", "--dtype", self.args.dtype, "--tag", "compare", env=self.vllm_env()
+            )
+            r = results[-1]
             self.raw["vllm_w4"] = r
             self.record_w4("vllm", r, "prefix caching on")
         if "w6" in workloads:

@@ -1,5 +1,5 @@
 /* bfloat16 weights times x rounded to bfloat16, two products an instruction (AVX512_BF16's dpbf16, each product
- * exact in float32, the sums float32), loaded with ctypes (petrel/model/native.py; dense_kernels.bf16_pairs_rows
+ * exact in float32, the sums float32), loaded with ctypes (petrel/model/native.py; gemm_kernels.bf16_pairs_rows
  * says where it runs). Built with the other kernels (-mavx2); its functions carry their own target.
  *
  * bf16_pairs_product: x rounded to bfloat16 (nearest even), then for few rows the kernels below, for many

@@ -41,8 +41,8 @@ def bf16_product(x: torch.Tensor, codes: torch.Tensor) -> torch.Tensor | None:
     exactly: the few-row kernel up to GEMV_MAX_ROWS rows, else the GEMM of this CPU's widest vectors (which widens W
     as it packs it); None where none runs."""
     (m, k), n = x.shape, codes.shape[0]
-    pairs = bf16_pairs_rows()
-    pairs = pairs and m >= pairs and k % 2 == 0
+    from_rows = bf16_pairs_rows()
+    pairs = 0 < from_rows <= m and k % 2 == 0
     if (not pairs and m <= GEMV_MAX_ROWS and k % 16) or not x.is_cpu or not codes.is_cpu or (lib := library()) is None:
         return None
     y, threads = torch.empty(m, n, dtype=torch.float32), torch.get_num_threads()
