@@ -7,6 +7,7 @@
     python benchmarks/where_time_goes.py decode [--model ...] [--seqs 16] [--steps 32] [--prompt-tokens 8]
     python benchmarks/where_time_goes.py attention [--chunks 2048@0,2048@5888] [--repeats 5]
     python benchmarks/where_time_goes.py decode-attention [--contexts 4x7936,16x2000,64x400,1x7936]
+                                                          [--kv-cache-dtype bfloat16]
 
 gemm: each distinct projection shape of the model (fused q/k/v, o, fused gate/up, down) at each row count, GFLOP/s
 (2 M N K / time, best of 5, torch's threads): petrel's few-row kernel (dense_kernels.linear, up to 256 rows),
@@ -172,7 +173,13 @@ def prefill(args) -> None:
 
     timers.wrap(layers.Linear, "forward", linear_label)
     timers.wrap(QuantizedLinear, "forward", linear_label)  # quantization, dtype bfloat16 on the CPU
-    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory=4 << 30, enable_prefix_caching=False)
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_memory=4 << 30,
+        enable_prefix_caching=False,
+    )
     num_layers = load_model_config(resolve_model(args.model)).num_hidden_layers
     if args.w2_prompts:
         prompts = make_w2_prompts(args.w2_prompts)
@@ -220,7 +227,13 @@ def decode(args) -> None:
                     steps["calls"][key] += timers.calls[key] - calls_before[key]
 
     engine_core.EngineCore.step = timed_step
-    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory=4 << 30, enable_prefix_caching=False)
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_memory=4 << 30,
+        enable_prefix_caching=False,
+    )
     prompts = [{"prompt_token_ids": p[: args.prompt_tokens or None]} for p in make_w2_prompts(args.seqs)]
     llm.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)  # warm-up
     steps.update(n=0, seconds=0.0, inside=collections.defaultdict(float), calls=collections.Counter())
@@ -262,11 +275,14 @@ def attention(args) -> None:
 
 def decode_attention(args) -> None:
     heads, kv_heads, head_dim, block_size, layers_ = 9, 3, 64, 16, 6
+    dtype = torch.bfloat16 if args.kv_cache_dtype == "bfloat16" else torch.float32
+    size = dtype.itemsize
     for case in args.contexts.split(","):
         seqs, ctx = (int(v) for v in case.split("x"))
         blocks = (ctx + block_size - 1) // block_size
         caches = [
-            tuple(torch.randn(seqs * blocks, block_size, kv_heads, head_dim) for _ in range(2)) for _ in range(layers_)
+            tuple(torch.randn(seqs * blocks, block_size, kv_heads, head_dim).to(dtype) for _ in range(2))
+            for _ in range(layers_)
         ]
         tables = torch.stack([torch.randperm(seqs * blocks)[:blocks] for _ in range(seqs)])
         lens, q = torch.full((seqs,), ctx, dtype=torch.int64), torch.randn(seqs, heads, head_dim)
@@ -282,9 +298,10 @@ def decode_attention(args) -> None:
         seconds = read_s = float("inf")
         for _ in range(7):  # interleaved: the memory's rate on this shared machine moves from minute to minute
             seconds, read_s = min(seconds, best_s(attend, 1) / layers_), min(read_s, best_s(read, 1) / layers_)
-        kv_gb, cache_gb = seqs * ctx * 2 * kv_heads * head_dim * 4 / 1e9, 2 * caches[0][0].numel() * 4 / 1e9
+        kv_gb, cache_gb = seqs * ctx * 2 * kv_heads * head_dim * size / 1e9, 2 * caches[0][0].numel() * size / 1e9
         print(
-            f"{seqs} x {ctx} keys: {seconds * 1000:.2f} ms a layer, {kv_gb / seconds:.1f} GB/s of keys and values; "
+            f"{seqs} x {ctx} keys ({args.kv_cache_dtype}): {seconds * 1000:.2f} ms a layer, "
+            f"{kv_gb / seconds:.1f} GB/s of keys and values; "
             f"torch's sum of the caches {cache_gb / read_s:.1f} GB/s ({kv_gb / seconds / (cache_gb / read_s):.0%})"
         )
 
@@ -299,6 +316,11 @@ def main() -> None:
     )
     ap.add_argument("--ceiling", action="store_true", help="gemm: also the FMA ceiling (gcc, fma_peak.c)")
     ap.add_argument("--dtype", default="auto", help="prefill, decode: the engine's dtype (bfloat16: bfloat16 weights)")
+    ap.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="prefill, decode: the engine's kv_cache_dtype; decode-attention: the caches' (float32 or bfloat16)",
+    )
     ap.add_argument("--tokens", type=int, default=7936, help="prefill: the prompt's length")
     ap.add_argument("--w2-prompts", type=int, default=0, help="prefill: W2's first N prompts instead")
     ap.add_argument("--seqs", type=int, default=16, help="decode: sequences")

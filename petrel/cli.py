@@ -69,6 +69,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="what the KV cache holds (auto: what --dtype asks for; on the CPU bfloat16 beside float32 arithmetic)",
+    )
+    p.add_argument(
         "--quantization",
         default=None,
         choices=["none", "int8", "gguf", "bf16"],
@@ -98,7 +104,7 @@ def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
 def _make_llm(args):
     from petrel import LLM
 
-    options = {"dtype": args.dtype}
+    options = {"dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype}
     if args.quantization:
         options["quantization"] = args.quantization
     if args.kv_cache_memory:

@@ -107,6 +107,10 @@ class EngineConfig:
     # llama.cpp's vision projector GGUF (an Idefics3 / SmolVLM mmproj) beside a llama text GGUF `model`
     mmproj: str | None = None
     dtype: str = "auto"  # 'auto': bfloat16 on CUDA, float32 on CPU
+    # what the paged KV cache holds: 'auto' the dtype asked for (on the CPU, dtype 'bfloat16' keeps a bfloat16
+    # cache beside its float32 arithmetic: half the bytes attention reads); on the CPU 'float32' or 'bfloat16' with
+    # float32 arithmetic; elsewhere only the dtype's own
+    kv_cache_dtype: str = "auto"
     device: str = "cpu"
     max_model_len: int | None = None  # None: the model's context length (capped by the KV cache unless every
     # layer has one sliding window: its blocks behind it are given back)
@@ -237,13 +241,29 @@ class EngineConfig:
                 f"quantization {self.quantization!r} is not supported with tensor_parallel_size={size} "
                 "(quantized weights are not split over ranks)"
             )
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in TORCH_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be 'auto' or one of {sorted(TORCH_DTYPES)} (fp8 caches are not supported), "
+                f"got {self.kv_cache_dtype!r}"
+            )
         if self.device == "cpu" and self.dtype == "bfloat16" and size == 1:
             # bfloat16 weights (half the memory, half the bytes a decode step reads; unless another quantization
-            # holds them) with float32 activations and KV cache, which petrel's CPU kernels take: torch's own
+            # holds them) and KV cache with float32 activations, which petrel's CPU kernels take: torch's own
             # bfloat16 CPU arithmetic ran W1 at 0.45x float32's speed (BENCHMARKS.md, 2026-12-03)
             self.dtype = "float32"
             if self.quantization in (None, "none"):
                 self.quantization = "bf16"
+            if self.kv_cache_dtype == "auto":
+                self.kv_cache_dtype = "bfloat16"
+        if self.kv_cache_dtype == "auto":
+            self.kv_cache_dtype = self.dtype
+        if self.kv_cache_dtype != self.dtype and not (
+            self.device == "cpu" and self.dtype == "float32" and self.kv_cache_dtype == "bfloat16"
+        ):
+            raise ValueError(
+                f"kv_cache_dtype {self.kv_cache_dtype!r} with dtype {self.dtype!r} on {self.device!r}: a cache of "
+                "another dtype than the arithmetic's is a bfloat16 cache beside float32 on the CPU only"
+            )
 
     def _check_kv_tiers(self) -> None:
         """Sizes, the disk path and the store's URL well formed; any tier or store needs the prefix cache, one rank."""
@@ -321,6 +341,10 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return TORCH_DTYPES[self.dtype]
+
+    @property
+    def kv_cache_torch_dtype(self) -> torch.dtype:
+        return TORCH_DTYPES[self.kv_cache_dtype]
 
 
 def check_field_types(config) -> None:

@@ -54,6 +54,25 @@ def test_dtype_auto_is_bfloat16_on_cuda_and_float32_on_cpu():
         EngineConfig(dtype="float8")
 
 
+def test_kv_cache_dtype_auto_follows_dtype_and_the_cpu_takes_a_bfloat16_cache():
+    """'auto' is the dtype asked for (dtype 'bfloat16' on the CPU: float32 arithmetic beside a bfloat16 cache); on the
+    CPU a bfloat16 cache may sit beside float32 arithmetic by name; anything else that differs, and vLLM's fp8
+    caches, are refused naming the field."""
+    assert EngineConfig().kv_cache_dtype == "float32"
+    assert EngineConfig(device="cuda").kv_cache_dtype == "bfloat16"
+    assert EngineConfig(kv_cache_dtype="bfloat16").kv_cache_dtype == "bfloat16"
+    cpu_bf16 = EngineConfig(dtype="bfloat16")
+    assert (cpu_bf16.dtype, cpu_bf16.kv_cache_dtype) == ("float32", "bfloat16")
+    assert EngineConfig(dtype="bfloat16", kv_cache_dtype="float32").kv_cache_dtype == "float32"
+    for kwargs in (
+        {"kv_cache_dtype": "fp8"},
+        {"kv_cache_dtype": "float16"},  # beside float32 on the CPU: no kernel reads it
+        {"device": "cuda", "kv_cache_dtype": "float32"},  # beside bfloat16 on CUDA
+    ):
+        with pytest.raises(ValueError, match="kv_cache_dtype"):
+            EngineConfig(**kwargs)
+
+
 def test_kv_cache_memory_defaults_to_a_fraction_of_free_cuda_memory(monkeypatch):
     """None: 2 GiB on CPU (and per rank with tensor parallelism); on one CUDA device 0.9 of the memory free when
     the budget is read (after the weights); a given size is kept."""

@@ -206,11 +206,14 @@ def test_prefill_products_go_to_the_gemm_the_isa_measured_faster(monkeypatch, ch
     assert calls == ([1] if expected and dense_kernels.library() is not None else [])
 
 
-def _paged_case(num_seqs, heads, kv_heads, head_dim, block_size, lens, seed):
+KV_DTYPES = pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["f32-cache", "bf16-cache"])
+
+
+def _paged_case(num_seqs, heads, kv_heads, head_dim, block_size, lens, seed, kv_dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     blocks_needed = [math.ceil(n / block_size) for n in lens]
     num_blocks = sum(blocks_needed) + 5
-    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g)
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g).to(kv_dtype)
     order = torch.randperm(num_blocks, generator=g).tolist()
     width = max(blocks_needed) + 1  # one padding column past the longest sequence
     tables = torch.zeros(num_seqs, width, dtype=torch.int64)
@@ -221,7 +224,8 @@ def _paged_case(num_seqs, heads, kv_heads, head_dim, block_size, lens, seed):
 
 
 def _assert_decode_attention_is_torchs(q, cache, tables, lens_t, window):
-    """The C kernel's result against the torch path's (attention._decode_attention) on the same paged case."""
+    """The C kernel's result against the torch path's (attention._decode_attention) on the same paged case (a
+    bfloat16 cache: both widen its values exactly)."""
     block_size, head_dim = cache.shape[2], q.shape[2]
     scale = head_dim**-0.5
     got = dense_kernels.decode_attention(q, cache[0], cache[1], tables, lens_t, scale, window)
@@ -247,10 +251,11 @@ def _assert_decode_attention_is_torchs(q, cache, tables, lens_t, window):
 )
 # few short contexts: the work split by KV head; many: by sequence
 @pytest.mark.parametrize("many", [False, True], ids=["few-seqs", "many-seqs"])
-def test_paged_decode_attention_equals_torch_path(heads, kv_heads, head_dim, block_size, window, many):
+@KV_DTYPES
+def test_paged_decode_attention_equals_torch_path(heads, kv_heads, head_dim, block_size, window, many, kv_dtype):
     lens = [1, 5, block_size, block_size + 1, 3 * block_size - 1, 70, 133] * (3 if many else 1)
     q, cache, tables, lens_t = _paged_case(
-        len(lens), heads, kv_heads, head_dim, block_size, lens, seed=heads + head_dim
+        len(lens), heads, kv_heads, head_dim, block_size, lens, seed=heads + head_dim, kv_dtype=kv_dtype
     )
     if many:  # queries as the model hands them over: a slice of each row of a wider (q, k) tensor
         q = torch.cat([q, torch.randn(len(lens), kv_heads, head_dim)], dim=1)[:, :heads]
@@ -268,18 +273,22 @@ def test_paged_decode_attention_equals_torch_path(heads, kv_heads, head_dim, blo
     ],
 )
 @pytest.mark.parametrize("lens", [[2000], [1100, 3]], ids=["one-seq", "long-and-short"])
-def test_decode_attention_splits_few_long_contexts(heads, kv_heads, head_dim, block_size, window, lens):
+@KV_DTYPES
+def test_decode_attention_splits_few_long_contexts(heads, kv_heads, head_dim, block_size, window, lens, kv_dtype):
     """Fewer sequences than the threads can share out: each context is split into parts (more parts than the short
     one has blocks, so some parts see nothing), each part's softmax merged into the output at the end."""
-    q, cache, tables, lens_t = _paged_case(len(lens), heads, kv_heads, head_dim, block_size, lens, seed=head_dim)
+    q, cache, tables, lens_t = _paged_case(
+        len(lens), heads, kv_heads, head_dim, block_size, lens, seed=head_dim, kv_dtype=kv_dtype
+    )
     _assert_decode_attention_is_torchs(q, cache, tables, lens_t, window)
 
 
-def test_decode_attention_never_reads_behind_the_window_or_past_the_context():
+@KV_DTYPES
+def test_decode_attention_never_reads_behind_the_window_or_past_the_context(kv_dtype):
     """Blocks wholly behind the window (given back, their FREED entries read as block 0) and the table's padding
     must not matter: filling them with NaN leaves the result unchanged."""
     block_size, window, lens = 4, 8, [30, 9, 17]
-    q, cache, tables, lens_t = _paged_case(3, 4, 2, 32, block_size, lens, seed=3)
+    q, cache, tables, lens_t = _paged_case(3, 4, 2, 32, block_size, lens, seed=3, kv_dtype=kv_dtype)
     used = {b for s, n in enumerate(lens) for b in tables[s, : math.ceil(n / block_size)].tolist()}
     spare = next(b for b in range(cache.shape[1]) if b not in used)
     unseen = [spare]
@@ -303,15 +312,18 @@ def test_decode_attention_declines_what_it_does_not_cover():
         is None
     )
     assert dense_kernels.decode_attention(q, cache[0], cache[1], tables.int(), lens_t, 1.0, None) is None
+    half = cache.half()  # a cache the kernel does not read, or two caches of different kinds
+    assert dense_kernels.decode_attention(q, half[0], half[1], tables, lens_t, 1.0, None) is None
+    assert dense_kernels.decode_attention(q, cache[0], cache[1].bfloat16(), tables, lens_t, 1.0, None) is None
     q12, cache12, tables12, lens12 = _paged_case(2, 4, 2, 12, 4, [5, 9], seed=5)  # head_dim not a multiple of 8
     assert dense_kernels.decode_attention(q12, cache12[0], cache12[1], tables12, lens12, 1.0, None) is None
 
 
-def _prefill_case(n, first_pos, heads, kv_heads, head_dim, block_size, seed):
+def _prefill_case(n, first_pos, heads, kv_heads, head_dim, block_size, seed, kv_dtype=torch.float32):
     """A chunk of n queries at positions first_pos.. and a cache whose scattered blocks hold their context."""
     g = torch.Generator().manual_seed(seed)
     held = math.ceil((first_pos + n) / block_size)
-    cache = torch.randn(2, held + 6, block_size, kv_heads, head_dim, generator=g)
+    cache = torch.randn(2, held + 6, block_size, kv_heads, head_dim, generator=g).to(kv_dtype)
     table = torch.randperm(held + 6, generator=g)[:held]
     return torch.randn(n, heads, head_dim, generator=g), cache, table
 
@@ -342,10 +354,13 @@ def _prefill_reference(q, cache, table, first_pos, scale, window):
         (300, 700, 8, 2, 64, 16, 128),  # ... windowed: key blocks wholly behind some groups' windows
     ],
 )
+@KV_DTYPES
 def test_paged_prefill_attention_equals_masked_softmax(
-    n, first_pos, heads, kv_heads, head_dim, block_size, window, prefill_isa
+    n, first_pos, heads, kv_heads, head_dim, block_size, window, prefill_isa, kv_dtype
 ):
-    q, cache, table = _prefill_case(n, first_pos, heads, kv_heads, head_dim, block_size, seed=n + head_dim)
+    q, cache, table = _prefill_case(
+        n, first_pos, heads, kv_heads, head_dim, block_size, seed=n + head_dim, kv_dtype=kv_dtype
+    )
     if n > 1:  # queries as the model hands them over: a slice of each row of a wider (q, k) tensor
         q = torch.cat([q, torch.randn(n, kv_heads, head_dim)], dim=1)[:, :heads]
     scale = head_dim**-0.5
@@ -366,9 +381,10 @@ def test_prefill_attention_at_extreme_scores(scale, prefill_isa):
     torch.testing.assert_close(got, _prefill_reference(q, cache, table, first_pos, scale, None), atol=1e-4, rtol=1e-4)
 
 
-def test_prefill_attention_never_reads_behind_the_window_or_past_the_context(prefill_isa):
+@KV_DTYPES
+def test_prefill_attention_never_reads_behind_the_window_or_past_the_context(prefill_isa, kv_dtype):
     n, first_pos, block_size, window = 10, 27, 4, 8
-    q, cache, table = _prefill_case(n, first_pos, 4, 2, 32, block_size, seed=7)
+    q, cache, table = _prefill_case(n, first_pos, 4, 2, 32, block_size, seed=7, kv_dtype=kv_dtype)
     clean = dense_kernels.prefill_attention(q, cache[0], cache[1], table, first_pos, 0.2, window)
     unused = [b for b in range(cache.shape[1]) if b not in table.tolist()]
     behind = table[: (first_pos - window + 1) // block_size].tolist()  # wholly behind the first query's window
@@ -390,6 +406,9 @@ def test_prefill_attention_declines_what_it_does_not_cover():
         is None
     )
     assert dense_kernels.prefill_attention(q, cache[0], cache[1], table.int(), 0, 1.0, None) is None
+    half = cache.half()
+    assert dense_kernels.prefill_attention(q, half[0], half[1], table, 0, 1.0, None) is None
+    assert dense_kernels.prefill_attention(q, cache[0], cache[1].bfloat16(), table, 0, 1.0, None) is None
 
 
 @pytest.mark.parametrize("rows", [1, 3, 700])  # 700 x 576 rows run on several threads

@@ -33,8 +33,12 @@ class PagedDriver:
     Blocks are handed out in a scrambled order so that block tables are neither contiguous nor sorted.
     """
 
-    def __init__(self, tiny: Tiny, block_size: int = 4, num_blocks: int = 64, seed: int = 0):
-        self.runner = ModelRunner(tiny.model, tiny.cfg, num_blocks, block_size, torch.float32, "cpu")
+    def __init__(
+        self, tiny: Tiny, block_size: int = 4, num_blocks: int = 64, seed: int = 0, kv_cache_dtype=torch.float32
+    ):
+        self.runner = ModelRunner(
+            tiny.model, tiny.cfg, num_blocks, block_size, torch.float32, "cpu", kv_cache_dtype=kv_cache_dtype
+        )
         self.block_size = block_size
         g = torch.Generator().manual_seed(seed)
         self.free = torch.randperm(num_blocks, generator=g).tolist()
@@ -184,12 +188,17 @@ def quantized_copy(t: Tiny, fmt: str) -> SimpleNamespace:
     return SimpleNamespace(model=model, cfg=t.cfg)
 
 
-@pytest.mark.parametrize("weights", ["float32", "int8", "Q4_1"])
+@pytest.mark.parametrize(
+    "weights,kv_cache_dtype",
+    [("float32", torch.float32), ("int8", torch.float32), ("Q4_1", torch.float32), ("float32", torch.bfloat16)],
+    ids=["float32", "int8", "Q4_1", "bf16-cache"],
+)
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
-def test_decode_layer_in_one_call_equals_separate_calls(tiny, kv_heads, weights, monkeypatch):
+def test_decode_layer_in_one_call_equals_separate_calls(tiny, kv_heads, weights, kv_cache_dtype, monkeypatch):
     """A decode-only step runs the whole decoder stack as one kernel call (dense_kernels.decode_layers), or, without
-    it, each Llama layer as one call (decode_layer), with float32 or quantized projections; the logits must be
-    those of the layers' separate modules, and each path must really be taken for this model."""
+    it, each Llama layer as one call (decode_layer), with float32 or quantized projections, beside a float32 or a
+    bfloat16 cache (which the kernels write rounded as torch rounds); the logits must be those of the layers'
+    separate modules, and each path must really be taken for this model."""
     if dense_kernels.library() is None:
         pytest.skip("petrel's float32 kernels cannot run here (no AVX2/FMA or no C compiler)")
     from petrel.model.llama import LlamaDecoderLayer, LlamaForCausalLM
@@ -198,7 +207,7 @@ def test_decode_layer_in_one_call_equals_separate_calls(tiny, kv_heads, weights,
     prompts = [_tokens(9, 70), _tokens(14, 71), _tokens(5, 72)]
 
     def decode_logits() -> torch.Tensor:
-        drv = PagedDriver(t, block_size=4)
+        drv = PagedDriver(t, block_size=4, kv_cache_dtype=kv_cache_dtype)
         seqs = [drv.new_seq(p) for p in prompts]
         drv.step([(s, len(s.token_ids)) for s in seqs])
         rows = []
@@ -231,6 +240,29 @@ def test_decode_layer_in_one_call_equals_separate_calls(tiny, kv_heads, weights,
     separate = decode_logits()
     torch.testing.assert_close(stacked, separate, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(per_layer, separate, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_bfloat16_cache_reads_the_same_on_every_path(tiny, kv_heads, monkeypatch):
+    """A bfloat16 KV cache beside float32 arithmetic (EngineConfig.kv_cache_dtype): prompt chunks, a chunk after a
+    cached prefix and decode steps give the same logits with petrel's kernels as with the torch path (both attend
+    over the cache's rounded keys and values), near transformers' float32 logits but not equal to them (K and V
+    rounded to 8 significant bits)."""
+    if dense_kernels.library() is None:
+        pytest.skip("petrel's float32 kernels cannot run here (no AVX2/FMA or no C compiler)")
+    t = tiny(kv_heads, False)
+    tokens = _tokens(24, 12)
+
+    def logits() -> torch.Tensor:
+        drv = PagedDriver(t, block_size=4, kv_cache_dtype=torch.bfloat16)
+        assert drv.runner.kv_caches[0].dtype == torch.bfloat16
+        return drv.run_chunks(drv.new_seq(tokens), [9, 6] + [1] * 9)
+
+    kernels = logits()
+    monkeypatch.setattr(dense_kernels, "library", lambda: None)
+    torch.testing.assert_close(kernels, logits(), atol=1e-5, rtol=1e-5)
+    drift = (kernels - t.hf_logits(tokens)).abs().max().item()  # 0.006-0.009 here, logits up to ~4.4
+    assert 0 < drift < 0.03
 
 
 def test_decode_matches_transformers_kv_cache_generation(tiny, kernels):

@@ -14,7 +14,7 @@ from test_int8_gemm import rounded_rows
 
 from petrel import LLM, LoRARequest, SamplingParams
 from petrel.config import EngineConfig
-from petrel.model import gemm_kernels, quant_kernels, quantization
+from petrel.model import quant_kernels, quantization
 from petrel.model.gguf_quants import READERS
 from petrel.model.quantization import GEMV_MAX_ROWS, QuantizedLinear, QuantizedWeight
 
@@ -218,9 +218,10 @@ def _bf16_reference(hf):
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_bf16_dtype_on_cpu_matches_transformers_on_rounded_weights(tiny, tmp_path, tied, monkeypatch):
-    """dtype='bfloat16' on the CPU holds the projections, head and embedding in bfloat16 with float32 activations and
-    KV cache (quantization 'bf16'): the logits are transformers' in float32 on the weights rounded to bfloat16 (the
-    kernels widen each weight exactly), through the decoder stack's kernel, the few-row products and the GEMM."""
+    """dtype='bfloat16' on the CPU holds the projections, head and embedding in bfloat16 with float32 activations
+    (quantization 'bf16'); with a float32 KV cache asked for, the logits are transformers' in float32 on the weights
+    rounded to bfloat16 (the kernels widen each weight exactly), through the decoder stack's kernel, the few-row
+    products and the GEMM."""
     from test_lora import hf_greedy, prompt
 
     from petrel.model import dense_kernels
@@ -233,7 +234,9 @@ def test_bf16_dtype_on_cpu_matches_transformers_on_rounded_weights(tiny, tmp_pat
     t = tiny(2, tied)
     ref = _bf16_reference(t.hf)
     load_tokenizer(resolve_model(None)).save_pretrained(tmp_path / "tok")
-    llm = LLM(t.path, tokenizer=str(tmp_path / "tok"), kv_cache_memory=1 << 20, dtype="bfloat16")
+    llm = LLM(
+        t.path, tokenizer=str(tmp_path / "tok"), kv_cache_memory=1 << 20, dtype="bfloat16", kv_cache_dtype="float32"
+    )
     try:
         assert (llm.engine.config.dtype, llm.engine.config.quantization) == ("float32", "bf16")
         model = llm.engine.core.runner.model
@@ -264,35 +267,66 @@ def test_bf16_dtype_on_cpu_matches_transformers_on_rounded_weights(tiny, tmp_pat
         llm.shutdown()
 
 
+def test_bf16_dtype_keeps_a_bfloat16_cache_of_twice_the_blocks(tiny, tmp_path):
+    """dtype 'bfloat16' on the CPU holds its KV cache in bfloat16 (kv_cache_dtype 'auto'): the same kv_cache_memory
+    holds twice the blocks of a float32 cache; requests run through it and give every block back."""
+    from petrel.model.loader import resolve_model
+    from petrel.model.tokenizer import load_tokenizer
+
+    t = tiny(2, False)
+    load_tokenizer(resolve_model(None)).save_pretrained(tmp_path / "tok")
+    blocks = {}
+    for kv_dtype in ("float32", "auto"):
+        llm = LLM(
+            t.path, tokenizer=str(tmp_path / "tok"), kv_cache_memory=1 << 20, dtype="bfloat16", kv_cache_dtype=kv_dtype
+        )
+        try:
+            core = llm.engine.core
+            blocks[str(core.runner.cache_tensors[0].dtype)] = core.block_manager.num_blocks
+            prompts = [[5 + i, 17, 200 + i, 42] * (3 + i) for i in range(6)]
+            params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            assert [len(o.outputs[0].token_ids) for o in outs] == [9] * 6
+            assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
+        finally:
+            llm.shutdown()
+    assert blocks["torch.bfloat16"] == 2 * blocks["torch.float32"], blocks
+
+
 def test_bf16_dtype_becomes_bf16_weights_only_on_one_cpu_process():
-    """On the CPU (one process) dtype 'bfloat16' means float32 activations and KV cache, the weights held in bfloat16
-    unless another quantization holds them; it keeps its meaning on CUDA and over tensor-parallel ranks (whose
-    weights are not held quantized); quantization 'bf16' may also be asked for by name."""
-    assert (EngineConfig(dtype="bfloat16").dtype, EngineConfig(dtype="bfloat16").quantization) == ("float32", "bf16")
+    """On the CPU (one process) dtype 'bfloat16' means float32 activations beside a bfloat16 KV cache, the weights
+    held in bfloat16 unless another quantization holds them; it keeps its meaning on CUDA and over tensor-parallel
+    ranks (whose weights are not held quantized); quantization 'bf16' may also be asked for by name."""
+    bf16 = EngineConfig(dtype="bfloat16")
+    assert (bf16.dtype, bf16.quantization, bf16.kv_cache_dtype) == ("float32", "bf16", "bfloat16")
+    assert bf16.kv_cache_torch_dtype == torch.bfloat16
     int8 = EngineConfig(dtype="bfloat16", quantization="int8")
-    assert (int8.dtype, int8.quantization) == ("float32", "int8")
+    assert (int8.dtype, int8.quantization, int8.kv_cache_dtype) == ("float32", "int8", "bfloat16")
     for kwargs in ({"device": "cuda"}, {"tensor_parallel_size": 2}):
         config = EngineConfig(dtype="bfloat16", **kwargs)
         assert config.dtype == "bfloat16" and config.quantization is None, kwargs
+        assert config.kv_cache_dtype == "bfloat16", kwargs
     assert EngineConfig(quantization="bf16").dtype == "float32"
+    assert EngineConfig(quantization="bf16").kv_cache_dtype == "float32"  # asked for by name: the cache as dtype's
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("activations", ["float32", "bf16"])
-def test_default_model_bf16_agrees_with_transformers_on_rounded_weights(hf_model, activations, monkeypatch):
+@pytest.mark.parametrize("rounding", ["weights", "default"])
+def test_default_model_bf16_agrees_with_transformers_on_rounded_weights(hf_model, rounding, monkeypatch):
     """The default model at dtype 'bfloat16', 32 prompts at once (a prefill past the few-row kernels, decode steps of
-    32 rows). With float32 activations (PETREL_BF16_ACTIVATIONS=0) the greedy continuations and their logits are
-    transformers' on the weights rounded to bfloat16. With x rounded to bfloat16 too (the default where the CPU has
-    AVX512_BF16) they drift, bounded (measured on Zen 4: 379 of 384 steps keep the top token, its
-    logprob moving by 0.007 on average, 0.041 at most)."""
+    32 rows). With float32 activations (PETREL_BF16_ACTIVATIONS=0) and a float32 KV cache the greedy continuations
+    and their logits are transformers' on the weights rounded to bfloat16. As dtype 'bfloat16' runs by default (a
+    bfloat16 KV cache; where the CPU has AVX512_BF16, x rounded to bfloat16 in the products too) they drift, bounded
+    (measured on Zen 4: 380 of 384 steps keep the top token, its logprob moving by 0.008 on average, 0.059 at most;
+    with only the cache rounded, PETREL_BF16_ACTIVATIONS=0: 383 of 384, 0.004, 0.035)."""
     from test_lora import hf_greedy
 
-    if activations == "float32":
+    options = {}
+    if rounding == "weights":
         monkeypatch.setenv("PETREL_BF16_ACTIVATIONS", "0")
-    elif not gemm_kernels.bf16_pairs_rows():
-        pytest.skip("no AVX512_BF16 here: every product widens the weights")
+        options["kv_cache_dtype"] = "float32"
     ref = _bf16_reference(hf_model)
-    llm = LLM(dtype="bfloat16", kv_cache_memory=64 << 20)
+    llm = LLM(dtype="bfloat16", kv_cache_memory=64 << 20, **options)
     try:
         tok = llm.tokenizer
         prompts = [tok.encode(f"{p} ({i})") for i in range(4) for p in PROMPTS]
@@ -304,7 +338,7 @@ def test_default_model_bf16_agrees_with_transformers_on_rounded_weights(hf_model
             tokens, got = list(out.outputs[0].token_ids), out.outputs[0].generation_logits
             with torch.no_grad():
                 expected = ref(torch.tensor([ids + tokens])).logits[0].float()[len(ids) - 1 : -1]
-            if activations == "float32":
+            if rounding == "weights":
                 assert tokens == hf_greedy(ref, ids, 12)
                 torch.testing.assert_close(got, expected, atol=2e-3, rtol=1e-3)
             top = expected.argmax(-1, keepdim=True)

@@ -604,7 +604,7 @@ def prepare_model(cmp: Compare, workloads: list[str]) -> None:
     config and the KV budget, and the machine's memory bandwidth."""
     if not (cmp.model or "w6" in workloads):
         return
-    from petrel.bench.workloads import FULL, QUICK, kv_bytes_per_token, w1_prompt_ids, w6_plan
+    from petrel.bench.workloads import DTYPE_BYTES, FULL, QUICK, kv_bytes_per_token, w1_prompt_ids, w6_plan
     from petrel.model.loader import load_model_config, resolve_model
 
     source = resolve_model(cmp.model)
@@ -617,7 +617,9 @@ def prepare_model(cmp: Compare, workloads: list[str]) -> None:
         from petrel.bench.flops import memory_read_gbs
 
         config = load_model_config(source)
-        kv = kv_bytes_per_token(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, 4)
+        # both engines' caches hold --dtype (petrel's kv_cache_dtype 'auto', vLLM's 'auto')
+        kv_bytes = DTYPE_BYTES.get(cmp.args.dtype, 4)
+        kv = kv_bytes_per_token(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, kv_bytes)
         sizes = QUICK if cmp.args.quick else FULL
         cmp.w6 = w6_plan(config.vocab_size, config.max_position_embeddings, KV_GIB * 2**30, kv, sizes)
         for note in cmp.w6.notes:

@@ -35,6 +35,7 @@ from dataclasses import asdict, replace
 from petrel.bench.report import count_problems, log, matching_prefix, median, ratio, summary, w6_metrics
 from petrel.bench.runners import HFRunner, PetrelRunner
 from petrel.bench.workloads import (
+    DTYPE_BYTES,
     FULL,
     QUICK,
     W1_REFERENCE_IDS,
@@ -50,7 +51,6 @@ from petrel.bench.workloads import (
 from petrel.cli_options import parallel_arguments, parse_choices
 
 WORKLOADS = ("w1", "w2", "w4", "w6")
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ENGINES = ("petrel", "hf")
 ENGINE_LABELS = {"petrel": "petrel", "hf": "hf-transformers"}
 SUBCOMMANDS = {"latency": "w1", "throughput": "w2", "prefix": "w4"}
@@ -130,7 +130,7 @@ def plan_w6(model_config, args, sizes: Sizes) -> W6Plan:
         model_config.num_hidden_layers,
         model_config.num_key_value_heads,
         model_config.head_dim,
-        DTYPE_BYTES.get(EngineConfig(dtype=args.dtype).dtype, 4),  # the cache's dtype ('bfloat16' on CPU: float32)
+        DTYPE_BYTES.get(EngineConfig(dtype=args.dtype).kv_cache_dtype, 4),  # the cache's dtype
     )
     return w6_plan(model_config.vocab_size, model_config.max_position_embeddings, budget, kv, sizes, block)
 

@@ -175,6 +175,9 @@ def w1_prompt_ids(tokenizer) -> list[int]:
     return list(chat_prompt(tokenizer, [{"role": "user", "content": W1_USER_MESSAGE}])["prompt_token_ids"])
 
 
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
     """KV cache bytes one token holds: a key and a value vector per KV head per layer."""
     return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes

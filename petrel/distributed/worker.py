@@ -50,6 +50,7 @@ class Worker:
             device,
             tp=self.tp,
             kv_groups=groups,
+            kv_cache_dtype=config.kv_cache_torch_dtype,
         )
 
     def forward(self, plan: ForwardPlan) -> None:

@@ -74,11 +74,14 @@ class EngineCore:
                 encoder_cache_memory=config.encoder_cache_memory,
                 cuda_graph_batch_sizes=batch_sizes_of(config),
                 max_model_len=self.max_model_len,
+                kv_cache_dtype=config.kv_cache_torch_dtype,
             )
         else:
             from petrel.distributed.runner import TensorParallelRunner
 
-            self.runner = TensorParallelRunner(workers, *shape, kv_groups=self.kv_groups)
+            self.runner = TensorParallelRunner(
+                workers, *shape, kv_groups=self.kv_groups, kv_cache_dtype=config.kv_cache_torch_dtype
+            )
         # lower KV tiers (host memory, disk): evicted prefix blocks kept and brought back by hash
         self.tier_io = build_tier_io(config, self.runner, model, model_config, self.block_manager)
         if self.tier_io is not None:  # a request whose blocks are read from a slow tier waits, the batch does not

@@ -117,7 +117,7 @@ def kv_bytes_per_block(
 def num_kv_blocks(config, cfg: ModelConfig, layers_per_block: int | None = None) -> int:
     """Cache blocks that the KV budget (kv_cache_budget: per rank) holds: every rank computes the same number."""
     return kv_cache_budget(config) // kv_bytes_per_block(
-        cfg, config.block_size, config.torch_dtype, config.tensor_parallel_size, layers_per_block
+        cfg, config.block_size, config.kv_cache_torch_dtype, config.tensor_parallel_size, layers_per_block
     )
 
 
@@ -146,15 +146,18 @@ class ModelRunner:
         encoder_cache_memory: int = DEFAULT_ENCODER_CACHE_MEMORY,
         cuda_graph_batch_sizes: list[int] | None = None,
         max_model_len: int | None = None,
+        kv_cache_dtype: torch.dtype | None = None,
     ):
         """kv_groups: the layers' block tables (petrel/engine/kv_groups.py); default one table for all.
         encoder_cache_memory: bytes of a vision-language model's encoder outputs kept for reuse.
         cuda_graph_batch_sizes: decode batch sizes to capture as CUDA graphs (petrel/engine/decode_graphs.py), where
-        the model and device allow; max_model_len bounds their block tables."""
+        the model and device allow; max_model_len bounds their block tables. kv_cache_dtype: what the cache holds
+        (EngineConfig.kv_cache_torch_dtype; default dtype, the activations')."""
         if torch.device(device).type == "cpu":
             keep_freed_memory_in_heap()
         self.model = model
         self.cfg = cfg
+        self.dtype = dtype  # the activations'
         self.encoder_cache = EncoderCache(encoder_cache_memory)
         self.lora_manager = lora_manager  # petrel.model.lora.LoRAManager with enable_lora
         self.block_size = block_size
@@ -178,7 +181,9 @@ class ModelRunner:
         # layers_per_block tensors; the i-th layer of every group uses the i-th (at that group's block ids); with
         # CUDA graphs one more block, past the block manager's, takes the padded rows' K/V
         self.cache_tensors = [
-            new_kv_cache(num_blocks + bool(graph_sizes), block_size, kv_heads, cfg.head_dim, dtype, device)
+            new_kv_cache(
+                num_blocks + bool(graph_sizes), block_size, kv_heads, cfg.head_dim, kv_cache_dtype or dtype, device
+            )
             for _ in range(self.kv_groups.layers_per_block)
         ]
         self.kv_caches = [self.cache_tensors[self.kv_groups.slot_of(layer)] for layer in range(cfg.num_hidden_layers)]
@@ -273,7 +278,7 @@ class ModelRunner:
         input_ids, positions, meta = self.build_inputs(plan.spans)
         parts = []  # (rows, embeddings) that replace token embeddings: prompt tuning's, then the images'
         if any(span.embedding_table is not None for span in plan.spans):
-            embeds = virtual_token_embeddings(plan.spans, self.cfg.vocab_size, self.device, self.cache_tensors[0].dtype)
+            embeds = virtual_token_embeddings(plan.spans, self.cfg.vocab_size, self.device, self.dtype)
             if embeds is not None:
                 input_ids[embeds[0]] = 0  # any id the embedding matrix has: the model puts the table's row there
                 parts.append(embeds)
@@ -301,7 +306,7 @@ class ModelRunner:
         outputs = self.encoder_cache.outputs([item for item, _, _ in wanted], self.model.encode_images)
         rows = torch.cat([self._tensor(r) for _, _, r in wanted])
         embeds = torch.cat([outputs[item.hash][idx].to(self.device) for item, idx, _ in wanted])  # given: on CPU
-        return [(rows, embeds.to(self.cache_tensors[0].dtype))]
+        return [(rows, embeds.to(self.dtype))]
 
     @torch.inference_mode()
     def last_token_logits(self, spans: list[QuerySpan], num_layers: int | None = None) -> torch.Tensor:

@@ -88,7 +88,7 @@ def apply_kv_cache_config(kv: KvCacheConfig | None, engine_config: EngineConfig)
 
         cfg = load_model_config(resolve_model(engine_config.model))
         bs = engine_config.block_size
-        per_block = kv_bytes_per_block(cfg, bs, engine_config.torch_dtype, engine_config.tensor_parallel_size)
+        per_block = kv_bytes_per_block(cfg, bs, engine_config.kv_cache_torch_dtype, engine_config.tensor_parallel_size)
         budgets.append(math.ceil(kv.max_tokens / bs) * per_block)
     fraction = kv.free_gpu_memory_fraction
     if fraction is not None:

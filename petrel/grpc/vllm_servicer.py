@@ -73,7 +73,7 @@ class VllmServicer(WorkerBase, vpb_grpc.VllmEngineServicer):
             kv_connector=KV_CONNECTOR if role else "",
             kv_role=KV_ROLES.get(role, ""),
             data_parallel_size=1,
-            kv_cache_dtype="auto",
+            kv_cache_dtype=info["kv_cache_dtype"],
             block_size=info["block_size"],
             model_dtype=info["dtype"],
         )

@@ -98,9 +98,12 @@ def paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     key_cache, value_cache = kv_cache[0], kv_cache[1]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    # a cache of another dtype than q's (EngineConfig.kv_cache_dtype: bfloat16 beside float32 activations on the CPU)
+    # holds the new keys and values rounded; attention reads them back widened
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(key_cache.dtype))
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(value_cache.dtype))
     block_size = key_cache.shape[1]
+    fresh_is_cached = key_cache.dtype == q.dtype  # else attention reads the rounded K/V back, as the kernels do
 
     out = torch.empty_like(q)
     for g in meta.decode_groups:
@@ -127,18 +130,20 @@ def paged_attention(
             # Keys from the block holding the first visible position on; mask causal and window together.
             first_block = max(0, first_pos - sliding_window + 1) // block_size
             offset = first_block * block_size
-            if chunk.mask is None:  # first_pos == 0, so offset == 0: the fresh K/V are the whole context
+            if chunk.mask is None and fresh_is_cached:  # first_pos == 0, offset == 0: the fresh K/V are all
                 kp, vp = k[rows], v[rows]
             else:
-                kp, vp = _gather(key_cache, value_cache, chunk.block_table[first_block:], chunk.context_len - offset)
+                kp, vp = _gather(
+                    key_cache, value_cache, chunk.block_table[first_block:], chunk.context_len - offset, q.dtype
+                )
             q_pos = torch.arange(first_pos, chunk.context_len, device=q.device).unsqueeze(1)
             k_pos = torch.arange(offset, chunk.context_len, device=q.device).unsqueeze(0)
             mask, causal = (k_pos <= q_pos) & (k_pos > q_pos - sliding_window), False
-        elif chunk.mask is None:  # the whole context is in this step: use the fresh K/V directly
+        elif chunk.mask is None and fresh_is_cached:  # the whole context is in this step: the fresh K/V directly
             kp, vp, mask, causal = k[rows], v[rows], None, True
         else:
-            kp, vp = _gather(key_cache, value_cache, chunk.block_table, chunk.context_len)
-            mask, causal = chunk.mask, False
+            kp, vp = _gather(key_cache, value_cache, chunk.block_table, chunk.context_len, q.dtype)
+            mask, causal = chunk.mask, chunk.mask is None
         op = F.scaled_dot_product_attention(
             q[rows].transpose(0, 1).unsqueeze(0),
             kp.transpose(0, 1).unsqueeze(0),
@@ -152,12 +157,14 @@ def paged_attention(
     return out
 
 
-def _gather(key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor, length: int):
-    """The first `length` keys and values held by the blocks of `block_table`, as [length, kv_heads, d]."""
+def _gather(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor, length: int, dtype: torch.dtype
+):
+    """The first `length` keys and values held by the blocks of `block_table`, as [length, kv_heads, d] of dtype."""
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     return (
-        key_cache[block_table].view(-1, num_kv_heads, head_dim)[:length],
-        value_cache[block_table].view(-1, num_kv_heads, head_dim)[:length],
+        key_cache[block_table].view(-1, num_kv_heads, head_dim)[:length].to(dtype),
+        value_cache[block_table].view(-1, num_kv_heads, head_dim)[:length].to(dtype),
     )
 
 
@@ -193,8 +200,9 @@ def _decode_attention(
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[2]
     flat_tables = block_tables.reshape(-1)
-    keys = key_cache.index_select(0, flat_tables).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
-    values = value_cache.index_select(0, flat_tables).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    keys = key_cache.index_select(0, flat_tables).to(q.dtype).view(num_seqs, -1, num_kv_heads, head_dim)
+    values = value_cache.index_select(0, flat_tables).to(q.dtype).view(num_seqs, -1, num_kv_heads, head_dim)
+    keys, values = keys.transpose(1, 2), values.transpose(1, 2)
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2), keys, values, attn_mask=mask.view(num_seqs, 1, 1, -1), scale=scale, enable_gqa=True
     )

@@ -16,7 +16,10 @@
  *      online-softmax step per query head, in base 2 (the queries copied once times scale * log2 e, so that a
  *      score is the exponent its weight needs), then the values, each value row loaded once for up to three query
  *      heads. With the keys and values in cache this runs ~1.6x the rate of the kernel before it (one value row
- *      load per query head, 2^x by way of e^x), which leaves the memory more of each step's time. */
+ *      load per query head, 2^x by way of e^x), which leaves the memory more of each step's time.
+ *   4. The caches hold float32 or bfloat16 (kv_bf16: half the bytes to read; each value widened exactly as it is
+ *      loaded). One body serves both: the functions below take the kind as a constant (always inlined), so each
+ *      kind gets its own loops. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -36,6 +39,18 @@
 #define MAX_SPAN (SPAN > MAX_BS ? SPAN : MAX_BS)  /* the most keys of a span */
 #define ITEMS_PER_THREAD 4    /* work items wanted a thread */
 #define MIN_PART_KEYS 256     /* the fewest keys of a part of a context */
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* where element i of a cache holding float32, or (bf16) bfloat16, values lies */
+INLINE const char *kv_at(const void *base, int64_t i, const int bf16) {
+    return (const char *)base + i * (bf16 ? 2 : 4);
+}
+
+/* eight values of a cache from p, as floats */
+INLINE __m256 kv_load8(const char *p, const int bf16) {
+    return bf16 ? bf16_load8((const uint16_t *)p) : _mm256_loadu_ps((const float *)p);
+}
 
 /* The lines of the next span's blocks, brought into L2 a few at a time: block i's keys and values from k[i] and
  * v[i], `tokens` rows `stride` bytes apart, `lines` cache lines of each (the item's KV heads) */
@@ -57,7 +72,8 @@ static inline void prefetch_lines(span_prefetch *p, int lines) {
 }
 
 typedef struct {
-    const float *q; int64_t q_stride; const float *key_cache, *value_cache; const int64_t *tables; int64_t max_blocks;
+    const float *q; int64_t q_stride; const void *key_cache, *value_cache; int kv_bf16;
+    const int64_t *tables; int64_t max_blocks;
     const int64_t *context_lens; int64_t H, KVH, D, bs, window; float scale; float *out;
     int64_t heads, parts, items;  /* work items: a sequence's context in `parts` parts x its KV heads `heads` at a
                                    * time (all of them, or one) */
@@ -67,14 +83,14 @@ typedef struct {
 
 /* one span's blocks: where each one's keys and values start (at KV head 0) and which of its tokens are seen */
 typedef struct {
-    const float *k[SPAN_BLOCKS], *v[SPAN_BLOCKS];
+    const char *k[SPAN_BLOCKS], *v[SPAN_BLOCKS];
     int64_t t0[SPAN_BLOCKS], t1[SPAN_BLOCKS], n;
 } span_blocks;
 
 /* The scores of G query heads (qs, pre-scaled, D apart) against tokens t0..t1 of one block (kb: token 0's keys of
- * this KV head, rows `row` floats apart), into p[g * MAX_SPAN + j ..] */
-static void block_scores(const float *qs, int64_t G, int64_t D, const float *kb, int64_t row, int64_t t0, int64_t t1,
-                         float *p, int64_t j, span_prefetch *pf) {
+ * this KV head, rows `row` values apart), into p[g * MAX_SPAN + j ..] */
+INLINE void block_scores(const float *qs, int64_t G, int64_t D, const char *kb, int64_t row, int64_t t0, int64_t t1,
+                         float *p, int64_t j, span_prefetch *pf, const int bf16) {
     for (int64_t g = 0; g < G; g++) {
         const float *qg = qs + g * D;
         float *pg = p + g * MAX_SPAN + j - t0;
@@ -85,7 +101,8 @@ static void block_scores(const float *qs, int64_t G, int64_t D, const float *kb,
             for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
             for (int64_t d = 0; d < D; d += 8) {
                 const __m256 qv = _mm256_loadu_ps(qg + d);
-                for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kb + (t + i) * row + d), a[i]);
+                for (int i = 0; i < 8; i++)
+                    a[i] = _mm256_fmadd_ps(qv, kv_load8(kv_at(kb, (t + i) * row + d, bf16), bf16), a[i]);
             }
             const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
             const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
@@ -95,7 +112,7 @@ static void block_scores(const float *qs, int64_t G, int64_t D, const float *kb,
         for (; t < t1; t++) {
             __m256 a0 = _mm256_setzero_ps();
             for (int64_t d = 0; d < D; d += 8)
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), _mm256_loadu_ps(kb + t * row + d), a0);
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), kv_load8(kv_at(kb, t * row + d, bf16), bf16), a0);
             pg[t] = hsum(a0);
         }
     }
@@ -103,20 +120,18 @@ static void block_scores(const float *qs, int64_t G, int64_t D, const float *kb,
 
 /* acc[g][d0 .. d0+8*NV) += sum over the span's tokens of p[g][j] * value row, for GN (<= 3) query heads at once:
  * each value row's NV vectors loaded once for all of them */
-static inline __attribute__((always_inline)) void span_values_part(const span_blocks *sb, int64_t kh, int64_t D,
-                                                                   int64_t row, const float *p, float *acc,
-                                                                   int64_t d0, const int GN, const int NV,
-                                                                   span_prefetch *pf) {
+INLINE void span_values_part(const span_blocks *sb, int64_t kh, int64_t D, int64_t row, const float *p, float *acc,
+                             int64_t d0, const int GN, const int NV, span_prefetch *pf, const int bf16) {
     __m256 a[3][4];
     for (int g = 0; g < GN; g++)
         for (int i = 0; i < NV; i++) a[g][i] = _mm256_loadu_ps(acc + g * D + d0 + 8 * i);
     int64_t j = 0;
     for (int64_t b = 0; b < sb->n; b++) {
-        const float *vb = sb->v[b] + kh * D + d0;
+        const char *vb = kv_at(sb->v[b], kh * D + d0, bf16);
         for (int64_t u = sb->t0[b]; u < sb->t1[b]; u++, j++) {
             prefetch_lines(pf, 2);
             __m256 v[4];
-            for (int i = 0; i < NV; i++) v[i] = _mm256_loadu_ps(vb + u * row + 8 * i);
+            for (int i = 0; i < NV; i++) v[i] = kv_load8(kv_at(vb, u * row + 8 * i, bf16), bf16);
             for (int g = 0; g < GN; g++) {
                 const __m256 w = _mm256_broadcast_ss(p + g * MAX_SPAN + j);
                 for (int i = 0; i < NV; i++) a[g][i] = _mm256_fmadd_ps(w, v[i], a[g][i]);
@@ -128,45 +143,46 @@ static inline __attribute__((always_inline)) void span_values_part(const span_bl
 }
 
 /* the span's values into the running outputs acc [G][D] of KV head kh's query heads, weights p [G][MAX_SPAN] */
-static void span_values(const span_blocks *sb, int64_t kh, int64_t G, int64_t D, int64_t row, const float *p,
-                        float *acc, span_prefetch *pf) {
+INLINE void span_values(const span_blocks *sb, int64_t kh, int64_t G, int64_t D, int64_t row, const float *p,
+                        float *acc, span_prefetch *pf, const int bf16) {
     for (int64_t g0 = 0; g0 < G; g0 += 3) {
         const float *pg = p + g0 * MAX_SPAN;
         float *ag = acc + g0 * D;
         const int gn = G - g0 >= 3 ? 3 : (int)(G - g0);
         int64_t d0 = 0;
         for (; d0 + 32 <= D; d0 += 32) {
-            if (gn == 3) span_values_part(sb, kh, D, row, pg, ag, d0, 3, 4, pf);
-            else if (gn == 2) span_values_part(sb, kh, D, row, pg, ag, d0, 2, 4, pf);
-            else span_values_part(sb, kh, D, row, pg, ag, d0, 1, 4, pf);
+            if (gn == 3) span_values_part(sb, kh, D, row, pg, ag, d0, 3, 4, pf, bf16);
+            else if (gn == 2) span_values_part(sb, kh, D, row, pg, ag, d0, 2, 4, pf, bf16);
+            else span_values_part(sb, kh, D, row, pg, ag, d0, 1, 4, pf, bf16);
         }
         if (d0 < D)                        /* the last 8, 16 or 24 dimensions, a query head at a time */
             for (int g = 0; g < gn; g++) {
                 const float *pq = pg + g * MAX_SPAN;
                 float *aq = ag + g * D;
-                if (D - d0 == 8) span_values_part(sb, kh, D, row, pq, aq, d0, 1, 1, pf);
-                else if (D - d0 == 16) span_values_part(sb, kh, D, row, pq, aq, d0, 1, 2, pf);
-                else span_values_part(sb, kh, D, row, pq, aq, d0, 1, 3, pf);
+                if (D - d0 == 8) span_values_part(sb, kh, D, row, pq, aq, d0, 1, 1, pf, bf16);
+                else if (D - d0 == 16) span_values_part(sb, kh, D, row, pq, aq, d0, 1, 2, pf, bf16);
+                else span_values_part(sb, kh, D, row, pq, aq, d0, 1, 3, pf, bf16);
             }
     }
 }
 
 /* blocks b .. b+n-1 of sequence s (of its `len` keys, those from lo on) into sb */
-static void gather_span(const decode_args *a, int64_t s, int64_t b, int64_t n, int64_t lo, int64_t len,
-                        span_blocks *sb) {
+INLINE void gather_span(const decode_args *a, int64_t s, int64_t b, int64_t n, int64_t lo, int64_t len,
+                        span_blocks *sb, const int bf16) {
     const int64_t bs = a->bs, row = a->KVH * a->D;
     sb->n = n;
     for (int64_t i = 0; i < n; i++) {
         const int64_t block = a->tables[s * a->max_blocks + b + i], first = (b + i) * bs;
-        sb->k[i] = a->key_cache + block * bs * row;
-        sb->v[i] = a->value_cache + block * bs * row;
+        sb->k[i] = kv_at(a->key_cache, block * bs * row, bf16);
+        sb->v[i] = kv_at(a->value_cache, block * bs * row, bf16);
         sb->t0[i] = first < lo ? lo - first : 0;
         sb->t1[i] = first + bs <= len ? bs : len - first;
     }
 }
 
-/* work item (s, part, KV heads kh0 ..): that part of its blocks' keys and values against those heads' queries */
-static void decode_item(decode_args *a, int64_t item) {
+/* work item (s, part, KV heads kh0 ..): that part of its blocks' keys and values against those heads' queries;
+ * bf16: a->kv_bf16, as a constant */
+INLINE void decode_item(decode_args *a, int64_t item, const int bf16) {
     const int64_t H = a->H, KVH = a->KVH, D = a->D, bs = a->bs, G = H / KVH, row = KVH * D;
     const int64_t groups = KVH / a->heads, kh0 = item % groups * a->heads, nkh = a->heads, h0 = kh0 * G;
     const int64_t s = item / groups / a->parts, part = item / groups % a->parts, len = a->context_lens[s];
@@ -178,24 +194,26 @@ static void decode_item(decode_args *a, int64_t item) {
     float qs[MAX_HD] __attribute__((aligned(32))), acc[MAX_HD], m[MAX_HD / 8], l[MAX_HD / 8];
     float p[MAX_G * MAX_SPAN] __attribute__((aligned(32)));
     span_blocks sb;
-    span_prefetch pf = {.tokens = bs, .stride = row * (int64_t)sizeof(float), .lines = (nkh * D + 15) / 16};
+    const int64_t esize = bf16 ? 2 : 4;
+    span_prefetch pf = {.tokens = bs, .stride = row * esize, .lines = (nkh * D * esize + 63) / 64};
     const float *q = a->q + s * a->q_stride + h0 * D;
     for (int64_t i = 0; i < nkh * G * D; i++) { qs[i] = q[i] * scale_log2e; acc[i] = 0.f; }
     for (int64_t h = 0; h < nkh * G; h++) { m[h] = -INFINITY; l[h] = 0.f; }
     for (int64_t b = b0; b < b1; b += span) {
         const int64_t n = b + span <= b1 ? span : b1 - b, next = b + n + span <= b1 ? span : b1 - b - n;
-        gather_span(a, s, b, n, lo, len, &sb);
+        gather_span(a, s, b, n, lo, len, &sb, bf16);
         pf.blocks = next; pf.i = pf.t = pf.c = 0;
         for (int64_t i = 0; i < next; i++) {
             const int64_t block = a->tables[s * a->max_blocks + b + n + i];
-            pf.k[i] = (const char *)(a->key_cache + block * bs * row + kh0 * D);
-            pf.v[i] = (const char *)(a->value_cache + block * bs * row + kh0 * D);
+            pf.k[i] = kv_at(a->key_cache, block * bs * row + kh0 * D, bf16);
+            pf.v[i] = kv_at(a->value_cache, block * bs * row + kh0 * D, bf16);
         }
         for (int64_t kh = kh0; kh < kh0 + nkh; kh++) {
             const int64_t i0 = (kh - kh0) * G;           /* the item's first query head of this KV head */
             int64_t keys = 0;
             for (int64_t i = 0; i < sb.n; i++) {
-                block_scores(qs + i0 * D, G, D, sb.k[i] + kh * D, row, sb.t0[i], sb.t1[i], p, keys, &pf);
+                block_scores(qs + i0 * D, G, D, kv_at(sb.k[i], kh * D, bf16), row, sb.t0[i], sb.t1[i], p, keys, &pf,
+                             bf16);
                 keys += sb.t1[i] - sb.t0[i];
             }
             const int64_t padded = (keys + 15) / 16 * 16;
@@ -203,7 +221,7 @@ static void decode_item(decode_args *a, int64_t item) {
                 for (int64_t j = keys; j < padded; j++) p[g * MAX_SPAN + j] = -INFINITY;
                 online_softmax_step(p + g * MAX_SPAN, padded, &m[i0 + g], &l[i0 + g], acc + (i0 + g) * D, D);
             }
-            span_values(&sb, kh, G, D, row, p, acc + i0 * D, &pf);
+            span_values(&sb, kh, G, D, row, p, acc + i0 * D, &pf, bf16);
         }
     }
     if (a->parts == 1) {
@@ -228,7 +246,8 @@ static void decode_part(void *args, int t, int T) {
     for (;;) {                     /* items handed out one at a time: sequences differ in length */
         const int64_t item = __atomic_fetch_add(&a->next, 1, __ATOMIC_RELAXED);
         if (item >= a->items) break;
-        decode_item(a, item);
+        if (a->kv_bf16) decode_item(a, item, 1);
+        else decode_item(a, item, 0);
     }
 }
 
@@ -253,11 +272,12 @@ static void merge_parts(const decode_args *a, int64_t S) {
 }
 
 /* One query token per sequence against its paged context, read in place.
- * q [S][H][D] (rows q_stride floats apart), out [S][H][D]; key_cache, value_cache [num_blocks][bs][KVH][D];
+ * q [S][H][D] (rows q_stride floats apart), out [S][H][D]; key_cache, value_cache [num_blocks][bs][KVH][D] of
+ * float32, or of bfloat16 when kv_bf16;
  * tables [S][max_blocks]; context_lens [S]. Query head h uses KV head h / (H / KVH). With window > 0 a row sees
  * its last `window` positions only. D a multiple of 8, H * D <= MAX_HD, H / KVH <= MAX_G, bs <= MAX_BS. */
-void paged_decode_attention(const float *q, int64_t q_stride, const float *key_cache, const float *value_cache,
-                            const int64_t *tables, int64_t max_blocks, const int64_t *context_lens,
+void paged_decode_attention(const float *q, int64_t q_stride, const void *key_cache, const void *value_cache,
+                            int kv_bf16, const int64_t *tables, int64_t max_blocks, const int64_t *context_lens,
                             int64_t S, int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t window,
                             float scale, float *out, int nthreads) {
     const int64_t wanted = ITEMS_PER_THREAD * nthreads;
@@ -274,8 +294,8 @@ void paged_decode_attention(const float *q, int64_t q_stride, const float *key_c
     }
     float *partial = NULL;
     if (parts > 1 && !(partial = malloc(sizeof(float) * S * parts * H * (D + 2)))) parts = 1;
-    decode_args a = {q, q_stride, key_cache, value_cache, tables, max_blocks, context_lens, H, KVH, D, bs, window,
-                     scale, out, heads, parts, S * parts * (KVH / heads), partial, 0};
+    decode_args a = {q, q_stride, key_cache, value_cache, kv_bf16, tables, max_blocks, context_lens, H, KVH, D, bs,
+                     window, scale, out, heads, parts, S * parts * (KVH / heads), partial, 0};
     parallel_run(decode_part, &a, nthreads);
     if (parts > 1) merge_parts(&a, S);
     free(partial);

@@ -182,12 +182,13 @@ static int product(const float *x, int64_t M, int64_t K, const weight *w, float 
  *   x' = x + o(a); x_out = x' + down(silu(gate) * up)(norm2(x'))
  * the same kernels as the separate calls (so the same results), without the ~15 torch and ctypes dispatches a
  * layer that otherwise cost more than the arithmetic at one row. Weights [out][in], no biases; qkv rows are q (NH
- * heads), k, v (KVH heads each); cos, sin [T][D]; slots [T] the cache slot of each row's new K/V.
+ * heads), k, v (KVH heads each); cos, sin [T][D]; slots [T] the cache slot of each row's new K/V; the caches hold
+ * float32, or bfloat16 when kv_bf16 (the new K/V rounded to nearest even, as torch rounds).
  * Returns 0, or KERNEL_OUT_OF_MEMORY when scratch memory (its own or a quantized product's) could not be had. */
 int decode_layer(const float *x, float *x_out, int64_t T, int64_t H, const float *norm1, const float *norm2,
                  float eps, const weight *w_qkv, const weight *w_o, const weight *w_gate_up, const weight *w_down,
                  int64_t I, int64_t NH, int64_t KVH, int64_t D, const float *cos_t, const float *sin_t,
-                 float *key_cache, float *value_cache, const int64_t *slots, const int64_t *tables,
+                 void *key_cache, void *value_cache, int kv_bf16, const int64_t *slots, const int64_t *tables,
                  int64_t max_blocks, const int64_t *context_lens, int64_t bs, int64_t window, float scale,
                  int nthreads) {
     const int64_t QKV = (NH + 2 * KVH) * D, QK = (NH + KVH) * D, ROW = KVH * D;
@@ -201,10 +202,19 @@ int decode_layer(const float *x, float *x_out, int64_t T, int64_t H, const float
     if ((status = product(h, T, H, w_qkv, qkv, QKV, nthreads))) goto done;
     rotary(qkv, T, NH + KVH, D, QKV, cos_t, sin_t, qk, nthreads);
     for (int64_t t = 0; t < T; t++) {
-        memcpy(key_cache + slots[t] * ROW, qk + t * QK + NH * D, sizeof(float) * ROW);
-        memcpy(value_cache + slots[t] * ROW, qkv + t * QKV + QK, sizeof(float) * ROW);
+        const float *k = qk + t * QK + NH * D, *v = qkv + t * QKV + QK;
+        if (kv_bf16) {
+            uint16_t *kc = (uint16_t *)key_cache + slots[t] * ROW, *vc = (uint16_t *)value_cache + slots[t] * ROW;
+            for (int64_t i = 0; i < ROW; i++) {
+                kc[i] = float_to_bf16(k[i]);
+                vc[i] = float_to_bf16(v[i]);
+            }
+        } else {
+            memcpy((float *)key_cache + slots[t] * ROW, k, sizeof(float) * ROW);
+            memcpy((float *)value_cache + slots[t] * ROW, v, sizeof(float) * ROW);
+        }
     }
-    paged_decode_attention(qk, QK, key_cache, value_cache, tables, max_blocks, context_lens, T, NH, KVH, D, bs,
+    paged_decode_attention(qk, QK, key_cache, value_cache, kv_bf16, tables, max_blocks, context_lens, T, NH, KVH, D, bs,
                            window, scale, attn, nthreads);
     if ((status = product(attn, T, NH * D, w_o, y, H, nthreads))) goto done;
     for (int64_t i = 0; i < T * H; i++) x_out[i] = x[i] + y[i];
@@ -226,9 +236,10 @@ done:
  * KERNEL_OUT_OF_MEMORY (then stops at that layer). */
 int decode_layers(int64_t L, const float *x, float *x_out, int64_t T, int64_t H, const float *const *norm1,
                   const float *const *norm2, float eps, const weight *weights, int64_t I, int64_t NH, int64_t KVH,
-                  int64_t D, const float *cos_t, const float *sin_t, float *const *key_caches,
-                  float *const *value_caches, const int64_t *slots, const int64_t *tables, int64_t max_blocks,
-                  const int64_t *context_lens, int64_t bs, const int64_t *windows, float scale, int nthreads) {
+                  int64_t D, const float *cos_t, const float *sin_t, void *const *key_caches,
+                  void *const *value_caches, int kv_bf16, const int64_t *slots, const int64_t *tables,
+                  int64_t max_blocks, const int64_t *context_lens, int64_t bs, const int64_t *windows, float scale,
+                  int nthreads) {
     float *spare = malloc(sizeof(float) * T * H);
     if (!spare) return KERNEL_OUT_OF_MEMORY;
     const float *in = x;
@@ -237,7 +248,7 @@ int decode_layers(int64_t L, const float *x, float *x_out, int64_t T, int64_t H,
         float *out = (L - 1 - l) % 2 == 0 ? x_out : spare;     /* alternate, ending in x_out */
         status = decode_layer(in, out, T, H, norm1[l], norm2[l], eps, &weights[4 * l], &weights[4 * l + 1],
                               &weights[4 * l + 2], &weights[4 * l + 3], I, NH, KVH, D, cos_t, sin_t, key_caches[l],
-                              value_caches[l], slots, tables, max_blocks, context_lens, bs, windows[l], scale,
+                              value_caches[l], kv_bf16, slots, tables, max_blocks, context_lens, bs, windows[l], scale,
                               nthreads);
         in = out;
     }

@@ -81,6 +81,18 @@ def _is_cpu_f32(*tensors: torch.Tensor) -> bool:
     return True
 
 
+def _kv_bf16(*caches: torch.Tensor) -> int | None:
+    """The attention kernels' kv_bf16 argument for these contiguous CPU caches: 0 float32, 1 bfloat16; None for any
+    other cache (another dtype or device, caches that differ, a strided view)."""
+    dtype = caches[0].dtype
+    if dtype is not torch.float32 and dtype is not torch.bfloat16:
+        return None
+    for c in caches:
+        if not c.is_cpu or c.dtype is not dtype or not c.is_contiguous():
+            return None
+    return int(dtype is torch.bfloat16)
+
+
 def _attention_fits(
     num_heads: int,
     num_kv_heads: int,
@@ -155,8 +167,8 @@ def decode_attention(
     _, block_size, num_kv_heads, _ = key_cache.shape
     if (
         not _attention_fits(num_heads, num_kv_heads, head_dim, block_size, block_tables, context_lens)
-        or not _is_cpu_f32(q, key_cache, value_cache)
-        or not (key_cache.is_contiguous() and value_cache.is_contiguous())
+        or not _is_cpu_f32(q)
+        or (kv_bf16 := _kv_bf16(key_cache, value_cache)) is None
         or (lib := library()) is None
     ):
         return None
@@ -169,6 +181,7 @@ def decode_attention(
         q.stride(0),
         key_cache.data_ptr(),
         value_cache.data_ptr(),
+        kv_bf16,
         block_tables.data_ptr(),
         block_tables.shape[1],
         context_lens.data_ptr(),
@@ -205,8 +218,8 @@ def prefill_attention(
         or head_dim > _MAX_PREFILL_HEAD_DIM
         or num_heads % num_kv_heads
         or block_table.dtype != torch.int64
-        or not _is_cpu_f32(q, key_cache, value_cache)
-        or not (key_cache.is_contiguous() and value_cache.is_contiguous())
+        or not _is_cpu_f32(q)
+        or (kv_bf16 := _kv_bf16(key_cache, value_cache)) is None
         or (lib := library()) is None
     ):
         return None
@@ -221,6 +234,7 @@ def prefill_attention(
         q.stride(0),
         key_cache.data_ptr(),
         value_cache.data_ptr(),
+        kv_bf16,
         block_table.data_ptr(),
         n,
         first_pos,
@@ -345,9 +359,9 @@ def _step_fits(
         cos.numel() == x.shape[0] * heads[2]
         and slots.dtype == torch.int64
         and _attention_fits(*heads, kv_cache.shape[2], block_tables, context_lens)
-        and _is_cpu_f32(x, kv_cache, cos, sin)
+        and _is_cpu_f32(x, cos, sin)
+        and _kv_bf16(kv_cache) is not None
         and x.is_contiguous()
-        and kv_cache.is_contiguous()
         and cos.is_contiguous()
         and sin.is_contiguous()
     )
@@ -398,6 +412,7 @@ def decode_layer(
         sin.data_ptr(),
         kv_cache[0].data_ptr(),
         kv_cache[1].data_ptr(),
+        _kv_bf16(kv_cache),
         slots.data_ptr(),
         block_tables.data_ptr(),
         block_tables.shape[1],
@@ -425,13 +440,14 @@ class DecoderStack:
         self.weights = (Weight * (4 * n))(*weights)
         self.key_caches = pointers(*(c[0].data_ptr() for c in kv_caches))
         self.value_caches = pointers(*(c[1].data_ptr() for c in kv_caches))
+        self.kv_bf16 = _kv_bf16(*kv_caches)
         self.windows = (ctypes.c_int64 * n)(*(p.sliding_window or 0 for p in layers))
         self.max_rows = min(p.max_rows for p in layers)
 
     @classmethod
     def build(cls, layers: list[LayerParts], kv_caches: list[torch.Tensor]) -> DecoderStack | None:
         """The stack, or None where one call cannot run it: a layer the kernels do not take, layers that differ
-        in shape, eps or scale, caches of another shape, or no kernels here."""
+        in shape, eps or scale, caches of another shape or dtype, or no kernels here."""
         first = layers[0]
         same = all(
             p.heads == first.heads
@@ -445,7 +461,7 @@ class DecoderStack:
             not same
             or not all(p.fits(1) for p in layers)
             or (lib := library()) is None
-            or len({tuple(c.shape) for c in kv_caches}) != 1
+            or len({(tuple(c.shape), c.dtype) for c in kv_caches}) != 1
             or None in (weights := [describe(w) for p in layers for w in p.weights])
         ):
             return None
@@ -487,6 +503,7 @@ class DecoderStack:
             sin.data_ptr(),
             self.key_caches,
             self.value_caches,
+            self.kv_bf16,
             slots.data_ptr(),
             block_tables.data_ptr(),
             block_tables.shape[1],

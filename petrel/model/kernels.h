@@ -32,8 +32,8 @@ void f32_gemv(const float *x, int64_t M, int64_t K, const float *W, float *y, in
 void bf16_gemv(const float *x, int64_t M, int64_t K, const uint16_t *W, float *y, int64_t N, int nthreads);
 void f32_tile_product(const float *x, int64_t M, int64_t K, const float *tile, int64_t rows, float *y, int64_t N,
                       int64_t n0);
-void paged_decode_attention(const float *q, int64_t q_stride, const float *key_cache, const float *value_cache,
-                            const int64_t *tables, int64_t max_blocks, const int64_t *context_lens,
+void paged_decode_attention(const float *q, int64_t q_stride, const void *key_cache, const void *value_cache,
+                            int kv_bf16, const int64_t *tables, int64_t max_blocks, const int64_t *context_lens,
                             int64_t S, int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t window,
                             float scale, float *out, int nthreads);
 void rms_norm(const float *x, int64_t T, int64_t H, int64_t stride, const float *w, float eps, float *out,
@@ -44,21 +44,22 @@ void silu_and_mul(const float *x, int64_t T, int64_t I, float *out, int nthreads
 int decode_layer(const float *x, float *x_out, int64_t T, int64_t H, const float *norm1, const float *norm2,
                  float eps, const weight *w_qkv, const weight *w_o, const weight *w_gate_up, const weight *w_down,
                  int64_t I, int64_t NH, int64_t KVH, int64_t D, const float *cos_t, const float *sin_t,
-                 float *key_cache, float *value_cache, const int64_t *slots, const int64_t *tables,
+                 void *key_cache, void *value_cache, int kv_bf16, const int64_t *slots, const int64_t *tables,
                  int64_t max_blocks, const int64_t *context_lens, int64_t bs, int64_t window, float scale,
                  int nthreads);
 int decode_layers(int64_t L, const float *x, float *x_out, int64_t T, int64_t H, const float *const *norm1,
                   const float *const *norm2, float eps, const weight *weights, int64_t I, int64_t NH, int64_t KVH,
-                  int64_t D, const float *cos_t, const float *sin_t, float *const *key_caches,
-                  float *const *value_caches, const int64_t *slots, const int64_t *tables, int64_t max_blocks,
-                  const int64_t *context_lens, int64_t bs, const int64_t *windows, float scale, int nthreads);
+                  int64_t D, const float *cos_t, const float *sin_t, void *const *key_caches,
+                  void *const *value_caches, int kv_bf16, const int64_t *slots, const int64_t *tables,
+                  int64_t max_blocks, const int64_t *context_lens, int64_t bs, const int64_t *windows, float scale,
+                  int nthreads);
 
 /* prefill_attention.c */
 int64_t prefill_attention_workspace(int64_t n, int64_t p0, int64_t window, int64_t KVH, int64_t D);
-void paged_prefill_attention(const float *q, int64_t q_stride, const float *key_cache, const float *value_cache,
-                             const int64_t *table, int64_t n, int64_t p0, int64_t H, int64_t KVH, int64_t D,
-                             int64_t bs, int64_t window, float scale, float *out, float *workspace, int avx512,
-                             int nthreads);
+void paged_prefill_attention(const float *q, int64_t q_stride, const void *key_cache, const void *value_cache,
+                             int kv_bf16, const int64_t *table, int64_t n, int64_t p0, int64_t H, int64_t KVH,
+                             int64_t D, int64_t bs, int64_t window, float scale, float *out, float *workspace,
+                             int avx512, int nthreads);
 
 /* gemm_avx512.c */
 int64_t f32_gemm_workspace(int64_t K, int64_t N, int nthreads);

@@ -3,7 +3,8 @@
  * paged_prefill_attention: the n query tokens of one sequence's prompt chunk (positions p0 .. p0+n-1, their keys
  * and values already written to the cache) against every key they may see: causal, and within the last `window`
  * positions when window > 0. A chunk that continues a cached prefix reads it in place, like a fresh one.
- *   1. The visible keys are copied once per call out of their blocks into per-KV-head panels: keys transposed in
+ *   1. The visible keys are copied once per call out of their blocks into per-KV-head panels (as float32, from a
+ *      float32 or a bfloat16 cache, kv_bf16): keys transposed in
  *      tiles of sixteen ([L/16][D][16]: one tile, 4 KB at D = 64, holds sixteen keys' every dimension, one cache
  *      line a dimension), values as rows ([L][D]). A key block is thus one contiguous read; the plain transpose
  *      [D][L] put a block's D lines L floats apart, 32 KB at 8k keys, all in one L1 set: at 8k-token prompts the
@@ -29,6 +30,7 @@
 #include "kernels.h"
 #include "online_softmax.h"
 #include "prefill_attention.h"
+#include "simd.h"
 #include "thread_pool.h"
 
 /* keys and values lo .. p0+n-1 out of their blocks into the panels; the padding up to L as zeros */
@@ -42,10 +44,19 @@ static void pack_part(void *args, int t, int T) {
         for (int64_t kh = 0; kh < KVH; kh++) {
             float *kt = a->kt + kh * D * L + j / 16 * D * 16 + j % 16, *v = a->v + (kh * L + j) * D;
             if (pos < ctx) {
-                const int64_t slot = a->table[pos / a->bs] * a->bs + pos % a->bs;
-                const float *ks = a->key_cache + slot * row + kh * D, *vs = a->value_cache + slot * row + kh * D;
-                for (int64_t d = 0; d < D; d++) kt[d * 16] = ks[d];
-                memcpy(v, vs, sizeof(float) * D);
+                const int64_t at = (a->table[pos / a->bs] * a->bs + pos % a->bs) * row + kh * D;
+                if (a->kv_bf16) {
+                    const uint16_t *ks = (const uint16_t *)a->key_cache + at;
+                    const uint16_t *vs = (const uint16_t *)a->value_cache + at;
+                    for (int64_t d = 0; d < D; d++) {
+                        kt[d * 16] = bf16_to_float(ks[d]);
+                        v[d] = bf16_to_float(vs[d]);
+                    }
+                } else {
+                    const float *ks = (const float *)a->key_cache + at, *vs = (const float *)a->value_cache + at;
+                    for (int64_t d = 0; d < D; d++) kt[d * 16] = ks[d];
+                    memcpy(v, vs, sizeof(float) * D);
+                }
             } else {
                 for (int64_t d = 0; d < D; d++) kt[d * 16] = 0.f;
                 memset(v, 0, sizeof(float) * D);
@@ -168,16 +179,17 @@ int64_t prefill_attention_workspace(int64_t n, int64_t p0, int64_t window, int64
 }
 
 /* q: the chunk's n queries, [n][H][D] (rows q_stride floats apart); out [n][H][D]; key_cache, value_cache
- * [num_blocks][bs][KVH][D] holding positions 0 .. p0+n-1 (this chunk's too) through `table`; D a multiple of 16
+ * [num_blocks][bs][KVH][D] (float32, or bfloat16 when kv_bf16) holding positions 0 .. p0+n-1 (this chunk's too)
+ * through `table`; D a multiple of 16
  * up to MAX_D; window 0 for none; workspace of prefill_attention_workspace(n, p0, window, KVH, D) floats;
  * avx512: the inner step of prefill_attention_avx512.c (only where native.cpu_has_avx512 says so), else AVX2's */
-void paged_prefill_attention(const float *q, int64_t q_stride, const float *key_cache, const float *value_cache,
-                             const int64_t *table, int64_t n, int64_t p0, int64_t H, int64_t KVH, int64_t D,
-                             int64_t bs, int64_t window, float scale, float *out, float *workspace, int avx512,
-                             int nthreads) {
+void paged_prefill_attention(const float *q, int64_t q_stride, const void *key_cache, const void *value_cache,
+                             int kv_bf16, const int64_t *table, int64_t n, int64_t p0, int64_t H, int64_t KVH,
+                             int64_t D, int64_t bs, int64_t window, float scale, float *out, float *workspace,
+                             int avx512, int nthreads) {
     const int64_t lo = first_key(p0, window), L = packed_keys(n, p0, window);
-    prefill_args a = {q, q_stride, key_cache, value_cache, table, n, p0, H, KVH, D, bs, window, lo, L, scale, out,
-                      workspace, workspace + KVH * D * L, (n * (H / KVH) + ROWS * GROUPS - 1) / (ROWS * GROUPS), 0,
+    prefill_args a = {q, q_stride, key_cache, value_cache, kv_bf16, table, n, p0, H, KVH, D, bs, window, lo, L, scale,
+                      out, workspace, workspace + KVH * D * L, (n * (H / KVH) + ROWS * GROUPS - 1) / (ROWS * GROUPS), 0,
                       avx512 ? attend_keys_avx512 : attend_keys_avx2};
     parallel_run(pack_part, &a, nthreads);
     parallel_run(prefill_part, &a, nthreads);

@@ -27,7 +27,7 @@ typedef void (*attend_fn)(const prefill_args *a, row_group *rg, int64_t kb, int6
                           const float *vv);
 
 struct prefill_args {
-    const float *q; int64_t q_stride; const float *key_cache, *value_cache; const int64_t *table;
+    const float *q; int64_t q_stride; const void *key_cache, *value_cache; int kv_bf16; const int64_t *table;
     int64_t n, p0, H, KVH, D, bs, window, lo, L;     /* keys lo .. lo+L-1 packed (L a multiple of 16) */
     float scale; float *out, *kt, *v;                /* kt [KVH][L/16][D][16], v [KVH][L][D] */
     int64_t tiles_per_head, next;

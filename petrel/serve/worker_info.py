@@ -53,6 +53,7 @@ def server_info(llm, served_name: str) -> dict:
         "max_model_len": llm.engine.max_model_len,
         "block_size": llm.engine.core.block_manager.block_size,
         "dtype": str(config.dtype),
+        "kv_cache_dtype": str(config.kv_cache_dtype),
         "kv_transfer_role": config.kv_transfer_role,
     }
 
