@@ -173,13 +173,7 @@ def prefill(args) -> None:
 
     timers.wrap(layers.Linear, "forward", linear_label)
     timers.wrap(QuantizedLinear, "forward", linear_label)  # quantization, dtype bfloat16 on the CPU
-    llm = LLM(
-        model=args.model,
-        dtype=args.dtype,
-        kv_cache_dtype=args.kv_cache_dtype,
-        kv_cache_memory=4 << 30,
-        enable_prefix_caching=False,
-    )
+    llm = engine(args)
     num_layers = load_model_config(resolve_model(args.model)).num_hidden_layers
     if args.w2_prompts:
         prompts = make_w2_prompts(args.w2_prompts)
@@ -199,6 +193,17 @@ def prefill(args) -> None:
     seconds = sum(timers.seconds[key] for key in shapes)
     flop = sum(2 * tokens * n * k * num_layers for n, k in shapes.values())
     print(f"  the decoder's projections: {seconds:.2f} s, {flop / seconds / 1e9:.0f} GFLOP/s")
+
+
+def engine(args) -> LLM:
+    """The engine prefill and decode time: --model at --dtype / --kv-cache-dtype, a 4 GiB cache, no prefix cache."""
+    return LLM(
+        model=args.model,
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_memory=4 << 30,
+        enable_prefix_caching=False,
+    )
 
 
 def decode(args) -> None:
@@ -227,13 +232,7 @@ def decode(args) -> None:
                     steps["calls"][key] += timers.calls[key] - calls_before[key]
 
     engine_core.EngineCore.step = timed_step
-    llm = LLM(
-        model=args.model,
-        dtype=args.dtype,
-        kv_cache_dtype=args.kv_cache_dtype,
-        kv_cache_memory=4 << 30,
-        enable_prefix_caching=False,
-    )
+    llm = engine(args)
     prompts = [{"prompt_token_ids": p[: args.prompt_tokens or None]} for p in make_w2_prompts(args.seqs)]
     llm.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)  # warm-up
     steps.update(n=0, seconds=0.0, inside=collections.defaultdict(float), calls=collections.Counter())
