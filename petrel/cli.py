@@ -7,7 +7,13 @@ import json
 import logging
 import sys
 
-from petrel.cli_options import parallel_arguments, parallel_options, speculative_config_json
+from petrel.cli_options import (
+    dtype_arguments,
+    dtype_options,
+    parallel_arguments,
+    parallel_options,
+    speculative_config_json,
+)
 
 RAW = argparse.RawDescriptionHelpFormatter
 
@@ -67,13 +73,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", default=None, help="GGUF file, Hugging Face directory or hub id (default: SmolLM2-135M-Instruct)"
     )
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="what the KV cache holds (auto: what --dtype asks for; on the CPU bfloat16 beside float32 arithmetic)",
-    )
+    dtype_arguments(p)
     p.add_argument(
         "--quantization",
         default=None,
@@ -104,7 +104,7 @@ def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
 def _make_llm(args):
     from petrel import LLM
 
-    options = {"dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype}
+    options = dtype_options(args)
     if args.quantization:
         options["quantization"] = args.quantization
     if args.kv_cache_memory:

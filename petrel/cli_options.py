@@ -29,6 +29,23 @@ def speculative_config_json(text: str) -> dict:
     return value
 
 
+def dtype_arguments(p) -> None:
+    """--dtype and --kv-cache-dtype (generate, chat, serve)."""
+    dtypes = ["auto", "float32", "bfloat16", "float16"]
+    p.add_argument("--dtype", default="auto", choices=dtypes)
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=dtypes,
+        help="what the KV cache holds (auto: what --dtype asks for; on the CPU bfloat16 beside float32 arithmetic)",
+    )
+
+
+def dtype_options(args) -> dict:
+    """The LLM / EngineConfig keywords of the options dtype_arguments added."""
+    return {"dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype}
+
+
 def parallel_arguments(p) -> None:
     """--tensor-parallel-size and --distributed-executor-backend (generate, chat, serve, bench)."""
     p.add_argument(

@@ -126,7 +126,12 @@ class Speculator:
         draft = None
         if draft_model is not None:
             draft = ModelRunner(
-                *(draft_model[0], draft_model[1], num_blocks, config.block_size, config.torch_dtype, config.device),
+                draft_model[0],
+                draft_model[1],
+                num_blocks,
+                config.block_size,
+                config.torch_dtype,
+                config.device,
                 kv_cache_dtype=config.kv_cache_torch_dtype,
             )
         self.proposer = None if self.config is None else build_proposer(self.config, target, draft)

@@ -354,13 +354,13 @@ def _step_fits(
     context_lens: torch.Tensor,
     heads: tuple[int, int, int],
 ) -> bool:
-    """Whether a decode step's rows, rotary tables, cache and index tensors are what decode_layer(s) take."""
+    """Whether a decode step's rows, rotary tables and index tensors, and its cache's shape, are what
+    decode_layer(s) take (the cache's kind: _kv_bf16, which the callers ask once)."""
     return (
         cos.numel() == x.shape[0] * heads[2]
         and slots.dtype == torch.int64
         and _attention_fits(*heads, kv_cache.shape[2], block_tables, context_lens)
         and _is_cpu_f32(x, cos, sin)
-        and _kv_bf16(kv_cache) is not None
         and x.is_contiguous()
         and cos.is_contiguous()
         and sin.is_contiguous()
@@ -385,6 +385,7 @@ def decode_layer(
     if (
         not layer.fits(x.shape[0])
         or not _step_fits(x, cos, sin, kv_cache, slots, block_tables, context_lens, layer.heads)
+        or (kv_bf16 := _kv_bf16(kv_cache)) is None
         or None in (described := [describe(w) for w in layer.weights])
         or (lib := library()) is None
     ):
@@ -412,7 +413,7 @@ def decode_layer(
         sin.data_ptr(),
         kv_cache[0].data_ptr(),
         kv_cache[1].data_ptr(),
-        _kv_bf16(kv_cache),
+        kv_bf16,
         slots.data_ptr(),
         block_tables.data_ptr(),
         block_tables.shape[1],
@@ -430,7 +431,7 @@ class DecoderStack:
     """A model's plain decoder layers as one decode_layers call (dense_kernels.c): the pointers to every layer's
     norms, weights and cache, gathered once (build), then a decode-only step's rows through all of them."""
 
-    def __init__(self, lib, layers: list[LayerParts], kv_caches: list[torch.Tensor], weights):
+    def __init__(self, lib, layers: list[LayerParts], kv_caches: list[torch.Tensor], kv_bf16: int, weights):
         n = len(layers)
         self.lib, self.first = lib, layers[0]
         self.kv_caches = kv_caches  # kept alive with the pointers below
@@ -440,14 +441,15 @@ class DecoderStack:
         self.weights = (Weight * (4 * n))(*weights)
         self.key_caches = pointers(*(c[0].data_ptr() for c in kv_caches))
         self.value_caches = pointers(*(c[1].data_ptr() for c in kv_caches))
-        self.kv_bf16 = _kv_bf16(*kv_caches)
+        self.kv_bf16 = kv_bf16
         self.windows = (ctypes.c_int64 * n)(*(p.sliding_window or 0 for p in layers))
         self.max_rows = min(p.max_rows for p in layers)
 
     @classmethod
     def build(cls, layers: list[LayerParts], kv_caches: list[torch.Tensor]) -> DecoderStack | None:
         """The stack, or None where one call cannot run it: a layer the kernels do not take, layers that differ
-        in shape, eps or scale, caches of another shape or dtype, or no kernels here."""
+        in shape, eps or scale, caches of another shape or of kinds the kernels do not read (_kv_bf16), or no
+        kernels here."""
         first = layers[0]
         same = all(
             p.heads == first.heads
@@ -461,11 +463,12 @@ class DecoderStack:
             not same
             or not all(p.fits(1) for p in layers)
             or (lib := library()) is None
-            or len({(tuple(c.shape), c.dtype) for c in kv_caches}) != 1
+            or len({tuple(c.shape) for c in kv_caches}) != 1
+            or (kv_bf16 := _kv_bf16(*kv_caches)) is None
             or None in (weights := [describe(w) for p in layers for w in p.weights])
         ):
             return None
-        return cls(lib, layers, kv_caches, weights)
+        return cls(lib, layers, kv_caches, kv_bf16, weights)
 
     def __call__(
         self,

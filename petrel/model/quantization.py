@@ -6,11 +6,12 @@ EngineConfig.quantization picks how a model's projections, LM head and embedding
   gguf  a GGUF's own blocks kept (Q4_0, Q4_1, Q4_K as 4-bit codes with a scale and a min per 32; Q8_0, Q5_0,
         Q5_1, Q5_K as 8-bit codes per 32; Q6_K as 8-bit codes per 16); other GGUF types load dequantized.
   bf16  every projection, the LM head and the embedding held as bfloat16 (rounded to nearest even), activations
-        and the KV cache float32; what dtype='bfloat16' means on the CPU (EngineConfig). Where the CPU has
-        AVX512_BF16, x is rounded to bfloat16 too and the products run dpbf16, twice the FMA's rate (bf16_pairs.c);
-        elsewhere (or PETREL_BF16_ACTIVATIONS=0) each weight is widened to float32 exactly (a shift) for the float32
-        kernels' arithmetic from half the bytes (dense_kernels.c's bf16_gemv, gemm_avx512.c / gemm_avx2.c's
-        bf16_gemm, which widen W as they pack it). gemm_kernels.bf16_product picks.
+        float32; what dtype='bfloat16' means on the CPU (EngineConfig, which then keeps a bfloat16 KV cache too:
+        kv_cache_dtype). Where the CPU has AVX512_BF16, x is rounded to bfloat16 too and the products run dpbf16,
+        twice the FMA's rate (bf16_pairs.c); elsewhere (or PETREL_BF16_ACTIVATIONS=0) each weight is widened to
+        float32 exactly (a shift) for the float32 kernels' arithmetic from half the bytes (dense_kernels.c's
+        bf16_gemv, gemm_avx512.c / gemm_avx2.c's bf16_gemm, which widen W as they pack it).
+        gemm_kernels.bf16_product picks.
 Products run in quant_kernels.c (AVX2): weights are widened to float in registers and multiplied with float
 activations, so a product equals the dequantized weight's up to the order of float additions. At batch 1 a
 decode step reads every weight once, so fewer bytes per weight is what makes it faster. Many rows (prefill,

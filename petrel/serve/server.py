@@ -16,6 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import uvicorn
 
 from petrel.cli_options import (
+    dtype_arguments,
+    dtype_options,
     kv_store_arguments,
     kv_store_options,
     kv_tier_arguments,
@@ -117,13 +119,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     g = p.add_argument_group("engine options (see petrel/config.py)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="what the KV cache holds (auto: what --dtype asks for; on the CPU bfloat16 beside float32 arithmetic)",
-    )
+    dtype_arguments(g)
     g.add_argument("--device", default="cpu")
     g.add_argument(
         "--quantization",
@@ -225,7 +221,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def engine_options(args) -> dict:
-    options = {"dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "device": args.device}
+    options = {**dtype_options(args), "device": args.device}
     for key in (
         "tokenizer",
         "mmproj",
