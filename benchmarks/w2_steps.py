@@ -2,7 +2,7 @@
 `LLM.generate`, with every model-runner step timed and sorted into decode-only steps and steps that carry prefill
 chunks (with the decodes running alongside them). The figures behind "where the time goes" in BENCHMARKS.md.
 
-    python benchmarks/w2_steps.py [--max-num-batched-tokens 2048] [--kv-cache-memory-gib 4]
+    python benchmarks/w2_steps.py [--max-num-batched-tokens 2048] [--kv-cache-memory-gib 4] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--kv-cache-memory-gib", type=float, default=4)
+    ap.add_argument("--dtype", default="float32")
     args = ap.parse_args()
     steps: list[tuple[float, int, int]] = []  # seconds, decode rows, prefill tokens
     execute = ModelRunner.execute
@@ -32,7 +33,9 @@ def main() -> None:
 
     ModelRunner.execute = timed_execute
     llm = LLM(
-        kv_cache_memory=int(args.kv_cache_memory_gib * (1 << 30)), max_num_batched_tokens=args.max_num_batched_tokens
+        kv_cache_memory=int(args.kv_cache_memory_gib * (1 << 30)),
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        dtype=args.dtype,
     )
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     steps.clear()

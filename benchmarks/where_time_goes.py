@@ -27,7 +27,8 @@ calls --repeats times, with each ISA's kernel this CPU runs (AVX2; AVX-512 too w
 decode-attention: the decode attention kernel alone on those heads, S sequences of C keys each for every SxC, over
 six layers' caches in turn (so that one call's keys and values are not in cache from the last): GB/s of keys and
 values read, and the rate torch sums the same caches at (a sequential read: the memory's rate), the best of seven
-runs of each taken in turn.
+runs of each taken in turn; a bfloat16 cache on a CPU with AVX512_BF16 through both the dpbf16 loops and the
+widening (AVX2) ones, in turn.
 """
 
 from __future__ import annotations
@@ -290,19 +291,29 @@ def decode_attention(args) -> None:
             for k, v in caches:
                 dense_kernels.decode_attention(q, k, v, tables, lens, head_dim**-0.5, None)
 
+        def widened():  # a bfloat16 cache through the AVX2 loops, where the CPU would take dpbf16's
+            with kernel_isa("avx2"):
+                attend()
+
         def read():
             for k, v in caches:
                 k.sum(), v.sum()
 
-        seconds = read_s = float("inf")
+        loops = {"": attend}
+        if dtype is torch.bfloat16 and dense_kernels._bf16_cache_kind() == 2:
+            loops = {" dpbf16": attend, " widened": widened}
+        seconds, read_s = dict.fromkeys(loops, float("inf")), float("inf")
         for _ in range(7):  # interleaved: the memory's rate on this shared machine moves from minute to minute
-            seconds, read_s = min(seconds, best_s(attend, 1) / layers_), min(read_s, best_s(read, 1) / layers_)
+            for name, run in loops.items():
+                seconds[name] = min(seconds[name], best_s(run, 1) / layers_)
+            read_s = min(read_s, best_s(read, 1) / layers_)
         kv_gb, cache_gb = seqs * ctx * 2 * kv_heads * head_dim * size / 1e9, 2 * caches[0][0].numel() * size / 1e9
-        print(
-            f"{seqs} x {ctx} keys ({args.kv_cache_dtype}): {seconds * 1000:.2f} ms a layer, "
-            f"{kv_gb / seconds:.1f} GB/s of keys and values; "
-            f"torch's sum of the caches {cache_gb / read_s:.1f} GB/s ({kv_gb / seconds / (cache_gb / read_s):.0%})"
-        )
+        for name, s in seconds.items():
+            print(
+                f"{seqs} x {ctx} keys ({args.kv_cache_dtype}{name}): {s * 1000:.2f} ms a layer, "
+                f"{kv_gb / s:.1f} GB/s of keys and values; "
+                f"torch's sum of the caches {cache_gb / read_s:.1f} GB/s ({kv_gb / s / (cache_gb / read_s):.0%})"
+            )
 
 
 def main() -> None:

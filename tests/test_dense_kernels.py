@@ -207,6 +207,32 @@ def test_prefill_products_go_to_the_gemm_the_isa_measured_faster(monkeypatch, ch
 
 
 KV_DTYPES = pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["f32-cache", "bf16-cache"])
+# decode attention's cache kinds: float32; bfloat16 as this CPU reads it (AVX512_BF16's dpbf16 where it has it); and
+# bfloat16 widened to float32 (the AVX2 loops, forced with PETREL_AVX512=0 where the CPU has dpbf16), so that CI
+# runs both bfloat16 loops on such machines
+needs_dpbf16_cache = pytest.mark.skipif(dense_kernels._bf16_cache_kind() != 2, reason="no AVX512_BF16 here")
+DECODE_KV_KINDS = pytest.mark.parametrize(
+    "kv_kind", ["f32-cache", "bf16-cache", pytest.param("bf16-cache-widened", marks=needs_dpbf16_cache)]
+)
+
+
+def _decode_kv_dtype(kv_kind: str, monkeypatch) -> torch.dtype:
+    """The cache dtype of a DECODE_KV_KINDS case, with PETREL_AVX512=0 set for the widened bfloat16 loops."""
+    if kv_kind == "bf16-cache-widened":
+        monkeypatch.setenv("PETREL_AVX512", "0")
+        assert dense_kernels._bf16_cache_kind() == 1
+    return torch.float32 if kv_kind == "f32-cache" else torch.bfloat16
+
+
+def test_bf16_cache_kind_follows_the_cpu(monkeypatch):
+    """A bfloat16 cache goes to the dpbf16 loops (kv_bf16 2) exactly where the CPU has AVX512_BF16, BW and VL and
+    PETREL_AVX512 is not 0; else to the widening ones (1); float32 caches are 0."""
+    pairs = native.cpu_has_avx512() and native.cpu_has("avx512_bf16", "avx512bw", "avx512vl")
+    cache = torch.zeros(4, 16, 2, 32, dtype=torch.bfloat16)
+    assert dense_kernels._kv_bf16(cache, cache) == (2 if pairs else 1)
+    assert dense_kernels._kv_bf16(cache.float(), cache.float()) == 0
+    monkeypatch.setenv("PETREL_AVX512", "0")
+    assert dense_kernels._kv_bf16(cache, cache) == 1
 
 
 def _paged_case(num_seqs, heads, kv_heads, head_dim, block_size, lens, seed, kv_dtype=torch.float32):
@@ -247,12 +273,16 @@ def _assert_decode_attention_is_torchs(q, cache, tables, lens_t, window):
         (8, 8, 40, 4, None),  # MHA, head_dim not a multiple of 16
         (6, 2, 32, 1, 7),  # one token a block
         (12, 4, 64, 32, None),
+        (10, 2, 96, 16, None),  # 5 query heads a KV head (3 + 2 at once), head_dim 64 + 32
     ],
 )
 # few short contexts: the work split by KV head; many: by sequence
 @pytest.mark.parametrize("many", [False, True], ids=["few-seqs", "many-seqs"])
-@KV_DTYPES
-def test_paged_decode_attention_equals_torch_path(heads, kv_heads, head_dim, block_size, window, many, kv_dtype):
+@DECODE_KV_KINDS
+def test_paged_decode_attention_equals_torch_path(
+    heads, kv_heads, head_dim, block_size, window, many, kv_kind, monkeypatch
+):
+    kv_dtype = _decode_kv_dtype(kv_kind, monkeypatch)
     lens = [1, 5, block_size, block_size + 1, 3 * block_size - 1, 70, 133] * (3 if many else 1)
     q, cache, tables, lens_t = _paged_case(
         len(lens), heads, kv_heads, head_dim, block_size, lens, seed=heads + head_dim, kv_dtype=kv_dtype
@@ -273,20 +303,24 @@ def test_paged_decode_attention_equals_torch_path(heads, kv_heads, head_dim, blo
     ],
 )
 @pytest.mark.parametrize("lens", [[2000], [1100, 3]], ids=["one-seq", "long-and-short"])
-@KV_DTYPES
-def test_decode_attention_splits_few_long_contexts(heads, kv_heads, head_dim, block_size, window, lens, kv_dtype):
+@DECODE_KV_KINDS
+def test_decode_attention_splits_few_long_contexts(
+    heads, kv_heads, head_dim, block_size, window, lens, kv_kind, monkeypatch
+):
     """Fewer sequences than the threads can share out: each context is split into parts (more parts than the short
     one has blocks, so some parts see nothing), each part's softmax merged into the output at the end."""
+    kv_dtype = _decode_kv_dtype(kv_kind, monkeypatch)
     q, cache, tables, lens_t = _paged_case(
         len(lens), heads, kv_heads, head_dim, block_size, lens, seed=head_dim, kv_dtype=kv_dtype
     )
     _assert_decode_attention_is_torchs(q, cache, tables, lens_t, window)
 
 
-@KV_DTYPES
-def test_decode_attention_never_reads_behind_the_window_or_past_the_context(kv_dtype):
+@DECODE_KV_KINDS
+def test_decode_attention_never_reads_behind_the_window_or_past_the_context(kv_kind, monkeypatch):
     """Blocks wholly behind the window (given back, their FREED entries read as block 0) and the table's padding
     must not matter: filling them with NaN leaves the result unchanged."""
+    kv_dtype = _decode_kv_dtype(kv_kind, monkeypatch)
     block_size, window, lens = 4, 8, [30, 9, 17]
     q, cache, tables, lens_t = _paged_case(3, 4, 2, 32, block_size, lens, seed=3, kv_dtype=kv_dtype)
     used = {b for s, n in enumerate(lens) for b in tables[s, : math.ceil(n / block_size)].tolist()}

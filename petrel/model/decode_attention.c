@@ -130,11 +130,11 @@ INLINE void span_values_part(const span_blocks *sb, int64_t kh, int64_t D, int64
         const char *vb = kv_at(sb->v[b], kh * D + d0, bf16);
         for (int64_t u = sb->t0[b]; u < sb->t1[b]; u++, j++) {
             prefetch_lines(pf, 2);
-            __m256 v[4];
-            for (int i = 0; i < NV; i++) v[i] = kv_load8(kv_at(vb, u * row + 8 * i, bf16), bf16);
-            for (int g = 0; g < GN; g++) {
-                const __m256 w = _mm256_broadcast_ss(p + g * MAX_SPAN + j);
-                for (int i = 0; i < NV; i++) a[g][i] = _mm256_fmadd_ps(w, v[i], a[g][i]);
+            __m256 w[3];   /* the weights, then one value vector at a time: 12 sums + 3 + 1 fit AVX2's 16 registers */
+            for (int g = 0; g < GN; g++) w[g] = _mm256_broadcast_ss(p + g * MAX_SPAN + j);
+            for (int i = 0; i < NV; i++) {
+                const __m256 v = kv_load8(kv_at(vb, u * row + 8 * i, bf16), bf16);
+                for (int g = 0; g < GN; g++) a[g][i] = _mm256_fmadd_ps(w[g], v, a[g][i]);
             }
         }
     }
@@ -166,6 +166,155 @@ INLINE void span_values(const span_blocks *sb, int64_t kh, int64_t G, int64_t D,
     }
 }
 
+/* A bfloat16 cache through AVX512_BF16's dpbf16 (kv_bf16 2), exact as the widening loops are: each float operand
+ * (the scaled queries, the softmax weights) is split into a bfloat16 high part and a bfloat16 remainder, each
+ * product of a cached value with either part is exact in float32, so a score or a weighted value differs from the
+ * float32 arithmetic's by about 2^-17 of it and the order of the sums. A dpbf16 does 32 of the widening loops'
+ * products with no widening; the score and value loops run ~3x fewer instructions. */
+#define PAIRS_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+/* x as bfloat16 high parts hi and remainders lo (x - hi, rounded), n values */
+static void split_bf16(const float *x, int64_t n, uint16_t *hi, uint16_t *lo) {
+    for (int64_t i = 0; i < n; i++) {
+        hi[i] = float_to_bf16(x[i]);
+        lo[i] = float_to_bf16(x[i] - bf16_to_float(hi[i]));
+    }
+}
+
+/* the span's rows of KV head kh (keys or values: base[b] of each block), the last ones repeated up to a multiple
+ * of 16 (read, never stored: the padding lanes are dropped or weigh 0); returns how many are real */
+static inline int64_t span_rows(const span_blocks *sb, const char *const *base, int64_t kh, int64_t D, int64_t row,
+                                const uint16_t **rows) {
+    int64_t n = 0;
+    for (int64_t b = 0; b < sb->n; b++)
+        for (int64_t u = sb->t0[b]; u < sb->t1[b]; u++) rows[n++] = (const uint16_t *)base[b] + u * row + kh * D;
+    for (int64_t j = n; j < (n + 15) / 16 * 16; j++) rows[j] = rows[0];
+    return n;
+}
+
+/* s[e] = the sum of a[e]'s sixteen lanes for a[] given in the order SCORE_SLOT (a transposing tree: 15 adds, 30
+ * shuffles for sixteen sums) */
+static const int SCORE_SLOT[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+PAIRS_TARGET static inline __m512 sum16(const __m512 *a) {
+    __m512 b[8], c[4], d[2];
+    for (int i = 0; i < 8; i++)
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i], a[i + 8], 0x44), _mm512_shuffle_f32x4(a[i], a[i + 8], 0xEE));
+    for (int i = 0; i < 4; i++)
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[i], b[i + 4], 0x88), _mm512_shuffle_f32x4(b[i], b[i + 4], 0xDD));
+    for (int i = 0; i < 2; i++)
+        d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[i], c[i + 2], 0x44), _mm512_shuffle_ps(c[i], c[i + 2], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+}
+
+/* The scores of G query heads (high parts qh, remainders ql, D apart; D a multiple of 32) against the span's keys of
+ * KV head kh, into p[g * MAX_SPAN + j]; returns the span's keys. Sixteen keys a pass, one 16-lane sum each. */
+PAIRS_TARGET static int64_t span_scores_pairs(const span_blocks *sb, int64_t kh, int64_t G, int64_t D, int64_t row,
+                                              const uint16_t *qh, const uint16_t *ql, float *p, span_prefetch *pf) {
+    const uint16_t *rows[MAX_SPAN + 16];
+    const int64_t n = span_rows(sb, (const char *const *)sb->k, kh, D, row, rows);
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t j0 = 0; j0 < n; j0 += 16) {
+            prefetch_lines(pf, 4);
+            __m512 a[16];
+            for (int i = 0; i < 16; i++) a[i] = _mm512_setzero_ps();
+            for (int64_t d = 0; d < D; d += 32) {
+                const __m512bh h = (__m512bh)_mm512_loadu_si512(qh + g * D + d);
+                const __m512bh l = (__m512bh)_mm512_loadu_si512(ql + g * D + d);
+#pragma GCC unroll 16
+                for (int i = 0; i < 16; i++) {
+                    const __m512bh k = (__m512bh)_mm512_loadu_si512(rows[j0 + i] + d);
+                    a[SCORE_SLOT[i]] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(a[SCORE_SLOT[i]], k, h), k, l);
+                }
+            }
+            const __mmask16 keep = n - j0 >= 16 ? 0xFFFF : (__mmask16)((1u << (n - j0)) - 1);
+            _mm512_mask_storeu_ps(p + g * MAX_SPAN + j0, keep, sum16(a));
+        }
+    return n;
+}
+
+/* The span's weights p[g][0 .. n) (n a multiple of 16) as pairs of consecutive keys' bfloat16 high parts (wh) and
+ * remainders (wl), one 32-bit pair each, MAX_SPAN / 2 apart a head */
+PAIRS_TARGET static void weight_pairs(const float *p, int64_t G, int64_t n, uint32_t *wh, uint32_t *wl) {
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t j = 0; j < n; j += 16) {
+            const __m512 w = _mm512_loadu_ps(p + g * MAX_SPAN + j);
+            const __m256bh h = _mm512_cvtneps_pbh(w);
+            const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
+            _mm256_storeu_si256((__m256i *)(wh + (g * MAX_SPAN + j) / 2), (__m256i)h);
+            _mm256_storeu_si256((__m256i *)(wl + (g * MAX_SPAN + j) / 2),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(w, back)));
+        }
+}
+
+/* acc [GN][D] (the pairs' order, below) += the span's value rows (rows[0 .. n), n even) weighted by the pairs wh/wl,
+ * for dimensions d0 .. d0 + 32 NC: two rows' values interleaved into pairs (one unpack each for 32 of them), each
+ * pair times GN heads' two weight pairs */
+#define VALUE_PAIRS(GN, NC) \
+PAIRS_TARGET static void value_pairs_##GN##_##NC(const uint16_t *const *rows, int64_t n, const uint32_t *wh, \
+                                                 const uint32_t *wl, float *acc, int64_t D, int64_t d0, \
+                                                 span_prefetch *pf) { \
+    __m512 a[GN][2 * NC]; \
+    for (int g = 0; g < GN; g++) \
+        for (int c = 0; c < 2 * NC; c++) a[g][c] = _mm512_loadu_ps(acc + g * D + d0 + 16 * c); \
+    for (int64_t j = 0; j < n; j += 2) { \
+        prefetch_lines(pf, 4); \
+        __m512i v[2 * NC]; \
+        for (int c = 0; c < NC; c++) { \
+            const __m512i r0 = _mm512_loadu_si512(rows[j] + d0 + 32 * c); \
+            const __m512i r1 = _mm512_loadu_si512(rows[j + 1] + d0 + 32 * c); \
+            v[2 * c] = _mm512_unpacklo_epi16(r0, r1); \
+            v[2 * c + 1] = _mm512_unpackhi_epi16(r0, r1); \
+        } \
+        for (int g = 0; g < GN; g++) { \
+            const __m512bh h = (__m512bh)_mm512_set1_epi32((int)wh[g * (MAX_SPAN / 2) + j / 2]); \
+            const __m512bh l = (__m512bh)_mm512_set1_epi32((int)wl[g * (MAX_SPAN / 2) + j / 2]); \
+            for (int c = 0; c < 2 * NC; c++) \
+                a[g][c] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(a[g][c], (__m512bh)v[c], h), (__m512bh)v[c], l); \
+        } \
+    } \
+    for (int g = 0; g < GN; g++) \
+        for (int c = 0; c < 2 * NC; c++) _mm512_storeu_ps(acc + g * D + d0 + 16 * c, a[g][c]); \
+}
+VALUE_PAIRS(1, 1) VALUE_PAIRS(2, 1) VALUE_PAIRS(3, 1) VALUE_PAIRS(1, 2) VALUE_PAIRS(2, 2) VALUE_PAIRS(3, 2)
+
+/* The span's values of KV head kh into the running outputs acc [G][D] of its query heads (the pairs' order: of each
+ * 32 dimensions from d, element 4 L + i holds dimension d + 8 L + i, element 16 + 4 L + i dimension d + 8 L + 4 + i,
+ * for lanes L < 4, i < 4; pairs_to_dims puts them back), weights p [G][MAX_SPAN] */
+PAIRS_TARGET static void span_values_pairs(const span_blocks *sb, int64_t kh, int64_t G, int64_t D, int64_t row,
+                                           const float *p, float *acc, span_prefetch *pf) {
+    const uint16_t *rows[MAX_SPAN + 16];
+    uint32_t wh[MAX_G * MAX_SPAN / 2] __attribute__((aligned(64))), wl[MAX_G * MAX_SPAN / 2] __attribute__((aligned(64)));
+    const int64_t n = span_rows(sb, (const char *const *)sb->v, kh, D, row, rows), padded = (n + 15) / 16 * 16;
+    weight_pairs(p, G, padded, wh, wl);
+    for (int64_t g0 = 0; g0 < G; g0 += 3) {
+        const int gn = G - g0 >= 3 ? 3 : (int)(G - g0);
+        const uint32_t *h = wh + g0 * (MAX_SPAN / 2), *l = wl + g0 * (MAX_SPAN / 2);
+        float *ag = acc + g0 * D;
+        for (int64_t d0 = 0; d0 < D; d0 += 64) {
+            const int nc = D - d0 >= 64 ? 2 : 1;
+            if (gn == 3 && nc == 2) value_pairs_3_2(rows, padded, h, l, ag, D, d0, pf);
+            else if (gn == 2 && nc == 2) value_pairs_2_2(rows, padded, h, l, ag, D, d0, pf);
+            else if (nc == 2) value_pairs_1_2(rows, padded, h, l, ag, D, d0, pf);
+            else if (gn == 3) value_pairs_3_1(rows, padded, h, l, ag, D, d0, pf);
+            else if (gn == 2) value_pairs_2_1(rows, padded, h, l, ag, D, d0, pf);
+            else value_pairs_1_1(rows, padded, h, l, ag, D, d0, pf);
+        }
+    }
+}
+
+/* acc [D] from the pairs' order into dimensions' order */
+static void pairs_to_dims(float *acc, int64_t D) {
+    float t[32];
+    for (int64_t d = 0; d < D; d += 32) {
+        for (int L = 0; L < 4; L++)
+            for (int i = 0; i < 4; i++) {
+                t[8 * L + i] = acc[d + 4 * L + i];
+                t[8 * L + 4 + i] = acc[d + 16 + 4 * L + i];
+            }
+        memcpy(acc + d, t, sizeof t);
+    }
+}
+
 /* blocks b .. b+n-1 of sequence s (of its `len` keys, those from lo on) into sb */
 INLINE void gather_span(const decode_args *a, int64_t s, int64_t b, int64_t n, int64_t lo, int64_t len,
                         span_blocks *sb, const int bf16) {
@@ -181,7 +330,7 @@ INLINE void gather_span(const decode_args *a, int64_t s, int64_t b, int64_t n, i
 }
 
 /* work item (s, part, KV heads kh0 ..): that part of its blocks' keys and values against those heads' queries;
- * bf16: a->kv_bf16, as a constant */
+ * bf16: a->kv_bf16 (0 float32, 1 bfloat16 widened, 2 bfloat16 through dpbf16), as a constant */
 INLINE void decode_item(decode_args *a, int64_t item, const int bf16) {
     const int64_t H = a->H, KVH = a->KVH, D = a->D, bs = a->bs, G = H / KVH, row = KVH * D;
     const int64_t groups = KVH / a->heads, kh0 = item % groups * a->heads, nkh = a->heads, h0 = kh0 * G;
@@ -199,6 +348,8 @@ INLINE void decode_item(decode_args *a, int64_t item, const int bf16) {
     const float *q = a->q + s * a->q_stride + h0 * D;
     for (int64_t i = 0; i < nkh * G * D; i++) { qs[i] = q[i] * scale_log2e; acc[i] = 0.f; }
     for (int64_t h = 0; h < nkh * G; h++) { m[h] = -INFINITY; l[h] = 0.f; }
+    uint16_t qh[bf16 == 2 ? MAX_HD : 1] __attribute__((aligned(64))), ql[bf16 == 2 ? MAX_HD : 1];
+    if (bf16 == 2) split_bf16(qs, nkh * G * D, qh, ql);
     for (int64_t b = b0; b < b1; b += span) {
         const int64_t n = b + span <= b1 ? span : b1 - b, next = b + n + span <= b1 ? span : b1 - b - n;
         gather_span(a, s, b, n, lo, len, &sb, bf16);
@@ -211,19 +362,24 @@ INLINE void decode_item(decode_args *a, int64_t item, const int bf16) {
         for (int64_t kh = kh0; kh < kh0 + nkh; kh++) {
             const int64_t i0 = (kh - kh0) * G;           /* the item's first query head of this KV head */
             int64_t keys = 0;
-            for (int64_t i = 0; i < sb.n; i++) {
-                block_scores(qs + i0 * D, G, D, kv_at(sb.k[i], kh * D, bf16), row, sb.t0[i], sb.t1[i], p, keys, &pf,
-                             bf16);
-                keys += sb.t1[i] - sb.t0[i];
-            }
+            if (bf16 == 2) keys = span_scores_pairs(&sb, kh, G, D, row, qh + i0 * D, ql + i0 * D, p, &pf);
+            else
+                for (int64_t i = 0; i < sb.n; i++) {
+                    block_scores(qs + i0 * D, G, D, kv_at(sb.k[i], kh * D, bf16), row, sb.t0[i], sb.t1[i], p, keys,
+                                 &pf, bf16);
+                    keys += sb.t1[i] - sb.t0[i];
+                }
             const int64_t padded = (keys + 15) / 16 * 16;
             for (int64_t g = 0; g < G; g++) {
                 for (int64_t j = keys; j < padded; j++) p[g * MAX_SPAN + j] = -INFINITY;
                 online_softmax_step(p + g * MAX_SPAN, padded, &m[i0 + g], &l[i0 + g], acc + (i0 + g) * D, D);
             }
-            span_values(&sb, kh, G, D, row, p, acc + i0 * D, &pf, bf16);
+            if (bf16 == 2) span_values_pairs(&sb, kh, G, D, row, p, acc + i0 * D, &pf);
+            else span_values(&sb, kh, G, D, row, p, acc + i0 * D, &pf, bf16);
         }
     }
+    if (bf16 == 2)
+        for (int64_t h = 0; h < nkh * G; h++) pairs_to_dims(acc + h * D, D);
     if (a->parts == 1) {
         float *out = a->out + (s * H + h0) * D;
         for (int64_t h = 0; h < nkh * G; h++) {
@@ -246,7 +402,8 @@ static void decode_part(void *args, int t, int T) {
     for (;;) {                     /* items handed out one at a time: sequences differ in length */
         const int64_t item = __atomic_fetch_add(&a->next, 1, __ATOMIC_RELAXED);
         if (item >= a->items) break;
-        if (a->kv_bf16) decode_item(a, item, 1);
+        if (a->kv_bf16 == 2) decode_item(a, item, 2);
+        else if (a->kv_bf16) decode_item(a, item, 1);
         else decode_item(a, item, 0);
     }
 }
@@ -273,7 +430,8 @@ static void merge_parts(const decode_args *a, int64_t S) {
 
 /* One query token per sequence against its paged context, read in place.
  * q [S][H][D] (rows q_stride floats apart), out [S][H][D]; key_cache, value_cache [num_blocks][bs][KVH][D] of
- * float32, or of bfloat16 when kv_bf16;
+ * float32 (kv_bf16 0), or of bfloat16 (1: each value widened; 2: through AVX512_BF16's dpbf16 where D is a multiple
+ * of 32, callers check the CPU has AVX512_BF16, BW and VL);
  * tables [S][max_blocks]; context_lens [S]. Query head h uses KV head h / (H / KVH). With window > 0 a row sees
  * its last `window` positions only. D a multiple of 8, H * D <= MAX_HD, H / KVH <= MAX_G, bs <= MAX_BS. */
 void paged_decode_attention(const float *q, int64_t q_stride, const void *key_cache, const void *value_cache,
@@ -282,6 +440,7 @@ void paged_decode_attention(const float *q, int64_t q_stride, const void *key_ca
                             float scale, float *out, int nthreads) {
     const int64_t wanted = ITEMS_PER_THREAD * nthreads;
     int64_t heads = KVH, parts = 1;
+    if (kv_bf16 == 2 && D % 32) kv_bf16 = 1;   /* dpbf16's loops take 32 dimensions at a time */
     if (S < wanted) {                /* too few sequences to share out: split their contexts */
         int64_t longest = 0;
         for (int64_t s = 0; s < S; s++) {

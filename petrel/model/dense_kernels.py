@@ -82,15 +82,23 @@ def _is_cpu_f32(*tensors: torch.Tensor) -> bool:
 
 
 def _kv_bf16(*caches: torch.Tensor) -> int | None:
-    """The attention kernels' kv_bf16 argument for these contiguous CPU caches: 0 float32, 1 bfloat16; None for any
-    other cache (another dtype or device, caches that differ, a strided view)."""
+    """The attention kernels' kv_bf16 argument for these contiguous CPU caches: 0 float32; bfloat16 1 (each value
+    widened to float32), or 2 where the CPU has AVX512_BF16 and PETREL_AVX512 is not 0 (decode attention's dpbf16
+    loops, as exact: _bf16_cache_kind); None for any other cache (another dtype or device, caches that differ, a
+    strided view)."""
     dtype = caches[0].dtype
     if dtype is not torch.float32 and dtype is not torch.bfloat16:
         return None
     for c in caches:
         if not c.is_cpu or c.dtype is not dtype or not c.is_contiguous():
             return None
-    return int(dtype is torch.bfloat16)
+    return _bf16_cache_kind() if dtype is torch.bfloat16 else 0
+
+
+def _bf16_cache_kind() -> int:
+    """kv_bf16 for a bfloat16 cache on this CPU: 2 (dpbf16) with AVX512_BF16, BW and VL unless PETREL_AVX512=0,
+    else 1."""
+    return 2 if native.cpu_has_avx512() and native.cpu_has("avx512_bf16", "avx512bw", "avx512vl") else 1
 
 
 def _attention_fits(
