@@ -353,6 +353,24 @@ def test_decode_attention_declines_what_it_does_not_cover():
     assert dense_kernels.decode_attention(q12, cache12[0], cache12[1], tables12, lens12, 1.0, None) is None
 
 
+# prefill attention's cache kinds: float32; bfloat16 widened to float32 (PETREL_BF16_ACTIVATIONS=0); and bfloat16
+# through dpbf16 (q and the softmax weights rounded to bfloat16 as products round x; where the CPU has AVX512_BF16
+# and the test's ISA is AVX-512, else widened)
+PREFILL_KV_KINDS = pytest.mark.parametrize(
+    "kv_kind", ["f32-cache", "bf16-cache", pytest.param("bf16-cache-dpbf16", marks=needs_bf16_pairs)]
+)
+
+
+def _prefill_kv_dtype(kv_kind: str, monkeypatch) -> tuple[torch.dtype, bool]:
+    """The cache dtype of a PREFILL_KV_KINDS case, and whether its dpbf16 step runs (after prefill_isa's switch)."""
+    if kv_kind == "f32-cache":
+        return torch.float32, False
+    if kv_kind == "bf16-cache":
+        monkeypatch.setenv("PETREL_BF16_ACTIVATIONS", "0")
+        return torch.bfloat16, False
+    return torch.bfloat16, gemm_kernels.bf16_pairs_rows() > 0
+
+
 def _prefill_case(n, first_pos, heads, kv_heads, head_dim, block_size, seed, kv_dtype=torch.float32):
     """A chunk of n queries at positions first_pos.. and a cache whose scattered blocks hold their context."""
     g = torch.Generator().manual_seed(seed)
@@ -388,10 +406,14 @@ def _prefill_reference(q, cache, table, first_pos, scale, window):
         (300, 700, 8, 2, 64, 16, 128),  # ... windowed: key blocks wholly behind some groups' windows
     ],
 )
-@KV_DTYPES
+@PREFILL_KV_KINDS
 def test_paged_prefill_attention_equals_masked_softmax(
-    n, first_pos, heads, kv_heads, head_dim, block_size, window, prefill_isa, kv_dtype
+    n, first_pos, heads, kv_heads, head_dim, block_size, window, prefill_isa, kv_kind, monkeypatch
 ):
+    kv_dtype, rounded = _prefill_kv_dtype(kv_kind, monkeypatch)
+    lib, kinds = dense_kernels.library(), []
+    kernel = lib.paged_prefill_attention
+    monkeypatch.setattr(lib, "paged_prefill_attention", lambda *a: kinds.append(a[4]) or kernel(*a))
     q, cache, table = _prefill_case(
         n, first_pos, heads, kv_heads, head_dim, block_size, seed=n + head_dim, kv_dtype=kv_dtype
     )
@@ -399,8 +421,15 @@ def test_paged_prefill_attention_equals_masked_softmax(
         q = torch.cat([q, torch.randn(n, kv_heads, head_dim)], dim=1)[:, :heads]
     scale = head_dim**-0.5
     got = dense_kernels.prefill_attention(q, cache[0], cache[1], table, first_pos, scale, window)
-    assert got is not None
-    torch.testing.assert_close(got, _prefill_reference(q, cache, table, first_pos, scale, window), atol=2e-5, rtol=1e-4)
+    assert got is not None and kinds == [2 if rounded else int(kv_dtype is torch.bfloat16)]
+    expected = _prefill_reference(q, cache, table, first_pos, scale, window)
+    if not rounded:
+        torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+        return
+    # q and the weights rounded to bfloat16 (8 bits): each output moves by ~1e-3, an element at most ~1e-2; a
+    # misplaced key, value or weight moves them by ~1
+    error = (got - expected).abs()
+    assert error.max() < 2e-2 and error.mean() < 2e-3, (error.max(), error.mean())
 
 
 @pytest.mark.parametrize("scale", [3.0, 0.0])
@@ -415,8 +444,9 @@ def test_prefill_attention_at_extreme_scores(scale, prefill_isa):
     torch.testing.assert_close(got, _prefill_reference(q, cache, table, first_pos, scale, None), atol=1e-4, rtol=1e-4)
 
 
-@KV_DTYPES
-def test_prefill_attention_never_reads_behind_the_window_or_past_the_context(prefill_isa, kv_dtype):
+@PREFILL_KV_KINDS
+def test_prefill_attention_never_reads_behind_the_window_or_past_the_context(prefill_isa, kv_kind, monkeypatch):
+    kv_dtype, _ = _prefill_kv_dtype(kv_kind, monkeypatch)
     n, first_pos, block_size, window = 10, 27, 4, 8
     q, cache, table = _prefill_case(n, first_pos, 4, 2, 32, block_size, seed=7, kv_dtype=kv_dtype)
     clean = dense_kernels.prefill_attention(q, cache[0], cache[1], table, first_pos, 0.2, window)

@@ -218,7 +218,8 @@ def prefill_attention(
     """A prompt chunk's queries against every key they see (causal; windowed when sliding_window is set), read
     from the paged cache, which already holds the chunk's own keys and values. q [n, heads, d] at positions
     first_pos .. first_pos+n-1; key/value_cache [blocks, block_size, kv_heads, d]; block_table [>= blocks of the
-    context] int64. Returns [n, heads, d], or None."""
+    context] int64. Returns [n, heads, d], or None. A bfloat16 cache where bfloat16 products round x
+    (gemm_kernels.bf16_pairs_rows) goes through dpbf16 with q and the softmax weights rounded to bfloat16 too."""
     n, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     if (
@@ -231,6 +232,8 @@ def prefill_attention(
         or (lib := library()) is None
     ):
         return None
+    if kv_bf16 == 2 and not gemm_kernels.bf16_pairs_rows():  # dpbf16 rounds q and the weights: as x is rounded
+        kv_bf16 = 1
     if q.stride(2) != 1 or q.stride(1) != head_dim:
         q = q.contiguous()
     block_table = block_table.contiguous()

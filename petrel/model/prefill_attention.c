@@ -4,7 +4,8 @@
  * and values already written to the cache) against every key they may see: causal, and within the last `window`
  * positions when window > 0. A chunk that continues a cached prefix reads it in place, like a fresh one.
  *   1. The visible keys are copied once per call out of their blocks into per-KV-head panels (as float32, from a
- *      float32 or a bfloat16 cache, kv_bf16): keys transposed in
+ *      float32 or a bfloat16 cache, kv_bf16; for dpbf16, kv_bf16 2, as bfloat16 pairs: prefill_attention.h): keys
+ *      transposed in
  *      tiles of sixteen ([L/16][D][16]: one tile, 4 KB at D = 64, holds sixteen keys' every dimension, one cache
  *      line a dimension), values as rows ([L][D]). A key block is thus one contiguous read; the plain transpose
  *      [D][L] put a block's D lines L floats apart, 32 KB at 8k keys, all in one L1 set: at 8k-token prompts the
@@ -39,6 +40,22 @@ static void pack_part(void *args, int t, int T) {
     const int64_t D = a->D, KVH = a->KVH, L = a->L, ctx = a->p0 + a->n, row = KVH * D;
     int64_t j0, j1;
     split_range(L, t, T, 16, &j0, &j1);
+    if (a->kv_bf16 == 2) {   /* bfloat16 pairs for dpbf16 (prefill_attention.h), the cache's bits unchanged */
+        for (int64_t j = j0; j < j1; j++) {
+            const int64_t pos = a->lo + j;
+            for (int64_t kh = 0; kh < KVH; kh++) {
+                uint16_t *kt = (uint16_t *)(a->kt + kh * D * L + j / 16 * D * 16) + 2 * (j % 16);
+                uint16_t *v = (uint16_t *)(a->v + kh * L * D + j / 2 * D) + j % 2;
+                const int64_t at = pos < ctx ? (a->table[pos / a->bs] * a->bs + pos % a->bs) * row + kh * D : 0;
+                const uint16_t *ks = (const uint16_t *)a->key_cache + at, *vs = (const uint16_t *)a->value_cache + at;
+                for (int64_t d = 0; d < D; d++) {   /* keys: dimension pair d / 2, lane j % 16; values: key pair j / 2 */
+                    kt[d / 2 * 32 + d % 2] = pos < ctx ? ks[d] : 0;
+                    v[2 * d] = pos < ctx ? vs[d] : 0;
+                }
+            }
+        }
+        return;
+    }
     for (int64_t j = j0; j < j1; j++) {
         const int64_t pos = a->lo + j;
         for (int64_t kh = 0; kh < KVH; kh++) {
@@ -148,7 +165,8 @@ static void prefill_part(void *args, int part, int parts) {
         kfirst = lo + (kfirst - lo) / 16 * 16;
         for (int64_t kb = kfirst; kb <= last_pos; kb += KEYS) {  /* each key block once for every group */
             const int64_t nk = (kb + KEYS <= last_pos + 1 ? KEYS : (last_pos + 1 - kb + 15) / 16 * 16);
-            const float *kt = a->kt + kh * D * L + (kb - lo) * D, *vv = a->v + (kh * L + (kb - lo)) * D;
+            const float *kt = a->kt + kh * D * L + (kb - lo) * D;
+            const float *vv = a->v + kh * L * D + (a->kv_bf16 == 2 ? (kb - lo) / 2 : kb - lo) * D;
             for (int gi = 0; gi < ng; gi++) {
                 row_group *rg = &groups[gi];
                 const int64_t glast = rg->pos[rg->nr - 1];
@@ -179,7 +197,9 @@ int64_t prefill_attention_workspace(int64_t n, int64_t p0, int64_t window, int64
 }
 
 /* q: the chunk's n queries, [n][H][D] (rows q_stride floats apart); out [n][H][D]; key_cache, value_cache
- * [num_blocks][bs][KVH][D] (float32, or bfloat16 when kv_bf16) holding positions 0 .. p0+n-1 (this chunk's too)
+ * [num_blocks][bs][KVH][D] (float32 for kv_bf16 0, else bfloat16: 1 widened to float32, 2 through dpbf16 with the
+ * queries and weights rounded to bfloat16, where the caller has checked the CPU has AVX512_BF16) holding positions
+ * 0 .. p0+n-1 (this chunk's too)
  * through `table`; D a multiple of 16
  * up to MAX_D; window 0 for none; workspace of prefill_attention_workspace(n, p0, window, KVH, D) floats;
  * avx512: the inner step of prefill_attention_avx512.c (only where native.cpu_has_avx512 says so), else AVX2's */
@@ -190,7 +210,7 @@ void paged_prefill_attention(const float *q, int64_t q_stride, const void *key_c
     const int64_t lo = first_key(p0, window), L = packed_keys(n, p0, window);
     prefill_args a = {q, q_stride, key_cache, value_cache, kv_bf16, table, n, p0, H, KVH, D, bs, window, lo, L, scale,
                       out, workspace, workspace + KVH * D * L, (n * (H / KVH) + ROWS * GROUPS - 1) / (ROWS * GROUPS), 0,
-                      avx512 ? attend_keys_avx512 : attend_keys_avx2};
+                      kv_bf16 == 2 ? attend_keys_pairs : avx512 ? attend_keys_avx512 : attend_keys_avx2};
     parallel_run(pack_part, &a, nthreads);
     parallel_run(prefill_part, &a, nthreads);
 }

@@ -48,3 +48,9 @@ static inline int block_is_masked(const prefill_args *a, const row_group *rg, in
 
 void attend_keys_avx512(const prefill_args *a, row_group *rg, int64_t kb, int64_t nk, const float *kt,
                         const float *vv);
+/* The same through AVX512_BF16's dpbf16 (kv_bf16 2): a bfloat16 cache, the queries and the softmax weights rounded
+ * to bfloat16 (nearest even), two products an instruction. Its panels hold bfloat16 pairs, 32 bits an element: a
+ * key tile [D/2][16] (keys j .. j+15, a dimension pair (d, d+1) of each) where the float tile [D][16] starts (its
+ * first half), and values by key pairs, [L/2][D] (keys j, j+1 of each dimension) */
+void attend_keys_pairs(const prefill_args *a, row_group *rg, int64_t kb, int64_t nk, const float *kt,
+                       const float *vv);

@@ -111,3 +111,70 @@ TARGET void attend_keys_avx512(const prefill_args *a, row_group *rg, int64_t kb,
     for (; d + 64 <= D; d += 64) add_weighted_values(rg, s, vv, nk, D, d, 4);
     for (; d < D; d += 16) add_weighted_values(rg, s, vv, nk, D, d, 1);
 }
+
+#define PAIRS_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define PAIRS_INLINE PAIRS_TARGET __attribute__((always_inline)) static inline
+
+/* score_tiles for the pairs' key tiles (NV x [D/2][16] pairs) and the rows' queries as pairs qp[r][D/2] */
+PAIRS_INLINE void score_pair_tiles(const uint32_t qp[ROWS][MAX_D / 2], const uint32_t *tiles, int64_t D,
+                                   float s[ROWS][KEYS], int64_t c, const int NV) {
+    __m512 acc[ROWS][4];
+    for (int r = 0; r < ROWS; r++)
+        for (int v = 0; v < NV; v++) acc[r][v] = _mm512_setzero_ps();
+    for (int64_t e = 0; e < D / 2; e++) {
+        __m512bh k[4];
+        for (int v = 0; v < NV; v++) k[v] = (__m512bh)_mm512_loadu_si512(tiles + v * 16 * D + e * 16);
+        for (int r = 0; r < ROWS; r++) {
+            const __m512bh q = (__m512bh)_mm512_set1_epi32((int)qp[r][e]);
+            for (int v = 0; v < NV; v++) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], k[v], q);
+        }
+    }
+    for (int r = 0; r < ROWS; r++)
+        for (int v = 0; v < NV; v++) _mm512_storeu_ps(s[r] + c + 16 * v, acc[r][v]);
+}
+
+/* add_weighted_values for value pairs vv [nk/2][D] and the rows' weights as pairs wp[r][nk/2] */
+PAIRS_INLINE void add_weighted_pairs(row_group *rg, const uint32_t wp[ROWS][KEYS / 2], const uint32_t *vv,
+                                     int64_t nk, int64_t D, int64_t d, const int NV) {
+    __m512 acc[ROWS][4];
+    for (int r = 0; r < ROWS; r++)
+        for (int v = 0; v < NV; v++) acc[r][v] = _mm512_loadu_ps(rg->o[r] + d + 16 * v);
+    for (int64_t j = 0; j < nk / 2; j++) {
+        __m512bh x[4];
+        for (int v = 0; v < NV; v++) x[v] = (__m512bh)_mm512_loadu_si512(vv + j * D + d + 16 * v);
+        for (int r = 0; r < ROWS; r++) {
+            const __m512bh w = (__m512bh)_mm512_set1_epi32((int)wp[r][j]);
+            for (int v = 0; v < NV; v++) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], x[v], w);
+        }
+    }
+    for (int r = 0; r < ROWS; r++)
+        for (int v = 0; v < NV; v++) _mm512_storeu_ps(rg->o[r] + d + 16 * v, acc[r][v]);
+}
+
+/* n floats (a multiple of 16) as bfloat16, rounded to nearest even: n / 2 pairs */
+PAIRS_INLINE void round_pairs(const float *x, int64_t n, uint32_t *out) {
+    for (int64_t i = 0; i < n; i += 16)
+        _mm256_storeu_si256((__m256i *)(out + i / 2), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+}
+
+/* attend_fn for kv_bf16 2 (prefill_attention.h): attend_keys_avx512's steps, two products a dpbf16 */
+PAIRS_TARGET void attend_keys_pairs(const prefill_args *a, row_group *rg, int64_t kb, int64_t nk, const float *kt,
+                                    const float *vv) {
+    const int64_t D = a->D;
+    float s[ROWS][KEYS] __attribute__((aligned(64)));
+    uint32_t qp[ROWS][MAX_D / 2] __attribute__((aligned(64))), wp[ROWS][KEYS / 2] __attribute__((aligned(64)));
+    for (int r = 0; r < ROWS; r++) round_pairs(rg->qs[r], D, qp[r]);
+    const uint32_t *tiles = (const uint32_t *)kt, *values = (const uint32_t *)vv;
+    int64_t c = 0;
+    for (; c + 64 <= nk; c += 64) score_pair_tiles(qp, tiles + c * D, D, s, c, 4);
+    for (; c < nk; c += 16) score_pair_tiles(qp, tiles + c * D, D, s, c, 1);
+    const int masked = block_is_masked(a, rg, kb, nk);
+    for (int r = 0; r < ROWS; r++) {
+        if (masked) mask_scores(a, rg, r, kb, nk, s[r]);
+        online_softmax_step16(s[r], nk, &rg->m[r], &rg->l[r], rg->o[r], D);
+        round_pairs(s[r], nk, wp[r]);
+    }
+    int64_t d = 0;
+    for (; d + 64 <= D; d += 64) add_weighted_pairs(rg, wp, values, nk, D, d, 4);
+    for (; d < D; d += 16) add_weighted_pairs(rg, wp, values, nk, D, d, 1);
+}

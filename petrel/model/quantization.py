@@ -8,7 +8,8 @@ EngineConfig.quantization picks how a model's projections, LM head and embedding
   bf16  every projection, the LM head and the embedding held as bfloat16 (rounded to nearest even), activations
         float32; what dtype='bfloat16' means on the CPU (EngineConfig, which then keeps a bfloat16 KV cache too:
         kv_cache_dtype). Where the CPU has AVX512_BF16, x is rounded to bfloat16 too and the products run dpbf16,
-        twice the FMA's rate (bf16_pairs.c); elsewhere (or PETREL_BF16_ACTIVATIONS=0) each weight is widened to
+        twice the FMA's rate (bf16_pairs.c; prompt attention over a bfloat16 cache rounds q and its weights the
+        same way: dense_kernels.prefill_attention); elsewhere (or PETREL_BF16_ACTIVATIONS=0) each weight is widened to
         float32 exactly (a shift) for the float32 kernels' arithmetic from half the bytes (dense_kernels.c's
         bf16_gemv, gemm_avx512.c / gemm_avx2.c's bf16_gemm, which widen W as they pack it).
         gemm_kernels.bf16_product picks.
