@@ -58,6 +58,15 @@ INLINE void online_softmax_step16(float *p, int64_t n, float *m, float *l, float
     }
 }
 
+/* the rows' scores s[r][0 .. nk) against keys kb .. masked, then their weights: one online-softmax step a row */
+INLINE void weigh_scores(const prefill_args *a, row_group *rg, int64_t kb, int64_t nk, float s[ROWS][KEYS]) {
+    const int masked = block_is_masked(a, rg, kb, nk);
+    for (int r = 0; r < ROWS; r++) {
+        if (masked) mask_scores(a, rg, r, kb, nk, s[r]);
+        online_softmax_step16(s[r], nk, &rg->m[r], &rg->l[r], rg->o[r], a->D);
+    }
+}
+
 /* s[r][c .. c+16*NV) = the ROWS queries' scores against NV tiles of keys (tiles: NV x [D][16], one after another) */
 INLINE void score_tiles(const row_group *rg, const float *tiles, int64_t D, float s[ROWS][KEYS], int64_t c,
                         const int NV) {
@@ -102,11 +111,7 @@ TARGET void attend_keys_avx512(const prefill_args *a, row_group *rg, int64_t kb,
     int64_t c = 0;
     for (; c + 64 <= nk; c += 64) score_tiles(rg, kt + c * D, D, s, c, 4);
     for (; c < nk; c += 16) score_tiles(rg, kt + c * D, D, s, c, 1);
-    const int masked = block_is_masked(a, rg, kb, nk);
-    for (int r = 0; r < ROWS; r++) {
-        if (masked) mask_scores(a, rg, r, kb, nk, s[r]);
-        online_softmax_step16(s[r], nk, &rg->m[r], &rg->l[r], rg->o[r], D);
-    }
+    weigh_scores(a, rg, kb, nk, s);
     int64_t d = 0;
     for (; d + 64 <= D; d += 64) add_weighted_values(rg, s, vv, nk, D, d, 4);
     for (; d < D; d += 16) add_weighted_values(rg, s, vv, nk, D, d, 1);
@@ -168,12 +173,8 @@ PAIRS_TARGET void attend_keys_pairs(const prefill_args *a, row_group *rg, int64_
     int64_t c = 0;
     for (; c + 64 <= nk; c += 64) score_pair_tiles(qp, tiles + c * D, D, s, c, 4);
     for (; c < nk; c += 16) score_pair_tiles(qp, tiles + c * D, D, s, c, 1);
-    const int masked = block_is_masked(a, rg, kb, nk);
-    for (int r = 0; r < ROWS; r++) {
-        if (masked) mask_scores(a, rg, r, kb, nk, s[r]);
-        online_softmax_step16(s[r], nk, &rg->m[r], &rg->l[r], rg->o[r], D);
-        round_pairs(s[r], nk, wp[r]);
-    }
+    weigh_scores(a, rg, kb, nk, s);
+    for (int r = 0; r < ROWS; r++) round_pairs(s[r], nk, wp[r]);
     int64_t d = 0;
     for (; d + 64 <= D; d += 64) add_weighted_pairs(rg, wp, values, nk, D, d, 4);
     for (; d < D; d += 16) add_weighted_pairs(rg, wp, values, nk, D, d, 1);
