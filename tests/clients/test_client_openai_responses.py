@@ -220,8 +220,11 @@ def test_client_gone_mid_stream_aborts_and_frees_blocks(llm, served):
         "stream": True,
     }
     with httpx.stream("POST", f"{served}/v1/responses", json=body, timeout=60) as r:
+        # the iterator is held: a `for` over a bare r.iter_lines() finalizes the generator at `break`, and httpcore
+        # closes the connection then (GeneratorExit), so the server could abort before the checks below ran
+        lines = r.iter_lines()
         deltas = 0
-        for line in r.iter_lines():
+        for line in lines:
             deltas += line == "event: response.output_text.delta"
             if deltas == 3:
                 break
