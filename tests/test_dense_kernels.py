@@ -154,6 +154,41 @@ def test_bf16_pairs_product_equals_rounded_x_times_the_weights(rows, out_feature
     _assert_within_float32_sum_bound(got, x.bfloat16().float(), w.float())
 
 
+# rows: blocks of 8 and the 4 / 2 / 1 that finish them; N in partial panels (past it nothing written: the rows of y
+# are packed); K from one pair to several thousand
+@needs_bf16_pairs
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 15, 64, 133])
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (33, 1000), (300, 2100), (17, 2), (32, 64)])
+def test_bf16_panels_product_equals_rounded_x_times_the_weights(rows, out_features, in_features):
+    """Weights packed in panels (quantization.pack_panels, as dtype 'bfloat16' holds projections where the CPU has
+    AVX512_BF16): x rounded to bfloat16 times the weights, within float32 sums' bound, for every count of rows; the
+    packing undone gives the rows back."""
+    from petrel.model.quantization import pack_panels, unpack_panels
+
+    x, w = _bf16_case(rows, out_features, in_features)
+    packed = pack_panels(w)
+    assert packed.shape == (-(-out_features // 32), in_features // 2, 32, 2)
+    assert torch.equal(unpack_panels(packed, tuple(w.shape)), w)
+    got = gemm_kernels.bf16_panels_product(x, packed, out_features)
+    assert got is not None and got.shape == (rows, out_features)
+    _assert_within_float32_sum_bound(got, x.bfloat16().float(), w.float())
+
+
+def test_bf16_weights_in_panels_only_where_products_round_x(monkeypatch):
+    """QuantizedWeight.bfloat16 packs a projection's weights in panels where bf16_panels() (AVX512_BF16, the kernels
+    on); a product of them where x may not be rounded (PETREL_BF16_ACTIVATIONS=0 after loading) is the float32 one
+    of the unpacked weights, and the decoder stack does not take them."""
+    from petrel.model.quantization import QuantizedWeight
+
+    x, w = _bf16_case(5, 40, 64)
+    packed = QuantizedWeight.bfloat16(w.float(), panels=True)
+    assert packed.panels and torch.equal(packed.dequantize(), w.float())
+    monkeypatch.setenv("PETREL_BF16_ACTIVATIONS", "0")
+    assert not gemm_kernels.bf16_panels() and dense_kernels.describe(packed) is None
+    assert gemm_kernels.bf16_panels_product(x, packed.codes, 40) is None
+    torch.testing.assert_close(packed.matmul(x), x @ w.float().t(), rtol=1e-6, atol=1e-5)
+
+
 def test_bf16_activations_switch(monkeypatch):
     """PETREL_BF16_ACTIVATIONS=0 (or PETREL_AVX512=0) keeps every bfloat16 product on float32 x."""
     for switch in ("PETREL_BF16_ACTIVATIONS", "PETREL_AVX512"):

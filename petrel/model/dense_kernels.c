@@ -163,6 +163,7 @@ static int product(const float *x, int64_t M, int64_t K, const weight *w, float 
         f32_gemv(x, M, K, (const float *)w->data, y, N, nthreads);
         return 0;
     }
+    if (w->bits == 16 && w->panels) return bf16_panels_product(x, M, K, (const uint16_t *)w->data, y, N, nthreads);
     if (w->bits == 16 && w->integer_rows && M >= w->integer_rows)
         return bf16_pairs_product(x, M, K, (const uint16_t *)w->data, y, N, nthreads);
     if (w->bits == 16) {

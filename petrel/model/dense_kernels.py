@@ -25,7 +25,8 @@ _P = ctypes.c_void_p
 
 class Weight(ctypes.Structure):
     """A projection's weight as decode_layer reads it (kernels.h's `weight`, field for field): float32 rows (bits
-    32), bfloat16 rows (bits 16: a QuantizedWeight of quantization 'bf16'), or a QuantizedWeight's codes, scales
+    32), bfloat16 rows or panels (bits 16: a QuantizedWeight of quantization 'bf16'; panels 1 for
+    quantization.pack_panels' layout), or a QuantizedWeight's codes, scales
     and mins (bits 4 or 8, groups of 2**gshift), products by quant_kernels.c, and from integer_rows rows (0: never;
     see QuantizedWeight.integer_rows) in integers by int8_gemm.c (one scale a row) or group_gemm.c (groups) with
     the kernel integer_isa (quant_kernels.integer_isa)."""
@@ -38,11 +39,15 @@ class Weight(ctypes.Structure):
         ("gshift", ctypes.c_int32),
         ("integer_rows", ctypes.c_int32),
         ("integer_isa", ctypes.c_int32),
+        ("panels", ctypes.c_int32),
     ]
 
 
 def describe(weight: torch.Tensor | QuantizedWeight) -> Weight | None:
     """A [out, in] float32 tensor or a QuantizedWeight as a Weight, or None where the kernels cannot take it."""
+    if isinstance(weight, QuantizedWeight) and weight.bits == 16 and weight.panels:  # they need rounded x
+        ok = weight.codes.is_cpu and gemm_kernels.bf16_pairs_rows() and library() is not None
+        return Weight(weight.codes.data_ptr(), None, None, 16, 0, 0, 0, 1) if ok else None
     if isinstance(weight, QuantizedWeight) and weight.bits == 16:
         ok = weight.codes.is_cpu and weight.shape[1] % 16 == 0 and library() is not None
         return Weight(weight.codes.data_ptr(), None, None, 16, 0, gemm_kernels.bf16_pairs_rows(), 0) if ok else None

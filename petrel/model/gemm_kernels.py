@@ -35,6 +35,12 @@ def bf16_pairs_rows() -> int:
     return BF16_PAIRS_MIN_ROWS if on and native.cpu_has("avx512_bf16", "avx512bw") else 0
 
 
+def bf16_panels() -> bool:
+    """Whether bfloat16 projections are held in panels (quantization.pack_panels) for bf16_panels_product: where
+    their products round x to bfloat16 (bf16_pairs_rows) and the kernels load."""
+    return bf16_pairs_rows() > 0 and library() is not None
+
+
 def bf16_product(x: torch.Tensor, codes: torch.Tensor) -> torch.Tensor | None:
     """x [M, K] float32 contiguous @ codes[N, K]^T for bfloat16 codes: from bf16_pairs_rows() rows (K even), x
     rounded to bfloat16 and two products an instruction (bf16_pairs_product); below, each weight widened to float32
@@ -53,6 +59,20 @@ def bf16_product(x: torch.Tensor, codes: torch.Tensor) -> torch.Tensor | None:
         lib.bf16_gemv(x.data_ptr(), m, k, codes.data_ptr(), y.data_ptr(), n, threads)
     else:
         widest_gemm(lib, x, codes, y)
+    return y
+
+
+def bf16_panels_product(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor | None:
+    """x [M, K] float32 contiguous @ W^T for the bfloat16 W [n, K] packed in panels (quantization.pack_panels): any
+    count of rows, x rounded to bfloat16, through bf16_panels_product; None where bfloat16 products do not round x
+    (bf16_pairs_rows) or the kernels are off (the caller's float32 fallback then)."""
+    if not (bf16_pairs_rows() and x.is_cpu and packed.is_cpu) or (lib := library()) is None:
+        return None
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    if lib.bf16_panels_product(
+        x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), y.data_ptr(), n, torch.get_num_threads()
+    ):
+        raise native.out_of_memory("bf16_panels_product")
     return y
 
 

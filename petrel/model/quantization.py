@@ -9,7 +9,9 @@ EngineConfig.quantization picks how a model's projections, LM head and embedding
         float32; what dtype='bfloat16' means on the CPU (EngineConfig, which then keeps a bfloat16 KV cache too:
         kv_cache_dtype). Where the CPU has AVX512_BF16, x is rounded to bfloat16 too and the products run dpbf16,
         twice the FMA's rate (bf16_pairs.c; prompt attention over a bfloat16 cache rounds q and its weights the
-        same way: dense_kernels.prefill_attention); elsewhere (or PETREL_BF16_ACTIVATIONS=0) each weight is widened to
+        same way: dense_kernels.prefill_attention), and the projections are held packed in panels of 32 columns
+        (pack_panels, at load: every count of rows runs one register-blocked kernel, with no packing a call; the
+        embedding and a head tied to it stay rows); elsewhere (or PETREL_BF16_ACTIVATIONS=0) each weight is widened to
         float32 exactly (a shift) for the float32 kernels' arithmetic from half the bytes (dense_kernels.c's
         bf16_gemv, gemm_avx512.c / gemm_avx2.c's bf16_gemm, which widen W as they pack it).
         gemm_kernels.bf16_product picks.
@@ -33,6 +35,7 @@ from petrel.model import gemm_kernels, quant_kernels
 
 QUANTIZATION_METHODS = ("none", "int8", "gguf", "bf16")
 ROW_GROUP = 62  # group shift meaning "one group per row" (per-output-channel scales)
+PANEL = 32  # columns of W a panel of pack_panels holds (bf16_pairs.c's PANEL)
 GEMV_MAX_ROWS = 12  # up to this many rows of x the register kernel wins; beyond, dequantized tiles:
 GEMM_MAX_ROWS = 256  # up to this many, 12-row tiles under the float32 decode kernel (one call, quant_kernels.gemm);
 TILE_ELEMENTS = 1 << 18  # beyond, tiles of this many weights (1 MB of float32: stays in cache) and torch's GEMM
@@ -47,7 +50,8 @@ class QuantizedWeight(nn.Module):
 
     bits 4: codes [out, in/32, 16] uint8 (two codes a byte, see quant_kernels.c), groups of 32.
     bits 8: codes [out, in] int8, groups of 2**group_shift (group_shift ROW_GROUP: one group per row).
-    bits 16: codes [out, in] bfloat16, the weights themselves (no scale or min: w = code).
+    bits 16: codes [out, in] bfloat16, the weights themselves (no scale or min: w = code); with `panels`, packed
+    instead as pack_panels lays them out for bf16_pairs.c's bf16_panels_product.
     A module so that .to(device) moves it; its buffers keep their dtypes through model.to(dtype)."""
 
     def __init__(
@@ -59,9 +63,11 @@ class QuantizedWeight(nn.Module):
         group_shift: int,
         shape: tuple[int, int],
         kind: str,
+        panels: bool = False,
     ):
         super().__init__()
         self.bits, self.group_shift, self.shape, self.kind = bits, group_shift, tuple(shape), kind
+        self.panels = panels
         self.register_buffer("codes", codes)
         self.register_buffer("scale", scale)
         self.register_buffer("mins", mins)
@@ -73,7 +79,7 @@ class QuantizedWeight(nn.Module):
         return self
 
     def extra_repr(self) -> str:
-        return f"{self.kind}, shape={self.shape}, bits={self.bits}, group={self.group_size}"
+        return f"{self.kind}, shape={self.shape}, bits={self.bits}, group={self.group_size}, panels={self.panels}"
 
     @property
     def group_size(self) -> int:
@@ -109,9 +115,11 @@ class QuantizedWeight(nn.Module):
         return cls(codes, scale.contiguous(), None, 8, ROW_GROUP, tuple(w.shape), "int8")
 
     @classmethod
-    def bfloat16(cls, weight: torch.Tensor) -> QuantizedWeight:
-        """The weight rounded to bfloat16 (nearest even), kept as such."""
+    def bfloat16(cls, weight: torch.Tensor, panels: bool = False) -> QuantizedWeight:
+        """The weight rounded to bfloat16 (nearest even), kept as such: rows, or (panels) in pack_panels' layout."""
         codes = weight.detach().to(torch.bfloat16).contiguous()
+        if panels:
+            return cls(pack_panels(codes), None, None, 16, ROW_GROUP, tuple(codes.shape), "bf16", panels=True)
         return cls(codes, None, None, 16, ROW_GROUP, tuple(codes.shape), "bf16")
 
     def permute_rows(self, order: np.ndarray) -> QuantizedWeight:
@@ -145,6 +153,7 @@ class QuantizedWeight(nn.Module):
         group."""
         if len(parts) == 1:
             return parts[0]
+        assert not any(p.panels for p in parts), "panels are packed after fusing, not fused"
         cols = parts[0].shape[1]
         same = len({(p.bits, p.group_shift, p.mins is None) for p in parts}) == 1
         if not same:
@@ -169,7 +178,7 @@ class QuantizedWeight(nn.Module):
         """Float32 weight rows (all by default) with torch alone: the reference and the kernels' fallback."""
         sel = slice(None) if rows is None else rows
         if self.bits == 16:
-            return self.codes[sel].float()
+            return (unpack_panels(self.codes, self.shape) if self.panels else self.codes)[sel].float()
         codes, scale = self.codes[sel], self.scale[sel]
         n = codes.shape[0]
         if self.bits == 4:
@@ -195,7 +204,10 @@ class QuantizedWeight(nn.Module):
         out_features, in_features = self.shape
         x = x.to(torch.float32).contiguous()
         if self.bits == 16:
-            out = gemm_kernels.bf16_product(x, self.codes)
+            if self.panels:
+                out = gemm_kernels.bf16_panels_product(x, self.codes, out_features)
+            else:
+                out = gemm_kernels.bf16_product(x, self.codes)
             return out if out is not None else x @ self.dequantize().t()
         lib = quant_kernels.library() if x.device.type == "cpu" and in_features % 32 == 0 else None
         mins = self.mins
@@ -261,6 +273,23 @@ class QuantizedEmbedding(nn.Module):
 # ---------------------------------------------------------------- putting them in a model
 
 
+def pack_panels(codes: torch.Tensor) -> torch.Tensor:
+    """bfloat16 weights [N, K] (K even) as bf16_panels_product reads them: panels of PANEL columns, each [K / 2]
+    steps of PANEL pairs (two consecutive k of one column), [ceil(N / PANEL), K / 2, PANEL, 2]; columns past N
+    zero."""
+    n, k = codes.shape
+    panels = -(-n // PANEL)
+    padded = torch.zeros(panels * PANEL, k, dtype=codes.dtype)
+    padded[:n] = codes
+    return padded.view(panels, PANEL, k // 2, 2).transpose(1, 2).contiguous()
+
+
+def unpack_panels(packed: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """pack_panels undone: the [N, K] rows."""
+    n, k = shape
+    return packed.transpose(1, 2).reshape(-1, k)[:n]
+
+
 def _replace(model: nn.Module, path: str, module: nn.Module) -> None:
     parent, _, attr = path.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, attr, module)
@@ -299,14 +328,19 @@ class QuantizedLoads:
                     params[name].data[offset : offset + qweight.shape[0]].copy_(qweight.dequantize())
 
 
-def _hold(model: nn.Module, make: Callable[[torch.Tensor], QuantizedWeight]) -> None:
-    """Every nn.Linear of a loaded model -> a QuantizedLinear of make(its weight); the embedding too (rows are its
-    output channels), one weight for both where the LM head is tied to it."""
+def _hold(
+    model: nn.Module,
+    make: Callable[[torch.Tensor], QuantizedWeight],
+    make_linear: Callable[[torch.Tensor], QuantizedWeight] | None = None,
+) -> None:
+    """Every nn.Linear of a loaded model -> a QuantizedLinear of make_linear (default make) of its weight; the
+    embedding a QuantizedEmbedding of make(its weight) (rows are its output channels), one weight for both where the
+    LM head is tied to it."""
     embed = model.model.embed_tokens
     tied = getattr(model.lm_head, "weight", None) is getattr(embed, "weight", False)
     for path, module in list(model.named_modules()):
         if isinstance(module, nn.Linear) and not (tied and path == "lm_head"):
-            _replace(model, path, QuantizedLinear(make(module.weight), module.bias))
+            _replace(model, path, QuantizedLinear((make_linear or make)(module.weight), module.bias))
     if isinstance(embed, nn.Embedding):
         qweight = make(embed.weight)
         model.model.embed_tokens = QuantizedEmbedding(qweight, embed.weight.dtype)
@@ -320,8 +354,14 @@ def quantize_int8(model: nn.Module) -> None:
 
 
 def hold_bf16(model: nn.Module) -> None:
-    """The projections, LM head and embedding in bfloat16 (quantization 'bf16')."""
-    _hold(model, QuantizedWeight.bfloat16)
+    """The projections, LM head and embedding in bfloat16 (quantization 'bf16'); the projections (and an untied
+    head) packed in panels where bfloat16 products run dpbf16 (gemm_kernels.bf16_panels)."""
+    panels = gemm_kernels.bf16_panels()
+
+    def linear(weight: torch.Tensor) -> QuantizedWeight:
+        return QuantizedWeight.bfloat16(weight, panels=panels and weight.shape[1] % 2 == 0)
+
+    _hold(model, QuantizedWeight.bfloat16, linear)
 
 
 def weight_bytes(model: nn.Module) -> int:
