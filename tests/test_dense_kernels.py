@@ -175,14 +175,18 @@ def test_bf16_panels_product_equals_rounded_x_times_the_weights(rows, out_featur
 
 
 def test_bf16_weights_in_panels_only_where_products_round_x(monkeypatch):
-    """QuantizedWeight.bfloat16 packs a projection's weights in panels where bf16_panels() (AVX512_BF16, the kernels
-    on); a product of them where x may not be rounded (PETREL_BF16_ACTIVATIONS=0 after loading) is the float32 one
-    of the unpacked weights, and the decoder stack does not take them."""
+    """QuantizedWeight.bfloat16 packs a projection's (or an embedding's) weights in panels where bf16_panels()
+    (AVX512_BF16, the kernels on), and the rows read back are the weights'; a product of them where x may not be
+    rounded (PETREL_BF16_ACTIVATIONS=0 after loading) is the float32 one of the unpacked weights, and the decoder
+    stack does not take them."""
     from petrel.model.quantization import QuantizedWeight
 
     x, w = _bf16_case(5, 40, 64)
     packed = QuantizedWeight.bfloat16(w.float(), panels=True)
     assert packed.panels and torch.equal(packed.dequantize(), w.float())
+    ids = torch.tensor([0, 31, 32, 39, 5, 5])  # an embedding's lookups: rows gathered across panels
+    assert torch.equal(packed.dequantize(ids), w.float()[ids])
+    assert torch.equal(packed.dequantize(slice(30, 34)), w.float()[30:34])
     monkeypatch.setenv("PETREL_BF16_ACTIVATIONS", "0")
     assert not gemm_kernels.bf16_panels() and dense_kernels.describe(packed) is None
     assert gemm_kernels.bf16_panels_product(x, packed.codes, 40) is None

@@ -329,8 +329,9 @@ def test_default_model_bf16_agrees_with_transformers_on_rounded_weights(hf_model
     ref = _bf16_reference(hf_model)
     llm = LLM(dtype="bfloat16", kv_cache_memory=64 << 20, **options)
     try:
-        down = llm.engine.core.runner.model.model.layers[0].mlp.down_proj.qweight  # panels where x is rounded
-        assert down.panels == (rounding != "weights" and gemm_kernels.bf16_panels())
+        model = llm.engine.core.runner.model  # the projections and the tied embedding in panels where x is rounded
+        for qweight in (model.model.layers[0].mlp.down_proj.qweight, model.model.embed_tokens.qweight):
+            assert qweight.panels == (rounding != "weights" and gemm_kernels.bf16_panels())
         tok = llm.tokenizer
         prompts = [tok.encode(f"{p} ({i})") for i in range(4) for p in PROMPTS]
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, return_generation_logits=True)

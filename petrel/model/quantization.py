@@ -11,9 +11,9 @@ EngineConfig.quantization picks how a model's projections, LM head and embedding
         twice the FMA's rate (bf16_pairs.c; prompt attention over a bfloat16 cache rounds q and its weights the
         same way: dense_kernels.prefill_attention), and the projections are held packed in panels of 32 columns
         (pack_panels, at load: every count of rows runs one register-blocked kernel, with no packing a call; the
-        embedding and a head tied to it stay rows); elsewhere (or PETREL_BF16_ACTIVATIONS=0) each weight is widened to
-        float32 exactly (a shift) for the float32 kernels' arithmetic from half the bytes (dense_kernels.c's
-        bf16_gemv, gemm_avx512.c / gemm_avx2.c's bf16_gemm, which widen W as they pack it).
+        embedding's lookups gather their rows from the panels); elsewhere (or PETREL_BF16_ACTIVATIONS=0) each
+        weight is widened to float32 exactly (a shift) for the float32 kernels' arithmetic from half the bytes
+        (dense_kernels.c's bf16_gemv, gemm_avx512.c / gemm_avx2.c's bf16_gemm, which widen W as they pack it).
         gemm_kernels.bf16_product picks.
 Products run in quant_kernels.c (AVX2): weights are widened to float in registers and multiplied with float
 activations, so a product equals the dequantized weight's up to the order of float additions. At batch 1 a
@@ -178,7 +178,7 @@ class QuantizedWeight(nn.Module):
         """Float32 weight rows (all by default) with torch alone: the reference and the kernels' fallback."""
         sel = slice(None) if rows is None else rows
         if self.bits == 16:
-            return (unpack_panels(self.codes, self.shape) if self.panels else self.codes)[sel].float()
+            return (panel_rows(self.codes, self.shape, rows) if self.panels else self.codes[sel]).float()
         codes, scale = self.codes[sel], self.scale[sel]
         n = codes.shape[0]
         if self.bits == 4:
@@ -290,6 +290,14 @@ def unpack_panels(packed: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     return packed.transpose(1, 2).reshape(-1, k)[:n]
 
 
+def panel_rows(packed: torch.Tensor, shape: tuple[int, int], rows: torch.Tensor | slice | None) -> torch.Tensor:
+    """Rows of a weight packed by pack_panels (all of them for None): an embedding's lookups gather only theirs."""
+    if rows is None or isinstance(rows, slice):
+        return unpack_panels(packed, shape)[rows if rows is not None else slice(None)]
+    rows = rows.reshape(-1)
+    return packed[rows // PANEL, :, rows % PANEL].reshape(len(rows), shape[1])
+
+
 def _replace(model: nn.Module, path: str, module: nn.Module) -> None:
     parent, _, attr = path.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, attr, module)
@@ -328,19 +336,14 @@ class QuantizedLoads:
                     params[name].data[offset : offset + qweight.shape[0]].copy_(qweight.dequantize())
 
 
-def _hold(
-    model: nn.Module,
-    make: Callable[[torch.Tensor], QuantizedWeight],
-    make_linear: Callable[[torch.Tensor], QuantizedWeight] | None = None,
-) -> None:
-    """Every nn.Linear of a loaded model -> a QuantizedLinear of make_linear (default make) of its weight; the
-    embedding a QuantizedEmbedding of make(its weight) (rows are its output channels), one weight for both where the
-    LM head is tied to it."""
+def _hold(model: nn.Module, make: Callable[[torch.Tensor], QuantizedWeight]) -> None:
+    """Every nn.Linear of a loaded model -> a QuantizedLinear of make(its weight); the embedding too (rows are its
+    output channels), one weight for both where the LM head is tied to it."""
     embed = model.model.embed_tokens
     tied = getattr(model.lm_head, "weight", None) is getattr(embed, "weight", False)
     for path, module in list(model.named_modules()):
         if isinstance(module, nn.Linear) and not (tied and path == "lm_head"):
-            _replace(model, path, QuantizedLinear((make_linear or make)(module.weight), module.bias))
+            _replace(model, path, QuantizedLinear(make(module.weight), module.bias))
     if isinstance(embed, nn.Embedding):
         qweight = make(embed.weight)
         model.model.embed_tokens = QuantizedEmbedding(qweight, embed.weight.dtype)
@@ -354,14 +357,14 @@ def quantize_int8(model: nn.Module) -> None:
 
 
 def hold_bf16(model: nn.Module) -> None:
-    """The projections, LM head and embedding in bfloat16 (quantization 'bf16'); the projections (and an untied
-    head) packed in panels where bfloat16 products run dpbf16 (gemm_kernels.bf16_panels)."""
+    """The projections, LM head and embedding in bfloat16 (quantization 'bf16'), packed in panels where bfloat16
+    products run dpbf16 (gemm_kernels.bf16_panels; the embedding's lookups gather their rows from them)."""
     panels = gemm_kernels.bf16_panels()
 
-    def linear(weight: torch.Tensor) -> QuantizedWeight:
+    def make(weight: torch.Tensor) -> QuantizedWeight:
         return QuantizedWeight.bfloat16(weight, panels=panels and weight.shape[1] % 2 == 0)
 
-    _hold(model, QuantizedWeight.bfloat16, linear)
+    _hold(model, make)
 
 
 def weight_bytes(model: nn.Module) -> int:
