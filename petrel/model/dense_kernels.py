@@ -46,7 +46,7 @@ class Weight(ctypes.Structure):
 def describe(weight: torch.Tensor | QuantizedWeight) -> Weight | None:
     """A [out, in] float32 tensor or a QuantizedWeight as a Weight, or None where the kernels cannot take it."""
     if isinstance(weight, QuantizedWeight) and weight.bits == 16 and weight.panels:  # they need rounded x
-        ok = weight.codes.is_cpu and gemm_kernels.bf16_pairs_rows() and library() is not None
+        ok = weight.codes.is_cpu and gemm_kernels.bf16_panels()
         return Weight(weight.codes.data_ptr(), None, None, 16, 0, 0, 0, 1) if ok else None
     if isinstance(weight, QuantizedWeight) and weight.bits == 16:
         ok = weight.codes.is_cpu and weight.shape[1] % 16 == 0 and library() is not None

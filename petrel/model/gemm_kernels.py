@@ -64,11 +64,11 @@ def bf16_product(x: torch.Tensor, codes: torch.Tensor) -> torch.Tensor | None:
 
 def bf16_panels_product(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor | None:
     """x [M, K] float32 contiguous @ W^T for the bfloat16 W [n, K] packed in panels (quantization.pack_panels): any
-    count of rows, x rounded to bfloat16, through bf16_panels_product; None where bfloat16 products do not round x
-    (bf16_pairs_rows) or the kernels are off (the caller's float32 fallback then)."""
-    if not (bf16_pairs_rows() and x.is_cpu and packed.is_cpu) or (lib := library()) is None:
+    count of rows, x rounded to bfloat16, through bf16_panels_product; None where bf16_panels() says no (bfloat16
+    products do not round x, or the kernels are off: the caller's float32 fallback then)."""
+    if not (bf16_panels() and x.is_cpu and packed.is_cpu):
         return None
-    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    lib, y = library(), torch.empty(x.shape[0], n, dtype=torch.float32)
     if lib.bf16_panels_product(
         x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), y.data_ptr(), n, torch.get_num_threads()
     ):
