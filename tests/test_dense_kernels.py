@@ -193,6 +193,50 @@ def test_bf16_weights_in_panels_only_where_products_round_x(monkeypatch):
     torch.testing.assert_close(packed.matmul(x), x @ w.float().t(), rtol=1e-6, atol=1e-5)
 
 
+# rows: blocks of 8 and the 4 / 2 / 1 that finish them, with the next slice prefetched (from 8 rows) and without;
+# N in partial panels; K from one value to several slices of 1,024 (2,100: three, the last shorter)
+@needs_avx512
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 15, 64, 133])
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (33, 1000), (300, 2100), (17, 1), (32, 5)])
+def test_f32_panels_product_equals_matmul(rows, out_features, in_features):
+    """float32 weights packed in panels (quantization.pack_panels, as a float32 model's decoder projections are held
+    where the CPU has AVX-512): x @ W^T within float32 sums' bound for every count of rows; the packing undone gives
+    the rows back."""
+    from petrel.model.quantization import pack_panels, unpack_panels
+
+    x, w = torch.randn(rows, in_features), torch.randn(out_features, in_features)
+    packed = pack_panels(w)
+    assert packed.shape == (-(-out_features // 32), in_features, 32, 1)
+    assert torch.equal(unpack_panels(packed, tuple(w.shape)), w)
+    got = gemm_kernels.f32_panels_product(x, packed, out_features)
+    assert got is not None and got.shape == (rows, out_features)
+    _assert_within_float32_sum_bound(got, x, w)
+
+
+@needs_avx512
+def test_f32_weights_in_panels_and_without_avx512(monkeypatch):
+    """QuantizedWeight.float32_panels: the rows read back are the weights (an embedding-style gather across panels
+    too), the decoder stack takes them (bits 32, panels 1), and its product is x @ W^T; where AVX-512 is off after
+    loading (PETREL_AVX512=0) the product is the unpacked weights' and the stack declines them."""
+    from petrel.model.quantization import QuantizedWeight
+
+    x, w = torch.randn(5, 64), torch.randn(40, 64)
+    packed = QuantizedWeight.float32_panels(w)
+    assert packed.panels and packed.bits == 32 and torch.equal(packed.dequantize(), w)
+    ids = torch.tensor([0, 31, 32, 39, 5, 5])
+    assert torch.equal(packed.dequantize(ids), w[ids])
+    described = dense_kernels.describe(packed)
+    assert (described.bits, described.panels) == (32, 1) and gemm_kernels.f32_panels()
+    torch.testing.assert_close(packed.matmul(x), x @ w.t(), rtol=1e-5, atol=1e-4)
+    monkeypatch.setenv("PETREL_AVX512", "0")
+    assert not gemm_kernels.f32_panels() and dense_kernels.describe(packed) is None
+    assert gemm_kernels.f32_panels_product(x, packed.codes, 40) is None
+    torch.testing.assert_close(packed.matmul(x), x @ w.t(), rtol=1e-5, atol=1e-4)
+    monkeypatch.setenv("PETREL_AVX512", "1")
+    monkeypatch.setenv("PETREL_F32_PANELS", "0")
+    assert not gemm_kernels.f32_panels()
+
+
 def test_bf16_activations_switch(monkeypatch):
     """PETREL_BF16_ACTIVATIONS=0 (or PETREL_AVX512=0) keeps every bfloat16 product on float32 x."""
     for switch in ("PETREL_BF16_ACTIVATIONS", "PETREL_AVX512"):

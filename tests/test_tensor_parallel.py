@@ -172,8 +172,9 @@ def test_sharded_ranks_with_kv_groups_give_the_unsharded_logits(checkpoint):
             torch.testing.assert_close(g, e, atol=2e-4, rtol=1e-4)
 
 
-def test_a_shard_holds_only_its_slice(checkpoint):
+def test_a_shard_holds_only_its_slice(checkpoint, monkeypatch):
     source = resolve_model(checkpoint(None, num_key_value_heads=2))
+    monkeypatch.setenv("PETREL_F32_PANELS", "0")  # the whole model's projections as parameters (rows), as a rank's
     full, cfg = load_model(source, torch.float32, "cpu")
 
     def rank(tp):

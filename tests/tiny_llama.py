@@ -107,6 +107,14 @@ def tiny_factory(tmp_path_factory):
     return build
 
 
+def projection_weight(module: torch.nn.Module) -> torch.Tensor:
+    """A projection's [out, in] weight: an nn.Linear's, or a QuantizedLinear's read back (a float32 model's decoder
+    projections are held in panels where the CPU has AVX-512: quantization.hold_f32_panels)."""
+    from petrel.model.quantization import QuantizedLinear
+
+    return module.qweight.dequantize() if isinstance(module, QuantizedLinear) else module.weight.detach()
+
+
 def _tokens(n: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (n,), generator=g).tolist()  # avoid bos/eos ids

@@ -8,11 +8,7 @@
  * goes over them, so W is read from memory once); a step loads 32 values of three weight rows and of each x row and
  * does twelve dpbf16s into 16-lane sums, added up at the end.
  *
- * bf16_panels_product: the same product from W packed once, at load (quantization.pack_panels), into panels of 32
- * columns, [N / 32][K / 2][32] pairs (the GEMM's packing done ahead, over all of K): every count of rows runs one
- * kernel, blocks of up to 8 rows of x over a panel, two vectors of W and a broadcast pair of x a step, no sums
- * across lanes and no packing a call (2 threads, Zen 4, against the kernels above: 1.0-1.2x at 1-4 rows,
- * 1.2-1.6x at 16-256, 1.0-1.25x at 2,048). */
+ * The same products from W packed in panels at load: panels.c's bf16_panels_product. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -26,20 +22,6 @@
                               * from memory: the few-row kernels 265-364 GFLOP/s at 64 rows, the GEMM 238-270; at
                               * 128, 274-374 and 299-330; at 256, 269-379 and 351-378) */
 #define TILE 12
-
-/* x rounded to bfloat16 (nearest even; the conversion takes subnormal floats as zero), n values */
-__attribute__((target(TARGET)))
-static void round_to_bf16(const float *x, int64_t n, uint16_t *out) {
-    int64_t i = 0;
-    for (; i + 32 <= n; i += 32)
-        _mm512_storeu_si512(out + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i)));
-    if (i < n) {
-        const __mmask16 lo = (__mmask16)((1u << (n - i < 16 ? n - i : 16)) - 1);
-        const __mmask16 hi = (__mmask16)(n - i > 16 ? (1u << (n - i - 16)) - 1 : 0);
-        const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, x + i + 16), _mm512_maskz_loadu_ps(lo, x + i));
-        _mm512_mask_storeu_epi16(out + i, ((__mmask32)hi << 16) | lo, (__m512i)v);
-    }
-}
 
 /* y[m][n] for MR rows of x and the weight rows [n0, n1), NR at a time; K even (a last step of K % 32 masked);
  * each step also prefetches PF cache lines of *pf (up to pf_end) into L2: enough that the next tile is on its way
@@ -114,91 +96,5 @@ int bf16_pairs_product(const float *x, int64_t M, int64_t K, const uint16_t *W, 
         parallel_run(pairs_part, &a, nthreads);
     }
     free(scratch);
-    return 0;
-}
-
-/* bf16_panels_product: a panel is 32 columns of W, [K2][32] pairs (32-bit elements, each two consecutive k) */
-#define PANEL 32
-
-/* y rows [0, MR) x columns [0, nr) = MR rows of x (bfloat16 pairs, rows K2 apart) @ one panel wp; each step also
- * prefetches pf (and the line pf_step - 1 past it) into L2 and moves pf on by pf_step: the caller spreads the next
- * panel over every block's steps, so that memory streams it while this panel is multiplied */
-#define PANEL_BLOCK(MR) \
-__attribute__((target(TARGET))) \
-static void panel_block_##MR(const uint32_t *x, int64_t K2, const uint32_t *wp, float *y, int64_t ldy, int nr, \
-                             const char *pf, int64_t pf_step) { \
-    __m512 c[MR][2]; \
-    for (int i = 0; i < MR; i++) c[i][0] = c[i][1] = _mm512_setzero_ps(); \
-    for (int64_t k = 0; k < K2; k++, wp += PANEL, pf += pf_step) { \
-        _mm_prefetch(pf, _MM_HINT_T1); \
-        _mm_prefetch(pf + pf_step - 1, _MM_HINT_T1); \
-        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp), w1 = (__m512bh)_mm512_loadu_si512(wp + 16); \
-        for (int i = 0; i < MR; i++) { \
-            const __m512bh xb = (__m512bh)_mm512_set1_epi32((int32_t)x[i * K2 + k]); \
-            c[i][0] = _mm512_dpbf16_ps(c[i][0], w0, xb); \
-            c[i][1] = _mm512_dpbf16_ps(c[i][1], w1, xb); \
-        } \
-    } \
-    const __mmask16 m0 = nr >= 16 ? 0xFFFF : (__mmask16)((1u << nr) - 1); \
-    const __mmask16 m1 = nr >= 32 ? 0xFFFF : nr <= 16 ? 0 : (__mmask16)((1u << (nr - 16)) - 1); \
-    for (int i = 0; i < MR; i++) { \
-        _mm512_mask_storeu_ps(y + i * ldy, m0, c[i][0]); \
-        _mm512_mask_storeu_ps(y + i * ldy + 16, m1, c[i][1]); \
-    } \
-}
-PANEL_BLOCK(8) PANEL_BLOCK(4) PANEL_BLOCK(2) PANEL_BLOCK(1)
-
-typedef struct { const uint32_t *x; int64_t M, K2; const uint32_t *W; float *y; int64_t N; } panels_args;
-
-/* blocks of 8 rows, then 4, 2, 1 for the rest: how many a panel goes through */
-static int64_t panel_blocks(int64_t M) {
-    return M / 8 + __builtin_popcountll((unsigned long long)(M % 8));
-}
-
-static void panels_part(void *args, int t, int T) {
-    const panels_args *a = args;
-    const int64_t K2 = a->K2, N = a->N, panel_bytes = K2 * PANEL * 4;
-    int64_t p0, p1;
-    split_range((N + PANEL - 1) / PANEL, t, T, 1, &p0, &p1);
-    int64_t pf_step = panel_bytes / (panel_blocks(a->M) * K2);
-    if (pf_step < 1) pf_step = 1;
-    for (int64_t p = p0; p < p1; p++) {
-        const uint32_t *const wp = a->W + p * K2 * PANEL;
-        const int nr = N - p * PANEL < PANEL ? (int)(N - p * PANEL) : PANEL;
-        /* the next panel, or this one again for the last (prefetching what is in cache costs little) */
-        const char *pf = (const char *)(p + 1 < p1 ? wp + K2 * PANEL : wp);
-        for (int64_t m = 0; m < a->M; pf += K2 * pf_step) {
-            const int64_t r = a->M - m;
-            const uint32_t *x = a->x + m * K2;
-            float *y = a->y + m * N + p * PANEL;
-            if (r >= 8) panel_block_8(x, K2, wp, y, N, nr, pf, pf_step), m += 8;
-            else if (r >= 4) panel_block_4(x, K2, wp, y, N, nr, pf, pf_step), m += 4;
-            else if (r >= 2) panel_block_2(x, K2, wp, y, N, nr, pf, pf_step), m += 2;
-            else panel_block_1(x, K2, wp, y, N, nr, pf, pf_step), m += 1;
-        }
-    }
-}
-
-typedef struct { const float *x; int64_t rows, K; uint16_t *out; } round_args;
-
-static void round_part(void *args, int t, int T) {
-    const round_args *a = args;
-    int64_t r0, r1;
-    split_range(a->rows, t, T, 1, &r0, &r1);
-    if (r1 > r0) round_to_bf16(a->x + r0 * a->K, (r1 - r0) * a->K, a->out + r0 * a->K);
-}
-
-/* y[M][N] = x[M][K] @ W^T for bfloat16 W packed in panels (quantization.pack_panels: [ceil(N / 32)][K / 2][32]
- * pairs, columns past N zero), K even, x rounded to bfloat16 first; callers check the CPU has AVX512_BF16 and
- * AVX-512 BW. 0, or KERNEL_OUT_OF_MEMORY */
-int bf16_panels_product(const float *x, int64_t M, int64_t K, const uint16_t *W, float *y, int64_t N, int nthreads) {
-    uint16_t *const xb = malloc(sizeof(uint16_t) * (M * K + 2));
-    if (!xb) return KERNEL_OUT_OF_MEMORY;
-    round_args r = {x, M, K, xb};
-    if (M * K >= (1 << 16)) parallel_run(round_part, &r, nthreads);
-    else round_part(&r, 0, 1);
-    panels_args a = {(const uint32_t *)xb, M, K / 2, (const uint32_t *)W, y, N};
-    parallel_run(panels_part, &a, nthreads);
-    free(xb);
     return 0;
 }

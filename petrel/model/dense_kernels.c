@@ -159,6 +159,10 @@ void silu_and_mul(const float *x, int64_t T, int64_t I, float *out, int nthreads
  * integers: int8_gemm for one scale a row, group_gemm for groups; else dequantized tiles); 0, or
  * KERNEL_OUT_OF_MEMORY (quantized products' scratch) */
 static int product(const float *x, int64_t M, int64_t K, const weight *w, float *y, int64_t N, int nthreads) {
+    if (w->bits == 32 && w->panels) {
+        f32_panels_product(x, M, K, (const float *)w->data, y, N, nthreads);
+        return 0;
+    }
     if (w->bits == 32) {
         f32_gemv(x, M, K, (const float *)w->data, y, N, nthreads);
         return 0;

@@ -34,6 +34,7 @@ SOURCES = (
     "gemm_avx2.c",
     "gemm_avx512.c",
     "bf16_pairs.c",
+    "panels.c",
     "thread_pool.c",
     "build_info.c",
     HEADER,

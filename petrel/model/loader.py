@@ -377,7 +377,9 @@ def load_model(
     """quantization (petrel.model.quantization): None or 'none', 'int8' or 'bf16' (any checkpoint), 'gguf' (GGUF
     files).
     tp: with tensor parallelism, this rank's shard of the model (each checkpoint tensor is read whole and the rank
-    keeps its slice; quantization stays 'none')."""
+    keeps its slice; quantization stays 'none').
+    A float32 model on the CPU (quantization 'none', one rank) holds its decoder projections packed in panels where
+    the CPU has AVX-512 (quantization.hold_f32_panels; PETREL_F32_PANELS=0 keeps rows)."""
     quantization = quantization or "none"
     if quantization == "gguf" and source.kind != "gguf":
         raise ValueError(
@@ -409,6 +411,13 @@ def load_model(
         from petrel.model.quantization import hold_bf16
 
         hold_bf16(model)
+    if quantization == "none" and dtype == torch.float32 and device == "cpu" and tp.size == 1:
+        from petrel.model.gemm_kernels import f32_panels
+        from petrel.model.quantization import hold_f32_panels
+
+        if f32_panels():
+            hold_f32_panels(model)
+        _return_freed_memory()
     if quantization != "none":
         _return_freed_memory()
     return model.to(device=device, dtype=dtype).eval(), cfg

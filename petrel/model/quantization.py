@@ -15,6 +15,9 @@ EngineConfig.quantization picks how a model's projections, LM head and embedding
         weight is widened to float32 exactly (a shift) for the float32 kernels' arithmetic from half the bytes
         (dense_kernels.c's bf16_gemv, gemm_avx512.c / gemm_avx2.c's bf16_gemm, which widen W as they pack it).
         gemm_kernels.bf16_product picks.
+With none, a float32 model on the CPU holds its decoder projections packed in panels where the CPU has AVX-512
+(hold_f32_panels: the same float32 weights, laid out for panels.c's f32_panels_product; PETREL_F32_PANELS=0 keeps
+rows).
 Products run in quant_kernels.c (AVX2): weights are widened to float in registers and multiplied with float
 activations, so a product equals the dequantized weight's up to the order of float additions. At batch 1 a
 decode step reads every weight once, so fewer bytes per weight is what makes it faster. Many rows (prefill,
@@ -51,7 +54,9 @@ class QuantizedWeight(nn.Module):
     bits 4: codes [out, in/32, 16] uint8 (two codes a byte, see quant_kernels.c), groups of 32.
     bits 8: codes [out, in] int8, groups of 2**group_shift (group_shift ROW_GROUP: one group per row).
     bits 16: codes [out, in] bfloat16, the weights themselves (no scale or min: w = code); with `panels`, packed
-    instead as pack_panels lays them out for bf16_pairs.c's bf16_panels_product.
+    instead as pack_panels lays them out for panels.c's bf16_panels_product.
+    bits 32 (panels only): float32 weights themselves packed by pack_panels for panels.c's f32_panels_product (a
+    float32 model's decoder projections where the CPU has AVX-512: hold_f32_panels).
     A module so that .to(device) moves it; its buffers keep their dtypes through model.to(dtype)."""
 
     def __init__(
@@ -122,6 +127,12 @@ class QuantizedWeight(nn.Module):
             return cls(pack_panels(codes), None, None, 16, ROW_GROUP, tuple(codes.shape), "bf16", panels=True)
         return cls(codes, None, None, 16, ROW_GROUP, tuple(codes.shape), "bf16")
 
+    @classmethod
+    def float32_panels(cls, weight: torch.Tensor) -> QuantizedWeight:
+        """The float32 weight itself, packed in pack_panels' layout."""
+        codes = weight.detach().to(torch.float32)
+        return cls(pack_panels(codes), None, None, 32, ROW_GROUP, tuple(codes.shape), "f32", panels=True)
+
     def permute_rows(self, order: np.ndarray) -> QuantizedWeight:
         index = torch.from_numpy(np.asarray(order, dtype=np.int64))
         pick = lambda t: None if t is None else t[index].contiguous()  # noqa: E731
@@ -177,7 +188,7 @@ class QuantizedWeight(nn.Module):
     def dequantize(self, rows: torch.Tensor | slice | None = None) -> torch.Tensor:
         """Float32 weight rows (all by default) with torch alone: the reference and the kernels' fallback."""
         sel = slice(None) if rows is None else rows
-        if self.bits == 16:
+        if self.bits >= 16:
             return (panel_rows(self.codes, self.shape, rows) if self.panels else self.codes[sel]).float()
         codes, scale = self.codes[sel], self.scale[sel]
         n = codes.shape[0]
@@ -203,6 +214,9 @@ class QuantizedWeight(nn.Module):
         """x [M, in] -> x @ W^T, float32 [M, out]."""
         out_features, in_features = self.shape
         x = x.to(torch.float32).contiguous()
+        if self.bits == 32:
+            out = gemm_kernels.f32_panels_product(x, self.codes, out_features)
+            return out if out is not None else x @ self.dequantize().t()
         if self.bits == 16:
             if self.panels:
                 out = gemm_kernels.bf16_panels_product(x, self.codes, out_features)
@@ -274,14 +288,14 @@ class QuantizedEmbedding(nn.Module):
 
 
 def pack_panels(codes: torch.Tensor) -> torch.Tensor:
-    """bfloat16 weights [N, K] (K even) as bf16_panels_product reads them: panels of PANEL columns, each [K / 2]
-    steps of PANEL pairs (two consecutive k of one column), [ceil(N / PANEL), K / 2, PANEL, 2]; columns past N
-    zero."""
+    """Weights [N, K] as panels.c reads them: panels of PANEL columns, each K steps of PANEL elements of 32 bits,
+    [ceil(N / PANEL), K, PANEL, 1] for float32; for bfloat16 (K even) K / 2 steps of PANEL pairs (two consecutive k
+    of one column), [ceil(N / PANEL), K / 2, PANEL, 2]. Columns past N zero."""
     n, k = codes.shape
-    panels = -(-n // PANEL)
+    panels, per_element = -(-n // PANEL), 4 // codes.element_size()
     padded = torch.zeros(panels * PANEL, k, dtype=codes.dtype)
     padded[:n] = codes
-    return padded.view(panels, PANEL, k // 2, 2).transpose(1, 2).contiguous()
+    return padded.view(panels, PANEL, k // per_element, per_element).transpose(1, 2).contiguous()
 
 
 def unpack_panels(packed: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
@@ -365,6 +379,18 @@ def hold_bf16(model: nn.Module) -> None:
         return QuantizedWeight.bfloat16(weight, panels=panels and weight.shape[1] % 2 == 0)
 
     _hold(model, make)
+
+
+def hold_f32_panels(model: nn.Module) -> None:
+    """A float32 model's decoder projections (every nn.Linear under model.layers) held packed in panels
+    (QuantizedWeight.float32_panels; load_model does it where gemm_kernels.f32_panels says so): every count of rows
+    then runs
+    f32_panels_product with no packing a call (Zen 4, 2 threads: 1.3-1.5x the row kernel from 4 to 256 rows, level
+    at one). The weights stay float32, the products the same sums in another order; the embedding, the LM head and
+    any vision tower keep their rows."""
+    for path, module in list(model.named_modules()):
+        if isinstance(module, nn.Linear) and path.startswith("model.layers.") and module.weight.dtype == torch.float32:
+            _replace(model, path, QuantizedLinear(QuantizedWeight.float32_panels(module.weight), module.bias))
 
 
 def weight_bytes(model: nn.Module) -> int:
