@@ -35,6 +35,7 @@ from petrel.bench import FULL, QUICK, HFRunner, PetrelRunner, make_w2_prompts, r
 from petrel.bench.report import log, matching_prefix, median, percentile
 from petrel.bench.workloads import W3_CONCURRENCY, W3_NEW_TOKENS, kv_bytes_per_token
 from petrel.model.loader import resolve_model
+from petrel.model.quantization import weight_bytes as model_weight_bytes
 from petrel.model.tokenizer import load_tokenizer
 from petrel.sampling_params import SamplingParams
 
@@ -143,9 +144,7 @@ def run_petrel(args, prompt: list[int], w2: list[list[int]], sizes) -> tuple[dic
         cfg = runner.llm.engine.model_config
         element = torch.empty((), dtype=runner.llm.config.torch_dtype).element_size()
         sizes_of = {
-            "weight_bytes": runner.llm.engine.call(
-                lambda core: sum(p.numel() * p.element_size() for p in core.runner.model.parameters())
-            ),
+            "weight_bytes": runner.llm.engine.call(lambda core: model_weight_bytes(core.runner.model)),  # panels too
             "kv_bytes_per_token": kv_bytes_per_token(
                 cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, element
             ),

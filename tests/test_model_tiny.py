@@ -112,8 +112,9 @@ def test_loader_config_and_weights(tiny, kv_heads, tied):
     assert t.cfg.architecture == "LlamaForCausalLM"
     assert (t.cfg.vocab_size, t.cfg.hidden_size, t.cfg.head_dim) == (VOCAB, 64, 16)
     assert t.cfg.eos_token_ids == [2] and t.cfg.rope_scaling is None
-    if tied:
-        assert t.model.lm_head.weight is t.model.model.embed_tokens.weight
+    head, embed = t.model.lm_head, t.model.model.embed_tokens
+    if tied:  # one weight: rows, or panels (hold_f32_panels)
+        assert (head.qweight is embed.qweight) if isinstance(head, QuantizedLinear) else (head.weight is embed.weight)
     hf_sd = t.hf.state_dict()
     for i in range(2):
         a = f"model.layers.{i}.self_attn."
@@ -127,7 +128,7 @@ def test_loader_config_and_weights(tiny, kv_heads, tied):
             atol=0,
             rtol=0,
         )
-    torch.testing.assert_close(t.model.lm_head.weight, t.hf.lm_head.weight, atol=0, rtol=0)
+    torch.testing.assert_close(projection_weight(head), t.hf.lm_head.weight, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("kv_heads,tied", VARIANTS, ids=VARIANT_IDS)

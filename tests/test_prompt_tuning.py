@@ -38,8 +38,8 @@ def virtual_prompt(vocab: int) -> list[int]:
 
 def matching_table(t) -> torch.Tensor:
     """The table whose rows are the embedding rows of the real tokens the virtual ones stand for."""
-    weight = t.model.model.embed_tokens.weight.detach()
-    return weight[[PROMPT[p] for p in VIRTUAL]].clone()
+    with torch.no_grad():  # the embedding's own lookups: rows, or rows gathered from panels
+        return t.model.model.embed_tokens(torch.tensor([PROMPT[p] for p in VIRTUAL])).clone()
 
 
 def generate(core, rid, prompt, p):

@@ -15,9 +15,9 @@ EngineConfig.quantization picks how a model's projections, LM head and embedding
         weight is widened to float32 exactly (a shift) for the float32 kernels' arithmetic from half the bytes
         (dense_kernels.c's bf16_gemv, gemm_avx512.c / gemm_avx2.c's bf16_gemm, which widen W as they pack it).
         gemm_kernels.bf16_product picks.
-With none, a float32 model on the CPU holds its decoder projections packed in panels where the CPU has AVX-512
-(hold_f32_panels: the same float32 weights, laid out for panels.c's f32_panels_product; PETREL_F32_PANELS=0 keeps
-rows).
+With none, a float32 model on the CPU holds its projections, LM head and embedding packed in panels where the CPU
+has AVX-512 (hold_f32_panels: the same float32 weights, laid out for panels.c's f32_panels_product;
+PETREL_F32_PANELS=0 keeps rows).
 Products run in quant_kernels.c (AVX2): weights are widened to float in registers and multiplied with float
 activations, so a product equals the dequantized weight's up to the order of float additions. At batch 1 a
 decode step reads every weight once, so fewer bytes per weight is what makes it faster. Many rows (prefill,
@@ -56,7 +56,7 @@ class QuantizedWeight(nn.Module):
     bits 16: codes [out, in] bfloat16, the weights themselves (no scale or min: w = code); with `panels`, packed
     instead as pack_panels lays them out for panels.c's bf16_panels_product.
     bits 32 (panels only): float32 weights themselves packed by pack_panels for panels.c's f32_panels_product (a
-    float32 model's decoder projections where the CPU has AVX-512: hold_f32_panels).
+    float32 model's weights where the CPU has AVX-512: hold_f32_panels).
     A module so that .to(device) moves it; its buffers keep their dtypes through model.to(dtype)."""
 
     def __init__(
@@ -382,15 +382,12 @@ def hold_bf16(model: nn.Module) -> None:
 
 
 def hold_f32_panels(model: nn.Module) -> None:
-    """A float32 model's decoder projections (every nn.Linear under model.layers) held packed in panels
-    (QuantizedWeight.float32_panels; load_model does it where gemm_kernels.f32_panels says so): every count of rows
-    then runs
-    f32_panels_product with no packing a call (Zen 4, 2 threads: 1.3-1.5x the row kernel from 4 to 256 rows, level
-    at one). The weights stay float32, the products the same sums in another order; the embedding, the LM head and
-    any vision tower keep their rows."""
-    for path, module in list(model.named_modules()):
-        if isinstance(module, nn.Linear) and path.startswith("model.layers.") and module.weight.dtype == torch.float32:
-            _replace(model, path, QuantizedLinear(QuantizedWeight.float32_panels(module.weight), module.bias))
+    """A float32 model's projections, LM head and embedding held packed in panels (QuantizedWeight.float32_panels,
+    one weight for a tied head and the embedding, whose lookups gather their rows across panels; load_model does it
+    where gemm_kernels.f32_panels says so): every count of rows then runs f32_panels_product with no packing a call
+    (Zen 4, 2 threads: 1.3-1.5x the row kernel from 4 to 256 rows, level at one). The weights stay float32, the
+    products the same sums in another order."""
+    _hold(model, QuantizedWeight.float32_panels)
 
 
 def weight_bytes(model: nn.Module) -> int:
