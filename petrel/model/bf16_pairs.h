@@ -4,6 +4,8 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "simd.h"
+
 /* floats of workspace bf16_pairs_gemm needs */
 int64_t bf16_pairs_gemm_workspace(int64_t K, int64_t N, int nthreads);
 
@@ -18,8 +20,7 @@ static inline void round_to_bf16(const float *x, int64_t n, uint16_t *out) {
     for (; i + 32 <= n; i += 32)
         _mm512_storeu_si512(out + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i)));
     if (i < n) {
-        const __mmask16 lo = (__mmask16)((1u << (n - i < 16 ? n - i : 16)) - 1);
-        const __mmask16 hi = (__mmask16)(n - i > 16 ? (1u << (n - i - 16)) - 1 : 0);
+        const __mmask16 lo = lanes16(n - i), hi = lanes16(n - i - 16);
         const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, x + i + 16), _mm512_maskz_loadu_ps(lo, x + i));
         _mm512_mask_storeu_epi16(out + i, ((__mmask32)hi << 16) | lo, (__m512i)v);
     }

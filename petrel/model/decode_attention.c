@@ -226,7 +226,7 @@ PAIRS_TARGET static int64_t span_scores_pairs(const span_blocks *sb, int64_t kh,
                     a[SCORE_SLOT[i]] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(a[SCORE_SLOT[i]], k, h), k, l);
                 }
             }
-            const __mmask16 keep = n - j0 >= 16 ? 0xFFFF : (__mmask16)((1u << (n - j0)) - 1);
+            const __mmask16 keep = lanes16(n - j0);
             _mm512_mask_storeu_ps(p + g * MAX_SPAN + j0, keep, sum16(a));
         }
     return n;

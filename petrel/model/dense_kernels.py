@@ -47,7 +47,7 @@ class Weight(ctypes.Structure):
 def describe(weight: torch.Tensor | QuantizedWeight) -> Weight | None:
     """A [out, in] float32 tensor or a QuantizedWeight as a Weight, or None where the kernels cannot take it."""
     if isinstance(weight, QuantizedWeight) and weight.bits == 32:  # float32 panels
-        ok = weight.codes.is_cpu and native.cpu_has_avx512() and library() is not None
+        ok = weight.codes.is_cpu and gemm_kernels.f32_panels_library() is not None
         return Weight(weight.codes.data_ptr(), None, None, 32, 0, 0, 0, 1) if ok else None
     if isinstance(weight, QuantizedWeight) and weight.bits == 16 and weight.panels:  # they need rounded x
         ok = weight.codes.is_cpu and gemm_kernels.bf16_panels()

@@ -11,6 +11,7 @@
 #include "bf16_pairs.h"
 #include "gemm_driver.h"
 #include "kernels.h"
+#include "simd.h"
 
 #define MR 14
 #define NR 32
@@ -23,8 +24,7 @@
 __attribute__((target(TARGET), always_inline)) \
 static inline void NAME(const float *x, int64_t rs, int64_t ks, const float *wp, int64_t K, float *y, int64_t ldy, \
                         int mr, int nr, int add) { \
-    const __mmask16 mask0 = nr >= 16 ? 0xFFFF : (__mmask16)((1u << nr) - 1); \
-    const __mmask16 mask1 = nr >= 32 ? 0xFFFF : nr <= 16 ? 0 : (__mmask16)((1u << (nr - 16)) - 1); \
+    const __mmask16 mask0 = lanes16(nr), mask1 = lanes16(nr - 16); \
     __m512 c[MR][2]; \
     for (int i = 0; i < MR; i++) { \
         c[i][0] = add && i < mr ? _mm512_maskz_loadu_ps(mask0, y + i * ldy) : _mm512_setzero_ps(); \

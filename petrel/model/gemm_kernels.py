@@ -41,18 +41,22 @@ def bf16_panels() -> bool:
     return bf16_pairs_rows() > 0 and library() is not None
 
 
+def f32_panels_library() -> ctypes.CDLL | None:
+    """The kernels where float32 weights in panels can be multiplied (f32_panels_product: the CPU has AVX-512, see
+    native.cpu_has_avx512, and the kernels load), else None."""
+    return library() if native.cpu_has_avx512() else None
+
+
 def f32_panels() -> bool:
-    """Whether a float32 model's decoder projections are held packed in panels (quantization.hold_f32_panels) for
-    f32_panels_product: where the CPU has AVX-512 (native.cpu_has_avx512: PETREL_AVX512=0 says no), the kernels
-    load, and PETREL_F32_PANELS is not 0."""
-    on = os.environ.get("PETREL_F32_PANELS", "1") != "0"
-    return on and native.cpu_has_avx512() and library() is not None
+    """Whether a float32 model's weights are held packed in panels at load (quantization.hold_f32_panels): where
+    f32_panels_library() runs them and PETREL_F32_PANELS is not 0."""
+    return os.environ.get("PETREL_F32_PANELS", "1") != "0" and f32_panels_library() is not None
 
 
 def f32_panels_product(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor | None:
     """x [M, K] float32 contiguous @ W^T for float32 W packed in panels (quantization.pack_panels) with n rows; None
-    where the kernel cannot run (not the CPU, no AVX-512 or no kernels)."""
-    if not x.is_cpu or not packed.is_cpu or not native.cpu_has_avx512() or (lib := library()) is None:
+    where the kernel cannot run (not the CPU, or no f32_panels_library)."""
+    if not x.is_cpu or not packed.is_cpu or (lib := f32_panels_library()) is None:
         return None
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
     lib.f32_panels_product(

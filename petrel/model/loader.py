@@ -417,7 +417,7 @@ def load_model(
 
         if f32_panels():
             hold_f32_panels(model)
-        _return_freed_memory()
+            _return_freed_memory()
     if quantization != "none":
         _return_freed_memory()
     return model.to(device=device, dtype=dtype).eval(), cfg

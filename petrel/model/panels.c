@@ -21,6 +21,7 @@
 
 #include "bf16_pairs.h"
 #include "kernels.h"
+#include "simd.h"
 #include "thread_pool.h"
 
 #define PANEL 32
@@ -36,8 +37,7 @@
 __attribute__((target(TARGET))) \
 static void NAME##_##MR##_##PF(const float *x, int64_t ldx, int64_t K, const float *wp, float *y, int64_t ldy, \
                                int nr, int add, const char *pf, int64_t pf_step) { \
-    const __mmask16 m0 = nr >= 16 ? 0xFFFF : (__mmask16)((1u << nr) - 1); \
-    const __mmask16 m1 = nr >= 32 ? 0xFFFF : nr <= 16 ? 0 : (__mmask16)((1u << (nr - 16)) - 1); \
+    const __mmask16 m0 = lanes16(nr), m1 = lanes16(nr - 16); \
     __m512 c[MR][2]; \
     for (int i = 0; i < MR; i++) { \
         c[i][0] = add ? _mm512_maskz_loadu_ps(m0, y + i * ldy) : _mm512_setzero_ps(); \
@@ -89,6 +89,9 @@ static void panels_part(void *args, int t, int T) {
     int64_t p0, p1;
     split_range((N + PANEL - 1) / PANEL, t, T, 1, &p0, &p1);
     const char *const end = (const char *)(a->W + p1 * K * PANEL);  /* past this thread's panels */
+    /* a step of every block prefetches its share of a step of the next slice (PANEL elements of 4 bytes) */
+    const int prefetch = M >= PREFETCH_ROWS;
+    const int64_t share = prefetch ? PANEL * 4 / panel_blocks(M) : 0, pf_step = prefetch && share < 1 ? 1 : share;
     for (int64_t p = p0; p < p1; p++) {
         const int nr = N - p * PANEL < PANEL ? (int)(N - p * PANEL) : PANEL;
         for (int64_t k0 = 0; k0 < K; k0 += kc) {
@@ -97,9 +100,6 @@ static void panels_part(void *args, int t, int T) {
             /* the next slice: the rest of this panel, or the next panel (this one again after the last) */
             const char *pf = (const char *)(wp + kn * PANEL);
             if (pf >= end) pf = (const char *)wp;
-            const int prefetch = M >= PREFETCH_ROWS;
-            int64_t pf_step = kn * PANEL * 4 / (panel_blocks(M) * kn);
-            if (!prefetch || pf_step < 1) pf_step = prefetch;
             for (int64_t m = 0; m < M; pf += kn * pf_step) {
                 const int64_t r = M - m, rows = r >= 8 ? 8 : r >= 4 ? 4 : r >= 2 ? 2 : 1;
                 const block_fn block = a->blocks[prefetch][rows == 8 ? 0 : rows == 4 ? 1 : rows == 2 ? 2 : 3];

@@ -1,7 +1,12 @@
-/* Small AVX2 helpers shared by petrel's kernel files */
+/* Small AVX2 helpers (and an AVX-512 lane mask) shared by petrel's kernel files */
 #pragma once
 #include <immintrin.h>
 #include <stdint.h>
+
+/* the first n of 16 lanes as an AVX-512 mask: none for n <= 0, all from 16 (plain integer work: any ISA) */
+static inline uint16_t lanes16(int64_t n) {
+    return n <= 0 ? 0 : n >= 16 ? 0xFFFF : (uint16_t)((1u << n) - 1);
+}
 
 /* the sum of a vector's eight floats */
 static inline float hsum(__m256 v) {
