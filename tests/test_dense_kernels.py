@@ -154,10 +154,10 @@ def test_bf16_pairs_product_equals_rounded_x_times_the_weights(rows, out_feature
     _assert_within_float32_sum_bound(got, x.bfloat16().float(), w.float())
 
 
-# rows: blocks of 8 and the 4 / 2 / 1 that finish them; N in partial panels (past it nothing written: the rows of y
-# are packed); K from one pair to several thousand
+# rows: blocks of 8 and the 4 / 2 / 1 that finish them, past 256 in passes; N in partial panels (past it nothing
+# written: the rows of y are packed); K from one pair to several thousand
 @needs_bf16_pairs
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 15, 64, 133])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 15, 64, 133, 300])
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (33, 1000), (300, 2100), (17, 2), (32, 64)])
 def test_bf16_panels_product_equals_rounded_x_times_the_weights(rows, out_features, in_features):
     """Weights packed in panels (quantization.pack_panels, as dtype 'bfloat16' holds projections where the CPU has
@@ -193,10 +193,11 @@ def test_bf16_weights_in_panels_only_where_products_round_x(monkeypatch):
     torch.testing.assert_close(packed.matmul(x), x @ w.float().t(), rtol=1e-6, atol=1e-5)
 
 
-# rows: blocks of 8 and the 4 / 2 / 1 that finish them, with the next slice prefetched (from 8 rows) and without;
-# N in partial panels; K from one value to several slices of 1,024 (2,100: three, the last shorter)
+# rows: blocks of 8 and the 4 / 2 / 1 that finish them, with the next slice prefetched (from 8 rows) and without,
+# past 256 in passes (300: one full and one short, 523: two full and one of 11 rows); N in partial panels; K from one
+# value to several slices of 1,024 (2,100: three, the last shorter)
 @needs_avx512
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 15, 64, 133])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 15, 64, 133, 300, 523])
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (33, 1000), (300, 2100), (17, 1), (32, 5)])
 def test_f32_panels_product_equals_matmul(rows, out_features, in_features):
     """float32 weights packed in panels (quantization.pack_panels, as a float32 model's decoder projections are held

@@ -10,9 +10,10 @@
  * Every count of rows runs one kernel: blocks of up to 8 rows of x over a panel, two vectors of W and a broadcast
  * element of x a step (16 multiply-adds for 10 loads), no sums across lanes and no packing a call. Each thread
  * walks its panels in slices of K (a slice of a panel in L1/L2 while every block of x passes over it, x's slice in
- * L2), and while it multiplies one slice it prefetches the next (the rest of its panel, or the next panel: slices
- * are consecutive in memory), spread over every block's steps, so that memory streams W during the arithmetic
- * (from PREFETCH_ROWS rows).
+ * L2; past ROW_PASS rows, x goes in passes of that many rows, each over all of the thread's panels), and while it
+ * multiplies one slice it prefetches the next (the rest of its panel, or the next panel: slices are consecutive in
+ * memory), spread over every block's steps, so that memory streams W during the arithmetic (from PREFETCH_ROWS
+ * rows).
  * Measured (2 threads, Zen 4, weights from memory) for bfloat16 against the row kernels of bf16_pairs.c: 1.0-1.2x at
  * 1-4 rows, 1.2-1.6x at 16-256, 1.0-1.25x at 2,048. */
 #include <immintrin.h>
@@ -28,6 +29,8 @@
 #define K_SLICE 1024  /* elements of K a slice (128 KB of a panel) */
 #define PREFETCH_ROWS 8  /* from this many rows of x the next slice is prefetched; below, a slice's few steps leave
                           * the stream to the hardware prefetcher (float32 at 1-4 rows: 1.0-1.2x with it alone) */
+#define ROW_PASS 256  /* rows of x a pass over a thread's panels: a slice of x for that many rows stays in L2 while
+                       * the panels stream by (2,048 rows at K 2,048-8,192: 1.06-1.15x one pass over all rows) */
 
 /* y rows [0, MR) x columns [0, nr) (+ y where add: a later slice of K) = MR rows of x (ldx elements apart) @ K
  * steps of one panel wp; with PF each step also prefetches pf (and the line pf_step - 1 past it) into L2 and moves
@@ -88,23 +91,28 @@ static void panels_part(void *args, int t, int T) {
     const int64_t slices = (K + K_SLICE - 1) / K_SLICE, kc = (K + slices - 1) / slices;
     int64_t p0, p1;
     split_range((N + PANEL - 1) / PANEL, t, T, 1, &p0, &p1);
-    const char *const end = (const char *)(a->W + p1 * K * PANEL);  /* past this thread's panels */
-    /* a step of every block prefetches its share of a step of the next slice (PANEL elements of 4 bytes) */
-    const int prefetch = M >= PREFETCH_ROWS;
-    const int64_t share = prefetch ? PANEL * 4 / panel_blocks(M) : 0, pf_step = prefetch && share < 1 ? 1 : share;
-    for (int64_t p = p0; p < p1; p++) {
-        const int nr = N - p * PANEL < PANEL ? (int)(N - p * PANEL) : PANEL;
-        for (int64_t k0 = 0; k0 < K; k0 += kc) {
-            const int64_t kn = K - k0 < kc ? K - k0 : kc;
-            const float *const wp = a->W + (p * K + k0) * PANEL;
-            /* the next slice: the rest of this panel, or the next panel (this one again after the last) */
-            const char *pf = (const char *)(wp + kn * PANEL);
-            if (pf >= end) pf = (const char *)wp;
-            for (int64_t m = 0; m < M; pf += kn * pf_step) {
-                const int64_t r = M - m, rows = r >= 8 ? 8 : r >= 4 ? 4 : r >= 2 ? 2 : 1;
-                const block_fn block = a->blocks[prefetch][rows == 8 ? 0 : rows == 4 ? 1 : rows == 2 ? 2 : 3];
-                block(a->x + m * K + k0, K, kn, wp, a->y + m * N + p * PANEL, N, nr, k0 > 0, pf, pf_step);
-                m += rows;
+    const char *const start = (const char *)(a->W + p0 * K * PANEL), *const end = (const char *)(a->W + p1 * K * PANEL);
+    for (int64_t m0 = 0; m0 < M; m0 += ROW_PASS) {
+        const int64_t m1 = M - m0 < ROW_PASS ? M : m0 + ROW_PASS;
+        /* a step of every block prefetches its share of a step of the next slice (PANEL elements of 4 bytes) */
+        const int prefetch = m1 - m0 >= PREFETCH_ROWS;
+        const int64_t share = prefetch ? PANEL * 4 / panel_blocks(m1 - m0) : 0;
+        const int64_t pf_step = prefetch && share < 1 ? 1 : share;
+        for (int64_t p = p0; p < p1; p++) {
+            const int nr = N - p * PANEL < PANEL ? (int)(N - p * PANEL) : PANEL;
+            for (int64_t k0 = 0; k0 < K; k0 += kc) {
+                const int64_t kn = K - k0 < kc ? K - k0 : kc;
+                const float *const wp = a->W + (p * K + k0) * PANEL;
+                /* the next slice: the rest of this panel, or the next panel (after the last, the first again, for
+                 * the next pass of rows) */
+                const char *pf = (const char *)(wp + kn * PANEL);
+                if (pf >= end) pf = start;
+                for (int64_t m = m0; m < m1; pf += kn * pf_step) {
+                    const int64_t r = m1 - m, rows = r >= 8 ? 8 : r >= 4 ? 4 : r >= 2 ? 2 : 1;
+                    const block_fn block = a->blocks[prefetch][rows == 8 ? 0 : rows == 4 ? 1 : rows == 2 ? 2 : 3];
+                    block(a->x + m * K + k0, K, kn, wp, a->y + m * N + p * PANEL, N, nr, k0 > 0, pf, pf_step);
+                    m += rows;
+                }
             }
         }
     }
