@@ -3,6 +3,7 @@
 chunks (with the decodes running alongside them). The figures behind "where the time goes" in BENCHMARKS.md.
 
     python benchmarks/w2_steps.py [--max-num-batched-tokens 2048] [--kv-cache-memory-gib 4] [--dtype bfloat16]
+                                  [--quantization int8] [--model FILE.gguf]
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--kv-cache-memory-gib", type=float, default=4)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--quantization", default=None, help="e.g. int8 (default: the weights as they are)")
+    ap.add_argument("--model", default=None, help="an HF directory or a .gguf file (default: the default model)")
     args = ap.parse_args()
     steps: list[tuple[float, int, int]] = []  # seconds, decode rows, prefill tokens
     execute = ModelRunner.execute
@@ -36,6 +39,8 @@ def main() -> None:
         kv_cache_memory=int(args.kv_cache_memory_gib * (1 << 30)),
         max_num_batched_tokens=args.max_num_batched_tokens,
         dtype=args.dtype,
+        quantization=args.quantization,
+        **({"model": args.model} if args.model else {}),
     )
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     steps.clear()

@@ -202,6 +202,7 @@ def engine(args) -> LLM:
         model=args.model,
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
         kv_cache_memory=4 << 30,
         enable_prefix_caching=False,
     )
@@ -331,6 +332,7 @@ def main() -> None:
         default="auto",
         help="prefill, decode: the engine's kv_cache_dtype; decode-attention: the caches' (float32 or bfloat16)",
     )
+    ap.add_argument("--quantization", default=None, help="prefill, decode: e.g. int8 (default: none)")
     ap.add_argument("--tokens", type=int, default=7936, help="prefill: the prompt's length")
     ap.add_argument("--w2-prompts", type=int, default=0, help="prefill: W2's first N prompts instead")
     ap.add_argument("--seqs", type=int, default=16, help="decode: sequences")

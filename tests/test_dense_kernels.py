@@ -593,3 +593,38 @@ def test_silu_and_mul_equals_torch(rows):
     gate, up = x.chunk(2, dim=-1)
     torch.testing.assert_close(dense_kernels.silu_and_mul(x), torch.nn.functional.silu(gate) * up, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(silu_and_mul(x), torch.nn.functional.silu(gate) * up, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 1), (2, 7), (3, 16), (3, 17), (5, 263), (1, 49152), (64, 49152)])
+def test_greedy_rows_equal_torch_argmax_and_log_softmax(rows, vocab):
+    """The first maximum bit for bit (ties across and inside the vector lanes, the scalar tail), its log-softmax
+    within float32 rounding; 64 rows of 49,152 run on several threads, and rows may be any stride apart."""
+    g = torch.Generator().manual_seed(rows * 7 + vocab)
+    wide = torch.randint(-4, 4, (rows, vocab + 5), generator=g).float()  # many ties of the maximum
+    wide += torch.randn(rows, vocab + 5, generator=g) * (torch.arange(rows) % 2).unsqueeze(1)  # odd rows: no ties
+    x = wide[:, :vocab]
+    tokens, logprobs = dense_kernels.greedy_rows(x)
+    assert tokens.tolist() == x.argmax(dim=1).tolist()
+    want = torch.log_softmax(x.double(), dim=1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+    torch.testing.assert_close(logprobs.double(), want, atol=1e-6, rtol=1e-6)
+
+
+def test_greedy_rows_on_nan_and_infinities_as_torch():
+    """NaN is the maximum (the first NaN, as torch's argmax), and where a NaN or an infinite maximum leaves no
+    log-softmax the logprob is NaN, as torch's log_softmax gives."""
+    vocab = 1000
+    x = torch.zeros(7, vocab)
+    x[0, [3, 600]] = float("nan")
+    x[1, 997] = float("nan")  # in the scalar tail
+    x[2] = float("-inf")  # all -inf: token 0
+    x[3, [10, 999]] = float("inf")
+    x[4] = float("-inf")
+    x[4, 998] = 1.0  # one finite logit among -inf: logprob 0
+    x[5, [255, 256, 900]] = 2.0  # ties: the first
+    x[6, 996:] = 3.0  # ties in the tail only
+    tokens, logprobs = dense_kernels.greedy_rows(x)
+    assert tokens.tolist() == x.argmax(dim=1).tolist()
+    want = torch.log_softmax(x, dim=1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+    torch.testing.assert_close(logprobs, want, equal_nan=True)
+    assert dense_kernels.greedy_rows(x.double()) is None
+    assert dense_kernels.greedy_rows(x.t()) is None  # columns apart: not rows

@@ -42,6 +42,7 @@ from transformers.generation.logits_process import (
 
 from petrel.engine.sampler import Sampler
 from petrel.engine.sequence import EngineRequest, Sequence
+from petrel.model import dense_kernels
 from petrel.sampling_params import SamplingParams
 
 INF = float("-inf")
@@ -522,9 +523,13 @@ def test_argmax_rows_equals_torch_argmax_on_ties_nan_and_a_shorter_last_block():
     assert _argmax_rows(x[:, :1280]).tolist() == x[:, :1280].argmax(dim=1).tolist()  # whole blocks only
 
 
-def test_greedy_tokens_and_logprobs_against_float64():
+@pytest.mark.parametrize("kernel", [True, False])
+def test_greedy_tokens_and_logprobs_against_float64(kernel, monkeypatch):
     """Greedy rows (with and without logits-changing parameters, beside a random row): the token is torch.argmax
-    of the processed logits, bit for bit, and the logprob is float64 log_softmax's within 1e-5."""
+    of the processed logits, bit for bit, and the logprob is float64 log_softmax's within 1e-5; with the C kernel
+    (dense_kernels.greedy_rows, where the kernels run) and with torch's operations."""
+    if not kernel:
+        monkeypatch.setattr(dense_kernels, "greedy_rows", lambda logits: None)
     vocab = 5000
     gen = torch.Generator().manual_seed(9)
     logits = torch.randn(6, vocab, generator=gen) * 4

@@ -332,6 +332,26 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
+def greedy_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Per row of logits [rows, vocab]: the first maximum's index (the first NaN's where there is one: torch's
+    argmax) and its log-softmax (NaN where a NaN or an infinite maximum leaves none: torch's log_softmax), or
+    None."""
+    rows, vocab = logits.shape
+    if not _rows(logits) or vocab == 0 or (lib := library()) is None:
+        return None
+    tokens, logprobs = torch.empty(rows, dtype=torch.int64), torch.empty(rows, dtype=torch.float32)
+    lib.greedy_rows(
+        logits.data_ptr(),
+        rows,
+        vocab,
+        logits.stride(0),
+        tokens.data_ptr(),
+        logprobs.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return tokens, logprobs
+
+
 class LayerParts(NamedTuple):
     """A plain Llama decoder layer as decode_layer takes it: norms (input, post-attention RMS norm weights) and
     their eps; weights (float32 tensors or QuantizedWeights): qkv [(NH + 2 KVH) D, hidden], o [hidden, NH D],

@@ -35,6 +35,7 @@ SOURCES = (
     "gemm_avx512.c",
     "bf16_pairs.c",
     "panels.c",
+    "greedy_rows.c",
     "thread_pool.c",
     "build_info.c",
     HEADER,

@@ -106,5 +106,9 @@ int int8_gemm(const float *x, int64_t M, int64_t K, const int8_t *codes, const f
 int group_gemm(int bits, const float *x, int64_t M, int64_t K, const void *codes, const float *scale,
                const float *mins, int gshift, float *y, int64_t N, int nthreads, int isa);
 
+/* greedy_rows.c */
+void greedy_rows(const float *x, int64_t rows, int64_t vocab, int64_t stride, int64_t *tokens, float *logprobs,
+                 int nthreads);
+
 /* build_info.c */
 const char *kernels_source_digest(void);
