@@ -3,11 +3,13 @@ prompts: the drift issue 28 asks to be measured and bounded.
 
     python benchmarks/quant_drift.py                       # the default model's Q4_1 GGUF, 32 prompts <= 256 tokens
     python benchmarks/quant_drift.py --model x.gguf --prompts 64 --max-prompt-len 512 --new-tokens 16
+    python benchmarks/quant_drift.py --quantization int8    # the default model's weights as int8, one scale a row
 
-Three runs of LLM(quantization="gguf"), each in a child process of its own, greedy, with every prompt position's
-logits (context logits) and the generated ones: the reference, PETREL_INT8_COMPUTE=0 (the dequantized weights'
-float products, activations unrounded), then the integer products with 16-bit activations a row
-(PETREL_Q4_ACTIVATIONS=16) and with 8-bit ones a group of 32 (the default for 4-bit codes). At the prompts'
+Three runs of LLM(quantization="gguf", or --quantization), each in a child process of its own, greedy, with every
+prompt position's logits (context logits) and the generated ones: the reference, PETREL_INT8_COMPUTE=0 (the
+dequantized weights' float products, activations unrounded), then the integer products with 16-bit activations a row
+(PETREL_Q4_ACTIVATIONS=16, PETREL_INT8_ACTIVATIONS=16) and with 8-bit ones a group of 32 (the default for 4-bit
+codes, and for 8-bit ones on AVX-512 VNNI). At the prompts'
 positions every run sees the same tokens, so their log-softmaxes compare position by position: top-1 agreement,
 the reference's top token's |delta logprob| (mean, 99th percentile, largest) and the largest |delta logprob| over
 the whole vocabulary; then how many greedy continuations equal the reference's.
@@ -23,8 +25,8 @@ import tempfile
 
 MODES = {
     "float products": {"PETREL_INT8_COMPUTE": "0"},
-    "integers, 16-bit activations": {"PETREL_Q4_ACTIVATIONS": "16"},
-    "integers, 8-bit activations": {"PETREL_Q4_ACTIVATIONS": "8"},
+    "integers, 16-bit activations": {"PETREL_Q4_ACTIVATIONS": "16", "PETREL_INT8_ACTIVATIONS": "16"},
+    "integers, 8-bit activations": {"PETREL_Q4_ACTIVATIONS": "8", "PETREL_INT8_ACTIVATIONS": "8"},
 }
 
 
@@ -35,7 +37,7 @@ def child(args) -> None:
     from petrel.bench.workloads import make_w2_prompts
 
     prompts = make_w2_prompts(args.prompts, args.max_prompt_len)
-    llm = LLM(model=args.model, quantization="gguf", kv_cache_memory=1 << 30)
+    llm = LLM(model=args.model, quantization=args.quantization, kv_cache_memory=1 << 30)
     params = SamplingParams(
         temperature=0,
         max_tokens=args.new_tokens,
@@ -71,6 +73,7 @@ def compare(reference: list, other: list) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a GGUF file (default: petrel's default model)")
+    ap.add_argument("--quantization", default="gguf", help="gguf (the file's blocks) or int8")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--max-prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=16)
@@ -87,6 +90,7 @@ def main() -> int:
             path = os.path.join(tmp, f"{i}.pt")
             command = [sys.executable, __file__, "--child", path, "--prompts", str(args.prompts)]
             command += ["--max-prompt-len", str(args.max_prompt_len), "--new-tokens", str(args.new_tokens)]
+            command += ["--quantization", args.quantization]
             if args.model:
                 command += ["--model", args.model]
             subprocess.run(command, env={**os.environ, **env}, check=True)

@@ -47,16 +47,27 @@ def group_weight(kind: str, n: int, k: int, seed: int) -> QuantizedWeight:
 
 
 KINDS = ["q4_0", "q4_1", "q8_0", "q5_1", "q6_k", "q6_k_mins"]
-# each kind with the activations its codes may take: 4-bit codes 8-bit ones a group (the default) or 16-bit ones a
-# row (PETREL_Q4_ACTIVATIONS=16), 8-bit codes 16-bit ones only
+# each kind with the activations its codes may take: 8-bit ones a group of 32 (the default: 4-bit codes everywhere,
+# 8-bit codes in groups of 32 where the kernel is AVX-512 VNNI's, else 16-bit ones) or 16-bit ones a row
+# (PETREL_Q4_ACTIVATIONS=16, PETREL_INT8_ACTIVATIONS=16); groups of 16 always take 16-bit ones
 KIND_ACTIVATIONS = [
-    pytest.param(kind, bits, id=f"{kind}-a{bits}") for kind in KINDS for bits in ((8, 16) if kind[1] == "4" else (16,))
+    pytest.param(kind, bits, id=f"{kind}-a{bits}")
+    for kind in KINDS
+    for bits in ((16,) if kind.startswith("q6_k") else (8, 16))
 ]
 
 
 def use_activations(monkeypatch, bits: int) -> None:
     monkeypatch.setenv("PETREL_Q4_ACTIVATIONS", str(bits))
+    monkeypatch.setenv("PETREL_INT8_ACTIVATIONS", str(bits))
     assert quant_kernels.q4_activation_bits() == bits
+
+
+def eight_bit_activations(weight: QuantizedWeight) -> bool:
+    """Whether the kernel rounds x to 8 bits a group of 32 for this weight (group_gemm_q8.c): 4-bit codes unless
+    switched off; 8-bit codes in groups of 32 or more where integer_isa says so (AVX-512 VNNI)."""
+    flagged = bool(quant_kernels.integer_isa(weight.bits) & quant_kernels.INT8_ACTIVATIONS)
+    return flagged and (weight.bits == 4 or weight.group_shift >= 5)
 
 
 def codes_of(weight: QuantizedWeight) -> torch.Tensor:
@@ -80,11 +91,11 @@ def weight64(weight: QuantizedWeight, magnitude: bool = False) -> torch.Tensor:
 
 def rounded_rows(x: torch.Tensor, weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
     """x as the kernel rounds it for this weight, float64: codes round(x * (Q / max|x|)) in float32 (half to even)
-    and, for every element, its scale max|x| / Q: Q = 32767 and the max over the row (group_gemm.c; groups keep the
-    int32 sums small, so no K-dependent levels as int8_gemm's), or for 4-bit codes with 8-bit activations
-    (q4_activation_bits) Q = 127 and the max over the element's group of 32 (group_gemm_q8.c)."""
+    and, for every element, its scale max|x| / Q: Q = 32767 and the max over the row (group_gemm.c, int8_gemm.c's
+    Q where the row is short enough; groups keep the int32 sums small), or with 8-bit activations
+    (eight_bit_activations) Q = 127 and the max over the element's group of 32 (group_gemm_q8.c)."""
     m, k = x.shape
-    eight = weight.bits == 4 and quant_kernels.q4_activation_bits() == 8
+    eight = eight_bit_activations(weight)
     spans = x.view(m, k // 32, 32) if eight else x.view(m, 1, k)
     top = spans.abs().amax(dim=-1, keepdim=True)
     most = torch.full_like(top, 127 if eight else 32767)  # tensor / tensor: IEEE division, as the kernel's
@@ -93,23 +104,39 @@ def rounded_rows(x: torch.Tensor, weight: QuantizedWeight) -> tuple[torch.Tensor
     return q, (top / most).double().expand(spans.shape).reshape(m, k)
 
 
+def kernel_terms(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+    """The weight as the kernel's sums take it, float64: codes [N, K], and a scale and a min (or None) [N, K / size]
+    per group of `size` k (the last value): the weight's own groups; with 8-bit activations groups of 32, and
+    8-bit codes offset to c + 128 with mins min - 128 s (group_gemm_q8.c's unsigned bytes)."""
+    n, k = weight.shape
+    codes, scale = codes_of(weight), weight.scale.double().reshape(n, -1)
+    mins = None if weight.mins is None else weight.mins.double().reshape(n, -1)
+    if not eight_bit_activations(weight) or weight.bits == 4:
+        return codes, scale, mins, weight.group_size
+    spread = weight.group_size // 32  # 8-bit codes here are in groups of 32 or more
+    scale = scale.repeat_interleave(spread, dim=1)
+    mins = torch.zeros_like(scale) if mins is None else mins.repeat_interleave(spread, dim=1)
+    return codes + 128, scale, mins - 128 * scale, 32
+
+
 def assert_float_rounding_only(got: torch.Tensor, x: torch.Tensor, weight: QuantizedWeight) -> None:
     """got = sum_g (dx s P + z dx S) with P, S exact integer sums (dx one a row, or one a group of 32 for 8-bit
     activations): against the float64 product of the rounded x and the weight, what is left is float32 rounding:
     each group's two terms (P's conversion and the two multiply-adds; with 8-bit activations s dx and dx S rounded
-    too), their sum over G groups, the final multiply by dx: at most (2G + 4) u, or (2G + 6) u, times the sum of
-    the terms' magnitudes."""
+    too, and for 8-bit codes the offset min z = min - 128 s), their sum over G groups, the final multiply by dx: at
+    most (2G + 4) u, (2G + 6) u, or (2G + 7) u, times the sum of the terms' magnitudes (kernel_terms)."""
     q, dx = rounded_rows(x, weight)
     n, k = weight.shape
-    size, groups = weight.group_size, k // weight.group_size
     expected = (q * dx) @ weight64(weight).t()
+    codes, scale, mins, size = kernel_terms(weight)
+    groups = k // size
     group_dx = dx.view(-1, groups, size)[:, :, 0]  # [M, G]: a row's or a group's scale
-    products = torch.einsum("mgi,ngi->mng", q.view(-1, groups, size), codes_of(weight).view(n, groups, size))
-    magnitude = (products * weight.scale.double() * group_dx.unsqueeze(1)).abs().sum(-1)
-    if weight.mins is not None:
-        magnitude += (q.view(-1, groups, size).sum(-1) * group_dx).abs() @ weight.mins.double().abs().t()
-    eight = weight.bits == 4 and quant_kernels.q4_activation_bits() == 8
-    bound = (2 * groups + (6 if eight else 4)) * U * magnitude
+    products = torch.einsum("mgi,ngi->mng", q.view(-1, groups, size), codes.view(n, groups, size))
+    magnitude = (products * scale * group_dx.unsqueeze(1)).abs().sum(-1)
+    if mins is not None:
+        magnitude += (q.view(-1, groups, size).sum(-1) * group_dx).abs() @ mins.abs().t()
+    eight = eight_bit_activations(weight)
+    bound = (2 * groups + (4 if not eight else 6 if weight.bits == 4 else 7)) * U * magnitude
     error = (got.double() - expected).abs()
     assert (error <= bound).all(), f"worst excess {(error - bound).max().item():.3e}"
 
@@ -133,7 +160,8 @@ def test_group_gemm_equals_the_integer_product(lib, isa, kind, activations, m, k
 @pytest.mark.parametrize("activations", [8, 16], ids=["a8", "a16"])
 def test_group_gemm_reads_every_gguf_format(lib, isa, kind, activations, monkeypatch):
     """Blocks of every GGUF type kept quantized, read by gguf_quants (K a multiple of the K-quants' 256); 4-bit
-    formats with 8-bit and 16-bit activations (the switch leaves 8-bit codes on 16-bit ones)."""
+    formats with 8-bit and 16-bit activations (8-bit codes in groups of 32 take 8-bit ones on AVX-512 VNNI only;
+    Q6_K's groups of 16 always 16-bit ones)."""
     from test_quantization import random_blocks
 
     use_activations(monkeypatch, activations)
@@ -144,11 +172,14 @@ def test_group_gemm_reads_every_gguf_format(lib, isa, kind, activations, monkeyp
     assert_float_rounding_only(run(lib, weight, x), x, weight)
 
 
-@pytest.mark.parametrize("kind, activations", [("q4_1", 8), ("q4_1", 16), ("q8_0", 16), ("q6_k_mins", 16)])
+@pytest.mark.parametrize(
+    "kind, activations", [("q4_1", 8), ("q4_1", 16), ("q8_0", 8), ("q8_0", 16), ("q5_1", 8), ("q6_k_mins", 16)]
+)
 def test_group_gemm_extremes(lib, isa, kind, activations, monkeypatch):
     """The largest codes (4-bit 15; 8-bit -128 and 127) times rows of one value: each group's sum reaches 32767 x
     128 x 32 = 134,213,632 (2^27) in every group of K = 4096; an outlier 10^4 times the rest; an all-zero row of
-    x and an all-zero row of codes; a weight row of 0 scale but non-zero mins."""
+    x and an all-zero row of codes; a weight row of 0 scale but non-zero mins. 8-bit codes with 8-bit activations
+    (AVX-512 VNNI): the unsigned bytes c + 128 up to 255 x 127 x 32 = 1,036,320 a group."""
     use_activations(monkeypatch, activations)
     m, k, n = 9, 4096, 37
     weight = group_weight(kind, n, k, seed=5)
@@ -169,7 +200,7 @@ def test_group_gemm_extremes(lib, isa, kind, activations, monkeypatch):
     assert_float_rounding_only(got, x, weight)
     assert (got[1] == 0).all() and torch.equal(got[2], -got[4])
     q, _ = rounded_rows(x, weight)
-    most = 127 if activations == 8 else 32767
+    most = 127 if eight_bit_activations(weight) else 32767
     largest = (15 if weight.bits == 4 else 128) * most * weight.group_size  # row 0's codes: 15 or -128 throughout
     assert q[2, 0] == most and (codes_of(weight)[0] * q[2]).view(-1, weight.group_size).sum(-1).abs().max() == largest
 
@@ -180,7 +211,8 @@ def test_rounding_rows_costs_at_most_half_a_step_per_activation(lib, isa, activa
     scale of x's element k, max|x| / 32767 over its row or max|x| / 127 over its group of 32), plus float rounding,
     outliers or not (the mins multiply the rounded x's group sums: the error is that of a product with W itself).
     Float rounding: x's rounding in float32 (dx q - x within dx / 2 + 3u |x|) and the kernel's sums (see
-    assert_float_rounding_only), bounded by (2G + 8) u (|x| + dx) (|s c| + |z|), (2G + 10) u for 8-bit ones."""
+    assert_float_rounding_only), bounded by (2G + 8) u (|x| + dx) (|s c| + |z|), (2G + 10) u for 8-bit ones ((2G +
+    11) u, and the offset codes and mins of kernel_terms, for 8-bit codes)."""
     use_activations(monkeypatch, activations)
     g = torch.Generator().manual_seed(1)
     for kind in KINDS:
@@ -190,10 +222,13 @@ def test_rounding_rows_costs_at_most_half_a_step_per_activation(lib, isa, activa
         w = weight64(weight)
         got = run(lib, weight, x).double()
         _, dx = rounded_rows(x, weight)
-        groups = 1536 // weight.group_size
-        exact_terms = (x.double().abs() + dx) @ weight64(weight, magnitude=True).t()
-        eight = weight.bits == 4 and activations == 8
-        bound = dx / 2 @ w.abs().t() + (2 * groups + (10 if eight else 8)) * U * exact_terms
+        codes, scale, mins, size = kernel_terms(weight)
+        terms = codes.abs() * scale.repeat_interleave(size, dim=1)
+        if mins is not None:
+            terms += mins.abs().repeat_interleave(size, dim=1)
+        exact_terms = (x.double().abs() + dx) @ terms.t()
+        extra = 8 if not eight_bit_activations(weight) else 10 if weight.bits == 4 else 11
+        bound = dx / 2 @ w.abs().t() + (2 * (1536 // size) + extra) * U * exact_terms
         assert ((got - x.double() @ w.t()).abs() <= bound).all(), kind
 
 

@@ -53,9 +53,44 @@ def forced_isa(isa: int, lib, monkeypatch, kernel: str):
 
 @pytest.fixture(params=INT8_ISAS)
 def int8_isa(request, lib, monkeypatch):
-    """The kernel int8_gemm runs in this test; a spy on the library shows that it ran."""
+    """The kernel int8_gemm runs in this test, on x rounded to 16-bit integers a row (PETREL_INT8_ACTIVATIONS=16;
+    the 8-bit ones of AVX-512 VNNI: the tests of group_gemm_q8 below); a spy on the library shows that it ran."""
+    monkeypatch.setenv("PETREL_INT8_ACTIVATIONS", "16")
     with forced_isa(request.param, lib, monkeypatch, "int8_gemm"):
         yield request.param
+
+
+needs_vnni = pytest.mark.skipif(
+    quant_kernels.int8_isa() != quant_kernels.INT8_AVX512_VNNI, reason="8-bit activations for 8-bit codes: AVX-512 VNNI"
+)
+
+
+@needs_vnni
+@pytest.mark.parametrize("m, k, n", [(1, 32, 1), (7, 64, 17), (45, 576, 50), (13, 1536, 33), (300, 576, 97)])
+def test_int8_gemm_with_8_bit_activations_equals_the_integer_product(lib, m, k, n):
+    """On AVX-512 VNNI (the default there) x is rounded to 8 bits a group of 32 and the codes offset to unsigned
+    bytes (group_gemm_q8.c): against the float64 product of that rounded x and the weight, float rounding only;
+    codes -127..127 and the extremes -128 and 127, a zero row and an outlier."""
+    from test_group_gemm import assert_float_rounding_only as group_rounding_only
+    from test_group_gemm import eight_bit_activations
+
+    g = torch.Generator().manual_seed(m * k + n)
+    x = torch.randn(m, k, generator=g)
+    x[0, 0] = 1e4
+    if m > 1:
+        x[1] = 0
+    codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    codes[0] = -128
+    codes[-1] = 127
+    weight = QuantizedWeight(codes, torch.rand(n, 1, generator=g) * 0.01 + 1e-4, None, 8, 62, (n, k), "int8")
+    assert eight_bit_activations(weight)
+    calls = []
+    kernel = lib.int8_gemm
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(lib, "int8_gemm", lambda *a: calls.append(a[-1]) or kernel(*a))
+        got = quant_kernels.int8_gemm(lib, x, weight.codes, weight.scale)
+    assert calls == [quant_kernels.INT8_AVX512_VNNI | quant_kernels.INT8_ACTIVATIONS]
+    group_rounding_only(got, x, weight)
 
 
 def test_int8_isa_is_the_widest_the_cpu_has(monkeypatch):
@@ -140,6 +175,7 @@ def test_quantized_linear_switches_to_integers_from_int8_min_rows(lib, monkeypat
     """int8 per-row weights with INT8_MIN_ROWS rows or more: integer products; PETREL_INT8_COMPUTE=0: the float
     product of the dequantized weight (tiles, exact up to float summation order)."""
     g = torch.Generator().manual_seed(2)
+    monkeypatch.setenv("PETREL_INT8_ACTIVATIONS", "16")
     weight = QuantizedWeight.int8_per_channel(torch.randn(64, 256, generator=g))
     layer = QuantizedLinear(weight)
     x = torch.randn(INT8_MIN_ROWS, 256, generator=g)
@@ -150,10 +186,13 @@ def test_quantized_linear_switches_to_integers_from_int8_min_rows(lib, monkeypat
 
 
 def test_int8_model_logits_match_transformers_on_dequantized_weights(tiny, tmp_path, lib, monkeypatch):
-    """quantization='int8' with prefill and decode steps of INT8_MIN_ROWS rows (decode_layers) in integers: every
-    prompt and generated position's log-probabilities are those of transformers on the int8-dequantized weights
-    within 1e-3 (measured: 3e-4, against 2e-6 with PETREL_INT8_COMPUTE=0: each activation moves by up to 2^-16
-    of its row's largest), and every greedy token is transformers' argmax."""
+    """quantization='int8' with prefill and decode steps of INT8_MIN_ROWS rows (decode_layers) in integers, 16-bit
+    activations: every prompt and generated position's log-probabilities are those of transformers on the
+    int8-dequantized weights within 1e-3 (measured: 3e-4, against 2e-6 with PETREL_INT8_COMPUTE=0: each activation
+    moves by up to 2^-16 of its row's largest), and every greedy token is transformers' argmax. This random model
+    magnifies a change of its hidden state many times (8-bit activations flip its near-tied tokens): the 8-bit
+    activations of AVX-512 VNNI are measured on the default model (test_quantization.py)."""
+    monkeypatch.setenv("PETREL_INT8_ACTIVATIONS", "16")
     from test_lora import prompt
     from test_quantization import _int8_reference
 

@@ -70,15 +70,9 @@ def rounded_activations(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(blocks * inverse).double() * d.double()).reshape(x.shape)
 
 
-def q4_activations_are_8() -> bool:
-    from petrel.model import quant_kernels
-
-    return quant_kernels.q4_activation_bits() == 8
-
-
 def rounded_groups_of_32(x: torch.Tensor) -> torch.Tensor:
-    """x as group_gemm_q8.c rounds it for 4-bit codes (float64): per 32 values round(x * (127 / max|x|)) (float32,
-    half to even) times max|x| / 127."""
+    """x as group_gemm_q8.c rounds it (4-bit codes; 8-bit ones on AVX-512 VNNI), float64: per 32 values
+    round(x * (127 / max|x|)) (float32, half to even) times max|x| / 127."""
     blocks = x.reshape(-1, 32)
     top = blocks.abs().amax(dim=1, keepdim=True)
     most = torch.full_like(top, 127)
@@ -93,7 +87,10 @@ def test_quantized_linear_matches_dequantized_product(fmt, rows, backend):
     path and from GEMV_MAX_ROWS rows in floats; the kernels' few-row products round the activations to int16 per 32
     first and keep the exact sums for the weights' mins; from INT8_MIN_ROWS rows (unless PETREL_INT8_COMPUTE=0)
     each row of x is rounded to 16-bit integers (int8_gemm.c, group_gemm.c: at K = 512 both keep all 16 bits), or
-    for 4-bit codes each 32 values to 8-bit ones (group_gemm_q8.c)."""
+    for 4-bit codes, and on AVX-512 VNNI 8-bit ones in groups of 32 or more, each 32 values to 8-bit ones
+    (group_gemm_q8.c)."""
+    from test_group_gemm import eight_bit_activations
+
     out_features, in_features = 160, 512
     if fmt == "int8":
         dense = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(1))
@@ -113,7 +110,7 @@ def test_quantized_linear_matches_dequantized_product(fmt, rows, backend):
         mins = weight.mins if weight.mins is not None else torch.zeros_like(weight.scale)
         w_mins = mins.double().repeat_interleave(weight.group_size, dim=1)
         expected = rounded_activations(x) @ (w.double() - w_mins).t() + x.double() @ w_mins.t() + bias.double()
-    elif backend == "kernels" and 0 < weight.integer_rows <= rows and weight.bits == 4 and q4_activations_are_8():
+    elif backend == "kernels" and 0 < weight.integer_rows <= rows and eight_bit_activations(weight):
         expected = rounded_groups_of_32(x) @ w.double().t() + bias.double()
         half_steps = (x.reshape(-1, 32).abs().amax(dim=1, keepdim=True) / 254).expand(-1, 32).reshape(x.shape)
         rounding_cost = half_steps.double() @ w.double().abs().t() + 1e-5 * exact.abs().max().item()  # per element
@@ -381,6 +378,7 @@ def test_default_model_gguf_blocks_agree_with_dequantized(llm, monkeypatch):
     computes exactly: one prefill of the whole text), up to the activations' rounding in the few-row kernels (and
     to 16 bits a row in the prompts' integer products; 8-bit ones: the test below)."""
     monkeypatch.setenv("PETREL_Q4_ACTIVATIONS", "16")
+    monkeypatch.setenv("PETREL_INT8_ACTIVATIONS", "16")  # the Q8_0 head's too
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, return_generation_logits=True)
     quantized = LLM(quantization="gguf")
     try:
@@ -427,15 +425,17 @@ MORE_PROMPTS = [
 @pytest.mark.parametrize("activations", [8, 16], ids=["a8", "a16"])
 def test_default_model_gguf_integer_products_agree_with_dequantized(llm, activations, monkeypatch):
     """16 greedy generations x 32 tokens with the default model's blocks kept: every product of 13 rows and more
-    (each step's prompts, then the 16 decodes) in integers, 4-bit codes times activations rounded to `activations`
-    bits (8: one scale a group of 32, as llama.cpp's Q8 blocks; 16: one a row), against the dequantized engine given
-    the same tokens. The rounding moves some near-ties: measured top-1 agreement a8 501/512, a16 512/512; the exact
-    top token's logprob change, mean and largest, a8 0.034 and 0.37, a16 0.0008 and 0.007."""
+    (each step's prompts, then the 16 decodes) in integers, 4-bit codes (and, on AVX-512 VNNI, the Q8_0 head's 8-bit
+    ones) times activations rounded to `activations` bits (8: one scale a group of 32, as llama.cpp's Q8 blocks; 16:
+    one a row), against the dequantized engine given the same tokens. The rounding moves some near-ties: measured
+    top-1 agreement a8 497-501/512, a16 512/512; the exact top token's logprob change, mean and largest, a8
+    0.034-0.036 and 0.28-0.37, a16 0.0008 and 0.007."""
     from petrel.model import quant_kernels
 
     if quant_kernels.library() is None:
         pytest.skip("the kernels cannot run here")
     monkeypatch.setenv("PETREL_Q4_ACTIVATIONS", str(activations))
+    monkeypatch.setenv("PETREL_INT8_ACTIVATIONS", str(activations))
     calls = []
     kernel = quant_kernels.group_gemm
     monkeypatch.setattr(quant_kernels, "group_gemm", lambda *a: calls.append(a[2].shape[0]) or kernel(*a))
@@ -455,6 +455,53 @@ def test_default_model_gguf_integer_products_agree_with_dequantized(llm, activat
     change = torch.cat(changes)
     print(
         f"gguf integer products ({activations}-bit activations) vs dequantized: top-1 agreement "
+        f"{agree}/{change.numel()}, exact top token's logprob change mean {change.mean():.4f}, "
+        f"largest {change.max():.3f}"
+    )
+    assert agree >= (0.95 if activations == 8 else 0.99) * change.numel()
+    assert change.mean() < (0.06 if activations == 8 else 0.005)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("activations", [8, 16], ids=["a8", "a16"])
+def test_default_model_int8_integer_products_agree_with_dequantized(activations, monkeypatch):
+    """quantization='int8' on the default model, 16 greedy generations x 32 tokens: every product of 13 rows and
+    more (the prompts, then the 16 decodes through decode_layers) in integers, x rounded to `activations` bits (8:
+    one scale a group of 32 and the codes offset to unsigned bytes, AVX-512 VNNI's default, group_gemm_q8.c; 16:
+    one a row, int8_gemm.c), against the same engine's float products of the dequantized weights
+    (PETREL_INT8_COMPUTE=0) given the same tokens. Measured: top-1 agreement a8 498/512, a16 511/512; the exact top
+    token's logprob change, mean and largest, a8 0.035 and 0.30 (as GGUF Q4_1's 8-bit activations: 0.036, 0.28),
+    a16 0.0019 and 0.015."""
+    from petrel.model import quant_kernels
+
+    if quant_kernels.library() is None:
+        pytest.skip("the kernels cannot run here")
+    monkeypatch.setenv("PETREL_INT8_ACTIVATIONS", str(activations))
+    if quant_kernels.int8_activation_bits() != activations:
+        pytest.skip("8-bit activations for 8-bit codes need AVX-512 VNNI")
+    calls = []
+    kernel = quant_kernels.int8_gemm
+    monkeypatch.setattr(quant_kernels, "int8_gemm", lambda *a: calls.append(a[1].shape[0]) or kernel(*a))
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, return_generation_logits=True)
+    quantized = LLM(quantization="int8")
+    try:
+        outs = quantized.generate(PROMPTS + MORE_PROMPTS, params, use_tqdm=False)
+        assert calls and min(calls) >= 13  # the prompts' products (Python); the decodes' call int8_gemm from C
+        monkeypatch.setenv("PETREL_INT8_COMPUTE", "0")
+        calls.clear()
+        exacts = [dequantized_logits(quantized, out) for out in outs]
+        assert not calls
+    finally:
+        quantized.shutdown()
+    agree, changes = 0, []
+    for out, exact in zip(outs, exacts):
+        native = out.outputs[0].generation_logits
+        agree += int((native.argmax(-1) == exact.argmax(-1)).sum())
+        best = exact.argmax(-1, keepdim=True)
+        changes.append((native.log_softmax(-1) - exact.log_softmax(-1)).gather(1, best).abs().squeeze(1))
+    change = torch.cat(changes)
+    print(
+        f"int8 integer products ({activations}-bit activations) vs dequantized: top-1 agreement "
         f"{agree}/{change.numel()}, exact top token's logprob change mean {change.mean():.4f}, "
         f"largest {change.max():.3f}"
     )

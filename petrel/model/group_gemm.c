@@ -197,14 +197,15 @@ static void product_part(void *args, int t, int T) {
 
 /* y[M][N] = x[M][K] @ W^T for W = scale * codes + mins in groups along K (quant_kernels.c's layouts: bits 4, groups
  * of 32, or bits 8, groups of 2^gshift, 1 <= gshift <= 9; mins may be NULL), x's rows rounded to 16-bit integers
- * first (see above), with the kernel of isa (an int8_isa the CPU has; with INT8_ACTIVATIONS, 4-bit codes go to
- * group_gemm_q8.c); K a multiple of 32. 0, or
+ * first (see above), with the kernel of isa (an int8_isa the CPU has; with INT8_ACTIVATIONS, 4-bit codes, and 8-bit
+ * ones in groups of 32 or more where the isa is INT8_AVX512_VNNI, go to group_gemm_q8.c); K a multiple of 32. 0, or
  * KERNEL_OUT_OF_MEMORY (y then not written) */
 int group_gemm(int bits, const float *x, int64_t M, int64_t K, const void *codes, const float *scale,
                const float *mins, int gshift, float *y, int64_t N, int nthreads, int isa) {
     if (isa & INT8_ACTIVATIONS) {
-        if (bits == 4) return group_gemm_q8(x, M, K, codes, scale, mins, y, N, nthreads, isa & ~INT8_ACTIVATIONS);
         isa &= ~INT8_ACTIVATIONS;
+        if (bits == 4 || (gshift >= 5 && isa == INT8_AVX512_VNNI))
+            return group_gemm_q8(bits, x, M, K, codes, scale, mins, gshift, y, N, nthreads, isa);
     }
     const group_kernel *g = &KERNELS[isa];
     const int T = nthreads < 1 ? 1 : nthreads;

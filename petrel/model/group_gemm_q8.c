@@ -1,16 +1,21 @@
-/* Products of many rows with 4-bit group-quantized weights (GGUF's Q4_0, Q4_1, Q4_K as quant_kernels.c lays them
- * out: groups of 32, a scale and a min each) times activations rounded to 8-bit integers, one scale a group of 32,
- * as llama.cpp's Q8 blocks do: group_gemm.c's products with half the integer work. group_gemm() calls this where
- * the caller's isa carries INT8_ACTIVATIONS (quant_kernels.int8_isa; PETREL_Q4_ACTIVATIONS=16 keeps 16-bit ones).
+/* Products of many rows with group-quantized weights times activations rounded to 8-bit integers, one scale a group
+ * of 32, as llama.cpp's Q8 blocks do: group_gemm.c's products with half the integer work. The weights: 4-bit codes
+ * (GGUF's Q4_0, Q4_1, Q4_K as quant_kernels.c lays them out: groups of 32, a scale and a min each), or 8-bit ones
+ * (int8 codes [N][K], a scale per group of 2^gshift or per row, optional mins: quantization="int8", GGUF's Q8_0) on
+ * AVX512_VNNI only. group_gemm() and int8_gemm() call this where the caller's isa carries INT8_ACTIVATIONS
+ * (quant_kernels.integer_isa; PETREL_Q4_ACTIVATIONS=16 / PETREL_INT8_ACTIVATIONS=16 keep 16-bit ones).
  *
  * Each group g of row m of x becomes codes q (|q| <= 127) and a scale dx[m][g] = max|x| / 127 over its 32 values,
  * with Sx[m][g] = dx[m][g] * sum of q, and
  *     y[m][n] = sum_g dx[m][g] s[n][g] P[m][n][g] + z[n][g] Sx[m][g],   P = sum over k in g of c[n][k] q[m][k]
- * exact in int32 (c in 0..15). The weights' codes are the unsigned operand of the byte products: AVX512_VNNI's
- * dpbusd adds four of them a lane; without it maddubs adds pairs into int16 (at most 2 * 15 * 127 = 3,810 a pair,
- * eight quads of a group 30,480: no saturation), madd with ones then sums the pairs into int32 once a group.
+ * exact in int32. The weights' codes are the unsigned operand of the byte products: 4-bit codes c in 0..15 as they
+ * are, z their group's min; a signed 8-bit code c as c + 128 in 0..255, so that P counts 128 sum q too, which
+ * z = min - 128 s takes back. AVX512_VNNI's dpbusd adds four products a lane into int32 (8-bit codes: at most
+ * 32 * 255 * 127 = 1,036,320 a group); without it maddubs adds pairs into int16 (4-bit codes only: at most 2 * 15 *
+ * 127 = 3,810 a pair, eight quads of a group 30,480: no saturation, where 8-bit codes' pairs, up to 64,770, would
+ * saturate), madd with ones then sums the pairs into int32 once a group.
  * The rounding moves each activation by at most half its group's step, max|x| / 254 (16-bit rows: max / 65534 of
- * the whole row); tests/test_group_gemm.py bounds the effect on a model's logprobs.
+ * the whole row); tests/test_group_gemm.py and tests/test_int8_gemm.py bound the effect on a model's logprobs.
  *
  * Blocks: AVX-512 6 x 32 (twelve int32 or int16 accumulators, twelve float), AVX2 3 x 16 (six and six), as in
  * group_gemm.c; each thread widens one panel of W at a time into k-quad-major bytes wp[K/4][width][4] and passes
@@ -84,6 +89,40 @@ static void pack_panel_q4_quads(const uint8_t *codes, int64_t K, int64_t n, int 
         for (int64_t k = 0; k < K; k++) {
             const uint8_t b = codes[(n + j) * B + k / 32 * 16 + k % 16];
             wp[((k >> 2) * width + j) * 4 + (k & 3)] = (uint8_t)(k % 32 < 16 ? b & 0x0F : b >> 4);
+        }
+}
+
+/* 8-bit rows [n, n + nr) (int8 codes [N][K]) as a panel wp[K/4][width][4] of bytes c + 128, zeros past nr: as
+ * pack_panel_q4_quads, eight rows' 32 bytes of a group at a time transposed as 8 x 8 quads */
+static void pack_panel_i8_quads(const int8_t *codes, int64_t K, int64_t n, int nr, int width, uint8_t *wp) {
+    const __m256i offset = _mm256_set1_epi8((char)0x80);   /* c ^ 0x80 = c + 128 as an unsigned byte */
+    if (nr < width) memset(wp, 0, (size_t)K * width);
+    int j0 = 0;
+    for (; j0 + 8 <= nr; j0 += 8)
+        for (int64_t k = 0; k < K; k += GROUP) {
+            __m256i r[8];
+            for (int i = 0; i < 8; i++)
+                r[i] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(codes + (n + j0 + i) * K + k)), offset);
+            transpose8(r);
+            for (int p = 0; p < 8; p++) _mm256_storeu_si256((__m256i *)(wp + ((k / 4 + p) * width + j0) * 4), r[p]);
+        }
+    for (int j = j0; j < nr; j++)
+        for (int64_t k = 0; k < K; k++)
+            wp[((k >> 2) * width + j) * 4 + (k & 3)] = (uint8_t)(codes[(n + j) * K + k] ^ 0x80);
+}
+
+/* rows [n, n + nr) of 8-bit codes' scales (and mins, or NULL), one per 2^gshift of k (gshift >= 62: one a row), as
+ * [G][width] per group of 32, sp, and zp = min - 128 s (see above), zeros past nr */
+static void pack_i8_groups(const float *scale, const float *mins, int64_t K, int gshift, int64_t G, int64_t n, int nr,
+                           int width, float *sp, float *zp) {
+    const int64_t per_row = gshift >= 62 ? 1 : K >> gshift;
+    memset(sp, 0, sizeof(float) * G * width);
+    memset(zp, 0, sizeof(float) * G * width);
+    for (int j = 0; j < nr; j++)
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t i = (n + j) * per_row + (gshift >= 62 ? 0 : (g * GROUP) >> gshift);
+            sp[g * width + j] = scale[i];
+            zp[g * width + j] = (mins ? mins[i] : 0.f) - 128.f * scale[i];
         }
 }
 
@@ -179,8 +218,8 @@ static const q8_kernel KERNELS[] = {
 };
 
 typedef struct {
-    const q8_kernel *k; const float *x; int64_t M, K, G; int8_t *q; float *dx, *Sx;
-    const uint8_t *codes; const float *scale, *mins; float *y; int64_t N; uint8_t *panels; float *groups;
+    const q8_kernel *k; int bits, gshift; const float *x; int64_t M, K, G; int8_t *q; float *dx, *Sx;
+    const void *codes; const float *scale, *mins; float *y; int64_t N; uint8_t *panels; float *groups;
 } q8_args;
 
 static void round_part(void *args, int t, int T) {
@@ -195,14 +234,19 @@ static void product_part(void *args, int t, int T) {
     const int MR = a->k->mr, NR = a->k->nr;
     const int64_t K = a->K, G = a->G, N = a->N;
     uint8_t *const panel = a->panels + t * K * NR;
-    float *const sp = a->groups + t * 2 * G * NR, *const zp = a->mins ? sp + G * NR : NULL;
+    float *const sp = a->groups + t * 2 * G * NR, *const zp = a->mins || a->bits == 8 ? sp + G * NR : NULL;
     int64_t n0, n1;
     split_range(N, t, T, NR, &n0, &n1);
     for (int64_t n = n0; n < n1; n += NR) {
         const int nr = n1 - n < NR ? (int)(n1 - n) : NR;
-        pack_panel_q4_quads(a->codes, K, n, nr, NR, panel);
-        pack_groups(a->scale, G, n, nr, NR, sp);
-        if (zp) pack_groups(a->mins, G, n, nr, NR, zp);
+        if (a->bits == 8) {
+            pack_panel_i8_quads(a->codes, K, n, nr, NR, panel);
+            pack_i8_groups(a->scale, a->mins, K, a->gshift, G, n, nr, NR, sp, zp);
+        } else {
+            pack_panel_q4_quads(a->codes, K, n, nr, NR, panel);
+            pack_groups(a->scale, G, n, nr, NR, sp);
+            if (zp) pack_groups(a->mins, G, n, nr, NR, zp);
+        }
         for (int64_t m = 0; m < a->M; m += MR)
             a->k->block(a->q + m * K, K, a->dx + m * G, a->Sx + m * G, G, panel, sp, zp, a->y + m * N + n, N,
                         a->M - m < MR ? (int)(a->M - m) : MR, nr);
@@ -210,8 +254,8 @@ static void product_part(void *args, int t, int T) {
 }
 
 /* see group_gemm_q8.h */
-int group_gemm_q8(const float *x, int64_t M, int64_t K, const uint8_t *codes, const float *scale, const float *mins,
-                  float *y, int64_t N, int nthreads, int isa) {
+int group_gemm_q8(int bits, const float *x, int64_t M, int64_t K, const void *codes, const float *scale,
+                  const float *mins, int gshift, float *y, int64_t N, int nthreads, int isa) {
     const q8_kernel *k = &KERNELS[isa];
     const int T = nthreads < 1 ? 1 : nthreads;
     const int64_t G = K / GROUP, Mp = (M + k->mr - 1) / k->mr * k->mr;
@@ -225,7 +269,7 @@ int group_gemm_q8(const float *x, int64_t M, int64_t K, const uint8_t *codes, co
     memset(q + M * K, 0, (size_t)(Mp - M) * K);   /* the padding rows: zero codes, scales and sums */
     memset(dx + M * G, 0, sizeof(float) * (Mp - M) * G);
     memset(Sx + M * G, 0, sizeof(float) * (Mp - M) * G);
-    q8_args a = {k, x, M, K, G, q, dx, Sx, codes, scale, mins, y, N, panels, groups};
+    q8_args a = {k, bits, gshift, x, M, K, G, q, dx, Sx, codes, scale, mins, y, N, panels, groups};
     parallel_run(round_part, &a, T);
     parallel_run(product_part, &a, T);
     free(dx);

@@ -9,6 +9,8 @@
  * of two products of at most 128 Q. Only the rounding of x differs from the float product of the dequantized
  * weight: each value moves by at most max|x| / 2Q, 2^-16 of its row's largest up to K = 512, 2^-14.4 at K = 1536.
  *
+ * Where the CPU has AVX512_VNNI, the caller's INT8_ACTIVATIONS sends the product to group_gemm_q8.c instead: 8-bit
+ * activations a group of 32 times the codes offset to unsigned bytes, dpbusd's four products a lane (see there).
  * Why 16-bit activations and not 8-bit ones with _mm256_maddubs_epi16: maddubs multiplies unsigned by signed bytes,
  * so signed codes by signed activations need a _mm256_sign_epi8 per product, and its int16 sums a madd by ones to
  * widen them: per multiply-add as many instructions on the multiplier ports as madd_epi16 on 16-bit values, plus
@@ -27,6 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "group_gemm_q8.h"
 #include "int16_rows.h"
 #include "kernels.h"
 #include "thread_pool.h"
@@ -136,10 +139,14 @@ static void product_part(void *args, int t, int T) {
 }
 
 /* y[M][N] = x[M][K] @ W^T for W = scale[n] * codes[n][k] (int8 codes, one float scale a row), x's rows rounded to
- * 16-bit integers first (see above), with the kernel of isa (an int8_isa the CPU has); 0, or KERNEL_OUT_OF_MEMORY
- * (y then not written) */
+ * 16-bit integers first (see above), with the kernel of isa (an int8_isa the CPU has); with INT8_ACTIVATIONS on
+ * AVX512_VNNI (K a multiple of 32), x rounded to 8 bits a group of 32 instead (group_gemm_q8.c); 0, or
+ * KERNEL_OUT_OF_MEMORY (y then not written) */
 int int8_gemm(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scale, float *y, int64_t N,
               int nthreads, int isa) {
+    if (isa == (INT8_AVX512_VNNI | INT8_ACTIVATIONS) && K % 32 == 0)   /* x rounded to 8 bits a group of 32 */
+        return group_gemm_q8(8, x, M, K, codes, scale, NULL, 62, y, N, nthreads, INT8_AVX512_VNNI);
+    isa &= ~INT8_ACTIVATIONS;
     const int8_kernel *g = &KERNELS[isa];
     const int T = nthreads < 1 ? 1 : nthreads;
     const int64_t Kp = (K + 1) / 2 * 2, Mp = (M + g->mr - 1) / g->mr * g->mr, bound = 2147483647 / (128 * Kp);

@@ -93,15 +93,16 @@ int quant_gemm(int bits, const float *x, int64_t M, int64_t K, const void *codes
 void quant_dequant(int bits, int64_t K, const void *codes, const float *scale, const float *mins, int gshift,
                    float *out, int64_t n0, int64_t n1, int nthreads);
 
-/* int8_gemm.c; isa: which kernel (quant_kernels.int8_isa: one the CPU has) */
+/* int8_gemm.c; isa: which kernel (quant_kernels.int8_isa: one the CPU has), INT8_AVX512_VNNI or'ed with
+ * INT8_ACTIVATIONS for activations rounded to 8 bits a group of 32 (group_gemm_q8.c) */
 #define INT8_AVX2 0
 #define INT8_AVX512 1          /* AVX-512 F + BW */
 #define INT8_AVX512_VNNI 2     /* and AVX512_VNNI */
 int int8_gemm(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scale, float *y, int64_t N,
               int nthreads, int isa);
 
-/* group_gemm.c; isa as int8_gemm's, or'ed with INT8_ACTIVATIONS for 4-bit codes times activations rounded to 8 bits
- * a group (group_gemm_q8.c) instead of 16 a row */
+/* group_gemm.c; isa as int8_gemm's, or'ed with INT8_ACTIVATIONS for activations rounded to 8 bits a group of 32
+ * (group_gemm_q8.c: 4-bit codes; 8-bit ones in groups of 32 or more on AVX512_VNNI) instead of 16 a row */
 #define INT8_ACTIVATIONS 4
 int group_gemm(int bits, const float *x, int64_t M, int64_t K, const void *codes, const float *scale,
                const float *mins, int gshift, float *y, int64_t N, int nthreads, int isa);

@@ -1,7 +1,7 @@
 """The AVX2 low-bit kernels of quant_kernels.c (weight-only: float activations), and for many rows int8_gemm.c (int8
 row-scaled weights) and group_gemm.c (GGUF's group-quantized weights) times activations rounded to 16-bit integers
-(4-bit GGUF codes: 8-bit ones a group of 32, group_gemm_q8.c; see q4_activation_bits) (AVX2, AVX-512 or AVX-512
-VNNI, see int8_isa), built and loaded by petrel.model.native.
+(or 8-bit ones a group of 32, group_gemm_q8.c: 4-bit GGUF codes, see q4_activation_bits; 8-bit codes on AVX-512
+VNNI, see int8_activation_bits) (AVX2, AVX-512 or AVX-512 VNNI, see int8_isa), built and loaded by petrel.model.native.
 
 library() is None where the kernels cannot run (see native.load; switch: PETREL_QUANT_KERNELS=0): QuantizedLinear
 then dequantizes with torch instead (same results, slower). PETREL_INT8_COMPUTE=0 keeps int8 weights on the float
@@ -129,7 +129,7 @@ def int8_isa() -> int:
     return INT8_AVX512
 
 
-INT8_ACTIVATIONS = 4  # or'ed into group_gemm's isa: 4-bit codes times 8-bit activations (kernels.h)
+INT8_ACTIVATIONS = 4  # or'ed into int8_gemm's and group_gemm's isa: 8-bit activations (kernels.h)
 
 
 def q4_activation_bits() -> int:
@@ -139,19 +139,30 @@ def q4_activation_bits() -> int:
     return 16 if os.environ.get("PETREL_Q4_ACTIVATIONS", "8") == "16" else 8
 
 
+def int8_activation_bits() -> int:
+    """The bits 8-bit weights' integer products (quantization="int8", GGUF's Q8_0) round activations to: 8, one
+    scale a group of 32 (group_gemm_q8.c: the codes offset to unsigned bytes for AVX512_VNNI's dpbusd, four
+    products a lane where 16-bit activations' dpwssd has two), where int8_isa is AVX-512 VNNI; else, or with
+    PETREL_INT8_ACTIVATIONS=16, 16 with one scale a row (int8_gemm.c, group_gemm.c)."""
+    vnni = int8_isa() == INT8_AVX512_VNNI
+    return 8 if vnni and os.environ.get("PETREL_INT8_ACTIVATIONS", "8") != "16" else 16
+
+
 def integer_isa(bits: int) -> int:
-    """group_gemm's isa argument for codes of this many bits: int8_isa, with INT8_ACTIVATIONS for 4-bit codes
-    unless q4_activation_bits says 16."""
-    return int8_isa() | (INT8_ACTIVATIONS if bits == 4 and q4_activation_bits() == 8 else 0)
+    """int8_gemm's and group_gemm's isa argument for codes of this many bits: int8_isa, with INT8_ACTIVATIONS
+    where 4-bit codes' q4_activation_bits, or 8-bit codes' int8_activation_bits, say 8."""
+    eight = q4_activation_bits() == 8 if bits == 4 else bits == 8 and int8_activation_bits() == 8
+    return int8_isa() | (INT8_ACTIVATIONS if eight else 0)
 
 
 def int8_gemm(lib, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [M, K] float32 contiguous @ (scale * codes)^T -> [M, N] float32, codes int8 [N, K] with one scale a row:
-    x's rows rounded to 16-bit integers, the products exact int32 sums (int8_gemm.c, int8_isa's kernel)."""
+    x's rows rounded to 16-bit integers, or to 8-bit ones a group of 32 (int8_activation_bits), the products exact
+    int32 sums (int8_gemm.c, integer_isa's kernel)."""
     (m, k), n = x.shape, codes.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
     threads = torch.get_num_threads()
-    if lib.int8_gemm(x.data_ptr(), m, k, codes.data_ptr(), scale.data_ptr(), y.data_ptr(), n, threads, int8_isa()):
+    if lib.int8_gemm(x.data_ptr(), m, k, codes.data_ptr(), scale.data_ptr(), y.data_ptr(), n, threads, integer_isa(8)):
         raise native.out_of_memory("int8_gemm")
     return y
 
