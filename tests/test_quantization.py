@@ -446,17 +446,24 @@ def test_default_model_gguf_integer_products_agree_with_dequantized(llm, activat
     finally:
         quantized.shutdown()
     assert calls and min(calls) >= 13  # the prompts' products (Python); the decodes' call group_gemm from C
+    assert_integer_products_close(
+        f"gguf ({activations}-bit activations)", outs, [dequantized_logits(llm, o) for o in outs], activations
+    )
+
+
+def assert_integer_products_close(what: str, outs, exacts: list[torch.Tensor], activations: int) -> None:
+    """The generated positions' logits against the exact ones: top-1 agreement of 95% (8-bit activations) or 99%
+    (16-bit), and the exact top token's logprob changing by less than 0.06 or 0.005 on average."""
     agree, changes = 0, []
-    for out in outs:
-        exact, native = dequantized_logits(llm, out), out.outputs[0].generation_logits
+    for out, exact in zip(outs, exacts):
+        native = out.outputs[0].generation_logits
         agree += int((native.argmax(-1) == exact.argmax(-1)).sum())
         best = exact.argmax(-1, keepdim=True)
         changes.append((native.log_softmax(-1) - exact.log_softmax(-1)).gather(1, best).abs().squeeze(1))
     change = torch.cat(changes)
     print(
-        f"gguf integer products ({activations}-bit activations) vs dequantized: top-1 agreement "
-        f"{agree}/{change.numel()}, exact top token's logprob change mean {change.mean():.4f}, "
-        f"largest {change.max():.3f}"
+        f"{what} integer products vs dequantized: top-1 agreement {agree}/{change.numel()}, exact top token's "
+        f"logprob change mean {change.mean():.4f}, largest {change.max():.3f}"
     )
     assert agree >= (0.95 if activations == 8 else 0.99) * change.numel()
     assert change.mean() < (0.06 if activations == 8 else 0.005)
@@ -493,17 +500,4 @@ def test_default_model_int8_integer_products_agree_with_dequantized(activations,
         assert not calls
     finally:
         quantized.shutdown()
-    agree, changes = 0, []
-    for out, exact in zip(outs, exacts):
-        native = out.outputs[0].generation_logits
-        agree += int((native.argmax(-1) == exact.argmax(-1)).sum())
-        best = exact.argmax(-1, keepdim=True)
-        changes.append((native.log_softmax(-1) - exact.log_softmax(-1)).gather(1, best).abs().squeeze(1))
-    change = torch.cat(changes)
-    print(
-        f"int8 integer products ({activations}-bit activations) vs dequantized: top-1 agreement "
-        f"{agree}/{change.numel()}, exact top token's logprob change mean {change.mean():.4f}, "
-        f"largest {change.max():.3f}"
-    )
-    assert agree >= (0.95 if activations == 8 else 0.99) * change.numel()
-    assert change.mean() < (0.06 if activations == 8 else 0.005)
+    assert_integer_products_close(f"int8 ({activations}-bit activations)", outs, exacts, activations)
