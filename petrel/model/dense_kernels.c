@@ -51,28 +51,6 @@ void f32_tile_product(const float *x, int64_t M, int64_t K, const float *tile, i
     f32_tile_passes(x, M, K, tile, y + n0, N, 0, rows, &none, none);
 }
 
-#define PARALLEL_ELEMENTS 262144   /* below this many elements one thread is faster than waking the others */
-
-typedef void (*rows_fn)(const void *args, int64_t r0, int64_t r1);
-typedef struct { rows_fn fn; const void *args; int64_t rows; } rows_task;
-
-static void rows_part(void *task, int t, int T) {
-    const rows_task *r = task;
-    int64_t lo, hi;
-    split_range(r->rows, t, T, 1, &lo, &hi);
-    if (lo < hi) r->fn(r->args, lo, hi);
-}
-
-/* fn over rows 0..n-1: shared out when they hold enough elements, else all on this thread */
-static void for_rows(rows_fn fn, const void *args, int64_t n, int64_t elements, int nthreads) {
-    if (elements < PARALLEL_ELEMENTS || nthreads <= 1) {
-        fn(args, 0, n);
-        return;
-    }
-    rows_task r = {fn, args, n};
-    parallel_run(rows_part, &r, nthreads);
-}
-
 typedef struct { const float *x; int64_t H, stride; const float *w; float eps; float *out; } norm_args;
 
 static void rms_norm_rows(const void *args, int64_t t0, int64_t t1) {

@@ -9,9 +9,14 @@
 #include "simd.h"
 #include "thread_pool.h"
 
-#define PARALLEL_ELEMENTS 262144 /* below this many logits one thread is faster than waking the others */
+typedef struct { const float *x; int64_t vocab, stride; int64_t *tokens; float *logprobs; } greedy_args;
 
-typedef struct { const float *x; int64_t rows, vocab, stride; int64_t *tokens; float *logprobs; } greedy_args;
+/* The index of x's first NaN (the caller knows there is one) */
+static int64_t first_nan(const float *x) {
+    int64_t i = 0;
+    while (!isnan(x[i])) i++;
+    return i;
+}
 
 /* The index of the first maximum of x[0..n), or of the first NaN if there is one (as torch's argmax) */
 static int64_t first_max(const float *x, int64_t n, int *nan) {
@@ -31,8 +36,7 @@ static int64_t first_max(const float *x, int64_t n, int *nan) {
         }
         if (_mm256_movemask_ps(unordered)) {
             *nan = 1;
-            for (int64_t i = 0;; i++)
-                if (isnan(x[i])) return i;
+            return first_nan(x);
         }
         float lanes[8];
         int32_t lane_best[8];
@@ -45,8 +49,7 @@ static int64_t first_max(const float *x, int64_t n, int *nan) {
     for (; j < n; j++) {  /* the rest, after every lane's index */
         if (isnan(x[j])) {
             *nan = 1;
-            for (int64_t i = 0;; i++)
-                if (isnan(x[i])) return i;
+            return first_nan(x);
         }
         if (x[j] > m) m = x[j], best = j;
     }
@@ -79,20 +82,10 @@ static void greedy_part(const void *args, int64_t r0, int64_t r1) {
     }
 }
 
-static void greedy_task(void *args, int t, int T) {
-    const greedy_args *a = args;
-    int64_t lo, hi;
-    split_range(a->rows, t, T, 1, &lo, &hi);
-    if (lo < hi) greedy_part(args, lo, hi);
-}
-
 /* Per row r of x [rows][vocab] (rows `stride` floats apart, vocab >= 1): tokens[r] = argmax (the first maximum; the
  * first NaN where there is one) and logprobs[r] = its log-softmax (0 - log sum e^(x - max); relative error ~1e-7) */
 void greedy_rows(const float *x, int64_t rows, int64_t vocab, int64_t stride, int64_t *tokens, float *logprobs,
                  int nthreads) {
-    greedy_args a = {x, rows, vocab, stride, tokens, logprobs};
-    if (rows * vocab < PARALLEL_ELEMENTS || nthreads <= 1 || rows < 2)
-        greedy_part(&a, 0, rows);
-    else
-        parallel_run(greedy_task, &a, nthreads);
+    greedy_args a = {x, vocab, stride, tokens, logprobs};
+    for_rows(greedy_part, &a, rows, rows * vocab, nthreads);
 }

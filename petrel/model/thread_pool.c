@@ -123,3 +123,22 @@ void split_range(int64_t n, int t, int T, int64_t align, int64_t *lo, int64_t *h
     *lo = t * per < n ? t * per : n;
     *hi = *lo + per < n ? *lo + per : n;
 }
+
+typedef struct { rows_fn fn; const void *args; int64_t rows; } rows_task;
+
+static void rows_part(void *task, int t, int T) {
+    const rows_task *r = task;
+    int64_t lo, hi;
+    split_range(r->rows, t, T, 1, &lo, &hi);
+    if (lo < hi) r->fn(r->args, lo, hi);
+}
+
+/* see thread_pool.h */
+void for_rows(rows_fn fn, const void *args, int64_t n, int64_t elements, int nthreads) {
+    if (elements < PARALLEL_ELEMENTS || nthreads <= 1 || n < 2) {
+        fn(args, 0, n);
+        return;
+    }
+    rows_task r = {fn, args, n};
+    parallel_run(rows_part, &r, nthreads);
+}

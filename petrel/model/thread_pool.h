@@ -15,3 +15,10 @@ void split_range(int64_t n, int t, int T, int64_t align, int64_t *lo, int64_t *h
  * torch's own team: for single kernel calls between torch operations, the threads torch's operations wake anyway. */
 void pool_enter(void);
 void pool_exit(void);
+
+#define PARALLEL_ELEMENTS 262144   /* below this many elements one thread is faster than waking the others */
+typedef void (*rows_fn)(const void *args, int64_t r0, int64_t r1);
+
+/* fn(args, r0, r1) over rows 0..n-1: shared out in ranges of rows over nthreads (parallel_run) when they hold
+ * PARALLEL_ELEMENTS elements or more and there are two rows or more, else all on this thread */
+void for_rows(rows_fn fn, const void *args, int64_t n, int64_t elements, int nthreads);
