@@ -9,7 +9,10 @@
  *     the core now and then to any other runnable thread), then sleep until the next.
  *   - anywhere else (a single kernel call between torch operations): an OpenMP parallel region, inside a torch
  *     process torch's own team, whose threads torch's operations around it use anyway. Using the pool there
- *     instead made a serving workload (W3) ~9% slower: two sets of worker threads contended for two cores.
+ *     instead made a serving workload (W3) ~9% slower: two sets of worker threads contended for two cores; holding
+ *     the pool through a whole model forward (torch's operations between the kernel calls) made W3 1.8x slower
+ *     (177 -> 98 output tok/s; a lone 41-token prompt's forward 6-15% faster): each side's workers spin while the
+ *     other's wait for the core.
  * One caller at a time uses the pool's workers; a second concurrent caller (two Python threads in kernels at once)
  * runs its parts itself, one after another. */
 #include <omp.h>
