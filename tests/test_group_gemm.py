@@ -255,7 +255,7 @@ def test_batched_decode_layers_take_group_products(tiny, lib, monkeypatch):
     (decode_layers), whose products call group_gemm from C: its logits are the separate modules' (group_gemm
     from Python) to float rounding, far closer than to the float products' (PETREL_INT8_COMPUTE=0), which round
     no activation."""
-    from test_model_tiny import PagedDriver, quantized_copy
+    from test_model_tiny import PagedDriver, quantized_copy, stack_calls
     from tiny_llama import _tokens
 
     from petrel.model.llama import LlamaDecoderLayer, LlamaForCausalLM
@@ -275,14 +275,10 @@ def test_batched_decode_layers_take_group_products(tiny, lib, monkeypatch):
             rows += drv.step([(s, 1) for s in seqs])
         return torch.cat(rows)
 
-    taken = []
-    original = LlamaForCausalLM._decode_in_one_call
-    monkeypatch.setattr(
-        LlamaForCausalLM, "_decode_in_one_call", lambda self, *a: taken.append(out := original(self, *a)) or out
-    )
+    taken = stack_calls(monkeypatch)
     stacked = decode_logits()
-    assert sum(out is not None for out in taken) == 3  # every decode-only step, not the prefill
-    monkeypatch.setattr(LlamaForCausalLM, "_decode_in_one_call", lambda self, *a: None)
+    assert taken == [False, True, True, True]  # every decode-only step, not the prefill of several prompts
+    monkeypatch.setattr(LlamaForCausalLM, "_step_in_one_call", lambda self, *a: None)
     monkeypatch.setattr(LlamaDecoderLayer, "_decode_in_one_call", lambda self, *a: None)
     separate = decode_logits()
     monkeypatch.setenv("PETREL_INT8_COMPUTE", "0")

@@ -89,6 +89,22 @@ class PagedDriver:
         return torch.cat([self.step([(seq, n)])[0] for n in chunks])
 
 
+def stack_calls(monkeypatch) -> list[bool]:
+    """From now on, whether each step ran the decoder stack as one kernel call (LlamaForCausalLM._step_in_one_call
+    took it), in order."""
+    from petrel.model.llama import LlamaForCausalLM
+
+    taken, original = [], LlamaForCausalLM._step_in_one_call
+
+    def recording(self, *args):
+        out = original(self, *args)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(LlamaForCausalLM, "_step_in_one_call", recording)
+    return taken
+
+
 @pytest.fixture(params=["native", "torch"])
 def kernels(request, monkeypatch):
     """Run a test with petrel's float32 CPU kernels (decode attention, few-row products) and with its torch paths."""
@@ -232,8 +248,8 @@ def test_decode_layer_in_one_call_equals_separate_calls(tiny, kv_heads, weights,
             rows += drv.step([(s, 1) for s in seqs])
         return torch.cat(rows)
 
-    def counted(cls, taken: list):
-        original = cls._decode_in_one_call
+    def counted(cls, name: str, taken: list):
+        original = getattr(cls, name)
 
         def counting(self, *args):
             out = original(self, *args)
@@ -243,18 +259,62 @@ def test_decode_layer_in_one_call_equals_separate_calls(tiny, kv_heads, weights,
         return counting
 
     stack_taken, layer_taken = [], []
-    monkeypatch.setattr(LlamaForCausalLM, "_decode_in_one_call", counted(LlamaForCausalLM, stack_taken))
-    monkeypatch.setattr(LlamaDecoderLayer, "_decode_in_one_call", counted(LlamaDecoderLayer, layer_taken))
+    monkeypatch.setattr(
+        LlamaForCausalLM, "_step_in_one_call", counted(LlamaForCausalLM, "_step_in_one_call", stack_taken)
+    )
+    monkeypatch.setattr(
+        LlamaDecoderLayer, "_decode_in_one_call", counted(LlamaDecoderLayer, "_decode_in_one_call", layer_taken)
+    )
     stacked = decode_logits()
     assert sum(stack_taken) == 6 and not any(layer_taken)  # every decode-only step (not the prefill), all layers
     layer_taken.clear()
-    monkeypatch.setattr(LlamaForCausalLM, "_decode_in_one_call", lambda self, *a: None)
+    monkeypatch.setattr(LlamaForCausalLM, "_step_in_one_call", lambda self, *a: None)
     per_layer = decode_logits()
     assert sum(layer_taken) == 6 * len(t.model.model.layers)
     monkeypatch.setattr(LlamaDecoderLayer, "_decode_in_one_call", lambda self, *a: None)
     separate = decode_logits()
     torch.testing.assert_close(stacked, separate, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(per_layer, separate, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "weights,kv_cache_dtype",
+    [("float32", torch.float32), ("Q4_1", torch.float32), ("float32", torch.bfloat16)],
+    ids=["float32", "Q4_1", "bf16-cache"],
+)
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_prompt_chunks_in_one_call_equal_separate_calls(tiny, kv_heads, weights, kv_cache_dtype, monkeypatch):
+    """Steps with one prompt chunk run the decoder stack as one kernel call too (decode_layers with its prompt_chunk):
+    a prompt alone, a chunk after the prompt's cached first part, a chunk after decode rows; every row's logits must
+    be the separate modules', and each such step must take the one call (a step of two prompts does not)."""
+    if dense_kernels.library() is None:
+        pytest.skip("petrel's float32 kernels cannot run here (no AVX2/FMA or no C compiler)")
+    from petrel.model.llama import LlamaForCausalLM
+
+    t = tiny(kv_heads, False) if weights == "float32" else quantized_copy(tiny(kv_heads, False), weights)
+
+    def step_logits() -> torch.Tensor:
+        drv = PagedDriver(t, block_size=4, kv_cache_dtype=kv_cache_dtype)
+        a, b, c = drv.new_seq(_tokens(9, 60)), drv.new_seq(_tokens(14, 61)), drv.new_seq(_tokens(5, 62))
+        rows = drv.step([(a, 9)])  # a prompt alone
+        rows += drv.step([(b, 6)])  # a first chunk (ending inside a block)
+        a.token_ids.append(100)
+        rows += drv.step([(a, 1), (b, 8)])  # a decode row, then the rest of b after its cached 6 positions
+        a.token_ids.append(101)
+        rows += drv.step([(a, 1), (c, 5)])  # a decode row, then a whole prompt
+        a.token_ids.append(102)
+        b.token_ids.append(103)
+        rows += drv.step([(a, 1), (b, 1)])  # decodes only
+        d, e = drv.new_seq(_tokens(3, 63)), drv.new_seq(_tokens(4, 64))
+        rows += drv.step([(d, 3), (e, 4)])  # two prompts: layer by layer
+        return torch.cat(rows)
+
+    taken = stack_calls(monkeypatch)
+    stacked = step_logits()
+    assert taken == [True] * 5 + [False]
+    monkeypatch.setattr(LlamaForCausalLM, "_step_in_one_call", lambda self, *a: None)
+    separate = step_logits()
+    torch.testing.assert_close(stacked, separate, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])

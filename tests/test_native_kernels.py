@@ -166,6 +166,7 @@ def test_failed_scratch_allocation_is_reported():
             16,
             0,
             1.0,
+            None,
             1,
         )
         == oom
@@ -197,6 +198,7 @@ def test_failed_scratch_allocation_is_reported():
             16,
             None,
             1.0,
+            None,
             1,
         )
         == oom

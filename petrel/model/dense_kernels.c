@@ -160,23 +160,30 @@ static int product(const float *x, int64_t M, int64_t K, const weight *w, float 
     return quant_gemm(w->bits, x, M, K, w->data, w->scale, w->mins, w->gshift, y, N, nthreads);
 }
 
-/* One Llama decoder layer for T decode rows (one new token per sequence), all in this call:
+/* One Llama decoder layer for a step's T rows, all in this call: decode rows (one new token per sequence), then,
+ * with chunk (else NULL), one prompt chunk from row chunk->first_row on:
  *   h = norm1(x); q, k, v = qkv(h); q, k = rotary(q, k); cache[slots] = k, v; a = attention(q, paged cache)
  *   x' = x + o(a); x_out = x' + down(silu(gate) * up)(norm2(x'))
  * the same kernels as the separate calls (so the same results), without the ~15 torch and ctypes dispatches a
- * layer that otherwise cost more than the arithmetic at one row. Weights [out][in], no biases; qkv rows are q (NH
- * heads), k, v (KVH heads each); cos, sin [T][D]; slots [T] the cache slot of each row's new K/V; the caches hold
- * float32, or bfloat16 when kv_bf16 (the new K/V rounded to nearest even, as torch rounds).
+ * layer that otherwise cost more than the arithmetic at one row, and (a prompt's forward layer by layer, in
+ * Python) a third of a short prompt's time. Weights [out][in], no biases; qkv rows are q (NH heads), k, v (KVH
+ * heads each); cos, sin [T][D]; slots [T] the cache slot of each row's new K/V; the caches hold float32, or
+ * bfloat16 when kv_bf16 (the new K/V rounded to nearest even, as torch rounds); tables, context_lens: the decode
+ * rows' (paged_decode_attention's, kv_bf16 its kind).
  * Returns 0, or KERNEL_OUT_OF_MEMORY when scratch memory (its own or a quantized product's) could not be had. */
 int decode_layer(const float *x, float *x_out, int64_t T, int64_t H, const float *norm1, const float *norm2,
                  float eps, const weight *w_qkv, const weight *w_o, const weight *w_gate_up, const weight *w_down,
                  int64_t I, int64_t NH, int64_t KVH, int64_t D, const float *cos_t, const float *sin_t,
                  void *key_cache, void *value_cache, int kv_bf16, const int64_t *slots, const int64_t *tables,
                  int64_t max_blocks, const int64_t *context_lens, int64_t bs, int64_t window, float scale,
-                 int nthreads) {
+                 const prompt_chunk *chunk, int nthreads) {
     const int64_t QKV = (NH + 2 * KVH) * D, QK = (NH + KVH) * D, ROW = KVH * D;
-    float *h = malloc(sizeof(float) * T * (H + QKV + QK + NH * D + 3 * I + H));
+    const int64_t decodes = chunk ? chunk->first_row : T, prompt = T - decodes;
+    const int64_t spare = prompt ? prefill_attention_workspace(prompt, chunk->p0, window, KVH, D) : 0;
+    const int64_t scratch = T * (H + QKV + QK + NH * D + 3 * I + H);
+    float *h = malloc(sizeof(float) * (scratch + (spare ? spare + 16 : 0)));
     if (!h) return KERNEL_OUT_OF_MEMORY;
+    float *const workspace = (float *)(((uintptr_t)(h + scratch) + 63) & ~(uintptr_t)63);   /* the chunk's, 64-aligned */
     int status;
     pool_enter();
     float *qkv = h + T * H, *qk = qkv + T * QKV, *attn = qk + T * QK, *gate_up = attn + T * NH * D;
@@ -197,8 +204,13 @@ int decode_layer(const float *x, float *x_out, int64_t T, int64_t H, const float
             memcpy((float *)value_cache + slots[t] * ROW, v, sizeof(float) * ROW);
         }
     }
-    paged_decode_attention(qk, QK, key_cache, value_cache, kv_bf16, tables, max_blocks, context_lens, T, NH, KVH, D, bs,
-                           window, scale, attn, nthreads);
+    if (decodes)
+        paged_decode_attention(qk, QK, key_cache, value_cache, kv_bf16, tables, max_blocks, context_lens, decodes, NH,
+                               KVH, D, bs, window, scale, attn, nthreads);
+    if (prompt)
+        paged_prefill_attention(qk + decodes * QK, QK, key_cache, value_cache, chunk->kv_bf16, chunk->table, prompt,
+                                chunk->p0, NH, KVH, D, bs, window, scale, attn + decodes * NH * D, workspace, chunk->avx512,
+                                nthreads);
     if ((status = product(attn, T, NH * D, w_o, y, H, nthreads))) goto done;
     for (int64_t i = 0; i < T * H; i++) x_out[i] = x[i] + y[i];
     rms_norm(x_out, T, H, H, norm2, eps, h, nthreads);
@@ -212,17 +224,17 @@ done:
     return status;
 }
 
-/* The decoder stack of a decode-only step: decode_layer for each of L layers in turn (x -> x_out), one call for
- * the whole model instead of one per layer from Python. Per layer l: norms norm1[l], norm2[l]; weights
- * weights[4 l .. 4 l + 3] (qkv, o, gate_up, down); its cache key_caches[l], value_caches[l]; windows[l]. All layers
- * share the slots, block tables and context lengths (one KV block table per sequence). Returns 0, or
- * KERNEL_OUT_OF_MEMORY (then stops at that layer). */
+/* The decoder stack of a step of decodes (and at most one prompt chunk after them): decode_layer for each of L
+ * layers in turn (x -> x_out), one call for the whole model instead of one per layer from Python. Per layer l:
+ * norms norm1[l], norm2[l]; weights weights[4 l .. 4 l + 3] (qkv, o, gate_up, down); its cache key_caches[l],
+ * value_caches[l]; windows[l]. All layers share the slots, block tables, context lengths (one KV block table per
+ * sequence) and chunk. Returns 0, or KERNEL_OUT_OF_MEMORY (then stops at that layer). */
 int decode_layers(int64_t L, const float *x, float *x_out, int64_t T, int64_t H, const float *const *norm1,
                   const float *const *norm2, float eps, const weight *weights, int64_t I, int64_t NH, int64_t KVH,
                   int64_t D, const float *cos_t, const float *sin_t, void *const *key_caches,
                   void *const *value_caches, int kv_bf16, const int64_t *slots, const int64_t *tables,
                   int64_t max_blocks, const int64_t *context_lens, int64_t bs, const int64_t *windows, float scale,
-                  int nthreads) {
+                  const prompt_chunk *chunk, int nthreads) {
     float *spare = malloc(sizeof(float) * T * H);
     if (!spare) return KERNEL_OUT_OF_MEMORY;
     const float *in = x;
@@ -232,7 +244,7 @@ int decode_layers(int64_t L, const float *x, float *x_out, int64_t T, int64_t H,
         status = decode_layer(in, out, T, H, norm1[l], norm2[l], eps, &weights[4 * l], &weights[4 * l + 1],
                               &weights[4 * l + 2], &weights[4 * l + 3], I, NH, KVH, D, cos_t, sin_t, key_caches[l],
                               value_caches[l], kv_bf16, slots, tables, max_blocks, context_lens, bs, windows[l], scale,
-                              nthreads);
+                              chunk, nthreads);
         in = out;
     }
     free(spare);

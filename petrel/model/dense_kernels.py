@@ -44,6 +44,20 @@ class Weight(ctypes.Structure):
     ]
 
 
+class PromptChunk(ctypes.Structure):
+    """A step's prompt chunk after its decode rows, as decode_layers takes it (kernels.h's prompt_chunk, field for
+    field): rows from first_row on are one prompt's positions p0, p0 + 1, ... through its block table `table`,
+    attended as paged_prefill_attention does (its kv_bf16 and avx512 arguments)."""
+
+    _fields_ = [
+        ("first_row", ctypes.c_int64),
+        ("table", _P),
+        ("p0", ctypes.c_int64),
+        ("kv_bf16", ctypes.c_int32),
+        ("avx512", ctypes.c_int32),
+    ]
+
+
 def describe(weight: torch.Tensor | QuantizedWeight) -> Weight | None:
     """A [out, in] float32 tensor or a QuantizedWeight as a Weight, or None where the kernels cannot take it."""
     if isinstance(weight, QuantizedWeight) and weight.bits == 32:  # float32 panels
@@ -461,6 +475,7 @@ def decode_layer(
         kv_cache.shape[2],
         layer.sliding_window or 0,
         layer.scale,
+        None,
         torch.get_num_threads(),
     ):
         raise native.out_of_memory("decode_layer")
@@ -469,7 +484,9 @@ def decode_layer(
 
 class DecoderStack:
     """A model's plain decoder layers as one decode_layers call (dense_kernels.c): the pointers to every layer's
-    norms, weights and cache, gathered once (build), then a decode-only step's rows through all of them."""
+    norms, weights and cache, gathered once (build), then a step's rows through all of them: decode rows, and at
+    most one prompt chunk after them (a short prompt's forward layer by layer spends a third of its time in Python
+    and in waking OpenMP's threads for each of its ~300 kernel calls)."""
 
     def __init__(self, lib, layers: list[LayerParts], kv_caches: list[torch.Tensor], kv_bf16: int, weights):
         n = len(layers)
@@ -518,14 +535,26 @@ class DecoderStack:
         slots: torch.Tensor,
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
+        chunk: tuple[int, torch.Tensor, int] | None = None,
     ) -> torch.Tensor | None:
-        """x [T, hidden] through every layer (see decode_layer for the other arguments), or None."""
+        """x [T, hidden] through every layer (see decode_layer for the other arguments: block_tables and
+        context_lens the decode rows', [0, width] and [0] where there are none), or None. chunk: (first_row, its
+        block table [>= its blocks] int64, p0) when rows first_row .. T - 1 are a prompt chunk at positions p0 ..."""
         first, num_tokens = self.first, x.shape[0]
         num_heads, num_kv_heads, head_dim = first.heads
         if num_tokens > self.max_rows or not _step_fits(
             x, cos, sin, self.kv_caches[0], slots, block_tables, context_lens, first.heads
         ):
             return None
+        prompt = None
+        if chunk is not None:
+            first_row, table, p0 = chunk
+            if table.dtype != torch.int64 or head_dim > _MAX_PREFILL_HEAD_DIM:
+                return None
+            table = table.contiguous()
+            # dpbf16 (2) rounds the chunk's queries and weights: where products round x too, as prefill_attention
+            kv_bf16 = 1 if self.kv_bf16 == 2 and not gemm_kernels.bf16_pairs_rows() else self.kv_bf16
+            prompt = PromptChunk(first_row, table.data_ptr(), p0, kv_bf16, int(native.cpu_has_avx512()))
         block_tables, context_lens = block_tables.contiguous(), context_lens.contiguous()
         out = torch.empty_like(x)
         if self.lib.decode_layers(
@@ -554,6 +583,7 @@ class DecoderStack:
             self.kv_caches[0].shape[2],
             self.windows,
             first.scale,
+            None if prompt is None else ctypes.byref(prompt),
             torch.get_num_threads(),
         ):
             raise native.out_of_memory("decode_layers")

@@ -179,7 +179,7 @@ class LlamaForCausalLM(nn.Module):
             x[input_embeds[0]] = input_embeds[1].to(x.dtype)
         cos_sin = self.model.rotary.for_positions(positions, x.dtype)
         layers = self.model.layers if num_layers is None else self.model.layers[:num_layers]
-        if (out := self._decode_in_one_call(x, cos_sin, kv_caches, meta, layers)) is not None:
+        if (out := self._step_in_one_call(x, cos_sin, kv_caches, meta, layers)) is not None:
             return self.model.norm(out)
         for layer, kv_cache, layer_meta in zip(layers, kv_caches, per_layer(meta)):
             x = layer(x, cos_sin, kv_cache, layer_meta)
@@ -191,10 +191,15 @@ class LlamaForCausalLM(nn.Module):
         state.pop("_decode_stack", None)
         return state
 
-    def _decode_in_one_call(self, x, cos_sin, kv_caches, meta, layers) -> torch.Tensor | None:
-        """A step of decodes only, every layer plain and one KV block table per sequence: the whole decoder stack
-        as one kernel call (dense_kernels.decode_layers); None otherwise (then each layer decides for itself)."""
-        if not isinstance(meta, AttentionMetadata) or meta.prefills or len(meta.decode_groups) != 1:
+    def _step_in_one_call(self, x, cos_sin, kv_caches, meta, layers) -> torch.Tensor | None:
+        """A step of decodes and at most one prompt chunk after them, every layer plain and one KV block table per
+        sequence: the whole decoder stack as one kernel call (dense_kernels.decode_layers); None otherwise (then
+        each layer decides for itself)."""
+        if not isinstance(meta, AttentionMetadata) or len(meta.decode_groups) > 1 or len(meta.prefills) > 1:
+            return None
+        decodes = meta.decode_groups[0].end if meta.decode_groups else 0
+        chunk = meta.prefills[0] if meta.prefills else None
+        if (chunk is None and not decodes) or (chunk is not None and chunk.start != decodes):
             return None
         stack = self.__dict__.get("_decode_stack")  # (key, dense_kernels.DecoderStack or None)
         key = (
@@ -213,8 +218,13 @@ class LlamaForCausalLM(nn.Module):
             stack = self.__dict__["_decode_stack"] = (key, built)
         if stack[1] is None:
             return None
-        group = meta.decode_groups[0]
-        return stack[1](x, cos_sin[0], cos_sin[1], meta.slot_mapping, group.block_tables, group.context_lens_t)
+        if decodes:
+            tables, lens = meta.decode_groups[0].block_tables, meta.decode_groups[0].context_lens_t
+        else:
+            tables, lens = x.new_zeros((0, 1), dtype=torch.int64), x.new_zeros(0, dtype=torch.int64)
+        if chunk is not None:
+            chunk = (chunk.start, chunk.block_table, chunk.context_len - chunk.num_tokens)
+        return stack[1](x, cos_sin[0], cos_sin[1], meta.slot_mapping, tables, lens, chunk)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
