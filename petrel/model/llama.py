@@ -12,7 +12,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from petrel.model import dense_kernels
+from petrel.model import dense_kernels, triton_attention
 from petrel.model.attention import AttentionMetadata, paged_attention, per_layer
 from petrel.model.config import ModelConfig
 from petrel.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
@@ -194,8 +194,10 @@ class LlamaForCausalLM(nn.Module):
     def _step_in_one_call(self, x, cos_sin, kv_caches, meta, layers) -> torch.Tensor | None:
         """A step of decodes and at most one prompt chunk after them, every layer plain and one KV block table per
         sequence: the whole decoder stack as one kernel call (dense_kernels.decode_layers); None otherwise (then
-        each layer decides for itself)."""
+        each layer decides for itself; on a device the Triton kernels serve, they run the step)."""
         if not isinstance(meta, AttentionMetadata) or len(meta.decode_groups) > 1 or len(meta.prefills) > 1:
+            return None
+        if triton_attention.serves(x.device):
             return None
         decodes = meta.decode_groups[0].end if meta.decode_groups else 0
         chunk = meta.prefills[0] if meta.prefills else None
