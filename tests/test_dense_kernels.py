@@ -154,8 +154,8 @@ def test_bf16_pairs_product_equals_rounded_x_times_the_weights(rows, out_feature
     _assert_within_float32_sum_bound(got, x.bfloat16().float(), w.float())
 
 
-# rows: blocks of 8 and the 4 / 2 / 1 that finish them, past 256 in passes; N in partial panels (past it nothing
-# written: the rows of y are packed); K from one pair to several thousand
+# rows: blocks of up to 8 sized evenly (9: 5 and 4; 15: 8 and 7), past 256 in passes; N in partial panels (past it
+# nothing written: the rows of y are packed); K from one pair to several thousand
 @needs_bf16_pairs
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 15, 64, 133, 300])
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (33, 1000), (300, 2100), (17, 2), (32, 64)])
@@ -193,11 +193,11 @@ def test_bf16_weights_in_panels_only_where_products_round_x(monkeypatch):
     torch.testing.assert_close(packed.matmul(x), x @ w.float().t(), rtol=1e-6, atol=1e-5)
 
 
-# rows: blocks of 8 and the 4 / 2 / 1 that finish them, with the next slice prefetched (from 8 rows) and without,
-# past 256 in passes (300: one full and one short, 523: two full and one of 11 rows); N in partial panels; K from one
-# value to several slices of 1,024 (2,100: three, the last shorter)
+# rows: blocks of up to 8 sized evenly (41: five of 7 and one of 6), with the next slice prefetched (from 8 rows) and
+# without, past 256 in passes (300: one full and one short, 523: two full and one of 11 rows); N in partial panels;
+# K from one value to several slices of 1,024 (2,100: three, the last shorter)
 @needs_avx512
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 15, 64, 133, 300, 523])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 15, 41, 64, 133, 300, 523])
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (33, 1000), (300, 2100), (17, 1), (32, 5)])
 def test_f32_panels_product_equals_matmul(rows, out_features, in_features):
     """float32 weights packed in panels (quantization.pack_panels, as a float32 model's decoder projections are held
@@ -212,6 +212,23 @@ def test_f32_panels_product_equals_matmul(rows, out_features, in_features):
     got = gemm_kernels.f32_panels_product(x, packed, out_features)
     assert got is not None and got.shape == (rows, out_features)
     _assert_within_float32_sum_bound(got, x, w)
+
+
+@needs_avx512
+@pytest.mark.parametrize("rows", [3, 9, 13, 41, 300])
+def test_a_rows_panel_product_does_not_depend_on_the_rows_beside_it(rows):
+    """Each row of a panel product is summed over k in one order whatever block it falls in (blocks of 1 to 8 rows,
+    sized by the count), so every row equals its product alone, bit for bit: float32 and bfloat16 panels."""
+    from petrel.model.quantization import pack_panels
+
+    x, w = torch.randn(rows, 1000), torch.randn(70, 1000)
+    products = [(gemm_kernels.f32_panels_product, pack_panels(w))]
+    if gemm_kernels.bf16_pairs_rows():
+        products.append((gemm_kernels.bf16_panels_product, pack_panels(w.bfloat16())))
+    for product, packed in products:
+        together = product(x, packed, 70)
+        alone = torch.cat([product(x[i : i + 1], packed, 70) for i in range(rows)])
+        assert torch.equal(together, alone)
 
 
 @needs_avx512

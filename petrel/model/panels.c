@@ -7,8 +7,9 @@
  * bf16_panels_product: bfloat16 W whose elements are pairs of consecutive k ([N / 32][K / 2][32] pairs), x rounded
  *   to bfloat16 first, dpbf16 (AVX512_BF16: two products an instruction, each exact in float32, sums in float32).
  *
- * Every count of rows runs one kernel: blocks of up to 8 rows of x over a panel, two vectors of W and a broadcast
- * element of x a step (16 multiply-adds for 10 loads), no sums across lanes and no packing a call. Each thread
+ * Every count of rows runs one kernel: blocks of up to 8 rows of x over a panel (sizes as even as the count
+ * allows), two vectors of W and a broadcast element of x a step (16 multiply-adds for 10 loads), no sums across
+ * lanes and no packing a call. Each thread
  * walks its panels in slices of K (a slice of a panel in L1/L2 while every block of x passes over it, x's slice in
  * L2; past ROW_PASS rows, x goes in passes of that many rows, each over all of the thread's panels), and while it
  * multiplies one slice it prefetches the next (the rest of its panel, or the next panel: slices are consecutive in
@@ -26,6 +27,7 @@
 #include "thread_pool.h"
 
 #define PANEL 32
+#define MAX_BLOCK_ROWS 8  /* rows of x a block: 16 accumulators of the 32 registers */
 #define K_SLICE 1024  /* elements of K a slice (128 KB of a panel) */
 #define PREFETCH_ROWS 8  /* from this many rows of x the next slice is prefetched; below, a slice's few steps leave
                           * the stream to the hardware prefetcher (float32 at 1-4 rows: 1.0-1.2x with it alone) */
@@ -66,23 +68,28 @@ static void NAME##_##MR##_##PF(const float *x, int64_t ldx, int64_t K, const flo
 #define FMA(w, xb, c) _mm512_fmadd_ps(w, xb, c)
 #define DPBF16(w, xb, c) _mm512_dpbf16_ps(c, (__m512bh)(w), (__m512bh)(xb))
 #define BLOCKS(NAME, PF, TARGET, MULADD) \
-    PANEL_BLOCK(NAME, 8, PF, TARGET, MULADD) PANEL_BLOCK(NAME, 4, PF, TARGET, MULADD) \
-    PANEL_BLOCK(NAME, 2, PF, TARGET, MULADD) PANEL_BLOCK(NAME, 1, PF, TARGET, MULADD)
+    PANEL_BLOCK(NAME, 1, PF, TARGET, MULADD) PANEL_BLOCK(NAME, 2, PF, TARGET, MULADD) \
+    PANEL_BLOCK(NAME, 3, PF, TARGET, MULADD) PANEL_BLOCK(NAME, 4, PF, TARGET, MULADD) \
+    PANEL_BLOCK(NAME, 5, PF, TARGET, MULADD) PANEL_BLOCK(NAME, 6, PF, TARGET, MULADD) \
+    PANEL_BLOCK(NAME, 7, PF, TARGET, MULADD) PANEL_BLOCK(NAME, 8, PF, TARGET, MULADD)
 BLOCKS(f32_block, 0, "avx512f", FMA) BLOCKS(f32_block, 1, "avx512f", FMA)
 BLOCKS(pairs_block, 0, "avx512f,avx512bw,avx512bf16", DPBF16) BLOCKS(pairs_block, 1, "avx512f,avx512bw,avx512bf16", DPBF16)
 
 typedef void (*block_fn)(const float *x, int64_t ldx, int64_t K, const float *wp, float *y, int64_t ldy, int nr,
                          int add, const char *pf, int64_t pf_step);
 
-/* K counts elements of 32 bits (float32 values, or pairs of bfloat16 ones); blocks: the 8-, 4-, 2- and 1-row
- * blocks without prefetching, then with */
+/* K counts elements of 32 bits (float32 values, or pairs of bfloat16 ones); blocks[pf][r - 1]: the r-row block
+ * without prefetching (pf 0), then with */
 typedef struct {
-    const float *x; int64_t M, K; const float *W; float *y; int64_t N; const block_fn (*blocks)[4];
+    const float *x; int64_t M, K; const float *W; float *y; int64_t N; const block_fn (*blocks)[MAX_BLOCK_ROWS];
 } panels_args;
 
-/* blocks of 8 rows, then 4, 2, 1 for the rest: how many a slice of a panel goes through */
+/* M rows go through a slice of a panel in ceil(M / 8) blocks of sizes as even as can be (their first M % blocks one
+ * row more): 41 rows as 7, 7, 7, 7, 7, 6, not five of 8 and one of 1, whose two accumulators wait on the FMA's
+ * latency (a few rows cost the 1-row block's K steps at half the rate). Each row's sums run over k in the same
+ * order in every block, so a row's result does not depend on the rows beside it. */
 static int64_t panel_blocks(int64_t M) {
-    return M / 8 + __builtin_popcountll((unsigned long long)(M % 8));
+    return (M + MAX_BLOCK_ROWS - 1) / MAX_BLOCK_ROWS;
 }
 
 static void panels_part(void *args, int t, int T) {
@@ -107,10 +114,11 @@ static void panels_part(void *args, int t, int T) {
                  * the next pass of rows) */
                 const char *pf = (const char *)(wp + kn * PANEL);
                 if (pf >= end) pf = start;
-                for (int64_t m = m0; m < m1; pf += kn * pf_step) {
-                    const int64_t r = m1 - m, rows = r >= 8 ? 8 : r >= 4 ? 4 : r >= 2 ? 2 : 1;
-                    const block_fn block = a->blocks[prefetch][rows == 8 ? 0 : rows == 4 ? 1 : rows == 2 ? 2 : 3];
-                    block(a->x + m * K + k0, K, kn, wp, a->y + m * N + p * PANEL, N, nr, k0 > 0, pf, pf_step);
+                const int64_t blocks = panel_blocks(m1 - m0), even = (m1 - m0) / blocks, more = (m1 - m0) % blocks;
+                for (int64_t b = 0, m = m0; b < blocks; b++, pf += kn * pf_step) {
+                    const int64_t rows = even + (b < more);
+                    a->blocks[prefetch][rows - 1](a->x + m * K + k0, K, kn, wp, a->y + m * N + p * PANEL, N, nr,
+                                                  k0 > 0, pf, pf_step);
                     m += rows;
                 }
             }
@@ -118,10 +126,11 @@ static void panels_part(void *args, int t, int T) {
     }
 }
 
-static const block_fn f32_blocks[2][4] = {{f32_block_8_0, f32_block_4_0, f32_block_2_0, f32_block_1_0},
-                                          {f32_block_8_1, f32_block_4_1, f32_block_2_1, f32_block_1_1}};
-static const block_fn pairs_blocks[2][4] = {{pairs_block_8_0, pairs_block_4_0, pairs_block_2_0, pairs_block_1_0},
-                                            {pairs_block_8_1, pairs_block_4_1, pairs_block_2_1, pairs_block_1_1}};
+#define ROW_BLOCKS(NAME, PF) \
+    {NAME##_1_##PF, NAME##_2_##PF, NAME##_3_##PF, NAME##_4_##PF, NAME##_5_##PF, NAME##_6_##PF, NAME##_7_##PF, \
+     NAME##_8_##PF}
+static const block_fn f32_blocks[2][MAX_BLOCK_ROWS] = {ROW_BLOCKS(f32_block, 0), ROW_BLOCKS(f32_block, 1)};
+static const block_fn pairs_blocks[2][MAX_BLOCK_ROWS] = {ROW_BLOCKS(pairs_block, 0), ROW_BLOCKS(pairs_block, 1)};
 
 /* y[M][N] = x[M][K] @ W^T for float32 W packed in panels ([ceil(N / 32)][K][32]); callers check the CPU has
  * AVX-512F */
