@@ -89,20 +89,25 @@ class PagedDriver:
         return torch.cat([self.step([(seq, n)])[0] for n in chunks])
 
 
-def stack_calls(monkeypatch) -> list[bool]:
-    """From now on, whether each step ran the decoder stack as one kernel call (LlamaForCausalLM._step_in_one_call
-    took it), in order."""
-    from petrel.model.llama import LlamaForCausalLM
-
-    taken, original = [], LlamaForCausalLM._step_in_one_call
+def one_calls(monkeypatch, owner, name: str) -> list[bool]:
+    """From now on, whether each call of owner.name (a one-kernel-call path) took its step, in order."""
+    taken, original = [], getattr(owner, name)
 
     def recording(self, *args):
         out = original(self, *args)
         taken.append(out is not None)
         return out
 
-    monkeypatch.setattr(LlamaForCausalLM, "_step_in_one_call", recording)
+    monkeypatch.setattr(owner, name, recording)
     return taken
+
+
+def stack_calls(monkeypatch) -> list[bool]:
+    """From now on, whether each step ran the decoder stack as one kernel call (LlamaForCausalLM._step_in_one_call
+    took it), in order."""
+    from petrel.model.llama import LlamaForCausalLM
+
+    return one_calls(monkeypatch, LlamaForCausalLM, "_step_in_one_call")
 
 
 @pytest.fixture(params=["native", "torch"])
@@ -248,23 +253,8 @@ def test_decode_layer_in_one_call_equals_separate_calls(tiny, kv_heads, weights,
             rows += drv.step([(s, 1) for s in seqs])
         return torch.cat(rows)
 
-    def counted(cls, name: str, taken: list):
-        original = getattr(cls, name)
-
-        def counting(self, *args):
-            out = original(self, *args)
-            taken.append(out is not None)
-            return out
-
-        return counting
-
-    stack_taken, layer_taken = [], []
-    monkeypatch.setattr(
-        LlamaForCausalLM, "_step_in_one_call", counted(LlamaForCausalLM, "_step_in_one_call", stack_taken)
-    )
-    monkeypatch.setattr(
-        LlamaDecoderLayer, "_decode_in_one_call", counted(LlamaDecoderLayer, "_decode_in_one_call", layer_taken)
-    )
+    stack_taken = stack_calls(monkeypatch)
+    layer_taken = one_calls(monkeypatch, LlamaDecoderLayer, "_decode_in_one_call")
     stacked = decode_logits()
     assert sum(stack_taken) == 6 and not any(layer_taken)  # every decode-only step (not the prefill), all layers
     layer_taken.clear()

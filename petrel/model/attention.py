@@ -39,6 +39,11 @@ class PrefillChunk:
     block_table: torch.Tensor  # [num_blocks_of_this_seq] int64
     mask: torch.Tensor | None  # [num_tokens, context_len] bool, None when the chunk is the whole context
 
+    @property
+    def first_pos(self) -> int:
+        """The position of the chunk's first token (the cached prefix before it)."""
+        return self.context_len - self.num_tokens
+
 
 @dataclass
 class DecodeGroup:
@@ -119,7 +124,7 @@ def paged_attention(
         out[g.start : g.end] = _decode_attention(q[g.start : g.end], key_cache, value_cache, tables, mask, scale)
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)
-        first_pos = chunk.context_len - chunk.num_tokens
+        first_pos = chunk.first_pos
         fast = dense_kernels.prefill_attention(
             q[rows], key_cache, value_cache, chunk.block_table, first_pos, scale, sliding_window
         )

@@ -183,7 +183,7 @@ int decode_layer(const float *x, float *x_out, int64_t T, int64_t H, const float
     const int64_t scratch = T * (H + QKV + QK + NH * D + 3 * I + H);
     float *h = malloc(sizeof(float) * (scratch + (spare ? spare + 16 : 0)));
     if (!h) return KERNEL_OUT_OF_MEMORY;
-    float *const workspace = (float *)(((uintptr_t)(h + scratch) + 63) & ~(uintptr_t)63);   /* the chunk's, 64-aligned */
+    float *const workspace = (float *)(((uintptr_t)(h + scratch) + 63) & ~(uintptr_t)63);   /* the chunk's */
     int status;
     pool_enter();
     float *qkv = h + T * H, *qk = qkv + T * QKV, *attn = qk + T * QK, *gate_up = attn + T * NH * D;
@@ -209,8 +209,8 @@ int decode_layer(const float *x, float *x_out, int64_t T, int64_t H, const float
                                KVH, D, bs, window, scale, attn, nthreads);
     if (prompt)
         paged_prefill_attention(qk + decodes * QK, QK, key_cache, value_cache, chunk->kv_bf16, chunk->table, prompt,
-                                chunk->p0, NH, KVH, D, bs, window, scale, attn + decodes * NH * D, workspace, chunk->avx512,
-                                nthreads);
+                                chunk->p0, NH, KVH, D, bs, window, scale, attn + decodes * NH * D, workspace,
+                                chunk->avx512, nthreads);
     if ((status = product(attn, T, NH * D, w_o, y, H, nthreads))) goto done;
     for (int64_t i = 0; i < T * H; i++) x_out[i] = x[i] + y[i];
     rms_norm(x_out, T, H, H, norm2, eps, h, nthreads);

@@ -118,6 +118,13 @@ def _kv_bf16(*caches: torch.Tensor) -> int | None:
     return _bf16_cache_kind() if dtype is torch.bfloat16 else 0
 
 
+def _prefill_kv_kind(kv_bf16: int) -> int:
+    """paged_prefill_attention's kv_bf16 for a cache of kind kv_bf16 (_kv_bf16): its dpbf16 loops (2) round the
+    queries and the softmax weights to bfloat16, so they run only where products round x too (bf16_pairs_rows);
+    elsewhere a bfloat16 cache is widened (1)."""
+    return 1 if kv_bf16 == 2 and not gemm_kernels.bf16_pairs_rows() else kv_bf16
+
+
 def _bf16_cache_kind() -> int:
     """kv_bf16 for a bfloat16 cache on this CPU: 2 (dpbf16) with AVX512_BF16, BW and VL unless PETREL_AVX512=0,
     else 1."""
@@ -255,8 +262,7 @@ def prefill_attention(
         or (lib := library()) is None
     ):
         return None
-    if kv_bf16 == 2 and not gemm_kernels.bf16_pairs_rows():  # dpbf16 rounds q and the weights: as x is rounded
-        kv_bf16 = 1
+    kv_bf16 = _prefill_kv_kind(kv_bf16)
     if q.stride(2) != 1 or q.stride(1) != head_dim:
         q = q.contiguous()
     block_table = block_table.contiguous()
@@ -552,8 +558,7 @@ class DecoderStack:
             if table.dtype != torch.int64 or head_dim > _MAX_PREFILL_HEAD_DIM:
                 return None
             table = table.contiguous()
-            # dpbf16 (2) rounds the chunk's queries and weights: where products round x too, as prefill_attention
-            kv_bf16 = 1 if self.kv_bf16 == 2 and not gemm_kernels.bf16_pairs_rows() else self.kv_bf16
+            kv_bf16 = _prefill_kv_kind(self.kv_bf16)
             prompt = PromptChunk(first_row, table.data_ptr(), p0, kv_bf16, int(native.cpu_has_avx512()))
         block_tables, context_lens = block_tables.contiguous(), context_lens.contiguous()
         out = torch.empty_like(x)

@@ -225,7 +225,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             tables, lens = x.new_zeros((0, 1), dtype=torch.int64), x.new_zeros(0, dtype=torch.int64)
         if chunk is not None:
-            chunk = (chunk.start, chunk.block_table, chunk.context_len - chunk.num_tokens)
+            chunk = (chunk.start, chunk.block_table, chunk.first_pos)
         return stack[1](x, cos_sin[0], cos_sin[1], meta.slot_mapping, tables, lens, chunk)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

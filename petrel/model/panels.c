@@ -9,12 +9,11 @@
  *
  * Every count of rows runs one kernel: blocks of up to 8 rows of x over a panel (sizes as even as the count
  * allows), two vectors of W and a broadcast element of x a step (16 multiply-adds for 10 loads), no sums across
- * lanes and no packing a call. Each thread
- * walks its panels in slices of K (a slice of a panel in L1/L2 while every block of x passes over it, x's slice in
- * L2; past ROW_PASS rows, x goes in passes of that many rows, each over all of the thread's panels), and while it
- * multiplies one slice it prefetches the next (the rest of its panel, or the next panel: slices are consecutive in
- * memory), spread over every block's steps, so that memory streams W during the arithmetic (from PREFETCH_ROWS
- * rows).
+ * lanes and no packing a call. Each thread walks its panels in slices of K (a slice of a panel in L1/L2 while every
+ * block of x passes over it, x's slice in L2; past ROW_PASS rows, x goes in passes of that many rows, each over all
+ * of the thread's panels), and while it multiplies one slice it prefetches the next (the rest of its panel, or the
+ * next panel: slices are consecutive in memory), spread over every block's steps, so that memory streams W during
+ * the arithmetic (from PREFETCH_ROWS rows).
  * Measured (2 threads, Zen 4, weights from memory) for bfloat16 against the row kernels of bf16_pairs.c: 1.0-1.2x at
  * 1-4 rows, 1.2-1.6x at 16-256, 1.0-1.25x at 2,048. */
 #include <immintrin.h>
