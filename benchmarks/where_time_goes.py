@@ -3,7 +3,7 @@
 
     python benchmarks/where_time_goes.py gemm [--model DIR_OR_GGUF] [--rows 16,64,256,512,1024] [--repeats 5]
                                               [--ceiling]
-    python benchmarks/where_time_goes.py prefill [--model ...] [--tokens 7936 | --w2-prompts 16]
+    python benchmarks/where_time_goes.py prefill [--model ...] [--tokens 7936 | --w2-prompts 16] [--layer-by-layer]
     python benchmarks/where_time_goes.py decode [--model ...] [--seqs 16] [--steps 32] [--prompt-tokens 8]
     python benchmarks/where_time_goes.py attention [--chunks 2048@0,2048@5888] [--repeats 5]
     python benchmarks/where_time_goes.py decode-attention [--contexts 4x7936,16x2000,64x400,1x7936]
@@ -15,8 +15,10 @@ petrel's register-blocked GEMM (dense_kernels.gemm), torch as x @ W^T and as (W 
 machine's float32 FMA ceiling on as many threads (benchmarks/fma_peak.c, compiled with gcc; 256-bit FMAs), measured
 before and after the table, and the GEMM's share of the higher of the two.
 prefill: one prompt of --tokens random ids (or W2's first --w2-prompts prompts) through LLM.generate (max_tokens 1,
-prefix caching off), the time spent inside prefill attention and inside each projection shape's Linear.forward,
-summed over the prompts' chunks, and the products' GFLOP/s.
+prefix caching off): the time inside the decoder stack's one C call (dense_kernels.DecoderStack, where the CPU kernels
+take the whole model) and the rate of its projections' arithmetic over that time; with --layer-by-layer, the model
+run a layer at a time in Python instead, the time spent inside prefill attention and inside each projection shape's
+Linear.forward, summed over the prompts' chunks, and the products' GFLOP/s.
 decode: --seqs sequences of W2's prompts cut to --prompt-tokens tokens (8; 0: whole), --steps new tokens
 (--temperature 0: greedy); the engine steps of decodes only (those that run the decoder stack: the prompts' prefill
 is not counted), their time, and inside them the decoder stack (one C call for all layers), the LM head
@@ -162,7 +164,13 @@ def gemm_table(args, fma_peak: str | None) -> None:
 
 
 def prefill(args) -> None:
+    from petrel.model import llama
+
+    stack = "decoder stack (C)"
     timers = Timers()
+    timers.wrap(dense_kernels.DecoderStack, "__call__", lambda a: stack)
+    if args.layer_by_layer:
+        llama.LlamaForCausalLM._step_in_one_call = lambda self, *a: None
     timers.wrap(dense_kernels, "prefill_attention")
     linear_shapes: dict[str, tuple[int, int]] = {}
 
@@ -175,7 +183,7 @@ def prefill(args) -> None:
     timers.wrap(layers.Linear, "forward", linear_label)
     timers.wrap(QuantizedLinear, "forward", linear_label)  # quantization, dtype bfloat16 on the CPU
     llm = engine(args)
-    num_layers = load_model_config(resolve_model(args.model)).num_hidden_layers
+    cfg = load_model_config(resolve_model(args.model))
     if args.w2_prompts:
         prompts = make_w2_prompts(args.w2_prompts)
     else:
@@ -189,11 +197,14 @@ def prefill(args) -> None:
     for key, seconds in sorted(timers.seconds.items(), key=lambda kv: -kv[1]):
         print(f"  {key}: {seconds:.2f} s ({timers.calls[key]} calls)")
     # the decoder's projections see every prompt token (the LM head, vocab_size rows, only the last ones)
-    vocab = load_model_config(resolve_model(args.model)).vocab_size
-    shapes = {key: shape for key, shape in linear_shapes.items() if shape[0] != vocab}
-    seconds = sum(timers.seconds[key] for key in shapes)
-    flop = sum(2 * tokens * n * k * num_layers for n, k in shapes.values())
-    print(f"  the decoder's projections: {seconds:.2f} s, {flop / seconds / 1e9:.0f} GFLOP/s")
+    hidden, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    per_token = 2 * hidden * (q + 2 * kv + q + 3 * cfg.intermediate_size) * cfg.num_hidden_layers
+    if timers.seconds[stack]:
+        seconds = timers.seconds[stack]
+        print(f"  the decoder's projections over the stack's time: {tokens * per_token / seconds / 1e9:.0f} GFLOP/s")
+    shapes = {key: shape for key, shape in linear_shapes.items() if shape[0] != cfg.vocab_size}
+    if seconds := sum(timers.seconds[key] for key in shapes):
+        print(f"  the decoder's projections: {seconds:.2f} s, {tokens * per_token / seconds / 1e9:.0f} GFLOP/s")
 
 
 def engine(args) -> LLM:
@@ -335,6 +346,9 @@ def main() -> None:
     ap.add_argument("--quantization", default=None, help="prefill, decode: e.g. int8 (default: none)")
     ap.add_argument("--tokens", type=int, default=7936, help="prefill: the prompt's length")
     ap.add_argument("--w2-prompts", type=int, default=0, help="prefill: W2's first N prompts instead")
+    ap.add_argument(
+        "--layer-by-layer", action="store_true", help="prefill: each layer's operations from Python, timed apart"
+    )
     ap.add_argument("--seqs", type=int, default=16, help="decode: sequences")
     ap.add_argument("--steps", type=int, default=32, help="decode: steps timed")
     ap.add_argument("--temperature", type=float, default=0.0, help="decode: 0 for greedy rows")

@@ -256,7 +256,7 @@ def test_decode_layer_in_one_call_equals_separate_calls(tiny, kv_heads, weights,
     stack_taken = stack_calls(monkeypatch)
     layer_taken = one_calls(monkeypatch, LlamaDecoderLayer, "_decode_in_one_call")
     stacked = decode_logits()
-    assert sum(stack_taken) == 6 and not any(layer_taken)  # every decode-only step (not the prefill), all layers
+    assert stack_taken == [True] * 7 and not any(layer_taken)  # every step (the three prompts' too), all layers
     layer_taken.clear()
     monkeypatch.setattr(LlamaForCausalLM, "_step_in_one_call", lambda self, *a: None)
     per_layer = decode_logits()
@@ -274,9 +274,11 @@ def test_decode_layer_in_one_call_equals_separate_calls(tiny, kv_heads, weights,
 )
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
 def test_prompt_chunks_in_one_call_equal_separate_calls(tiny, kv_heads, weights, kv_cache_dtype, monkeypatch):
-    """Steps with one prompt chunk run the decoder stack as one kernel call too (decode_layers with its prompt_chunk):
-    a prompt alone, a chunk after the prompt's cached first part, a chunk after decode rows; every row's logits must
-    be the separate modules', and each such step must take the one call (a step of two prompts does not)."""
+    """Steps with prompt chunks run the decoder stack as one kernel call too (decode_layers with its prompt_chunks):
+    a prompt alone, a chunk after the prompt's cached first part, chunks after decode rows, two prompts, decode rows
+    and then a continued chunk and a whole prompt; every row's logits must be the separate modules', and each such
+    step must take the one call. A step of 310 rows takes it where every product runs one kernel at any count of
+    rows (weights in panels: float32 ones where the CPU has AVX-512; integer products), and only there."""
     if dense_kernels.library() is None:
         pytest.skip("petrel's float32 kernels cannot run here (no AVX2/FMA or no C compiler)")
     from petrel.model.llama import LlamaForCausalLM
@@ -284,7 +286,7 @@ def test_prompt_chunks_in_one_call_equal_separate_calls(tiny, kv_heads, weights,
     t = tiny(kv_heads, False) if weights == "float32" else quantized_copy(tiny(kv_heads, False), weights)
 
     def step_logits() -> torch.Tensor:
-        drv = PagedDriver(t, block_size=4, kv_cache_dtype=kv_cache_dtype)
+        drv = PagedDriver(t, block_size=4, num_blocks=160, kv_cache_dtype=kv_cache_dtype)
         a, b, c = drv.new_seq(_tokens(9, 60)), drv.new_seq(_tokens(14, 61)), drv.new_seq(_tokens(5, 62))
         rows = drv.step([(a, 9)])  # a prompt alone
         rows += drv.step([(b, 6)])  # a first chunk (ending inside a block)
@@ -295,13 +297,21 @@ def test_prompt_chunks_in_one_call_equal_separate_calls(tiny, kv_heads, weights,
         a.token_ids.append(102)
         b.token_ids.append(103)
         rows += drv.step([(a, 1), (b, 1)])  # decodes only
-        d, e = drv.new_seq(_tokens(3, 63)), drv.new_seq(_tokens(4, 64))
-        rows += drv.step([(d, 3), (e, 4)])  # two prompts: layer by layer
+        d, e, f = drv.new_seq(_tokens(3, 63)), drv.new_seq(_tokens(11, 64)), drv.new_seq(_tokens(7, 65))
+        rows += drv.step([(d, 3), (e, 5)])  # two prompts
+        a.token_ids.append(104)
+        c.token_ids.append(105)
+        rows += drv.step([(a, 1), (c, 1), (e, 6), (f, 7)])  # decodes, the rest of e, a whole prompt
+        g, h = drv.new_seq(_tokens(150, 66)), drv.new_seq(_tokens(160, 67))
+        rows += drv.step([(g, 150), (h, 160)])  # 310 rows
         return torch.cat(rows)
 
+    big_steps = t.model.model.layers[0].one_call_parts().max_rows >= 310
+    if weights == "float32":
+        assert big_steps == gemm_kernels.f32_panels()
     taken = stack_calls(monkeypatch)
     stacked = step_logits()
-    assert taken == [True] * 5 + [False]
+    assert taken == [True] * 7 + [big_steps]
     monkeypatch.setattr(LlamaForCausalLM, "_step_in_one_call", lambda self, *a: None)
     separate = step_logits()
     torch.testing.assert_close(stacked, separate, atol=1e-5, rtol=1e-5)

@@ -167,6 +167,7 @@ def test_failed_scratch_allocation_is_reported():
             0,
             1.0,
             None,
+            0,
             1,
         )
         == oom
@@ -199,6 +200,7 @@ def test_failed_scratch_allocation_is_reported():
             None,
             1.0,
             None,
+            0,
             1,
         )
         == oom

@@ -130,6 +130,19 @@ void silu_and_mul(const float *x, int64_t T, int64_t I, float *out, int nthreads
     for_rows(silu_and_mul_rows, &a, T, T * I, nthreads);
 }
 
+typedef struct { const float *x, *y; float *sum; int64_t H; } add_args;
+
+static void add_rows(const void *args, int64_t t0, int64_t t1) {
+    const add_args *a = args;
+    for (int64_t i = t0 * a->H; i < t1 * a->H; i++) a->sum[i] = a->x[i] + a->y[i];
+}
+
+/* sum = x + y over T rows of H floats (sum may be x: a residual added in place) */
+static void add(const float *x, const float *y, float *sum, int64_t T, int64_t H, int nthreads) {
+    add_args a = {x, y, sum, H};
+    for_rows(add_rows, &a, T, T * H, nthreads);
+}
+
 /* the weight type and quant_kernels.c's products: kernels.h */
 #define QUANT_GEMV_MAX_ROWS 12      /* quantization.GEMV_MAX_ROWS: beyond, dequantized tiles (quant_gemm) win */
 
@@ -160,30 +173,37 @@ static int product(const float *x, int64_t M, int64_t K, const weight *w, float 
     return quant_gemm(w->bits, x, M, K, w->data, w->scale, w->mins, w->gshift, y, N, nthreads);
 }
 
-/* One Llama decoder layer for a step's T rows, all in this call: decode rows (one new token per sequence), then,
- * with chunk (else NULL), one prompt chunk from row chunk->first_row on:
- *   h = norm1(x); q, k, v = qkv(h); q, k = rotary(q, k); cache[slots] = k, v; a = attention(q, paged cache)
- *   x' = x + o(a); x_out = x' + down(silu(gate) * up)(norm2(x'))
- * the same kernels as the separate calls (so the same results), without the ~15 torch and ctypes dispatches a
- * layer that otherwise cost more than the arithmetic at one row, and (a prompt's forward layer by layer, in
- * Python) a third of a short prompt's time. Weights [out][in], no biases; qkv rows are q (NH heads), k, v (KVH
- * heads each); cos, sin [T][D]; slots [T] the cache slot of each row's new K/V; the caches hold float32, or
- * bfloat16 when kv_bf16 (the new K/V rounded to nearest even, as torch rounds); tables, context_lens: the decode
- * rows' (paged_decode_attention's, kv_bf16 its kind).
- * Returns 0, or KERNEL_OUT_OF_MEMORY when scratch memory (its own or a quantized product's) could not be had. */
-int decode_layer(const float *x, float *x_out, int64_t T, int64_t H, const float *norm1, const float *norm2,
-                 float eps, const weight *w_qkv, const weight *w_o, const weight *w_gate_up, const weight *w_down,
-                 int64_t I, int64_t NH, int64_t KVH, int64_t D, const float *cos_t, const float *sin_t,
-                 void *key_cache, void *value_cache, int kv_bf16, const int64_t *slots, const int64_t *tables,
-                 int64_t max_blocks, const int64_t *context_lens, int64_t bs, int64_t window, float scale,
-                 const prompt_chunk *chunk, int nthreads) {
+/* rows of prompt chunk i of n: from its first_row to the next chunk's (the last one's to T) */
+static int64_t chunk_rows(const prompt_chunk *chunks, int64_t n, int64_t i, int64_t T) {
+    return (i + 1 < n ? chunks[i + 1].first_row : T) - chunks[i].first_row;
+}
+
+/* Scratch for a layer of T rows (freed with free), and in *workspace, after it at a 64-byte boundary, the most any
+ * of the prompt chunks' attention takes (its workspace at no window, the most a window leaves it); NULL if the
+ * memory could not be had */
+static float *layer_scratch(int64_t T, int64_t H, int64_t I, int64_t NH, int64_t KVH, int64_t D,
+                            const prompt_chunk *chunks, int64_t n_chunks, float **workspace) {
+    const int64_t rows = T * (2 * H + (NH + 2 * KVH) * D + (NH + KVH) * D + NH * D + 3 * I);
+    int64_t spare = 0;
+    for (int64_t i = 0; i < n_chunks; i++) {
+        const int64_t need = prefill_attention_workspace(chunk_rows(chunks, n_chunks, i, T), chunks[i].p0, 0, KVH, D);
+        spare = need > spare ? need : spare;
+    }
+    float *h = malloc(sizeof(float) * (rows + (spare ? spare + 16 : 0)));
+    if (h) *workspace = (float *)(((uintptr_t)(h + rows) + 63) & ~(uintptr_t)63);
+    return h;
+}
+
+/* decode_layer's work in scratch h and workspace (layer_scratch's) */
+static int layer_step(const float *x, float *x_out, int64_t T, int64_t H, const float *norm1, const float *norm2,
+                      float eps, const weight *w_qkv, const weight *w_o, const weight *w_gate_up,
+                      const weight *w_down, int64_t I, int64_t NH, int64_t KVH, int64_t D, const float *cos_t,
+                      const float *sin_t, void *key_cache, void *value_cache, int kv_bf16, const int64_t *slots,
+                      const int64_t *tables, int64_t max_blocks, const int64_t *context_lens, int64_t bs,
+                      int64_t window, float scale, const prompt_chunk *chunks, int64_t n_chunks, float *h,
+                      float *workspace, int nthreads) {
     const int64_t QKV = (NH + 2 * KVH) * D, QK = (NH + KVH) * D, ROW = KVH * D;
-    const int64_t decodes = chunk ? chunk->first_row : T, prompt = T - decodes;
-    const int64_t spare = prompt ? prefill_attention_workspace(prompt, chunk->p0, window, KVH, D) : 0;
-    const int64_t scratch = T * (H + QKV + QK + NH * D + 3 * I + H);
-    float *h = malloc(sizeof(float) * (scratch + (spare ? spare + 16 : 0)));
-    if (!h) return KERNEL_OUT_OF_MEMORY;
-    float *const workspace = (float *)(((uintptr_t)(h + scratch) + 63) & ~(uintptr_t)63);   /* the chunk's */
+    const int64_t decodes = n_chunks ? chunks[0].first_row : T;
     int status;
     pool_enter();
     float *qkv = h + T * H, *qk = qkv + T * QKV, *attn = qk + T * QK, *gate_up = attn + T * NH * D;
@@ -207,46 +227,75 @@ int decode_layer(const float *x, float *x_out, int64_t T, int64_t H, const float
     if (decodes)
         paged_decode_attention(qk, QK, key_cache, value_cache, kv_bf16, tables, max_blocks, context_lens, decodes, NH,
                                KVH, D, bs, window, scale, attn, nthreads);
-    if (prompt)
-        paged_prefill_attention(qk + decodes * QK, QK, key_cache, value_cache, chunk->kv_bf16, chunk->table, prompt,
-                                chunk->p0, NH, KVH, D, bs, window, scale, attn + decodes * NH * D, workspace,
-                                chunk->avx512, nthreads);
+    for (int64_t i = 0; i < n_chunks; i++) {
+        const prompt_chunk *c = &chunks[i];
+        paged_prefill_attention(qk + c->first_row * QK, QK, key_cache, value_cache, c->kv_bf16, c->table,
+                                chunk_rows(chunks, n_chunks, i, T), c->p0, NH, KVH, D, bs, window, scale,
+                                attn + c->first_row * NH * D, workspace, c->avx512, nthreads);
+    }
     if ((status = product(attn, T, NH * D, w_o, y, H, nthreads))) goto done;
-    for (int64_t i = 0; i < T * H; i++) x_out[i] = x[i] + y[i];
+    add(x, y, x_out, T, H, nthreads);
     rms_norm(x_out, T, H, H, norm2, eps, h, nthreads);
     if ((status = product(h, T, H, w_gate_up, gate_up, 2 * I, nthreads))) goto done;
     silu_and_mul(gate_up, T, I, act, nthreads);
     if ((status = product(act, T, I, w_down, y, H, nthreads))) goto done;
-    for (int64_t i = 0; i < T * H; i++) x_out[i] += y[i];
+    add(x_out, y, x_out, T, H, nthreads);
 done:
     pool_exit();
+    return status;
+}
+
+/* One Llama decoder layer for a step's T rows, all in this call: decode rows (one new token per sequence), then
+ * n_chunks prompt chunks (chunks[i]'s rows from its first_row to the next one's, the last one's to T):
+ *   h = norm1(x); q, k, v = qkv(h); q, k = rotary(q, k); cache[slots] = k, v; a = attention(q, paged cache)
+ *   x' = x + o(a); x_out = x' + down(silu(gate) * up)(norm2(x'))
+ * the same kernels as the separate calls (so the same results), without the ~15 torch and ctypes dispatches a
+ * layer that otherwise cost more than the arithmetic at one row, and (a prompt's forward layer by layer, in
+ * Python) a third of a short prompt's time. Weights [out][in], no biases; qkv rows are q (NH heads), k, v (KVH
+ * heads each); cos, sin [T][D]; slots [T] the cache slot of each row's new K/V; the caches hold float32, or
+ * bfloat16 when kv_bf16 (the new K/V rounded to nearest even, as torch rounds); tables, context_lens: the decode
+ * rows' (paged_decode_attention's, kv_bf16 its kind).
+ * Returns 0, or KERNEL_OUT_OF_MEMORY when scratch memory (its own or a quantized product's) could not be had. */
+int decode_layer(const float *x, float *x_out, int64_t T, int64_t H, const float *norm1, const float *norm2,
+                 float eps, const weight *w_qkv, const weight *w_o, const weight *w_gate_up, const weight *w_down,
+                 int64_t I, int64_t NH, int64_t KVH, int64_t D, const float *cos_t, const float *sin_t,
+                 void *key_cache, void *value_cache, int kv_bf16, const int64_t *slots, const int64_t *tables,
+                 int64_t max_blocks, const int64_t *context_lens, int64_t bs, int64_t window, float scale,
+                 const prompt_chunk *chunks, int64_t n_chunks, int nthreads) {
+    float *workspace, *h = layer_scratch(T, H, I, NH, KVH, D, chunks, n_chunks, &workspace);
+    if (!h) return KERNEL_OUT_OF_MEMORY;
+    const int status = layer_step(x, x_out, T, H, norm1, norm2, eps, w_qkv, w_o, w_gate_up, w_down, I, NH, KVH, D,
+                                  cos_t, sin_t, key_cache, value_cache, kv_bf16, slots, tables, max_blocks,
+                                  context_lens, bs, window, scale, chunks, n_chunks, h, workspace, nthreads);
     free(h);
     return status;
 }
 
-/* The decoder stack of a step of decodes (and at most one prompt chunk after them): decode_layer for each of L
- * layers in turn (x -> x_out), one call for the whole model instead of one per layer from Python. Per layer l:
- * norms norm1[l], norm2[l]; weights weights[4 l .. 4 l + 3] (qkv, o, gate_up, down); its cache key_caches[l],
- * value_caches[l]; windows[l]. All layers share the slots, block tables, context lengths (one KV block table per
- * sequence) and chunk. Returns 0, or KERNEL_OUT_OF_MEMORY (then stops at that layer). */
+/* The decoder stack of a step of decodes and prompt chunks after them: decode_layer for each of L layers in turn
+ * (x -> x_out), one call for the whole model instead of one per layer from Python, with one scratch for all of
+ * them (a prompt step's is tens of MB: allocated a layer at a time, its pages would be faulted in 30 times). Per
+ * layer l: norms norm1[l], norm2[l]; weights weights[4 l .. 4 l + 3] (qkv, o, gate_up, down); its cache
+ * key_caches[l], value_caches[l]; windows[l]. All layers share the slots, block tables, context lengths (one KV
+ * block table per sequence) and chunks. Returns 0, or KERNEL_OUT_OF_MEMORY (then stops at that layer). */
 int decode_layers(int64_t L, const float *x, float *x_out, int64_t T, int64_t H, const float *const *norm1,
                   const float *const *norm2, float eps, const weight *weights, int64_t I, int64_t NH, int64_t KVH,
                   int64_t D, const float *cos_t, const float *sin_t, void *const *key_caches,
                   void *const *value_caches, int kv_bf16, const int64_t *slots, const int64_t *tables,
                   int64_t max_blocks, const int64_t *context_lens, int64_t bs, const int64_t *windows, float scale,
-                  const prompt_chunk *chunk, int nthreads) {
+                  const prompt_chunk *chunks, int64_t n_chunks, int nthreads) {
+    float *workspace, *h = layer_scratch(T, H, I, NH, KVH, D, chunks, n_chunks, &workspace);
     float *spare = malloc(sizeof(float) * T * H);
-    if (!spare) return KERNEL_OUT_OF_MEMORY;
+    int status = h && spare ? 0 : KERNEL_OUT_OF_MEMORY;
     const float *in = x;
-    int status = 0;
     for (int64_t l = 0; l < L && status == 0; l++) {
         float *out = (L - 1 - l) % 2 == 0 ? x_out : spare;     /* alternate, ending in x_out */
-        status = decode_layer(in, out, T, H, norm1[l], norm2[l], eps, &weights[4 * l], &weights[4 * l + 1],
-                              &weights[4 * l + 2], &weights[4 * l + 3], I, NH, KVH, D, cos_t, sin_t, key_caches[l],
-                              value_caches[l], kv_bf16, slots, tables, max_blocks, context_lens, bs, windows[l], scale,
-                              chunk, nthreads);
+        status = layer_step(in, out, T, H, norm1[l], norm2[l], eps, &weights[4 * l], &weights[4 * l + 1],
+                            &weights[4 * l + 2], &weights[4 * l + 3], I, NH, KVH, D, cos_t, sin_t, key_caches[l],
+                            value_caches[l], kv_bf16, slots, tables, max_blocks, context_lens, bs, windows[l], scale,
+                            chunks, n_chunks, h, workspace, nthreads);
         in = out;
     }
     free(spare);
+    free(h);
     return status;
 }

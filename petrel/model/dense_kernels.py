@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 from typing import NamedTuple
 
 import torch
@@ -45,9 +46,10 @@ class Weight(ctypes.Structure):
 
 
 class PromptChunk(ctypes.Structure):
-    """A step's prompt chunk after its decode rows, as decode_layers takes it (kernels.h's prompt_chunk, field for
-    field): rows from first_row on are one prompt's positions p0, p0 + 1, ... through its block table `table`,
-    attended as paged_prefill_attention does (its kv_bf16 and avx512 arguments)."""
+    """A step's prompt chunk after its decode rows, as decode_layers takes them, an array in row order (kernels.h's
+    prompt_chunk, field for field): rows from first_row to the next chunk's (the last one's to the step's end) are
+    one prompt's positions p0, p0 + 1, ... through its block table `table`, attended as paged_prefill_attention
+    does (its kv_bf16 and avx512 arguments)."""
 
     _fields_ = [
         ("first_row", ctypes.c_int64),
@@ -386,12 +388,16 @@ class LayerParts(NamedTuple):
 
     @property
     def max_rows(self) -> int:
-        """The most decode rows its products take in one call (quantized ones: dequantized tiles above a few)."""
+        """The most rows its products take in one call: any number where each product runs one kernel at every
+        count of rows (weights in panels, or integer products from a few rows on), else the few-row kernels' limit
+        (quantized ones': dequantized tiles above a few rows)."""
+        if all(isinstance(w, QuantizedWeight) and (w.panels or w.integer_rows) for w in self.weights):
+            return sys.maxsize
         quantized = any(isinstance(w, QuantizedWeight) for w in self.weights)
         return QUANT_GEMM_MAX_ROWS if quantized else GEMV_MAX_ROWS
 
     def fits(self, rows: int) -> bool:
-        """Whether the kernels take this layer for `rows` decode rows (its weights apart: see describe)."""
+        """Whether the kernels take this layer for a step of `rows` rows (its weights apart: see describe)."""
         head_dim = self.heads[2]
         hidden, inter = self.weights[0].shape[1], self.weights[3].shape[1]
         return (
@@ -482,6 +488,7 @@ def decode_layer(
         layer.sliding_window or 0,
         layer.scale,
         None,
+        0,
         torch.get_num_threads(),
     ):
         raise native.out_of_memory("decode_layer")
@@ -490,9 +497,10 @@ def decode_layer(
 
 class DecoderStack:
     """A model's plain decoder layers as one decode_layers call (dense_kernels.c): the pointers to every layer's
-    norms, weights and cache, gathered once (build), then a step's rows through all of them: decode rows, and at
-    most one prompt chunk after them (a short prompt's forward layer by layer spends a third of its time in Python
-    and in waking OpenMP's threads for each of its ~300 kernel calls)."""
+    norms, weights and cache, gathered once (build), then a step's rows through all of them: decode rows, and prompt
+    chunks after them (a short prompt's forward layer by layer spends a third of its time in Python and in waking
+    OpenMP's threads for each of its ~300 kernel calls; a step of long ones, a tenth in the operations between the
+    products)."""
 
     def __init__(self, lib, layers: list[LayerParts], kv_caches: list[torch.Tensor], kv_bf16: int, weights):
         n = len(layers)
@@ -541,25 +549,25 @@ class DecoderStack:
         slots: torch.Tensor,
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
-        chunk: tuple[int, torch.Tensor, int] | None = None,
+        chunks: list[tuple[int, torch.Tensor, int]] = (),
     ) -> torch.Tensor | None:
         """x [T, hidden] through every layer (see decode_layer for the other arguments: block_tables and
-        context_lens the decode rows', [0, width] and [0] where there are none), or None. chunk: (first_row, its
-        block table [>= its blocks] int64, p0) when rows first_row .. T - 1 are a prompt chunk at positions p0 ..."""
+        context_lens the decode rows', [0, width] and [0] where there are none), or None. chunks, in row order:
+        (first_row, its block table [>= its blocks] int64, p0) for each prompt chunk after the decode rows, its rows
+        from first_row to the next chunk's (the last one's to T - 1), at positions p0, p0 + 1, ..."""
         first, num_tokens = self.first, x.shape[0]
         num_heads, num_kv_heads, head_dim = first.heads
         if num_tokens > self.max_rows or not _step_fits(
             x, cos, sin, self.kv_caches[0], slots, block_tables, context_lens, first.heads
         ):
             return None
-        prompt = None
-        if chunk is not None:
-            first_row, table, p0 = chunk
-            if table.dtype != torch.int64 or head_dim > _MAX_PREFILL_HEAD_DIM:
-                return None
-            table = table.contiguous()
-            kv_bf16 = _prefill_kv_kind(self.kv_bf16)
-            prompt = PromptChunk(first_row, table.data_ptr(), p0, kv_bf16, int(native.cpu_has_avx512()))
+        if chunks and (head_dim > _MAX_PREFILL_HEAD_DIM or any(t.dtype != torch.int64 for _, t, _ in chunks)):
+            return None
+        tables = [t.contiguous() for _, t, _ in chunks]  # alive through the call
+        kv_bf16, avx512 = _prefill_kv_kind(self.kv_bf16), int(native.cpu_has_avx512())
+        prompts = (PromptChunk * len(chunks))(
+            *(PromptChunk(row, t.data_ptr(), p0, kv_bf16, avx512) for (row, _, p0), t in zip(chunks, tables))
+        )
         block_tables, context_lens = block_tables.contiguous(), context_lens.contiguous()
         out = torch.empty_like(x)
         if self.lib.decode_layers(
@@ -588,7 +596,8 @@ class DecoderStack:
             self.kv_caches[0].shape[2],
             self.windows,
             first.scale,
-            None if prompt is None else ctypes.byref(prompt),
+            prompts,
+            len(chunks),
             torch.get_num_threads(),
         ):
             raise native.out_of_memory("decode_layers")

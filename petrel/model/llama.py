@@ -192,16 +192,16 @@ class LlamaForCausalLM(nn.Module):
         return state
 
     def _step_in_one_call(self, x, cos_sin, kv_caches, meta, layers) -> torch.Tensor | None:
-        """A step of decodes and at most one prompt chunk after them, every layer plain and one KV block table per
-        sequence: the whole decoder stack as one kernel call (dense_kernels.decode_layers); None otherwise (then
-        each layer decides for itself; on a device the Triton kernels serve, they run the step)."""
-        if not isinstance(meta, AttentionMetadata) or len(meta.decode_groups) > 1 or len(meta.prefills) > 1:
+        """A step of decodes and prompt chunks after them, every layer plain and one KV block table per sequence: the
+        whole decoder stack as one kernel call (dense_kernels.decode_layers); None otherwise (then each layer
+        decides for itself; on a device the Triton kernels serve, they run the step)."""
+        if not isinstance(meta, AttentionMetadata) or len(meta.decode_groups) > 1:
             return None
         if triton_attention.serves(x.device):
             return None
         decodes = meta.decode_groups[0].end if meta.decode_groups else 0
-        chunk = meta.prefills[0] if meta.prefills else None
-        if (chunk is None and not decodes) or (chunk is not None and chunk.start != decodes):
+        starts, ends = [c.start for c in meta.prefills], [c.start + c.num_tokens for c in meta.prefills]
+        if not (decodes or starts) or starts != [decodes, *ends][: len(starts)]:  # chunks one after another
             return None
         stack = self.__dict__.get("_decode_stack")  # (key, dense_kernels.DecoderStack or None)
         key = (
@@ -224,9 +224,8 @@ class LlamaForCausalLM(nn.Module):
             tables, lens = meta.decode_groups[0].block_tables, meta.decode_groups[0].context_lens_t
         else:
             tables, lens = x.new_zeros((0, 1), dtype=torch.int64), x.new_zeros(0, dtype=torch.int64)
-        if chunk is not None:
-            chunk = (chunk.start, chunk.block_table, chunk.first_pos)
-        return stack[1](x, cos_sin[0], cos_sin[1], meta.slot_mapping, tables, lens, chunk)
+        chunks = [(c.start, c.block_table, c.first_pos) for c in meta.prefills]
+        return stack[1](x, cos_sin[0], cos_sin[1], meta.slot_mapping, tables, lens, chunks)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
