@@ -178,12 +178,19 @@ static int64_t chunk_rows(const prompt_chunk *chunks, int64_t n, int64_t i, int6
     return (i + 1 < n ? chunks[i + 1].first_row : T) - chunks[i].first_row;
 }
 
-/* Scratch for a layer of T rows (freed with free), and in *workspace, after it at a 64-byte boundary, the most any
- * of the prompt chunks' attention takes (its workspace at no window, the most a window leaves it); NULL if the
- * memory could not be had */
+/* The floats a row of a layer's scratch shares between the attention's q/k/v, rotated q/k and output and then, once
+ * the o projection has read those, the MLP's gate/up and activation */
+static int64_t shared_floats(int64_t I, int64_t NH, int64_t KVH, int64_t D) {
+    const int64_t attention = (3 * NH + 3 * KVH) * D, mlp = 3 * I;
+    return attention > mlp ? attention : mlp;
+}
+
+/* Scratch for a layer of T rows (freed with free): a norm's output, shared_floats, a product's output; and in
+ * *workspace, after it at a 64-byte boundary, the most any of the prompt chunks' attention takes (its workspace at
+ * no window, the most a window leaves it); NULL if the memory could not be had */
 static float *layer_scratch(int64_t T, int64_t H, int64_t I, int64_t NH, int64_t KVH, int64_t D,
                             const prompt_chunk *chunks, int64_t n_chunks, float **workspace) {
-    const int64_t rows = T * (2 * H + (NH + 2 * KVH) * D + (NH + KVH) * D + NH * D + 3 * I);
+    const int64_t rows = T * (2 * H + shared_floats(I, NH, KVH, D));
     int64_t spare = 0;
     for (int64_t i = 0; i < n_chunks; i++) {
         const int64_t need = prefill_attention_workspace(chunk_rows(chunks, n_chunks, i, T), chunks[i].p0, 0, KVH, D);
@@ -206,8 +213,8 @@ static int layer_step(const float *x, float *x_out, int64_t T, int64_t H, const 
     const int64_t decodes = n_chunks ? chunks[0].first_row : T;
     int status;
     pool_enter();
-    float *qkv = h + T * H, *qk = qkv + T * QKV, *attn = qk + T * QK, *gate_up = attn + T * NH * D;
-    float *act = gate_up + T * 2 * I, *y = act + T * I;
+    float *qkv = h + T * H, *qk = qkv + T * QKV, *attn = qk + T * QK;
+    float *gate_up = qkv, *act = gate_up + T * 2 * I, *y = qkv + T * shared_floats(I, NH, KVH, D);
     rms_norm(x, T, H, H, norm1, eps, h, nthreads);
     if ((status = product(h, T, H, w_qkv, qkv, QKV, nthreads))) goto done;
     rotary(qkv, T, NH + KVH, D, QKV, cos_t, sin_t, qk, nthreads);
