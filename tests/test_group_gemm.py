@@ -251,10 +251,10 @@ def test_quantized_linear_switches_to_integers_from_int8_min_rows(lib, monkeypat
 
 
 def test_batched_decode_layers_take_group_products(tiny, lib, monkeypatch):
-    """Decode-only steps of INT8_MIN_ROWS + 1 sequences with Q4_1 projections run the decoder stack in one C call
-    (decode_layers), whose products call group_gemm from C: its logits are the separate modules' (group_gemm
-    from Python) to float rounding, far closer than to the float products' (PETREL_INT8_COMPUTE=0), which round
-    no activation."""
+    """Steps of INT8_MIN_ROWS + 1 sequences (their prompts, then decodes) with Q4_1 projections run the decoder
+    stack in one C call (decode_layers), whose products call group_gemm from C: its logits are the separate
+    modules' (group_gemm from Python) to float rounding, far closer than to the float products'
+    (PETREL_INT8_COMPUTE=0), which round no activation."""
     from test_model_tiny import PagedDriver, quantized_copy, stack_calls
     from tiny_llama import _tokens
 
@@ -277,7 +277,7 @@ def test_batched_decode_layers_take_group_products(tiny, lib, monkeypatch):
 
     taken = stack_calls(monkeypatch)
     stacked = decode_logits()
-    assert taken == [False, True, True, True]  # every decode-only step, not the prefill of several prompts
+    assert taken == [True] * 4  # every step: the decodes and the prompts' step (several prompt chunks)
     monkeypatch.setattr(LlamaForCausalLM, "_step_in_one_call", lambda self, *a: None)
     monkeypatch.setattr(LlamaDecoderLayer, "_decode_in_one_call", lambda self, *a: None)
     separate = decode_logits()
