@@ -1,6 +1,7 @@
 """Where W2's time goes, step by step: W2 (64 prompts of 64..512 tokens, 128 new tokens each, greedy) through
 `LLM.generate`, with every model-runner step timed and sorted into decode-only steps and steps that carry prefill
-chunks (with the decodes running alongside them). The figures behind "where the time goes" in BENCHMARKS.md.
+chunks (with the decodes running alongside them), and inside the steps the time of the decoder stack's one C call, the
+LM head, the sampler and the step's inputs. The figures behind "where the time goes" in BENCHMARKS.md.
 
     python benchmarks/w2_steps.py [--max-num-batched-tokens 2048] [--kv-cache-memory-gib 4] [--dtype bfloat16]
                                   [--quantization int8] [--model FILE.gguf]
@@ -11,9 +12,13 @@ from __future__ import annotations
 import argparse
 import time
 
+from where_time_goes import Timers
+
 from petrel import LLM, SamplingParams
 from petrel.bench import make_w2_prompts
+from petrel.engine import sampler
 from petrel.engine.model_runner import ModelRunner
+from petrel.model import dense_kernels, llama
 
 
 def main() -> None:
@@ -35,6 +40,11 @@ def main() -> None:
         return out
 
     ModelRunner.execute = timed_execute
+    parts = Timers()
+    parts.wrap(dense_kernels.DecoderStack, "__call__", lambda a: "decoder stack (C)")
+    parts.wrap(llama.LlamaForCausalLM, "compute_logits", lambda a: "LM head")
+    parts.wrap(sampler.Sampler, "sample", lambda a: "sampler")
+    parts.wrap(ModelRunner, "build_inputs", lambda a: "step inputs")
     llm = LLM(
         kv_cache_memory=int(args.kv_cache_memory_gib * (1 << 30)),
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -44,6 +54,7 @@ def main() -> None:
     )
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     steps.clear()
+    parts.clear()
     params = SamplingParams(max_tokens=128, min_tokens=128, ignore_eos=True, temperature=0)
     t0 = time.perf_counter()
     llm.generate([{"prompt_token_ids": p} for p in make_w2_prompts()], params, use_tqdm=False)
@@ -61,6 +72,7 @@ def main() -> None:
         f"prompt tokens ({sum(s[0] for s in mixed) / max(1, sum(s[2] for s in mixed)) * 1e3:.2f} ms a token, "
         "decodes alongside included)"
     )
+    print("inside the steps: " + ", ".join(f"{key} {seconds:.2f} s" for key, seconds in parts.seconds.items()))
     llm.shutdown()
 
 
