@@ -221,6 +221,7 @@ def engine(args) -> LLM:
 
 def decode(args) -> None:
     from petrel.engine import engine_core
+    from petrel.engine.model_runner import ModelRunner
     from petrel.model import llama
 
     stack = "decoder stack (C)"
@@ -228,16 +229,23 @@ def decode(args) -> None:
     timers.wrap(dense_kernels.DecoderStack, "__call__", lambda a: stack)
     timers.wrap(llama.LlamaForCausalLM, "compute_logits", lambda a: "LM head")
     timers.wrap(sampler.Sampler, "sample", lambda a: "sampler")
-    # the engine's steps that ran the decoder stack (decodes only: no prompt tokens), their time and their calls
+    # the engine's steps of decodes only (every row one new token: prompt chunks run the decoder stack too), their
+    # time and their calls
     steps = {"n": 0, "seconds": 0.0, "inside": collections.defaultdict(float), "calls": collections.Counter()}
-    inner_step = engine_core.EngineCore.step
+    inner_step, inner_execute = engine_core.EngineCore.step, ModelRunner.execute
+    ran = {"decodes only": False}
+
+    def noted_execute(self, batch):
+        ran["decodes only"] = all(n == 1 for n in batch.num_new_tokens)
+        return inner_execute(self, batch)
 
     def timed_step(self):
         before, calls_before, t0 = dict(timers.seconds), collections.Counter(timers.calls), time.perf_counter()
+        ran["decodes only"] = False
         try:
             return inner_step(self)
         finally:
-            if timers.calls[stack] > calls_before[stack]:
+            if ran["decodes only"] and timers.calls[stack] > calls_before[stack]:
                 steps["n"] += 1
                 steps["seconds"] += time.perf_counter() - t0
                 for key, seconds in timers.seconds.items():
@@ -245,6 +253,7 @@ def decode(args) -> None:
                     steps["calls"][key] += timers.calls[key] - calls_before[key]
 
     engine_core.EngineCore.step = timed_step
+    ModelRunner.execute = noted_execute
     llm = engine(args)
     prompts = [{"prompt_token_ids": p[: args.prompt_tokens or None]} for p in make_w2_prompts(args.seqs)]
     llm.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)  # warm-up
