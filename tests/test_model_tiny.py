@@ -200,8 +200,9 @@ def test_step_by_step_decode_matches_transformers(tiny, kv_heads, tied, kernels)
 
 
 def quantized_copy(t: Tiny, fmt: str) -> SimpleNamespace:
-    """The tiny model with every layer's projections quantized: int8 per row, or GGUF Q4_1 blocks (gguf's own
-    quantizer) kept as 4-bit codes."""
+    """The tiny model with every layer's projections quantized: int8 per row, GGUF Q4_1 blocks (gguf's own
+    quantizer) kept as 4-bit codes, or bfloat16 (in panels where the CPU multiplies them so, as dtype="bfloat16"
+    holds them)."""
     import gguf
 
     from petrel.model.quantization import QuantizedLinear, QuantizedWeight
@@ -217,6 +218,8 @@ def quantized_copy(t: Tiny, fmt: str) -> SimpleNamespace:
             weight = projection_weight(getattr(owner, name))
             if fmt == "int8":
                 qweight = QuantizedWeight.int8_per_channel(weight)
+            elif fmt == "bfloat16":
+                qweight = QuantizedWeight.bfloat16(weight, panels=gemm_kernels.bf16_panels())
             else:
                 raw = gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType[fmt])
                 qweight = QuantizedWeight.from_gguf(fmt, raw, *weight.shape)
@@ -226,8 +229,14 @@ def quantized_copy(t: Tiny, fmt: str) -> SimpleNamespace:
 
 @pytest.mark.parametrize(
     "weights,kv_cache_dtype",
-    [("float32", torch.float32), ("int8", torch.float32), ("Q4_1", torch.float32), ("float32", torch.bfloat16)],
-    ids=["float32", "int8", "Q4_1", "bf16-cache"],
+    [
+        ("float32", torch.float32),
+        ("int8", torch.float32),
+        ("Q4_1", torch.float32),
+        ("float32", torch.bfloat16),
+        ("bfloat16", torch.bfloat16),
+    ],
+    ids=["float32", "int8", "Q4_1", "bf16-cache", "bf16"],
 )
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
 def test_decode_layer_in_one_call_equals_separate_calls(tiny, kv_heads, weights, kv_cache_dtype, monkeypatch):
@@ -269,8 +278,8 @@ def test_decode_layer_in_one_call_equals_separate_calls(tiny, kv_heads, weights,
 
 @pytest.mark.parametrize(
     "weights,kv_cache_dtype",
-    [("float32", torch.float32), ("Q4_1", torch.float32), ("float32", torch.bfloat16)],
-    ids=["float32", "Q4_1", "bf16-cache"],
+    [("float32", torch.float32), ("Q4_1", torch.float32), ("float32", torch.bfloat16), ("bfloat16", torch.bfloat16)],
+    ids=["float32", "Q4_1", "bf16-cache", "bf16"],
 )
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
 def test_prompt_chunks_in_one_call_equal_separate_calls(tiny, kv_heads, weights, kv_cache_dtype, monkeypatch):

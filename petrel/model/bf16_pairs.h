@@ -1,5 +1,6 @@
-/* gemm_avx512.c's GEMM of bfloat16 x and W (AVX512_BF16), for bf16_pairs.c, and the rounding of x to bfloat16 that
- * bf16_pairs.c and panels.c share: C-only, not for ctypes */
+/* gemm_avx512.c's GEMM of bfloat16 x and W (AVX512_BF16), for bf16_pairs.c, the rounding of x to bfloat16 that
+ * bf16_pairs.c and panels.c share, and panels.c's product of an x already rounded (for dense_kernels.c): C-only,
+ * not for ctypes */
 #pragma once
 #include <immintrin.h>
 #include <stdint.h>
@@ -12,6 +13,10 @@ int64_t bf16_pairs_gemm_workspace(int64_t K, int64_t N, int nthreads);
 /* y[M][N] = x[M][K] @ W[N][K]^T, x and W bfloat16, K even */
 void bf16_pairs_gemm(const uint16_t *x, int64_t M, int64_t K, const uint16_t *W, float *y, int64_t N,
                      float *workspace, int nthreads);
+
+/* panels.c's bf16_panels_product (kernels.h) for x already rounded to bfloat16 (xb [M][K]) */
+void bf16_panels_product_rounded(const uint16_t *xb, int64_t M, int64_t K, const uint16_t *W, float *y, int64_t N,
+                                 int nthreads);
 
 /* x rounded to bfloat16 (nearest even; the conversion takes subnormal floats as zero), n values */
 __attribute__((target("avx512f,avx512bw,avx512bf16")))

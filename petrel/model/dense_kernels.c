@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16_pairs.h"
 #include "kernels.h"
 #include "simd.h"
 #include "thread_pool.h"
@@ -130,6 +131,34 @@ void silu_and_mul(const float *x, int64_t T, int64_t I, float *out, int nthreads
     for_rows(silu_and_mul_rows, &a, T, T * I, nthreads);
 }
 
+typedef struct { const float *x; int64_t I; uint16_t *out; } silu_bf16_args;
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+static void silu_and_mul_bf16_rows(const void *args, int64_t t0, int64_t t1) {
+    const silu_bf16_args *a = args;
+    const int64_t I = a->I;
+    for (int64_t t = t0; t < t1; t++) {
+        const float *g = a->x + t * 2 * I, *u = g + I;
+        uint16_t *o = a->out + t * I;
+        for (int64_t i = 0; i < I; i += 16) {   /* silu_and_mul_rows' arithmetic, then rounded as round_to_bf16 */
+            const __mmask16 m = lanes16(I - i);
+            const __m512 gv = _mm512_maskz_loadu_ps(m, g + i);
+            const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+            const __m512 y = _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)),
+                                           _mm512_maskz_loadu_ps(m, u + i));
+            _mm256_mask_storeu_epi16(o + i, m, (__m256i)_mm512_cvtneps_pbh(y));
+        }
+    }
+}
+
+/* silu_and_mul's out rounded to bfloat16 (nearest even) as it is written: the input of a product through
+ * bf16_panels_product_rounded, one pass fewer than silu_and_mul and then the product's own rounding; callers check
+ * the CPU has AVX512_BF16 (bfloat16 panels) */
+static void silu_and_mul_bf16(const float *x, int64_t T, int64_t I, uint16_t *out, int nthreads) {
+    silu_bf16_args a = {x, I, out};
+    for_rows(silu_and_mul_bf16_rows, &a, T, T * I, nthreads);
+}
+
 typedef struct { const float *x, *y; float *sum; int64_t H; } add_args;
 
 static void add_rows(const void *args, int64_t t0, int64_t t1) {
@@ -141,6 +170,37 @@ static void add_rows(const void *args, int64_t t0, int64_t t1) {
 static void add(const float *x, const float *y, float *sum, int64_t T, int64_t H, int nthreads) {
     add_args a = {x, y, sum, H};
     for_rows(add_rows, &a, T, T * H, nthreads);
+}
+
+typedef struct {
+    const float *k; int64_t k_stride; const float *v; int64_t v_stride, row; const int64_t *slots;
+    void *key_cache, *value_cache; int bf16;
+} cache_args;
+
+static void cache_rows(const void *args, int64_t t0, int64_t t1) {
+    const cache_args *a = args;
+    const int64_t row = a->row;
+    for (int64_t t = t0; t < t1; t++) {
+        const float *k = a->k + t * a->k_stride, *v = a->v + t * a->v_stride;
+        if (a->bf16) {
+            uint16_t *kc = (uint16_t *)a->key_cache + a->slots[t] * row, *vc = (uint16_t *)a->value_cache + a->slots[t] * row;
+            for (int64_t i = 0; i < row; i++) {
+                kc[i] = float_to_bf16(k[i]);
+                vc[i] = float_to_bf16(v[i]);
+            }
+        } else {
+            memcpy((float *)a->key_cache + a->slots[t] * row, k, sizeof(float) * row);
+            memcpy((float *)a->value_cache + a->slots[t] * row, v, sizeof(float) * row);
+        }
+    }
+}
+
+/* the new keys and values of T rows (k, v: `row` floats each, k_stride / v_stride floats apart) into the cache
+ * slots slots[t], as float32 or (bf16) bfloat16 rounded to nearest even */
+static void write_cache(const float *k, int64_t k_stride, const float *v, int64_t v_stride, int64_t T, int64_t row,
+                        const int64_t *slots, void *key_cache, void *value_cache, int bf16, int nthreads) {
+    cache_args a = {k, k_stride, v, v_stride, row, slots, key_cache, value_cache, bf16};
+    for_rows(cache_rows, &a, T, T * 2 * row, nthreads);
 }
 
 /* the weight type and quant_kernels.c's products: kernels.h */
@@ -218,19 +278,7 @@ static int layer_step(const float *x, float *x_out, int64_t T, int64_t H, const 
     rms_norm(x, T, H, H, norm1, eps, h, nthreads);
     if ((status = product(h, T, H, w_qkv, qkv, QKV, nthreads))) goto done;
     rotary(qkv, T, NH + KVH, D, QKV, cos_t, sin_t, qk, nthreads);
-    for (int64_t t = 0; t < T; t++) {
-        const float *k = qk + t * QK + NH * D, *v = qkv + t * QKV + QK;
-        if (kv_bf16) {
-            uint16_t *kc = (uint16_t *)key_cache + slots[t] * ROW, *vc = (uint16_t *)value_cache + slots[t] * ROW;
-            for (int64_t i = 0; i < ROW; i++) {
-                kc[i] = float_to_bf16(k[i]);
-                vc[i] = float_to_bf16(v[i]);
-            }
-        } else {
-            memcpy((float *)key_cache + slots[t] * ROW, k, sizeof(float) * ROW);
-            memcpy((float *)value_cache + slots[t] * ROW, v, sizeof(float) * ROW);
-        }
-    }
+    write_cache(qk + NH * D, QK, qkv + QK, QKV, T, ROW, slots, key_cache, value_cache, kv_bf16, nthreads);
     if (decodes)
         paged_decode_attention(qk, QK, key_cache, value_cache, kv_bf16, tables, max_blocks, context_lens, decodes, NH,
                                KVH, D, bs, window, scale, attn, nthreads);
@@ -244,8 +292,13 @@ static int layer_step(const float *x, float *x_out, int64_t T, int64_t H, const 
     add(x, y, x_out, T, H, nthreads);
     rms_norm(x_out, T, H, H, norm2, eps, h, nthreads);
     if ((status = product(h, T, H, w_gate_up, gate_up, 2 * I, nthreads))) goto done;
-    silu_and_mul(gate_up, T, I, act, nthreads);
-    if ((status = product(act, T, I, w_down, y, H, nthreads))) goto done;
+    if (w_down->bits == 16 && w_down->panels) {   /* the activation straight to bfloat16, the product's input */
+        silu_and_mul_bf16(gate_up, T, I, (uint16_t *)act, nthreads);
+        bf16_panels_product_rounded((const uint16_t *)act, T, I, (const uint16_t *)w_down->data, y, H, nthreads);
+    } else {
+        silu_and_mul(gate_up, T, I, act, nthreads);
+        if ((status = product(act, T, I, w_down, y, H, nthreads))) goto done;
+    }
     add(x_out, y, x_out, T, H, nthreads);
 done:
     pool_exit();

@@ -140,11 +140,9 @@ void f32_panels_product(const float *x, int64_t M, int64_t K, const float *W, fl
 
 typedef struct { const float *x; int64_t rows, K; uint16_t *out; } round_args;
 
-static void round_part(void *args, int t, int T) {
+static void round_rows(const void *args, int64_t r0, int64_t r1) {
     const round_args *a = args;
-    int64_t r0, r1;
-    split_range(a->rows, t, T, 1, &r0, &r1);
-    if (r1 > r0) round_to_bf16(a->x + r0 * a->K, (r1 - r0) * a->K, a->out + r0 * a->K);
+    round_to_bf16(a->x + r0 * a->K, (r1 - r0) * a->K, a->out + r0 * a->K);
 }
 
 /* y[M][N] = x[M][K] @ W^T for bfloat16 W packed in panels ([ceil(N / 32)][K / 2][32] pairs), K even, x rounded to
@@ -153,10 +151,15 @@ int bf16_panels_product(const float *x, int64_t M, int64_t K, const uint16_t *W,
     uint16_t *const xb = malloc(sizeof(uint16_t) * (M * K + 2));
     if (!xb) return KERNEL_OUT_OF_MEMORY;
     round_args r = {x, M, K, xb};
-    if (M * K >= (1 << 16)) parallel_run(round_part, &r, nthreads);
-    else round_part(&r, 0, 1);
-    panels_args a = {(const float *)xb, M, K / 2, (const float *)W, y, N, pairs_blocks};
-    parallel_run(panels_part, &a, nthreads);
+    for_rows(round_rows, &r, M, M * K, nthreads);
+    bf16_panels_product_rounded(xb, M, K, W, y, N, nthreads);
     free(xb);
     return 0;
+}
+
+/* see kernels.h */
+void bf16_panels_product_rounded(const uint16_t *xb, int64_t M, int64_t K, const uint16_t *W, float *y, int64_t N,
+                                 int nthreads) {
+    panels_args a = {(const float *)xb, M, K / 2, (const float *)W, y, N, pairs_blocks};
+    parallel_run(panels_part, &a, nthreads);
 }

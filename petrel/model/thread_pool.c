@@ -138,7 +138,7 @@ static void rows_part(void *task, int t, int T) {
 
 /* see thread_pool.h */
 void for_rows(rows_fn fn, const void *args, int64_t n, int64_t elements, int nthreads) {
-    if (elements < PARALLEL_ELEMENTS || nthreads <= 1 || n < 2) {
+    if (elements < (pool_depth > 0 ? POOL_PARALLEL_ELEMENTS : PARALLEL_ELEMENTS) || nthreads <= 1 || n < 2) {
         fn(args, 0, n);
         return;
     }
