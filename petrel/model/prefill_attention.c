@@ -41,17 +41,20 @@ static void pack_part(void *args, int t, int T) {
     int64_t j0, j1;
     split_range(L, t, T, 16, &j0, &j1);
     if (a->kv_bf16 == 2) {   /* bfloat16 pairs for dpbf16 (prefill_attention.h), the cache's bits unchanged */
-        for (int64_t j = j0; j < j1; j++) {
-            const int64_t pos = a->lo + j;
+        for (int64_t j = j0; j < j1; j += 2) {   /* j0 a multiple of 16, j1 too or L: whole key pairs */
+            int64_t at[2];
+            for (int i = 0; i < 2; i++) {
+                const int64_t pos = a->lo + j + i;
+                at[i] = pos < ctx ? (a->table[pos / a->bs] * a->bs + pos % a->bs) * row : -1;
+            }
             for (int64_t kh = 0; kh < KVH; kh++) {
-                uint16_t *kt = (uint16_t *)(a->kt + kh * D * L + j / 16 * D * 16) + 2 * (j % 16);
-                uint16_t *v = (uint16_t *)(a->v + kh * L * D + j / 2 * D) + j % 2;
-                const int64_t at = pos < ctx ? (a->table[pos / a->bs] * a->bs + pos % a->bs) * row + kh * D : 0;
-                const uint16_t *ks = (const uint16_t *)a->key_cache + at, *vs = (const uint16_t *)a->value_cache + at;
-                for (int64_t d = 0; d < D; d++) {   /* keys: dimension pair d / 2, lane j % 16; values: key pair j / 2 */
-                    kt[d / 2 * 32 + d % 2] = pos < ctx ? ks[d] : 0;
-                    v[2 * d] = pos < ctx ? vs[d] : 0;
+                const uint16_t *ks[2], *vs[2];
+                for (int i = 0; i < 2; i++) {
+                    ks[i] = at[i] < 0 ? NULL : (const uint16_t *)a->key_cache + at[i] + kh * D;
+                    vs[i] = at[i] < 0 ? NULL : (const uint16_t *)a->value_cache + at[i] + kh * D;
                 }
+                pack_key_value_pairs(ks, vs, D, (uint32_t *)(a->kt + kh * D * L + j / 16 * D * 16) + j % 16,
+                                     (uint32_t *)(a->v + kh * L * D + j / 2 * D));
             }
         }
         return;

@@ -35,10 +35,13 @@ struct prefill_args {
 };
 
 /* the mask of row r against keys kb .. kb+nk-1: -inf where the key is after the row's position or behind its
- * window (called only where some key of the block is masked for some row) */
+ * window (called only where some key of the block is masked for some row); only the masked keys are touched (a
+ * test of every key cost more than the scores of the diagonal's blocks, which are all of a short prompt's) */
 static inline void mask_scores(const prefill_args *a, const row_group *rg, int r, int64_t kb, int64_t nk, float *s) {
-    for (int64_t j = 0; j < nk; j++)
-        if (kb + j > rg->pos[r] || (a->window > 0 && kb + j <= rg->pos[r] - a->window)) s[j] = -(float)__builtin_inff();
+    const float masked = -(float)__builtin_inff();
+    for (int64_t j = rg->pos[r] + 1 - kb > 0 ? rg->pos[r] + 1 - kb : 0; j < nk; j++) s[j] = masked;   /* after it */
+    if (a->window > 0)
+        for (int64_t j = 0; j < nk && kb + j <= rg->pos[r] - a->window; j++) s[j] = masked;          /* behind */
 }
 
 /* whether some key of kb .. kb+nk-1 is masked for some row of the group */
@@ -52,5 +55,11 @@ void attend_keys_avx512(const prefill_args *a, row_group *rg, int64_t kb, int64_
  * to bfloat16 (nearest even), two products an instruction. Its panels hold bfloat16 pairs, 32 bits an element: a
  * key tile [D/2][16] (keys j .. j+15, a dimension pair (d, d+1) of each) where the float tile [D][16] starts (its
  * first half), and values by key pairs, [L/2][D] (keys j, j+1 of each dimension) */
+/* The packing of two consecutive keys j, j + 1 (j even) of a KV head for attend_keys_pairs: their key rows ks[0],
+ * ks[1] (D bfloat16 values each) into the tile at kt (word e of key j + i at kt[16 e + i]: kt points at key j's
+ * lane), their value rows vs[0], vs[1] into the key pair's D pairs at v; a NULL row (past the context) packs as
+ * zeros */
+void pack_key_value_pairs(const uint16_t *const ks[2], const uint16_t *const vs[2], int64_t D, uint32_t *kt,
+                          uint32_t *v);
 void attend_keys_pairs(const prefill_args *a, row_group *rg, int64_t kb, int64_t nk, const float *kt,
                        const float *vv);

@@ -162,6 +162,26 @@ PAIRS_INLINE void round_pairs(const float *x, int64_t n, uint32_t *out) {
         _mm256_storeu_si256((__m256i *)(out + i / 2), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
 }
 
+/* see prefill_attention.h: key words copied to their lanes, value rows interleaved 32 dimensions at a time */
+PAIRS_TARGET void pack_key_value_pairs(const uint16_t *const ks[2], const uint16_t *const vs[2], int64_t D,
+                                       uint32_t *kt, uint32_t *v) {
+    for (int i = 0; i < 2; i++) {
+        const uint32_t *k = (const uint32_t *)ks[i];
+        for (int64_t e = 0; e < D / 2; e++) kt[16 * e + i] = k ? k[e] : 0;
+    }
+    static const uint16_t low[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                     8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    const __m512i lo = _mm512_loadu_si512(low), hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    for (int64_t d = 0; d < D; d += 32) {   /* D a multiple of 16: the last 16 dimensions alone where it is odd */
+        const int whole = D - d >= 32;
+        const __mmask32 m = whole ? 0xFFFFFFFFu : 0xFFFFu;
+        const __m512i r0 = vs[0] ? _mm512_maskz_loadu_epi16(m, vs[0] + d) : _mm512_setzero_si512();
+        const __m512i r1 = vs[1] ? _mm512_maskz_loadu_epi16(m, vs[1] + d) : _mm512_setzero_si512();
+        _mm512_storeu_si512(v + d, _mm512_permutex2var_epi16(r0, lo, r1));
+        if (whole) _mm512_storeu_si512(v + d + 16, _mm512_permutex2var_epi16(r0, hi, r1));
+    }
+}
+
 /* attend_fn for kv_bf16 2 (prefill_attention.h): attend_keys_avx512's steps, two products a dpbf16 */
 PAIRS_TARGET void attend_keys_pairs(const prefill_args *a, row_group *rg, int64_t kb, int64_t nk, const float *kt,
                                     const float *vv) {
