@@ -14,6 +14,7 @@ from petrel.config import EngineConfig
 from petrel.disagg import DisaggregatedParams
 from petrel.disagg import requests as disagg
 from petrel.engine.llm_engine import LLMEngine
+from petrel.heap import freeze_startup_objects, thaw_frozen_objects
 from petrel.kv_tiers.dkv_hint import parse_dkv_cache_hint
 from petrel.lora import LoRARequest
 from petrel.model.tokenizer import chat_prompt
@@ -41,6 +42,7 @@ class LLM:
         self._kv_server = None  # a prefill role's KV transfer server (kv_transfer_role): serves pinned prompts
         if self.config.serves_kv:
             self._kv_server = self._start_kv_server()
+        freeze_startup_objects()
 
     @property
     def tokenizer(self):
@@ -323,6 +325,7 @@ class LLM:
         if self._kv_server is not None:
             self._kv_server.close()
         self._engine.shutdown()
+        thaw_frozen_objects()  # this engine's cycles (the model's tensors among them) collectable again
 
     def __enter__(self) -> LLM:
         return self

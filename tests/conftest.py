@@ -13,6 +13,17 @@ import torch  # noqa: E402
 
 
 @pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory):
+    """The default model's tokenizer saved to a folder: tiny random-weight models borrow it."""
+    from petrel.model.loader import resolve_model
+    from petrel.model.tokenizer import load_tokenizer
+
+    path = tmp_path_factory.mktemp("tokenizer")
+    load_tokenizer(resolve_model(None)).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def llm():
     from petrel import LLM
 

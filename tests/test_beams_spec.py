@@ -16,16 +16,6 @@ PROMPT = _tokens(6, seed=1)  # its beams part after two tokens, so later beams a
 
 
 @pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    from petrel.model.loader import resolve_model
-    from petrel.model.tokenizer import load_tokenizer
-
-    path = tmp_path_factory.mktemp("tokenizer")
-    load_tokenizer(resolve_model(None)).save_pretrained(path)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
 def executor(tiny, tokenizer_dir):
     ex = Executor(
         tiny(2, False).path,

@@ -95,16 +95,6 @@ def test_batch_sizes_from_the_config():
         EngineConfig(cuda_graph_batch_sizes=[0])
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    from petrel.model.loader import resolve_model
-    from petrel.model.tokenizer import load_tokenizer
-
-    path = tmp_path_factory.mktemp("tokenizer")
-    load_tokenizer(resolve_model(None)).save_pretrained(path)
-    return str(path)
-
-
 def test_engine_with_decode_graphs_generates_the_tokens_of_one_without(tiny, tokenizer_dir, monkeypatch):
     """The runner's wiring (decode-only steps to the graphs, the scratch block past the block manager's, other steps
     to forward) with eager DecodeGraphs standing in for captured ones: same greedy tokens as an engine without."""

@@ -26,16 +26,6 @@ class LoopKiller(BaseException):
     """Not an Exception: what a SystemExit-like error inside a step looks like to the loop."""
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    from petrel.model.loader import resolve_model
-    from petrel.model.tokenizer import load_tokenizer
-
-    path = tmp_path_factory.mktemp("tokenizer")
-    load_tokenizer(resolve_model(None)).save_pretrained(path)
-    return str(path)
-
-
 @pytest.fixture
 def llm(tiny, tokenizer_dir):
     engine = LLM(tiny(2, False).path, tokenizer=tokenizer_dir, kv_cache_memory=1 << 20)

@@ -59,16 +59,6 @@ def _slow(request_id, logits, beam_tokens, stream, client_id):
     time.sleep(0.02)
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    from petrel.model.loader import resolve_model
-    from petrel.model.tokenizer import load_tokenizer
-
-    path = tmp_path_factory.mktemp("tokenizer")
-    load_tokenizer(resolve_model(None)).save_pretrained(path)
-    return str(path)
-
-
 def _engine_config(tiny, tokenizer_dir, **options) -> EngineConfig:
     return EngineConfig.from_kwargs(
         model=tiny(2, False).path,

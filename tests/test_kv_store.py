@@ -282,16 +282,6 @@ def test_plan_hinted_fetch_keeps_the_requests_own_chain():
 
 # ------------------------------------------------------------------------------------------ the hint's way in
 @pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    from petrel.model.loader import resolve_model
-    from petrel.model.tokenizer import load_tokenizer
-
-    path = tmp_path_factory.mktemp("tokenizer")
-    load_tokenizer(resolve_model(None)).save_pretrained(path)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
 def tiny_llm(tiny, tokenizer_dir):
     from petrel import LLM
 

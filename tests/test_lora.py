@@ -20,16 +20,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    from petrel.model.loader import resolve_model
-    from petrel.model.tokenizer import load_tokenizer
-
-    path = tmp_path_factory.mktemp("tokenizer")
-    load_tokenizer(resolve_model(None)).save_pretrained(path)
-    return str(path)
-
-
 def make_adapter(hf, path, seed: int, rank: int = 8, alpha: int = 16, **config):
     """Save a PEFT LoRA adapter of `hf` (random A and B) to path; return the merged transformers model."""
     model = peft.get_peft_model(

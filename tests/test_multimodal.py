@@ -172,16 +172,6 @@ def test_text_only_model_refuses_images(tiny, tokenizer_dir):
             text_only.generate(_mm("<image>hi", A), GREEDY)
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    from petrel.model.loader import resolve_model
-    from petrel.model.tokenizer import load_tokenizer
-
-    path = tmp_path_factory.mktemp("tokenizer")
-    load_tokenizer(resolve_model(None)).save_pretrained(path)
-    return str(path)
-
-
 def test_prompt_token_ids_with_images(llm):
     ids = llm.tokenizer(PROMPT2)["input_ids"]
     by_ids = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": [A, B]}}, GREEDY)

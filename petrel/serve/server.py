@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import os
 import signal
@@ -28,6 +27,7 @@ from petrel.cli_options import (
     parallel_options,
     speculative_config_json,
 )
+from petrel.heap import freeze_startup_objects
 from petrel.serve.connections import (
     DEFAULT_HEADER_TIMEOUT,
     ConnectionGuard,
@@ -380,15 +380,6 @@ def kv_transfer_banner(llm) -> str:
     served = f", KV transfer server at {llm.kv_transfer_endpoint}" if llm.kv_transfer_endpoint else ""
     peers = f", fetching from {' '.join(llm.config.kv_transfer_peers)}" if llm.config.kv_transfer_peers else ""
     return f"petrel serve: disaggregated serving role {role}{served}{peers}\n"
-
-
-def freeze_startup_objects() -> None:
-    """Moves every object alive after start-up (the model, tokenizer, modules) out of the cyclic garbage
-    collector's reach. A full collection traversed them all: 0.46 s here, several a minute while thousands of
-    connections come and go, and each one stalled the event loop (/health took up to 3.8 s under a slowloris
-    flood); after the freeze a full collection takes milliseconds."""
-    gc.collect()
-    gc.freeze()
 
 
 class DrainingServer(uvicorn.Server):
