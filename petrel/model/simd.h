@@ -37,38 +37,30 @@ static inline float bf16_to_float(uint16_t b) {
     return x;
 }
 
-/* e^x, relative error ~1e-7 (clamped to [-87, 88]): 2^n * e^r with |r| <= ln2/2, degree-6 polynomial */
-static inline __m256 exp256(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
+/* e^x, relative error ~1e-7 (clamped to [-87, 88]): 2^n * e^r with |r| <= ln2/2, degree-6 polynomial; the steps
+ * of exp256 and its sixteen-wide exp512 (for AVX-512 callers), one text so that both give the same results lane by
+ * lane. P: the intrinsics' prefix, V / VI: the float and integer vector types, ROUND: to the nearest integer,
+ * BITS_AS_FLOAT: an integer vector's bits as floats. */
+#define EXP_STEPS(P, V, VI, ROUND, BITS_AS_FLOAT)                                                                  \
+    x = P##_min_ps(P##_max_ps(x, P##_set1_ps(-87.f)), P##_set1_ps(88.f));                                          \
+    V n = ROUND(P##_mul_ps(x, P##_set1_ps(1.44269504088896341f)));                                                 \
+    V r = P##_fnmadd_ps(n, P##_set1_ps(0.693359375f), x);                                                          \
+    r = P##_fnmadd_ps(n, P##_set1_ps(-2.12194440e-4f), r);                                                         \
+    V y = P##_set1_ps(1.9875691500e-4f);                                                                           \
+    y = P##_fmadd_ps(y, r, P##_set1_ps(1.3981999507e-3f));                                                         \
+    y = P##_fmadd_ps(y, r, P##_set1_ps(8.3334519073e-3f));                                                         \
+    y = P##_fmadd_ps(y, r, P##_set1_ps(4.1665795894e-2f));                                                         \
+    y = P##_fmadd_ps(y, r, P##_set1_ps(1.6666665459e-1f));                                                         \
+    y = P##_fmadd_ps(y, r, P##_set1_ps(5.0000001201e-1f));                                                         \
+    y = P##_fmadd_ps(y, P##_mul_ps(r, r), P##_add_ps(r, P##_set1_ps(1.f)));                                        \
+    VI e = P##_slli_epi32(P##_add_epi32(P##_cvtps_epi32(n), P##_set1_epi32(127)), 23);                             \
+    return P##_mul_ps(y, BITS_AS_FLOAT(e))
+#define ROUND256(v) _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define ROUND512(v) _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 
-/* exp256, sixteen wide (the same steps, so the same results lane by lane); for AVX-512 callers */
+static inline __m256 exp256(__m256 x) { EXP_STEPS(_mm256, __m256, __m256i, ROUND256, _mm256_castsi256_ps); }
 __attribute__((target("avx512f"))) static inline __m512 exp512(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+    EXP_STEPS(_mm512, __m512, __m512i, ROUND512, _mm512_castsi512_ps);
 }
 
 /* 2^x for x <= 0, relative error < 1e-7; x <= -127 (and -inf) gives exactly 0, never a subnormal: 2^n * 2^r
