@@ -32,7 +32,6 @@ from petrel.route import build_disagg_app
 from petrel.serve.app import build_app
 from petrel.serve.server import BackgroundServer
 from tests.conftest import free_blocks
-from tests.test_engine_loop_death import tokenizer_dir  # noqa: F401 - a fixture
 from tests.test_router import MODEL
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

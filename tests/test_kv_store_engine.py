@@ -8,7 +8,6 @@ from __future__ import annotations
 import time
 
 import pytest
-from test_engine_loop_death import tokenizer_dir  # noqa: F401 - a fixture
 from test_kv_store import server  # noqa: F401 - a fixture
 from test_kv_tiers import (
     GREEDY,

@@ -10,7 +10,6 @@ import time
 
 import pytest
 import torch
-from test_engine_loop_death import tokenizer_dir  # noqa: F401 - a fixture
 from test_kv_tiers import BS, FILLERS, GREEDY, PROMPT, REUSED, _layout, _llm, model  # noqa: F401 - fixtures
 from test_model_tiny import greedy, hf_greedy
 

@@ -9,7 +9,6 @@ import os
 
 import pytest
 import torch
-from test_engine_loop_death import tokenizer_dir  # noqa: F401 - a fixture
 from test_hybrid_kv import gemma, run_engine  # noqa: F401 - a fixture
 from test_model_tiny import greedy, hf_greedy
 from tiny_llama import _tokens
