@@ -39,7 +39,7 @@ def release_free_memory() -> None:
 def freeze_startup_objects() -> None:
     """Moves every object alive now (after start-up: the model, tokenizer, modules) out of the cyclic garbage
     collector's reach, after collecting what is already garbage. A full collection traversed them all (0.46 s in a
-    server, ~80 ms each in an offline W2 run, the engine's loop waiting behind it); after the freeze it takes
+    server, 0.12 s inside an offline W2 run, the engine's loop waiting behind it); after the freeze it takes
     milliseconds."""
     gc.collect()
     gc.freeze()

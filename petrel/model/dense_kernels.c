@@ -108,6 +108,11 @@ void rotary(const float *x, int64_t T, int64_t heads, int64_t D, int64_t stride,
     for_rows(rotary_rows, &a, T, T * heads * D, nthreads);
 }
 
+/* silu(g) * u = g / (1 + e^-g) * u for vectors g, u: the arithmetic of silu_and_mul_rows (P _mm256, EXP exp256)
+ * and silu_and_mul_bf16_rows (_mm512, exp512), one text so that both give the same results lane by lane */
+#define SILU_TIMES(P, EXP, g, u) \
+    P##_mul_ps(P##_div_ps(g, P##_add_ps(P##_set1_ps(1.f), EXP(P##_sub_ps(P##_setzero_ps(), g)))), u)
+
 typedef struct { const float *x; int64_t I; float *out; } silu_args;
 
 static void silu_and_mul_rows(const void *args, int64_t t0, int64_t t1) {
@@ -118,9 +123,7 @@ static void silu_and_mul_rows(const void *args, int64_t t0, int64_t t1) {
         float *o = a->out + t * I;
         for (int64_t i = 0; i < I; i += 8) {
             const __m256 gv = _mm256_loadu_ps(g + i);
-            const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv));
-            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.f), e)),
-                                                  _mm256_loadu_ps(u + i)));
+            _mm256_storeu_ps(o + i, SILU_TIMES(_mm256, exp256, gv, _mm256_loadu_ps(u + i)));
         }
     }
 }
@@ -143,9 +146,7 @@ static void silu_and_mul_bf16_rows(const void *args, int64_t t0, int64_t t1) {
         for (int64_t i = 0; i < I; i += 16) {   /* silu_and_mul_rows' arithmetic, then rounded as round_to_bf16 */
             const __mmask16 m = lanes16(I - i);
             const __m512 gv = _mm512_maskz_loadu_ps(m, g + i);
-            const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-            const __m512 y = _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)),
-                                           _mm512_maskz_loadu_ps(m, u + i));
+            const __m512 y = SILU_TIMES(_mm512, exp512, gv, _mm512_maskz_loadu_ps(m, u + i));
             _mm256_mask_storeu_epi16(o + i, m, (__m256i)_mm512_cvtneps_pbh(y));
         }
     }
@@ -183,7 +184,8 @@ static void cache_rows(const void *args, int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; t++) {
         const float *k = a->k + t * a->k_stride, *v = a->v + t * a->v_stride;
         if (a->bf16) {
-            uint16_t *kc = (uint16_t *)a->key_cache + a->slots[t] * row, *vc = (uint16_t *)a->value_cache + a->slots[t] * row;
+            uint16_t *kc = (uint16_t *)a->key_cache + a->slots[t] * row;
+            uint16_t *vc = (uint16_t *)a->value_cache + a->slots[t] * row;
             for (int64_t i = 0; i < row; i++) {
                 kc[i] = float_to_bf16(k[i]);
                 vc[i] = float_to_bf16(v[i]);
@@ -206,6 +208,11 @@ static void write_cache(const float *k, int64_t k_stride, const float *v, int64_
 /* the weight type and quant_kernels.c's products: kernels.h */
 #define QUANT_GEMV_MAX_ROWS 12      /* quantization.GEMV_MAX_ROWS: beyond, dequantized tiles (quant_gemm) win */
 
+/* whether w is bfloat16 packed in panels: its products round x to bfloat16 first (bf16_panels_product) */
+static int bf16_panels(const weight *w) {
+    return w->bits == 16 && w->panels;
+}
+
 /* y[M][N] = x[M][K] @ W^T for either kind of weight (quantized: few rows in registers, from w->integer_rows rows in
  * integers: int8_gemm for one scale a row, group_gemm for groups; else dequantized tiles); 0, or
  * KERNEL_OUT_OF_MEMORY (quantized products' scratch) */
@@ -218,7 +225,7 @@ static int product(const float *x, int64_t M, int64_t K, const weight *w, float 
         f32_gemv(x, M, K, (const float *)w->data, y, N, nthreads);
         return 0;
     }
-    if (w->bits == 16 && w->panels) return bf16_panels_product(x, M, K, (const uint16_t *)w->data, y, N, nthreads);
+    if (bf16_panels(w)) return bf16_panels_product(x, M, K, (const uint16_t *)w->data, y, N, nthreads);
     if (w->bits == 16 && w->integer_rows && M >= w->integer_rows)
         return bf16_pairs_product(x, M, K, (const uint16_t *)w->data, y, N, nthreads);
     if (w->bits == 16) {
@@ -292,7 +299,7 @@ static int layer_step(const float *x, float *x_out, int64_t T, int64_t H, const 
     add(x, y, x_out, T, H, nthreads);
     rms_norm(x_out, T, H, H, norm2, eps, h, nthreads);
     if ((status = product(h, T, H, w_gate_up, gate_up, 2 * I, nthreads))) goto done;
-    if (w_down->bits == 16 && w_down->panels) {   /* the activation straight to bfloat16, the product's input */
+    if (bf16_panels(w_down)) {   /* the activation straight to bfloat16, the product's input */
         silu_and_mul_bf16(gate_up, T, I, (uint16_t *)act, nthreads);
         bf16_panels_product_rounded((const uint16_t *)act, T, I, (const uint16_t *)w_down->data, y, H, nthreads);
     } else {

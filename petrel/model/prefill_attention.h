@@ -55,11 +55,11 @@ void attend_keys_avx512(const prefill_args *a, row_group *rg, int64_t kb, int64_
  * to bfloat16 (nearest even), two products an instruction. Its panels hold bfloat16 pairs, 32 bits an element: a
  * key tile [D/2][16] (keys j .. j+15, a dimension pair (d, d+1) of each) where the float tile [D][16] starts (its
  * first half), and values by key pairs, [L/2][D] (keys j, j+1 of each dimension) */
+void attend_keys_pairs(const prefill_args *a, row_group *rg, int64_t kb, int64_t nk, const float *kt,
+                       const float *vv);
 /* The packing of two consecutive keys j, j + 1 (j even) of a KV head for attend_keys_pairs: their key rows ks[0],
  * ks[1] (D bfloat16 values each) into the tile at kt (word e of key j + i at kt[16 e + i]: kt points at key j's
  * lane), their value rows vs[0], vs[1] into the key pair's D pairs at v; a NULL row (past the context) packs as
  * zeros */
 void pack_key_value_pairs(const uint16_t *const ks[2], const uint16_t *const vs[2], int64_t D, uint32_t *kt,
                           uint32_t *v);
-void attend_keys_pairs(const prefill_args *a, row_group *rg, int64_t kb, int64_t nk, const float *kt,
-                       const float *vv);

@@ -17,9 +17,7 @@ void pool_enter(void);
 void pool_exit(void);
 
 #define PARALLEL_ELEMENTS 262144   /* below this many elements one thread is faster than waking the others */
-#ifndef POOL_PARALLEL_ELEMENTS
 #define POOL_PARALLEL_ELEMENTS 16384  /* the same between pool_enter() and pool_exit(), the workers spinning */
-#endif
 typedef void (*rows_fn)(const void *args, int64_t r0, int64_t r1);
 
 /* fn(args, r0, r1) over rows 0..n-1: shared out in ranges of rows over nthreads (parallel_run) when they hold
