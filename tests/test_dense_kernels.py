@@ -308,30 +308,37 @@ def test_prefill_products_go_to_the_gemm_the_isa_measured_faster(monkeypatch, ch
 
 
 KV_DTYPES = pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["f32-cache", "bf16-cache"])
-# decode attention's cache kinds: float32; bfloat16 as this CPU reads it (AVX512_BF16's dpbf16 where it has it); and
-# bfloat16 widened to float32 (the AVX2 loops, forced with PETREL_AVX512=0 where the CPU has dpbf16), so that CI
-# runs both bfloat16 loops on such machines
+# the attention kernels' cache kinds: float32; bfloat16 widened to float32 (PETREL_BF16_ACTIVATIONS=0: the AVX2
+# loops on every CPU); and bfloat16 through dpbf16 (q and the softmax weights rounded to bfloat16 as products round
+# x; where the CPU has AVX512_BF16), so that CI runs both bfloat16 loops on such machines
 needs_dpbf16_cache = pytest.mark.skipif(dense_kernels._bf16_cache_kind() != 2, reason="no AVX512_BF16 here")
 DECODE_KV_KINDS = pytest.mark.parametrize(
-    "kv_kind", ["f32-cache", "bf16-cache", pytest.param("bf16-cache-widened", marks=needs_dpbf16_cache)]
+    "kv_kind", ["f32-cache", "bf16-cache", pytest.param("bf16-cache-dpbf16", marks=needs_dpbf16_cache)]
 )
 
 
-def _decode_kv_dtype(kv_kind: str, monkeypatch) -> torch.dtype:
-    """The cache dtype of a DECODE_KV_KINDS case, with PETREL_AVX512=0 set for the widened bfloat16 loops."""
-    if kv_kind == "bf16-cache-widened":
-        monkeypatch.setenv("PETREL_AVX512", "0")
+def _decode_kv_dtype(kv_kind: str, monkeypatch) -> tuple[torch.dtype, bool]:
+    """The cache dtype of a DECODE_KV_KINDS case, and whether its dpbf16 loops (rounding q and the weights) run."""
+    if kv_kind == "f32-cache":
+        return torch.float32, False
+    if kv_kind == "bf16-cache":
+        monkeypatch.setenv("PETREL_BF16_ACTIVATIONS", "0")
         assert dense_kernels._bf16_cache_kind() == 1
-    return torch.float32 if kv_kind == "f32-cache" else torch.bfloat16
+        return torch.bfloat16, False
+    return torch.bfloat16, True
 
 
 def test_bf16_cache_kind_follows_the_cpu(monkeypatch):
-    """A bfloat16 cache goes to the dpbf16 loops (kv_bf16 2) exactly where the CPU has AVX512_BF16, BW and VL and
-    PETREL_AVX512 is not 0; else to the widening ones (1); float32 caches are 0."""
+    """A bfloat16 cache goes to the dpbf16 loops (kv_bf16 2) exactly where products round x to bfloat16 (the CPU has
+    AVX512_BF16 and BW, and neither PETREL_AVX512 nor PETREL_BF16_ACTIVATIONS is 0) and the CPU has AVX512VL; else to
+    the widening ones (1); float32 caches are 0."""
     pairs = native.cpu_has_avx512() and native.cpu_has("avx512_bf16", "avx512bw", "avx512vl")
     cache = torch.zeros(4, 16, 2, 32, dtype=torch.bfloat16)
     assert dense_kernels._kv_bf16(cache, cache) == (2 if pairs else 1)
     assert dense_kernels._kv_bf16(cache.float(), cache.float()) == 0
+    monkeypatch.setenv("PETREL_BF16_ACTIVATIONS", "0")
+    assert dense_kernels._kv_bf16(cache, cache) == 1
+    monkeypatch.setenv("PETREL_BF16_ACTIVATIONS", "1")
     monkeypatch.setenv("PETREL_AVX512", "0")
     assert dense_kernels._kv_bf16(cache, cache) == 1
 
@@ -350,9 +357,9 @@ def _paged_case(num_seqs, heads, kv_heads, head_dim, block_size, lens, seed, kv_
     return q, cache, tables, torch.tensor(lens, dtype=torch.int64)
 
 
-def _assert_decode_attention_is_torchs(q, cache, tables, lens_t, window):
+def _assert_decode_attention_is_torchs(q, cache, tables, lens_t, window, rounded=False):
     """The C kernel's result against the torch path's (attention._decode_attention) on the same paged case (a
-    bfloat16 cache: both widen its values exactly)."""
+    bfloat16 cache: both widen its values exactly; rounded: the kernel's dpbf16 loops round q and the weights)."""
     block_size, head_dim = cache.shape[2], q.shape[2]
     scale = head_dim**-0.5
     got = dense_kernels.decode_attention(q, cache[0], cache[1], tables, lens_t, scale, window)
@@ -362,7 +369,13 @@ def _assert_decode_attention_is_torchs(q, cache, tables, lens_t, window):
     if window is not None:
         mask &= span >= (lens_t - window).unsqueeze(1)
     expected = _decode_attention(q, cache[0], cache[1], tables, mask, scale)
-    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+    if not rounded:
+        torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+        return
+    # q and the weights rounded to bfloat16 (8 bits): as in prefill attention's test, each output moves by ~1e-3, an
+    # element at most ~1e-2; a misplaced key, value or weight moves them by ~1
+    error = (got - expected).abs()
+    assert error.max() < 2e-2 and error.mean() < 2e-3, (error.max(), error.mean())
 
 
 @pytest.mark.parametrize(
@@ -383,14 +396,14 @@ def _assert_decode_attention_is_torchs(q, cache, tables, lens_t, window):
 def test_paged_decode_attention_equals_torch_path(
     heads, kv_heads, head_dim, block_size, window, many, kv_kind, monkeypatch
 ):
-    kv_dtype = _decode_kv_dtype(kv_kind, monkeypatch)
+    kv_dtype, rounded = _decode_kv_dtype(kv_kind, monkeypatch)
     lens = [1, 5, block_size, block_size + 1, 3 * block_size - 1, 70, 133] * (3 if many else 1)
     q, cache, tables, lens_t = _paged_case(
         len(lens), heads, kv_heads, head_dim, block_size, lens, seed=heads + head_dim, kv_dtype=kv_dtype
     )
     if many:  # queries as the model hands them over: a slice of each row of a wider (q, k) tensor
         q = torch.cat([q, torch.randn(len(lens), kv_heads, head_dim)], dim=1)[:, :heads]
-    _assert_decode_attention_is_torchs(q, cache, tables, lens_t, window)
+    _assert_decode_attention_is_torchs(q, cache, tables, lens_t, window, rounded and head_dim % 32 == 0)
 
 
 @pytest.mark.parametrize(
@@ -410,18 +423,18 @@ def test_decode_attention_splits_few_long_contexts(
 ):
     """Fewer sequences than the threads can share out: each context is split into parts (more parts than the short
     one has blocks, so some parts see nothing), each part's softmax merged into the output at the end."""
-    kv_dtype = _decode_kv_dtype(kv_kind, monkeypatch)
+    kv_dtype, rounded = _decode_kv_dtype(kv_kind, monkeypatch)
     q, cache, tables, lens_t = _paged_case(
         len(lens), heads, kv_heads, head_dim, block_size, lens, seed=head_dim, kv_dtype=kv_dtype
     )
-    _assert_decode_attention_is_torchs(q, cache, tables, lens_t, window)
+    _assert_decode_attention_is_torchs(q, cache, tables, lens_t, window, rounded and head_dim % 32 == 0)
 
 
 @DECODE_KV_KINDS
 def test_decode_attention_never_reads_behind_the_window_or_past_the_context(kv_kind, monkeypatch):
     """Blocks wholly behind the window (given back, their FREED entries read as block 0) and the table's padding
     must not matter: filling them with NaN leaves the result unchanged."""
-    kv_dtype = _decode_kv_dtype(kv_kind, monkeypatch)
+    kv_dtype, _ = _decode_kv_dtype(kv_kind, monkeypatch)
     block_size, window, lens = 4, 8, [30, 9, 17]
     q, cache, tables, lens_t = _paged_case(3, 4, 2, 32, block_size, lens, seed=3, kv_dtype=kv_dtype)
     used = {b for s, n in enumerate(lens) for b in tables[s, : math.ceil(n / block_size)].tolist()}

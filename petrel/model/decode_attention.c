@@ -18,8 +18,8 @@
  *      heads. With the keys and values in cache this runs ~1.6x the rate of the kernel before it (one value row
  *      load per query head, 2^x by way of e^x), which leaves the memory more of each step's time.
  *   4. The caches hold float32 or bfloat16 (kv_bf16: half the bytes to read; each value widened exactly as it is
- *      loaded). One body serves both: the functions below take the kind as a constant (always inlined), so each
- *      kind gets its own loops. */
+ *      loaded, or, kind 2, multiplied as it is by AVX512_BF16's dpbf16). One body serves every kind: the functions
+ *      below take the kind as a constant (always inlined), so each kind gets its own loops. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -166,20 +166,11 @@ INLINE void span_values(const span_blocks *sb, int64_t kh, int64_t G, int64_t D,
     }
 }
 
-/* A bfloat16 cache through AVX512_BF16's dpbf16 (kv_bf16 2), exact as the widening loops are: each float operand
- * (the scaled queries, the softmax weights) is split into a bfloat16 high part and a bfloat16 remainder, each
- * product of a cached value with either part is exact in float32, so a score or a weighted value differs from the
- * float32 arithmetic's by about 2^-17 of it and the order of the sums. A dpbf16 does 32 of the widening loops'
- * products with no widening; the score and value loops run ~3x fewer instructions. */
+/* A bfloat16 cache through AVX512_BF16's dpbf16 (kv_bf16 2): the scaled queries and the softmax weights are rounded
+ * to bfloat16 (nearest even) and multiplied by the cached values as they are, two products an instruction with
+ * float32 sums, as the products round x where this kind is chosen (dense_kernels._bf16_cache_kind) and as
+ * paged_prefill_attention's kind 2 does. A dpbf16 does 32 of the widening loops' products with no widening. */
 #define PAIRS_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-
-/* x as bfloat16 high parts hi and remainders lo (x - hi, rounded), n values */
-static void split_bf16(const float *x, int64_t n, uint16_t *hi, uint16_t *lo) {
-    for (int64_t i = 0; i < n; i++) {
-        hi[i] = float_to_bf16(x[i]);
-        lo[i] = float_to_bf16(x[i] - bf16_to_float(hi[i]));
-    }
-}
 
 /* the span's rows of KV head kh (keys or values: base[b] of each block), the last ones repeated up to a multiple
  * of 16 (read, never stored: the padding lanes are dropped or weigh 0); returns how many are real */
@@ -206,10 +197,10 @@ PAIRS_TARGET static inline __m512 sum16(const __m512 *a) {
     return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
 }
 
-/* The scores of G query heads (high parts qh, remainders ql, D apart; D a multiple of 32) against the span's keys of
- * KV head kh, into p[g * MAX_SPAN + j]; returns the span's keys. Sixteen keys a pass, one 16-lane sum each. */
+/* The scores of G query heads (rounded to bfloat16: qb, D apart; D a multiple of 32) against the span's keys of KV
+ * head kh, into p[g * MAX_SPAN + j]; returns the span's keys. Sixteen keys a pass, one 16-lane sum each. */
 PAIRS_TARGET static int64_t span_scores_pairs(const span_blocks *sb, int64_t kh, int64_t G, int64_t D, int64_t row,
-                                              const uint16_t *qh, const uint16_t *ql, float *p, span_prefetch *pf) {
+                                              const uint16_t *qb, float *p, span_prefetch *pf) {
     const uint16_t *rows[MAX_SPAN + 16];
     const int64_t n = span_rows(sb, (const char *const *)sb->k, kh, D, row, rows);
     for (int64_t g = 0; g < G; g++)
@@ -218,12 +209,11 @@ PAIRS_TARGET static int64_t span_scores_pairs(const span_blocks *sb, int64_t kh,
             __m512 a[16];
             for (int i = 0; i < 16; i++) a[i] = _mm512_setzero_ps();
             for (int64_t d = 0; d < D; d += 32) {
-                const __m512bh h = (__m512bh)_mm512_loadu_si512(qh + g * D + d);
-                const __m512bh l = (__m512bh)_mm512_loadu_si512(ql + g * D + d);
+                const __m512bh h = (__m512bh)_mm512_loadu_si512(qb + g * D + d);
 #pragma GCC unroll 16
                 for (int i = 0; i < 16; i++) {
                     const __m512bh k = (__m512bh)_mm512_loadu_si512(rows[j0 + i] + d);
-                    a[SCORE_SLOT[i]] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(a[SCORE_SLOT[i]], k, h), k, l);
+                    a[SCORE_SLOT[i]] = _mm512_dpbf16_ps(a[SCORE_SLOT[i]], k, h);
                 }
             }
             const __mmask16 keep = lanes16(n - j0);
@@ -232,27 +222,21 @@ PAIRS_TARGET static int64_t span_scores_pairs(const span_blocks *sb, int64_t kh,
     return n;
 }
 
-/* The span's weights p[g][0 .. n) (n a multiple of 16) as pairs of consecutive keys' bfloat16 high parts (wh) and
- * remainders (wl), one 32-bit pair each, MAX_SPAN / 2 apart a head */
-PAIRS_TARGET static void weight_pairs(const float *p, int64_t G, int64_t n, uint32_t *wh, uint32_t *wl) {
+/* The span's weights p[g][0 .. n) (n a multiple of 16) rounded to bfloat16 as pairs of consecutive keys', one 32-bit
+ * pair each, MAX_SPAN / 2 apart a head, into w */
+PAIRS_TARGET static void weight_pairs(const float *p, int64_t G, int64_t n, uint32_t *w) {
     for (int64_t g = 0; g < G; g++)
-        for (int64_t j = 0; j < n; j += 16) {
-            const __m512 w = _mm512_loadu_ps(p + g * MAX_SPAN + j);
-            const __m256bh h = _mm512_cvtneps_pbh(w);
-            const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
-            _mm256_storeu_si256((__m256i *)(wh + (g * MAX_SPAN + j) / 2), (__m256i)h);
-            _mm256_storeu_si256((__m256i *)(wl + (g * MAX_SPAN + j) / 2),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(w, back)));
-        }
+        for (int64_t j = 0; j < n; j += 16)
+            _mm256_storeu_si256((__m256i *)(w + (g * MAX_SPAN + j) / 2),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + g * MAX_SPAN + j)));
 }
 
-/* acc [GN][D] (the pairs' order, below) += the span's value rows (rows[0 .. n), n even) weighted by the pairs wh/wl,
+/* acc [GN][D] (the pairs' order, below) += the span's value rows (rows[0 .. n), n even) weighted by the pairs w,
  * for dimensions d0 .. d0 + 32 NC: two rows' values interleaved into pairs (one unpack each for 32 of them), each
  * pair times GN heads' two weight pairs */
 #define VALUE_PAIRS(GN, NC) \
-PAIRS_TARGET static void value_pairs_##GN##_##NC(const uint16_t *const *rows, int64_t n, const uint32_t *wh, \
-                                                 const uint32_t *wl, float *acc, int64_t D, int64_t d0, \
-                                                 span_prefetch *pf) { \
+PAIRS_TARGET static void value_pairs_##GN##_##NC(const uint16_t *const *rows, int64_t n, const uint32_t *w, \
+                                                 float *acc, int64_t D, int64_t d0, span_prefetch *pf) { \
     __m512 a[GN][2 * NC]; \
     for (int g = 0; g < GN; g++) \
         for (int c = 0; c < 2 * NC; c++) a[g][c] = _mm512_loadu_ps(acc + g * D + d0 + 16 * c); \
@@ -266,10 +250,8 @@ PAIRS_TARGET static void value_pairs_##GN##_##NC(const uint16_t *const *rows, in
             v[2 * c + 1] = _mm512_unpackhi_epi16(r0, r1); \
         } \
         for (int g = 0; g < GN; g++) { \
-            const __m512bh h = (__m512bh)_mm512_set1_epi32((int)wh[g * (MAX_SPAN / 2) + j / 2]); \
-            const __m512bh l = (__m512bh)_mm512_set1_epi32((int)wl[g * (MAX_SPAN / 2) + j / 2]); \
-            for (int c = 0; c < 2 * NC; c++) \
-                a[g][c] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(a[g][c], (__m512bh)v[c], h), (__m512bh)v[c], l); \
+            const __m512bh h = (__m512bh)_mm512_set1_epi32((int)w[g * (MAX_SPAN / 2) + j / 2]); \
+            for (int c = 0; c < 2 * NC; c++) a[g][c] = _mm512_dpbf16_ps(a[g][c], (__m512bh)v[c], h); \
         } \
     } \
     for (int g = 0; g < GN; g++) \
@@ -283,21 +265,21 @@ VALUE_PAIRS(1, 1) VALUE_PAIRS(2, 1) VALUE_PAIRS(3, 1) VALUE_PAIRS(1, 2) VALUE_PA
 PAIRS_TARGET static void span_values_pairs(const span_blocks *sb, int64_t kh, int64_t G, int64_t D, int64_t row,
                                            const float *p, float *acc, span_prefetch *pf) {
     const uint16_t *rows[MAX_SPAN + 16];
-    uint32_t wh[MAX_G * MAX_SPAN / 2] __attribute__((aligned(64))), wl[MAX_G * MAX_SPAN / 2] __attribute__((aligned(64)));
+    uint32_t w[MAX_G * MAX_SPAN / 2] __attribute__((aligned(64)));
     const int64_t n = span_rows(sb, (const char *const *)sb->v, kh, D, row, rows), padded = (n + 15) / 16 * 16;
-    weight_pairs(p, G, padded, wh, wl);
+    weight_pairs(p, G, padded, w);
     for (int64_t g0 = 0; g0 < G; g0 += 3) {
         const int gn = G - g0 >= 3 ? 3 : (int)(G - g0);
-        const uint32_t *h = wh + g0 * (MAX_SPAN / 2), *l = wl + g0 * (MAX_SPAN / 2);
+        const uint32_t *h = w + g0 * (MAX_SPAN / 2);
         float *ag = acc + g0 * D;
         for (int64_t d0 = 0; d0 < D; d0 += 64) {
             const int nc = D - d0 >= 64 ? 2 : 1;
-            if (gn == 3 && nc == 2) value_pairs_3_2(rows, padded, h, l, ag, D, d0, pf);
-            else if (gn == 2 && nc == 2) value_pairs_2_2(rows, padded, h, l, ag, D, d0, pf);
-            else if (nc == 2) value_pairs_1_2(rows, padded, h, l, ag, D, d0, pf);
-            else if (gn == 3) value_pairs_3_1(rows, padded, h, l, ag, D, d0, pf);
-            else if (gn == 2) value_pairs_2_1(rows, padded, h, l, ag, D, d0, pf);
-            else value_pairs_1_1(rows, padded, h, l, ag, D, d0, pf);
+            if (gn == 3 && nc == 2) value_pairs_3_2(rows, padded, h, ag, D, d0, pf);
+            else if (gn == 2 && nc == 2) value_pairs_2_2(rows, padded, h, ag, D, d0, pf);
+            else if (nc == 2) value_pairs_1_2(rows, padded, h, ag, D, d0, pf);
+            else if (gn == 3) value_pairs_3_1(rows, padded, h, ag, D, d0, pf);
+            else if (gn == 2) value_pairs_2_1(rows, padded, h, ag, D, d0, pf);
+            else value_pairs_1_1(rows, padded, h, ag, D, d0, pf);
         }
     }
 }
@@ -348,8 +330,9 @@ INLINE void decode_item(decode_args *a, int64_t item, const int bf16) {
     const float *q = a->q + s * a->q_stride + h0 * D;
     for (int64_t i = 0; i < nkh * G * D; i++) { qs[i] = q[i] * scale_log2e; acc[i] = 0.f; }
     for (int64_t h = 0; h < nkh * G; h++) { m[h] = -INFINITY; l[h] = 0.f; }
-    uint16_t qh[bf16 == 2 ? MAX_HD : 1] __attribute__((aligned(64))), ql[bf16 == 2 ? MAX_HD : 1];
-    if (bf16 == 2) split_bf16(qs, nkh * G * D, qh, ql);
+    uint16_t qb[bf16 == 2 ? MAX_HD : 1] __attribute__((aligned(64)));
+    if (bf16 == 2)
+        for (int64_t i = 0; i < nkh * G * D; i++) qb[i] = float_to_bf16(qs[i]);
     for (int64_t b = b0; b < b1; b += span) {
         const int64_t n = b + span <= b1 ? span : b1 - b, next = b + n + span <= b1 ? span : b1 - b - n;
         gather_span(a, s, b, n, lo, len, &sb, bf16);
@@ -362,7 +345,7 @@ INLINE void decode_item(decode_args *a, int64_t item, const int bf16) {
         for (int64_t kh = kh0; kh < kh0 + nkh; kh++) {
             const int64_t i0 = (kh - kh0) * G;           /* the item's first query head of this KV head */
             int64_t keys = 0;
-            if (bf16 == 2) keys = span_scores_pairs(&sb, kh, G, D, row, qh + i0 * D, ql + i0 * D, p, &pf);
+            if (bf16 == 2) keys = span_scores_pairs(&sb, kh, G, D, row, qb + i0 * D, p, &pf);
             else
                 for (int64_t i = 0; i < sb.n; i++) {
                     block_scores(qs + i0 * D, G, D, kv_at(sb.k[i], kh * D, bf16), row, sb.t0[i], sb.t1[i], p, keys,
@@ -430,8 +413,9 @@ static void merge_parts(const decode_args *a, int64_t S) {
 
 /* One query token per sequence against its paged context, read in place.
  * q [S][H][D] (rows q_stride floats apart), out [S][H][D]; key_cache, value_cache [num_blocks][bs][KVH][D] of
- * float32 (kv_bf16 0), or of bfloat16 (1: each value widened; 2: through AVX512_BF16's dpbf16 where D is a multiple
- * of 32, callers check the CPU has AVX512_BF16, BW and VL);
+ * float32 (kv_bf16 0), or of bfloat16 (1: each value widened; 2: through AVX512_BF16's dpbf16, the queries and the
+ * softmax weights rounded to bfloat16, where D is a multiple of 32, callers check the CPU has AVX512_BF16, BW and
+ * VL);
  * tables [S][max_blocks]; context_lens [S]. Query head h uses KV head h / (H / KVH). With window > 0 a row sees
  * its last `window` positions only. D a multiple of 8, H * D <= MAX_HD, H / KVH <= MAX_G, bs <= MAX_BS. */
 void paged_decode_attention(const float *q, int64_t q_stride, const void *key_cache, const void *value_cache,

@@ -272,10 +272,10 @@ static float *layer_scratch(int64_t T, int64_t H, int64_t I, int64_t NH, int64_t
 static int layer_step(const float *x, float *x_out, int64_t T, int64_t H, const float *norm1, const float *norm2,
                       float eps, const weight *w_qkv, const weight *w_o, const weight *w_gate_up,
                       const weight *w_down, int64_t I, int64_t NH, int64_t KVH, int64_t D, const float *cos_t,
-                      const float *sin_t, void *key_cache, void *value_cache, int kv_bf16, const int64_t *slots,
-                      const int64_t *tables, int64_t max_blocks, const int64_t *context_lens, int64_t bs,
-                      int64_t window, float scale, const prompt_chunk *chunks, int64_t n_chunks, float *h,
-                      float *workspace, int nthreads) {
+                      const float *sin_t, void *key_cache, void *value_cache, int kv_bf16, int avx512,
+                      const int64_t *slots, const int64_t *tables, int64_t max_blocks, const int64_t *context_lens,
+                      int64_t bs, int64_t window, float scale, const prompt_chunk *chunks, int64_t n_chunks,
+                      float *h, float *workspace, int nthreads) {
     const int64_t QKV = (NH + 2 * KVH) * D, QK = (NH + KVH) * D, ROW = KVH * D;
     const int64_t decodes = n_chunks ? chunks[0].first_row : T;
     int status;
@@ -291,9 +291,9 @@ static int layer_step(const float *x, float *x_out, int64_t T, int64_t H, const 
                                KVH, D, bs, window, scale, attn, nthreads);
     for (int64_t i = 0; i < n_chunks; i++) {
         const prompt_chunk *c = &chunks[i];
-        paged_prefill_attention(qk + c->first_row * QK, QK, key_cache, value_cache, c->kv_bf16, c->table,
+        paged_prefill_attention(qk + c->first_row * QK, QK, key_cache, value_cache, kv_bf16, c->table,
                                 chunk_rows(chunks, n_chunks, i, T), c->p0, NH, KVH, D, bs, window, scale,
-                                attn + c->first_row * NH * D, workspace, c->avx512, nthreads);
+                                attn + c->first_row * NH * D, workspace, avx512, nthreads);
     }
     if ((status = product(attn, T, NH * D, w_o, y, H, nthreads))) goto done;
     add(x, y, x_out, T, H, nthreads);
@@ -321,18 +321,19 @@ done:
  * Python) a third of a short prompt's time. Weights [out][in], no biases; qkv rows are q (NH heads), k, v (KVH
  * heads each); cos, sin [T][D]; slots [T] the cache slot of each row's new K/V; the caches hold float32, or
  * bfloat16 when kv_bf16 (the new K/V rounded to nearest even, as torch rounds); tables, context_lens: the decode
- * rows' (paged_decode_attention's, kv_bf16 its kind).
+ * rows' (paged_decode_attention's); kv_bf16 the cache's kind for both attention kernels, avx512 the prompt chunks'
+ * (paged_prefill_attention's).
  * Returns 0, or KERNEL_OUT_OF_MEMORY when scratch memory (its own or a quantized product's) could not be had. */
 int decode_layer(const float *x, float *x_out, int64_t T, int64_t H, const float *norm1, const float *norm2,
                  float eps, const weight *w_qkv, const weight *w_o, const weight *w_gate_up, const weight *w_down,
                  int64_t I, int64_t NH, int64_t KVH, int64_t D, const float *cos_t, const float *sin_t,
-                 void *key_cache, void *value_cache, int kv_bf16, const int64_t *slots, const int64_t *tables,
-                 int64_t max_blocks, const int64_t *context_lens, int64_t bs, int64_t window, float scale,
-                 const prompt_chunk *chunks, int64_t n_chunks, int nthreads) {
+                 void *key_cache, void *value_cache, int kv_bf16, int avx512, const int64_t *slots,
+                 const int64_t *tables, int64_t max_blocks, const int64_t *context_lens, int64_t bs, int64_t window,
+                 float scale, const prompt_chunk *chunks, int64_t n_chunks, int nthreads) {
     float *workspace, *h = layer_scratch(T, H, I, NH, KVH, D, chunks, n_chunks, &workspace);
     if (!h) return KERNEL_OUT_OF_MEMORY;
     const int status = layer_step(x, x_out, T, H, norm1, norm2, eps, w_qkv, w_o, w_gate_up, w_down, I, NH, KVH, D,
-                                  cos_t, sin_t, key_cache, value_cache, kv_bf16, slots, tables, max_blocks,
+                                  cos_t, sin_t, key_cache, value_cache, kv_bf16, avx512, slots, tables, max_blocks,
                                   context_lens, bs, window, scale, chunks, n_chunks, h, workspace, nthreads);
     free(h);
     return status;
@@ -347,9 +348,9 @@ int decode_layer(const float *x, float *x_out, int64_t T, int64_t H, const float
 int decode_layers(int64_t L, const float *x, float *x_out, int64_t T, int64_t H, const float *const *norm1,
                   const float *const *norm2, float eps, const weight *weights, int64_t I, int64_t NH, int64_t KVH,
                   int64_t D, const float *cos_t, const float *sin_t, void *const *key_caches,
-                  void *const *value_caches, int kv_bf16, const int64_t *slots, const int64_t *tables,
-                  int64_t max_blocks, const int64_t *context_lens, int64_t bs, const int64_t *windows, float scale,
-                  const prompt_chunk *chunks, int64_t n_chunks, int nthreads) {
+                  void *const *value_caches, int kv_bf16, int avx512, const int64_t *slots,
+                  const int64_t *tables, int64_t max_blocks, const int64_t *context_lens, int64_t bs,
+                  const int64_t *windows, float scale, const prompt_chunk *chunks, int64_t n_chunks, int nthreads) {
     float *workspace, *h = layer_scratch(T, H, I, NH, KVH, D, chunks, n_chunks, &workspace);
     float *spare = malloc(sizeof(float) * T * H);
     int status = h && spare ? 0 : KERNEL_OUT_OF_MEMORY;
@@ -358,8 +359,8 @@ int decode_layers(int64_t L, const float *x, float *x_out, int64_t T, int64_t H,
         float *out = (L - 1 - l) % 2 == 0 ? x_out : spare;     /* alternate, ending in x_out */
         status = layer_step(in, out, T, H, norm1[l], norm2[l], eps, &weights[4 * l], &weights[4 * l + 1],
                             &weights[4 * l + 2], &weights[4 * l + 3], I, NH, KVH, D, cos_t, sin_t, key_caches[l],
-                            value_caches[l], kv_bf16, slots, tables, max_blocks, context_lens, bs, windows[l], scale,
-                            chunks, n_chunks, h, workspace, nthreads);
+                            value_caches[l], kv_bf16, avx512, slots, tables, max_blocks, context_lens, bs, windows[l],
+                            scale, chunks, n_chunks, h, workspace, nthreads);
         in = out;
     }
     free(spare);

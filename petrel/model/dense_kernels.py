@@ -49,15 +49,9 @@ class PromptChunk(ctypes.Structure):
     """A step's prompt chunk after its decode rows, as decode_layers takes them, an array in row order (kernels.h's
     prompt_chunk, field for field): rows from first_row to the next chunk's (the last one's to the step's end) are
     one prompt's positions p0, p0 + 1, ... through its block table `table`, attended as paged_prefill_attention
-    does (its kv_bf16 and avx512 arguments)."""
+    does."""
 
-    _fields_ = [
-        ("first_row", ctypes.c_int64),
-        ("table", _P),
-        ("p0", ctypes.c_int64),
-        ("kv_bf16", ctypes.c_int32),
-        ("avx512", ctypes.c_int32),
-    ]
+    _fields_ = [("first_row", ctypes.c_int64), ("table", _P), ("p0", ctypes.c_int64)]
 
 
 def describe(weight: torch.Tensor | QuantizedWeight) -> Weight | None:
@@ -107,9 +101,8 @@ def _is_cpu_f32(*tensors: torch.Tensor) -> bool:
 
 
 def _kv_bf16(*caches: torch.Tensor) -> int | None:
-    """The attention kernels' kv_bf16 argument for these contiguous CPU caches: 0 float32; bfloat16 1 (each value
-    widened to float32), or 2 where the CPU has AVX512_BF16 and PETREL_AVX512 is not 0 (decode attention's dpbf16
-    loops, as exact: _bf16_cache_kind); None for any other cache (another dtype or device, caches that differ, a
+    """The attention kernels' kv_bf16 argument for these contiguous CPU caches (decode's and prefill's alike): 0
+    float32; bfloat16 _bf16_cache_kind(); None for any other cache (another dtype or device, caches that differ, a
     strided view)."""
     dtype = caches[0].dtype
     if dtype is not torch.float32 and dtype is not torch.bfloat16:
@@ -120,17 +113,12 @@ def _kv_bf16(*caches: torch.Tensor) -> int | None:
     return _bf16_cache_kind() if dtype is torch.bfloat16 else 0
 
 
-def _prefill_kv_kind(kv_bf16: int) -> int:
-    """paged_prefill_attention's kv_bf16 for a cache of kind kv_bf16 (_kv_bf16): its dpbf16 loops (2) round the
-    queries and the softmax weights to bfloat16, so they run only where products round x too (bf16_pairs_rows);
-    elsewhere a bfloat16 cache is widened (1)."""
-    return 1 if kv_bf16 == 2 and not gemm_kernels.bf16_pairs_rows() else kv_bf16
-
-
 def _bf16_cache_kind() -> int:
-    """kv_bf16 for a bfloat16 cache on this CPU: 2 (dpbf16) with AVX512_BF16, BW and VL unless PETREL_AVX512=0,
-    else 1."""
-    return 2 if native.cpu_has_avx512() and native.cpu_has("avx512_bf16", "avx512bw", "avx512vl") else 1
+    """kv_bf16 for a bfloat16 cache: 2 where products round x to bfloat16 (gemm_kernels.bf16_pairs_rows: AVX512_BF16,
+    neither PETREL_AVX512 nor PETREL_BF16_ACTIVATIONS 0) and the CPU has AVX512VL: the attention kernels' dpbf16
+    loops, which round the queries and the softmax weights to bfloat16 too; else 1 (each value widened to float32,
+    the float32 arithmetic)."""
+    return 2 if gemm_kernels.bf16_pairs_rows() and native.cpu_has("avx512vl") else 1
 
 
 def _attention_fits(
@@ -202,7 +190,8 @@ def decode_attention(
 ) -> torch.Tensor | None:
     """One query per sequence against its paged context. q [S, heads, d]; key/value_cache [blocks, block_size,
     kv_heads, d]; block_tables [S, width] int64; context_lens [S] int64 (this step's token included). Returns
-    [S, heads, d], or None."""
+    [S, heads, d], or None. A bfloat16 cache where bfloat16 products round x goes through dpbf16 with q and the
+    softmax weights rounded to bfloat16 too (_bf16_cache_kind), as prefill_attention's."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     if (
@@ -250,8 +239,8 @@ def prefill_attention(
     """A prompt chunk's queries against every key they see (causal; windowed when sliding_window is set), read
     from the paged cache, which already holds the chunk's own keys and values. q [n, heads, d] at positions
     first_pos .. first_pos+n-1; key/value_cache [blocks, block_size, kv_heads, d]; block_table [>= blocks of the
-    context] int64. Returns [n, heads, d], or None. A bfloat16 cache where bfloat16 products round x
-    (gemm_kernels.bf16_pairs_rows) goes through dpbf16 with q and the softmax weights rounded to bfloat16 too."""
+    context] int64. Returns [n, heads, d], or None. A bfloat16 cache where bfloat16 products round x goes through
+    dpbf16 with q and the softmax weights rounded to bfloat16 too (_bf16_cache_kind)."""
     n, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     if (
@@ -264,7 +253,6 @@ def prefill_attention(
         or (lib := library()) is None
     ):
         return None
-    kv_bf16 = _prefill_kv_kind(kv_bf16)
     if q.stride(2) != 1 or q.stride(1) != head_dim:
         q = q.contiguous()
     block_table = block_table.contiguous()
@@ -480,6 +468,7 @@ def decode_layer(
         kv_cache[0].data_ptr(),
         kv_cache[1].data_ptr(),
         kv_bf16,
+        int(native.cpu_has_avx512()),
         slots.data_ptr(),
         block_tables.data_ptr(),
         block_tables.shape[1],
@@ -564,9 +553,8 @@ class DecoderStack:
         if chunks and (head_dim > _MAX_PREFILL_HEAD_DIM or any(t.dtype != torch.int64 for _, t, _ in chunks)):
             return None
         tables = [t.contiguous() for _, t, _ in chunks]  # alive through the call
-        kv_bf16, avx512 = _prefill_kv_kind(self.kv_bf16), int(native.cpu_has_avx512())
         prompts = (PromptChunk * len(chunks))(
-            *(PromptChunk(row, t.data_ptr(), p0, kv_bf16, avx512) for (row, _, p0), t in zip(chunks, tables))
+            *(PromptChunk(row, t.data_ptr(), p0) for (row, _, p0), t in zip(chunks, tables))
         )
         block_tables, context_lens = block_tables.contiguous(), context_lens.contiguous()
         out = torch.empty_like(x)
@@ -589,6 +577,7 @@ class DecoderStack:
             self.key_caches,
             self.value_caches,
             self.kv_bf16,
+            int(native.cpu_has_avx512()),
             slots.data_ptr(),
             block_tables.data_ptr(),
             block_tables.shape[1],

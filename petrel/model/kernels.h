@@ -47,26 +47,24 @@ void silu_and_mul(const float *x, int64_t T, int64_t I, float *out, int nthreads
 /* A step's prompt chunk after its decode rows (decode_layer, decode_layers take an array of them, in row order;
  * dense_kernels.PromptChunk mirrors it): rows from first_row to the next chunk's first_row (the last chunk's to T)
  * are one prompt's positions p0, p0 + 1, ..., attending causally through its block table (the cache already holding
- * them) as paged_prefill_attention does, with that function's kv_bf16 and avx512. */
+ * them) as paged_prefill_attention does, with the layer's kv_bf16 and avx512. */
 typedef struct {
     int64_t first_row;
     const int64_t *table;
     int64_t p0;
-    int32_t kv_bf16;
-    int32_t avx512;
 } prompt_chunk;
 int decode_layer(const float *x, float *x_out, int64_t T, int64_t H, const float *norm1, const float *norm2,
                  float eps, const weight *w_qkv, const weight *w_o, const weight *w_gate_up, const weight *w_down,
                  int64_t I, int64_t NH, int64_t KVH, int64_t D, const float *cos_t, const float *sin_t,
-                 void *key_cache, void *value_cache, int kv_bf16, const int64_t *slots, const int64_t *tables,
-                 int64_t max_blocks, const int64_t *context_lens, int64_t bs, int64_t window, float scale,
-                 const prompt_chunk *chunks, int64_t n_chunks, int nthreads);
+                 void *key_cache, void *value_cache, int kv_bf16, int avx512, const int64_t *slots,
+                 const int64_t *tables, int64_t max_blocks, const int64_t *context_lens, int64_t bs, int64_t window,
+                 float scale, const prompt_chunk *chunks, int64_t n_chunks, int nthreads);
 int decode_layers(int64_t L, const float *x, float *x_out, int64_t T, int64_t H, const float *const *norm1,
                   const float *const *norm2, float eps, const weight *weights, int64_t I, int64_t NH, int64_t KVH,
                   int64_t D, const float *cos_t, const float *sin_t, void *const *key_caches,
-                  void *const *value_caches, int kv_bf16, const int64_t *slots, const int64_t *tables,
-                  int64_t max_blocks, const int64_t *context_lens, int64_t bs, const int64_t *windows, float scale,
-                  const prompt_chunk *chunks, int64_t n_chunks, int nthreads);
+                  void *const *value_caches, int kv_bf16, int avx512, const int64_t *slots,
+                  const int64_t *tables, int64_t max_blocks, const int64_t *context_lens, int64_t bs,
+                  const int64_t *windows, float scale, const prompt_chunk *chunks, int64_t n_chunks, int nthreads);
 
 /* prefill_attention.c */
 int64_t prefill_attention_workspace(int64_t n, int64_t p0, int64_t window, int64_t KVH, int64_t D);
