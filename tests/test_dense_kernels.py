@@ -308,24 +308,25 @@ def test_prefill_products_go_to_the_gemm_the_isa_measured_faster(monkeypatch, ch
 
 
 KV_DTYPES = pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["f32-cache", "bf16-cache"])
-# the attention kernels' cache kinds: float32; bfloat16 widened to float32 (PETREL_BF16_ACTIVATIONS=0: the AVX2
-# loops on every CPU); and bfloat16 through dpbf16 (q and the softmax weights rounded to bfloat16 as products round
-# x; where the CPU has AVX512_BF16), so that CI runs both bfloat16 loops on such machines
+# the attention kernels' cache kinds (decode's and prefill's): float32; bfloat16 widened to float32
+# (PETREL_BF16_ACTIVATIONS=0: on every CPU); and bfloat16 through dpbf16 (q and the softmax weights rounded to
+# bfloat16 as products round x; where the CPU has AVX512_BF16), so that CI runs both bfloat16 loops on such machines
 needs_dpbf16_cache = pytest.mark.skipif(dense_kernels._bf16_cache_kind() != 2, reason="no AVX512_BF16 here")
-DECODE_KV_KINDS = pytest.mark.parametrize(
+ATTENTION_KV_KINDS = pytest.mark.parametrize(
     "kv_kind", ["f32-cache", "bf16-cache", pytest.param("bf16-cache-dpbf16", marks=needs_dpbf16_cache)]
 )
 
 
-def _decode_kv_dtype(kv_kind: str, monkeypatch) -> tuple[torch.dtype, bool]:
-    """The cache dtype of a DECODE_KV_KINDS case, and whether its dpbf16 loops (rounding q and the weights) run."""
+def _attention_kv_dtype(kv_kind: str, monkeypatch) -> tuple[torch.dtype, bool]:
+    """The cache dtype of an ATTENTION_KV_KINDS case, and whether the dpbf16 loops (rounding q and the weights) run
+    (after any switch of the ISA, such as prefill_isa's)."""
     if kv_kind == "f32-cache":
         return torch.float32, False
     if kv_kind == "bf16-cache":
         monkeypatch.setenv("PETREL_BF16_ACTIVATIONS", "0")
         assert dense_kernels._bf16_cache_kind() == 1
         return torch.bfloat16, False
-    return torch.bfloat16, True
+    return torch.bfloat16, dense_kernels._bf16_cache_kind() == 2
 
 
 def test_bf16_cache_kind_follows_the_cpu(monkeypatch):
@@ -392,11 +393,11 @@ def _assert_decode_attention_is_torchs(q, cache, tables, lens_t, window, rounded
 )
 # few short contexts: the work split by KV head; many: by sequence
 @pytest.mark.parametrize("many", [False, True], ids=["few-seqs", "many-seqs"])
-@DECODE_KV_KINDS
+@ATTENTION_KV_KINDS
 def test_paged_decode_attention_equals_torch_path(
     heads, kv_heads, head_dim, block_size, window, many, kv_kind, monkeypatch
 ):
-    kv_dtype, rounded = _decode_kv_dtype(kv_kind, monkeypatch)
+    kv_dtype, rounded = _attention_kv_dtype(kv_kind, monkeypatch)
     lens = [1, 5, block_size, block_size + 1, 3 * block_size - 1, 70, 133] * (3 if many else 1)
     q, cache, tables, lens_t = _paged_case(
         len(lens), heads, kv_heads, head_dim, block_size, lens, seed=heads + head_dim, kv_dtype=kv_dtype
@@ -417,24 +418,24 @@ def test_paged_decode_attention_equals_torch_path(
     ],
 )
 @pytest.mark.parametrize("lens", [[2000], [1100, 3]], ids=["one-seq", "long-and-short"])
-@DECODE_KV_KINDS
+@ATTENTION_KV_KINDS
 def test_decode_attention_splits_few_long_contexts(
     heads, kv_heads, head_dim, block_size, window, lens, kv_kind, monkeypatch
 ):
     """Fewer sequences than the threads can share out: each context is split into parts (more parts than the short
     one has blocks, so some parts see nothing), each part's softmax merged into the output at the end."""
-    kv_dtype, rounded = _decode_kv_dtype(kv_kind, monkeypatch)
+    kv_dtype, rounded = _attention_kv_dtype(kv_kind, monkeypatch)
     q, cache, tables, lens_t = _paged_case(
         len(lens), heads, kv_heads, head_dim, block_size, lens, seed=head_dim, kv_dtype=kv_dtype
     )
     _assert_decode_attention_is_torchs(q, cache, tables, lens_t, window, rounded and head_dim % 32 == 0)
 
 
-@DECODE_KV_KINDS
+@ATTENTION_KV_KINDS
 def test_decode_attention_never_reads_behind_the_window_or_past_the_context(kv_kind, monkeypatch):
     """Blocks wholly behind the window (given back, their FREED entries read as block 0) and the table's padding
     must not matter: filling them with NaN leaves the result unchanged."""
-    kv_dtype, _ = _decode_kv_dtype(kv_kind, monkeypatch)
+    kv_dtype, _ = _attention_kv_dtype(kv_kind, monkeypatch)
     block_size, window, lens = 4, 8, [30, 9, 17]
     q, cache, tables, lens_t = _paged_case(3, 4, 2, 32, block_size, lens, seed=3, kv_dtype=kv_dtype)
     used = {b for s, n in enumerate(lens) for b in tables[s, : math.ceil(n / block_size)].tolist()}
@@ -465,24 +466,6 @@ def test_decode_attention_declines_what_it_does_not_cover():
     assert dense_kernels.decode_attention(q, cache[0], cache[1].bfloat16(), tables, lens_t, 1.0, None) is None
     q12, cache12, tables12, lens12 = _paged_case(2, 4, 2, 12, 4, [5, 9], seed=5)  # head_dim not a multiple of 8
     assert dense_kernels.decode_attention(q12, cache12[0], cache12[1], tables12, lens12, 1.0, None) is None
-
-
-# prefill attention's cache kinds: float32; bfloat16 widened to float32 (PETREL_BF16_ACTIVATIONS=0); and bfloat16
-# through dpbf16 (q and the softmax weights rounded to bfloat16 as products round x; where the CPU has AVX512_BF16
-# and the test's ISA is AVX-512, else widened)
-PREFILL_KV_KINDS = pytest.mark.parametrize(
-    "kv_kind", ["f32-cache", "bf16-cache", pytest.param("bf16-cache-dpbf16", marks=needs_bf16_pairs)]
-)
-
-
-def _prefill_kv_dtype(kv_kind: str, monkeypatch) -> tuple[torch.dtype, bool]:
-    """The cache dtype of a PREFILL_KV_KINDS case, and whether its dpbf16 step runs (after prefill_isa's switch)."""
-    if kv_kind == "f32-cache":
-        return torch.float32, False
-    if kv_kind == "bf16-cache":
-        monkeypatch.setenv("PETREL_BF16_ACTIVATIONS", "0")
-        return torch.bfloat16, False
-    return torch.bfloat16, gemm_kernels.bf16_pairs_rows() > 0
 
 
 def _prefill_case(n, first_pos, heads, kv_heads, head_dim, block_size, seed, kv_dtype=torch.float32):
@@ -520,11 +503,11 @@ def _prefill_reference(q, cache, table, first_pos, scale, window):
         (300, 700, 8, 2, 64, 16, 128),  # ... windowed: key blocks wholly behind some groups' windows
     ],
 )
-@PREFILL_KV_KINDS
+@ATTENTION_KV_KINDS
 def test_paged_prefill_attention_equals_masked_softmax(
     n, first_pos, heads, kv_heads, head_dim, block_size, window, prefill_isa, kv_kind, monkeypatch
 ):
-    kv_dtype, rounded = _prefill_kv_dtype(kv_kind, monkeypatch)
+    kv_dtype, rounded = _attention_kv_dtype(kv_kind, monkeypatch)
     lib, kinds = dense_kernels.library(), []
     kernel = lib.paged_prefill_attention
     monkeypatch.setattr(lib, "paged_prefill_attention", lambda *a: kinds.append(a[4]) or kernel(*a))
@@ -558,9 +541,9 @@ def test_prefill_attention_at_extreme_scores(scale, prefill_isa):
     torch.testing.assert_close(got, _prefill_reference(q, cache, table, first_pos, scale, None), atol=1e-4, rtol=1e-4)
 
 
-@PREFILL_KV_KINDS
+@ATTENTION_KV_KINDS
 def test_prefill_attention_never_reads_behind_the_window_or_past_the_context(prefill_isa, kv_kind, monkeypatch):
-    kv_dtype, _ = _prefill_kv_dtype(kv_kind, monkeypatch)
+    kv_dtype, _ = _attention_kv_dtype(kv_kind, monkeypatch)
     n, first_pos, block_size, window = 10, 27, 4, 8
     q, cache, table = _prefill_case(n, first_pos, 4, 2, 32, block_size, seed=7, kv_dtype=kv_dtype)
     clean = dense_kernels.prefill_attention(q, cache[0], cache[1], table, first_pos, 0.2, window)
