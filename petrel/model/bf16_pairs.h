@@ -1,6 +1,6 @@
 /* gemm_avx512.c's GEMM of bfloat16 x and W (AVX512_BF16), for bf16_pairs.c, the rounding of x to bfloat16 that
- * bf16_pairs.c and panels.c share, and panels.c's product of an x already rounded (for dense_kernels.c): C-only,
- * not for ctypes */
+ * bf16_pairs.c, panels.c and decode_attention.c share, and panels.c's product of an x already rounded (for
+ * dense_kernels.c): C-only, not for ctypes */
 #pragma once
 #include <immintrin.h>
 #include <stdint.h>

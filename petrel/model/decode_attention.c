@@ -26,6 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16_pairs.h"
 #include "kernels.h"
 #include "online_softmax.h"
 #include "simd.h"
@@ -331,8 +332,7 @@ INLINE void decode_item(decode_args *a, int64_t item, const int bf16) {
     for (int64_t i = 0; i < nkh * G * D; i++) { qs[i] = q[i] * scale_log2e; acc[i] = 0.f; }
     for (int64_t h = 0; h < nkh * G; h++) { m[h] = -INFINITY; l[h] = 0.f; }
     uint16_t qb[bf16 == 2 ? MAX_HD : 1] __attribute__((aligned(64)));
-    if (bf16 == 2)
-        for (int64_t i = 0; i < nkh * G * D; i++) qb[i] = float_to_bf16(qs[i]);
+    if (bf16 == 2) round_to_bf16(qs, nkh * G * D, qb);   /* as products round x, and the weights below */
     for (int64_t b = b0; b < b1; b += span) {
         const int64_t n = b + span <= b1 ? span : b1 - b, next = b + n + span <= b1 ? span : b1 - b - n;
         gather_span(a, s, b, n, lo, len, &sb, bf16);
