@@ -199,10 +199,9 @@ def prefill(args) -> None:
     # the decoder's projections see every prompt token (the LM head, vocab_size rows, only the last ones)
     hidden, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     per_token = 2 * hidden * (q + 2 * kv + q + 3 * cfg.intermediate_size) * cfg.num_hidden_layers
-    if timers.seconds[stack]:
-        seconds = timers.seconds[stack]
-        print(f"  the decoder's projections over the stack's time: {tokens * per_token / seconds / 1e9:.0f} GFLOP/s")
     shapes = {key: shape for key, shape in linear_shapes.items() if shape[0] != cfg.vocab_size}
+    if (seconds := timers.seconds[stack]) and not any(timers.seconds[key] for key in shapes):  # the stack took them
+        print(f"  the decoder's projections over the stack's time: {tokens * per_token / seconds / 1e9:.0f} GFLOP/s")
     if seconds := sum(timers.seconds[key] for key in shapes):
         print(f"  the decoder's projections: {seconds:.2f} s, {tokens * per_token / seconds / 1e9:.0f} GFLOP/s")
 

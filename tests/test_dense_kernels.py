@@ -193,16 +193,32 @@ def test_bf16_weights_in_panels_only_where_products_round_x(monkeypatch):
     torch.testing.assert_close(packed.matmul(x), x @ w.float().t(), rtol=1e-6, atol=1e-5)
 
 
-# rows: blocks of up to 8 sized evenly (41: five of 7 and one of 6), with the next slice prefetched (from 8 rows) and
-# without, past 256 in passes (300: one full and one short, 523: two full and one of 11 rows); N in partial panels;
-# K from one value to several slices of 1,024 (2,100: three, the last shorter)
-@needs_avx512
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 15, 41, 64, 133, 300, 523])
+@pytest.fixture(params=ISAS)
+def panels_isa(request, monkeypatch):
+    """Float32 panels multiplied by request.param's blocks (AVX2's forced with PETREL_AVX512=0): yields the isa
+    f32_panels_product is to be called with (gemm_kernels.PANELS_AVX2 or PANELS_AVX512), then checks, with a spy on
+    the library, that every call passed it."""
+    if request.param == "avx2":
+        monkeypatch.setenv("PETREL_AVX512", "0")
+    isa = gemm_kernels.PANELS_AVX2 if request.param == "avx2" else gemm_kernels.PANELS_AVX512
+    lib, passed = gemm_kernels.library(), []
+    product = lib.f32_panels_product
+    monkeypatch.setattr(lib, "f32_panels_product", lambda *a: passed.append(a[-1]) or product(*a))
+    yield isa
+    assert passed and set(passed) == {isa}, passed
+
+
+# rows: AVX-512 blocks of up to 8 sized evenly (41: five of 7 and one of 6), AVX2 ones of up to 3 over whole panels
+# (1-3 rows) or of up to 6 over half panels (4: one of 4; 7: 4 and 3; 41: six of 6 and one of 5), with the next
+# slice prefetched (AVX-512 from 8 rows, AVX2 halves always) and without, past 256 in passes (300: one full and one
+# short, 523: two full and one of 11 rows); N in partial panels and partial halves (17, 33); K from one value to
+# several slices of 1,024 (2,100: three, the last shorter)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 15, 41, 64, 133, 300, 523])
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (33, 1000), (300, 2100), (17, 1), (32, 5)])
-def test_f32_panels_product_equals_matmul(rows, out_features, in_features):
+def test_f32_panels_product_equals_matmul(panels_isa, rows, out_features, in_features):
     """float32 weights packed in panels (quantization.pack_panels, as a float32 model's decoder projections are held
-    where the CPU has AVX-512): x @ W^T within float32 sums' bound for every count of rows; the packing undone gives
-    the rows back."""
+    wherever the kernels run): x @ W^T within float32 sums' bound for every count of rows with either ISA's blocks;
+    the packing undone gives the rows back."""
     from petrel.model.quantization import pack_panels, unpack_panels
 
     x, w = torch.randn(rows, in_features), torch.randn(out_features, in_features)
@@ -214,11 +230,11 @@ def test_f32_panels_product_equals_matmul(rows, out_features, in_features):
     _assert_within_float32_sum_bound(got, x, w)
 
 
-@needs_avx512
-@pytest.mark.parametrize("rows", [3, 9, 13, 41, 300])
-def test_a_rows_panel_product_does_not_depend_on_the_rows_beside_it(rows):
-    """Each row of a panel product is summed over k in one order whatever block it falls in (blocks of 1 to 8 rows,
-    sized by the count), so every row equals its product alone, bit for bit: float32 and bfloat16 panels."""
+@pytest.mark.parametrize("rows", [3, 4, 9, 13, 41, 300])
+def test_a_rows_panel_product_does_not_depend_on_the_rows_beside_it(panels_isa, rows):
+    """Each row of a panel product is summed over k in one order whatever block it falls in (AVX-512: blocks of 1 to
+    8 rows, sized by the count; AVX2: whole panels for up to 3 rows, half panels from 4), so every row equals its
+    product alone, bit for bit: float32 panels with either ISA's blocks, and bfloat16 ones where AVX512_BF16 runs."""
     from petrel.model.quantization import pack_panels
 
     x, w = torch.randn(rows, 1000), torch.randn(70, 1000)
@@ -231,11 +247,12 @@ def test_a_rows_panel_product_does_not_depend_on_the_rows_beside_it(rows):
         assert torch.equal(together, alone)
 
 
-@needs_avx512
-def test_f32_weights_in_panels_and_without_avx512(monkeypatch):
+def test_f32_weights_in_panels_with_either_isa_and_without_kernels(panels_isa, monkeypatch):
     """QuantizedWeight.float32_panels: the rows read back are the weights (an embedding-style gather across panels
-    too), the decoder stack takes them (bits 32, panels 1), and its product is x @ W^T; where AVX-512 is off after
-    loading (PETREL_AVX512=0) the product is the unpacked weights' and the stack declines them."""
+    too), the decoder stack takes them (bits 32, panels the ISA of their blocks), and its product is x @ W^T; where
+    the kernels are off after loading (PETREL_DENSE_KERNELS=0) the product is the unpacked weights' and the stack
+    declines them; PETREL_F32_PANELS=0 keeps a model's weights in rows."""
+    from petrel.model import native
     from petrel.model.quantization import QuantizedWeight
 
     x, w = torch.randn(5, 64), torch.randn(40, 64)
@@ -244,13 +261,15 @@ def test_f32_weights_in_panels_and_without_avx512(monkeypatch):
     ids = torch.tensor([0, 31, 32, 39, 5, 5])
     assert torch.equal(packed.dequantize(ids), w[ids])
     described = dense_kernels.describe(packed)
-    assert (described.bits, described.panels) == (32, 1) and gemm_kernels.f32_panels()
+    assert (described.bits, described.panels) == (32, panels_isa) and gemm_kernels.f32_panels()
     torch.testing.assert_close(packed.matmul(x), x @ w.t(), rtol=1e-5, atol=1e-4)
-    monkeypatch.setenv("PETREL_AVX512", "0")
-    assert not gemm_kernels.f32_panels() and dense_kernels.describe(packed) is None
-    assert gemm_kernels.f32_panels_product(x, packed.codes, 40) is None
-    torch.testing.assert_close(packed.matmul(x), x @ w.t(), rtol=1e-5, atol=1e-4)
-    monkeypatch.setenv("PETREL_AVX512", "1")
+    with monkeypatch.context() as patch:
+        patch.setenv("PETREL_DENSE_KERNELS", "0")
+        patch.delenv("PETREL_REQUIRE_KERNELS", raising=False)
+        patch.setattr(native, "_loaded", {})
+        assert not gemm_kernels.f32_panels() and dense_kernels.describe(packed) is None
+        assert gemm_kernels.f32_panels_product(x, packed.codes, 40) is None
+        torch.testing.assert_close(packed.matmul(x), x @ w.t(), rtol=1e-5, atol=1e-4)
     monkeypatch.setenv("PETREL_F32_PANELS", "0")
     assert not gemm_kernels.f32_panels()
 

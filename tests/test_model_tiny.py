@@ -139,7 +139,7 @@ def test_loader_config_and_weights(tiny, kv_heads, tied):
     hf_sd = t.hf.state_dict()
     for i in range(2):
         a = f"model.layers.{i}.self_attn."
-        # float32 projections held in panels where the CPU has AVX-512 (quantization.hold_f32_panels), else rows
+        # float32 projections held in panels wherever the kernels run (quantization.hold_f32_panels), else rows
         qkv_proj = t.model.get_submodule(a + "qkv_proj")
         assert isinstance(qkv_proj, QuantizedLinear) == gemm_kernels.f32_panels()
         qkv = projection_weight(qkv_proj)
@@ -287,7 +287,8 @@ def test_prompt_chunks_in_one_call_equal_separate_calls(tiny, kv_heads, weights,
     a prompt alone, a chunk after the prompt's cached first part, chunks after decode rows, two prompts, decode rows
     and then a continued chunk and a whole prompt; every row's logits must be the separate modules', and each such
     step must take the one call. A step of 310 rows takes it where every product runs one kernel at any count of
-    rows (weights in panels: float32 ones where the CPU has AVX-512; integer products), and only there."""
+    rows (weights in panels: float32 ones wherever the kernels run, with either ISA's blocks; integer products), and
+    only there."""
     if dense_kernels.library() is None:
         pytest.skip("petrel's float32 kernels cannot run here (no AVX2/FMA or no C compiler)")
     from petrel.model.llama import LlamaForCausalLM

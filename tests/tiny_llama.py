@@ -109,7 +109,7 @@ def tiny_factory(tmp_path_factory):
 
 def projection_weight(module: torch.nn.Module) -> torch.Tensor:
     """A projection's [out, in] weight: an nn.Linear's, or a QuantizedLinear's read back (a float32 model's decoder
-    projections are held in panels where the CPU has AVX-512: quantization.hold_f32_panels)."""
+    projections are held in panels wherever the kernels run: quantization.hold_f32_panels)."""
     from petrel.model.quantization import QuantizedLinear
 
     return module.qweight.dequantize() if isinstance(module, QuantizedLinear) else module.weight.detach()

@@ -218,7 +218,7 @@ static int bf16_panels(const weight *w) {
  * KERNEL_OUT_OF_MEMORY (quantized products' scratch) */
 static int product(const float *x, int64_t M, int64_t K, const weight *w, float *y, int64_t N, int nthreads) {
     if (w->bits == 32 && w->panels) {
-        f32_panels_product(x, M, K, (const float *)w->data, y, N, nthreads);
+        f32_panels_product(x, M, K, (const float *)w->data, y, N, nthreads, w->panels);
         return 0;
     }
     if (w->bits == 32) {

@@ -25,13 +25,13 @@ _P = ctypes.c_void_p
 
 
 class Weight(ctypes.Structure):
-    """A projection's weight as decode_layer reads it (kernels.h's `weight`, field for field): float32 rows (bits
-    32; panels 1: a QuantizedWeight of quantization.hold_f32_panels), bfloat16 rows or panels (bits 16: a
-    QuantizedWeight of quantization 'bf16'; panels 1 for quantization.pack_panels' layout), or a QuantizedWeight's
-    codes, scales
-    and mins (bits 4 or 8, groups of 2**gshift), products by quant_kernels.c, and from integer_rows rows (0: never;
-    see QuantizedWeight.integer_rows) in integers by int8_gemm.c (one scale a row) or group_gemm.c (groups) with
-    the kernel integer_isa (quant_kernels.integer_isa)."""
+    """A projection's weight as decode_layer reads it (kernels.h's `weight`, field for field): float32 rows or
+    panels (bits 32; panels, if not 0, the ISA of their blocks, gemm_kernels.f32_panels_isa(): a QuantizedWeight of
+    quantization.hold_f32_panels), bfloat16 rows or panels (bits 16: a QuantizedWeight of quantization 'bf16';
+    panels 1 for quantization.pack_panels' layout), or a QuantizedWeight's codes, scales and mins (bits 4 or 8,
+    groups of 2**gshift), products by quant_kernels.c, and from integer_rows rows (0: never; see
+    QuantizedWeight.integer_rows) in integers by int8_gemm.c (one scale a row) or group_gemm.c (groups) with the
+    kernel integer_isa (quant_kernels.integer_isa)."""
 
     _fields_ = [
         ("data", _P),
@@ -57,8 +57,8 @@ class PromptChunk(ctypes.Structure):
 def describe(weight: torch.Tensor | QuantizedWeight) -> Weight | None:
     """A [out, in] float32 tensor or a QuantizedWeight as a Weight, or None where the kernels cannot take it."""
     if isinstance(weight, QuantizedWeight) and weight.bits == 32:  # float32 panels
-        ok = weight.codes.is_cpu and gemm_kernels.f32_panels_library() is not None
-        return Weight(weight.codes.data_ptr(), None, None, 32, 0, 0, 0, 1) if ok else None
+        isa = gemm_kernels.f32_panels_isa() if weight.codes.is_cpu else 0
+        return Weight(weight.codes.data_ptr(), None, None, 32, 0, 0, 0, isa) if isa else None
     if isinstance(weight, QuantizedWeight) and weight.bits == 16 and weight.panels:  # they need rounded x
         ok = weight.codes.is_cpu and gemm_kernels.bf16_panels()
         return Weight(weight.codes.data_ptr(), None, None, 16, 0, 0, 0, 1) if ok else None

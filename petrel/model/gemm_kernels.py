@@ -41,26 +41,32 @@ def bf16_panels() -> bool:
     return bf16_pairs_rows() > 0 and library() is not None
 
 
-def f32_panels_library() -> ctypes.CDLL | None:
-    """The kernels where float32 weights in panels can be multiplied (f32_panels_product: the CPU has AVX-512, see
-    native.cpu_has_avx512, and the kernels load), else None."""
-    return library() if native.cpu_has_avx512() else None
+PANELS_AVX512, PANELS_AVX2 = 1, 2  # kernels.h: the blocks f32_panels_product multiplies float32 panels with
+
+
+def f32_panels_isa() -> int:
+    """The blocks float32 weights in panels are multiplied with (f32_panels_product): PANELS_AVX512 where the CPU has
+    AVX-512 (native.cpu_has_avx512), else PANELS_AVX2 where the kernels load (they need AVX2 and FMA); 0 where
+    they do not load."""
+    if library() is None:
+        return 0
+    return PANELS_AVX512 if native.cpu_has_avx512() else PANELS_AVX2
 
 
 def f32_panels() -> bool:
     """Whether a float32 model's weights are held packed in panels at load (quantization.hold_f32_panels): where
-    f32_panels_library() runs them and PETREL_F32_PANELS is not 0."""
-    return os.environ.get("PETREL_F32_PANELS", "1") != "0" and f32_panels_library() is not None
+    f32_panels_isa() runs them and PETREL_F32_PANELS is not 0."""
+    return os.environ.get("PETREL_F32_PANELS", "1") != "0" and f32_panels_isa() != 0
 
 
 def f32_panels_product(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor | None:
     """x [M, K] float32 contiguous @ W^T for float32 W packed in panels (quantization.pack_panels) with n rows; None
-    where the kernel cannot run (not the CPU, or no f32_panels_library)."""
-    if not x.is_cpu or not packed.is_cpu or (lib := f32_panels_library()) is None:
+    where the kernel cannot run (not the CPU, or no f32_panels_isa)."""
+    if not x.is_cpu or not packed.is_cpu or not (isa := f32_panels_isa()):
         return None
-    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    lib, y = library(), torch.empty(x.shape[0], n, dtype=torch.float32)
     lib.f32_panels_product(
-        x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), y.data_ptr(), n, torch.get_num_threads()
+        x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), y.data_ptr(), n, torch.get_num_threads(), isa
     )
     return y
 

@@ -16,9 +16,12 @@
  * rows, if not 0, of x rounded to bfloat16 too: bf16_pairs_product), or quant_kernels.c's codes (bits 4 or 8)
  * with their float32 scale and min per group of 2^gshift (mins may be NULL); integer_rows: from this many rows
  * of x its products run in integers with integer_isa's kernel (int8_gemm.c for 8-bit codes with one scale a row
- * and no mins, gshift >= 62; group_gemm.c for groups), 0 never. panels (bits 32 or 16): the weights packed in
- * panels of 32 columns, not rows (panels.c: f32_panels_product, callers check for AVX-512; bf16_panels_product,
- * x always rounded to bfloat16). */
+ * and no mins, gshift >= 62; group_gemm.c for groups), 0 never. panels (bits 32 or 16), if not 0: the weights
+ * packed in panels of 32 columns, not rows (panels.c): float32 ones multiplied by f32_panels_product with the blocks
+ * of the ISA `panels` names (PANELS_AVX512 or PANELS_AVX2, callers check the CPU), bfloat16 ones (panels 1) by
+ * bf16_panels_product, x always rounded to bfloat16. */
+#define PANELS_AVX512 1
+#define PANELS_AVX2 2
 typedef struct {
     const void *data;
     const float *scale;
@@ -84,7 +87,8 @@ void bf16_gemm(const float *x, int64_t M, int64_t K, const uint16_t *W, float *y
 int bf16_pairs_product(const float *x, int64_t M, int64_t K, const uint16_t *W, float *y, int64_t N, int nthreads);
 
 /* panels.c */
-void f32_panels_product(const float *x, int64_t M, int64_t K, const float *W, float *y, int64_t N, int nthreads);
+void f32_panels_product(const float *x, int64_t M, int64_t K, const float *W, float *y, int64_t N, int nthreads,
+                        int isa);
 int bf16_panels_product(const float *x, int64_t M, int64_t K, const uint16_t *W, float *y, int64_t N, int nthreads);
 
 /* gemm_avx2.c */

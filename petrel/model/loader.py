@@ -379,7 +379,7 @@ def load_model(
     tp: with tensor parallelism, this rank's shard of the model (each checkpoint tensor is read whole and the rank
     keeps its slice; quantization stays 'none').
     A float32 model on the CPU (quantization 'none', one rank) holds its projections, head and embedding packed in
-    panels where the CPU has AVX-512 (quantization.hold_f32_panels; PETREL_F32_PANELS=0 keeps rows)."""
+    panels wherever the kernels run (quantization.hold_f32_panels; PETREL_F32_PANELS=0 keeps rows)."""
     quantization = quantization or "none"
     if quantization == "gguf" and source.kind != "gguf":
         raise ValueError(

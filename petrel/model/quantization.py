@@ -15,9 +15,9 @@ EngineConfig.quantization picks how a model's projections, LM head and embedding
         weight is widened to float32 exactly (a shift) for the float32 kernels' arithmetic from half the bytes
         (dense_kernels.c's bf16_gemv, gemm_avx512.c / gemm_avx2.c's bf16_gemm, which widen W as they pack it).
         gemm_kernels.bf16_product picks.
-With none, a float32 model on the CPU holds its projections, LM head and embedding packed in panels where the CPU
-has AVX-512 (hold_f32_panels: the same float32 weights, laid out for panels.c's f32_panels_product;
-PETREL_F32_PANELS=0 keeps rows).
+With none, a float32 model on the CPU holds its projections, LM head and embedding packed in panels wherever the
+kernels run (hold_f32_panels: the same float32 weights, laid out for panels.c's f32_panels_product, whose blocks are
+AVX-512's or AVX2's; PETREL_F32_PANELS=0 keeps rows).
 Products run in quant_kernels.c (AVX2): weights are widened to float in registers and multiplied with float
 activations, so a product equals the dequantized weight's up to the order of float additions. At batch 1 a
 decode step reads every weight once, so fewer bytes per weight is what makes it faster. Many rows (prefill,
@@ -56,7 +56,7 @@ class QuantizedWeight(nn.Module):
     bits 16: codes [out, in] bfloat16, the weights themselves (no scale or min: w = code); with `panels`, packed
     instead as pack_panels lays them out for panels.c's bf16_panels_product.
     bits 32 (panels only): float32 weights themselves packed by pack_panels for panels.c's f32_panels_product (a
-    float32 model's weights where the CPU has AVX-512: hold_f32_panels).
+    float32 model's weights wherever the kernels run: hold_f32_panels).
     A module so that .to(device) moves it; its buffers keep their dtypes through model.to(dtype)."""
 
     def __init__(

@@ -8,6 +8,12 @@ static inline uint16_t lanes16(int64_t n) {
     return n <= 0 ? 0 : n >= 16 ? 0xFFFF : (uint16_t)((1u << n) - 1);
 }
 
+/* a mask of the first n of eight 32-bit lanes (all lanes from 8 on, none at 0 or below), for maskload / maskstore */
+static inline __m256i lanes8(int64_t n) {
+    const int c = n <= 0 ? 0 : n >= 8 ? 8 : (int)n;
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(c), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
 /* the sum of a vector's eight floats */
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
