@@ -11,7 +11,8 @@
 
 gemm: each distinct projection shape of the model (fused q/k/v, o, fused gate/up, down) at each row count, GFLOP/s
 (2 M N K / time, best of 5, torch's threads): petrel's few-row kernel (dense_kernels.linear, up to 256 rows),
-petrel's register-blocked GEMM (dense_kernels.gemm), torch as x @ W^T and as (W @ x^T)^T. With --ceiling, also this
+petrel's register-blocked GEMM (dense_kernels.gemm), torch as x @ W^T and as (W @ x^T)^T, the weights packed in panels
+(panels.c's f32_panels_product) with the AVX2 blocks and, where the CPU has AVX-512, with its. With --ceiling, also this
 machine's float32 FMA ceiling on as many threads (benchmarks/fma_peak.c, compiled with gcc; 256-bit FMAs), measured
 before and after the table, and the GEMM's share of the higher of the two.
 prefill: one prompt of --tokens random ids (or W2's first --w2-prompts prompts) through LLM.generate (max_tokens 1,
@@ -48,10 +49,10 @@ from int8_gemm import best_ms
 from petrel import LLM, SamplingParams
 from petrel.bench.workloads import make_w2_prompts
 from petrel.engine import sampler
-from petrel.model import dense_kernels, layers, native
+from petrel.model import dense_kernels, gemm_kernels, layers, native
 from petrel.model.config import ModelConfig
 from petrel.model.loader import load_model_config, resolve_model
-from petrel.model.quantization import QuantizedLinear
+from petrel.model.quantization import QuantizedLinear, pack_panels
 
 
 class Timers:
@@ -138,10 +139,22 @@ def gemm_table(args, fma_peak: str | None) -> None:
     ceilings = [fma_ceiling(fma_peak, threads)] if fma_peak else []
     if ceilings:
         print(f"FMA ceiling, {threads} threads: {ceilings[0]:.1f} GFLOP/s")
-    print("GFLOP/s: few-row kernel / petrel GEMM / torch x W^T / torch (W x^T)^T")
+    print(
+        "GFLOP/s: few-row kernel / petrel GEMM / torch x W^T / torch (W x^T)^T / "
+        "panels, AVX2 blocks / panels, AVX-512 blocks (0: not on this CPU)"
+    )
+    lib, isas = gemm_kernels.library(), [gemm_kernels.PANELS_AVX2]
+    if gemm_kernels.f32_panels_isa() == gemm_kernels.PANELS_AVX512:
+        isas.append(gemm_kernels.PANELS_AVX512)
+
+    def panels(x, packed, n, isa):  # gemm_kernels.f32_panels_product with the blocks of isa
+        y = torch.empty(x.shape[0], n)
+        lib.f32_panels_product(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), y.data_ptr(), n, threads, isa)
+
     gemm_rates = []
     for k, n in shapes:
         w = torch.randn(n, k) * 0.02
+        packed = pack_panels(w) if lib is not None else None
         for m in [int(r) for r in args.rows.split(",")]:
             x = torch.randn(m, k)
             gflop = 2 * m * k * n / 1e9
@@ -151,7 +164,12 @@ def gemm_table(args, fma_peak: str | None) -> None:
                 gflop / best_s(lambda: dense_kernels.gemm(x, w), repeats),
                 gflop / best_s(lambda: torch.mm(x, w.t()), repeats),
                 gflop / best_s(lambda: torch.mm(w, x.t()).t(), repeats),
+                *(
+                    gflop / best_s(lambda isa=isa: panels(x, packed, n, isa), repeats) if packed is not None else 0
+                    for isa in isas
+                ),
             ]
+            cells += [0.0] * (6 - len(cells))
             gemm_rates.append(cells[1])
             print(f"K {k:>5} N {n:>5} M {m:>5}: " + " ".join(f"{c:7.1f}" for c in cells), flush=True)
     if ceilings:

@@ -247,6 +247,30 @@ def test_a_rows_panel_product_does_not_depend_on_the_rows_beside_it(panels_isa, 
         assert torch.equal(together, alone)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_a_panel_product_does_not_depend_on_the_threads(panels_isa, rows):
+    """Each output is summed by one thread in one order, whichever thread's share of the panels holds it: 1, 2 and
+    3 threads give the same products bit for bit (float32 panels with either ISA's blocks, bfloat16 ones where
+    AVX512_BF16 runs), over a few panels (70 columns: 3) and many (1,000: 32)."""
+    from petrel.model.quantization import pack_panels
+
+    threads = torch.get_num_threads()
+    for out_features in (70, 1000):
+        x, w = torch.randn(rows, 300), torch.randn(out_features, 300)
+        products = [(gemm_kernels.f32_panels_product, pack_panels(w))]
+        if gemm_kernels.bf16_pairs_rows():
+            products.append((gemm_kernels.bf16_panels_product, pack_panels(w.bfloat16())))
+        for product, packed in products:
+            got = []
+            try:
+                for n in (1, 2, 3):
+                    torch.set_num_threads(n)
+                    got.append(product(x, packed, out_features))
+            finally:
+                torch.set_num_threads(threads)
+            assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2])
+
+
 def test_f32_weights_in_panels_with_either_isa_and_without_kernels(panels_isa, monkeypatch):
     """QuantizedWeight.float32_panels: the rows read back are the weights (an embedding-style gather across panels
     too), the decoder stack takes them (bits 32, panels the ISA of their blocks), and its product is x @ W^T; where
