@@ -52,6 +52,64 @@ def test_ratio_table_puts_petrel_over_each_peer():
     assert "140" in w1 and "x" not in w1.split("|")[-2]
 
 
+def test_ratio_table_over_rounds_gives_medians_and_the_median_of_paired_ratios():
+    def row(engine, value, round_):
+        return {
+            "workload": "w2",
+            "metric": "output tok/s",
+            "engine": engine,
+            "value": value,
+            "unit": "tok/s",
+            "round": round_,
+        }
+
+    # rounds' ratios 1.5, 1.0, 1.25: their median 1.25 (the medians' ratio, 120 / 90, would say 1.33)
+    rows = [row("petrel", 120.0, 0), row("vllm", 80.0, 0), row("vllm", 100.0, 1), row("petrel", 100.0, 1),
+            row("petrel", 150.0, 2), row("vllm", 120.0, 2)]  # fmt: skip
+    line = report.ratio_table(rows, ["petrel", "vllm"])[2]
+    assert [c.strip() for c in line.split("|")[1:-1]] == [
+        "w2",
+        "output tok/s (tok/s)",
+        "120",
+        "100",
+        "1.25x (1.00-1.50)",
+    ]
+    # a round without the peer's figure (it failed there) has no ratio; the others still pair up
+    rows = [r for r in rows if not (r["engine"] == "vllm" and r["round"] == 2)]
+    assert report.ratio_table(rows, ["petrel", "vllm"])[2].split("|")[-2].strip() == "1.25x (1.00-1.50)"
+
+
+def test_rounds_run_the_engines_in_turn_and_keep_each_rounds_figures(tmp_path, monkeypatch):
+    """--rounds 3 with two stand-in engines: the order alternates (A B, B A, A B), every row and raw result keeps
+    its round, and the table pairs each round's figures."""
+    calls = []
+
+    def engine(name, tok_s):
+        def run(self, workloads):
+            calls.append((self.round, name))
+            self.raw[f"{name}_w2"] = {"round": self.round}
+            self.add("w2", "output tok/s", name, tok_s[self.round], "tok/s")
+
+        return run
+
+    monkeypatch.setattr(compare.Compare, "installed", lambda self, e: True)
+    monkeypatch.setattr(compare.Compare, "petrel", engine("petrel", [130.0, 100.0, 120.0]))
+    monkeypatch.setattr(compare.Compare, "vllm", engine("vllm", [100.0, 100.0, 80.0]))
+    monkeypatch.setattr(flops, "matmul_peak_gflops", lambda: 100.0)
+    out = tmp_path / "c.json"
+    code = compare.main(["--engines", "petrel,vllm", "--workloads", "w2", "--quick", "--rounds", "3",
+                         "--peers-home", str(tmp_path), "--json", str(out)])  # fmt: skip
+    doc = json.loads(out.read_text())
+    assert code == 0 and calls == [(0, "petrel"), (0, "vllm"), (1, "vllm"), (1, "petrel"), (2, "petrel"),
+                                   (2, "vllm")]  # fmt: skip
+    assert doc["meta"]["rounds"] == 3 and [r["round"] for r in doc["rows"]] == [0, 0, 1, 1, 2, 2]
+    assert doc["raw"]["round 2"] == {"vllm_w2": {"round": 1}, "petrel_w2": {"round": 1}}
+    line = next(line for line in doc["table"] if line.startswith("| w2"))
+    assert line.split("|")[-2].strip() == "1.30x (1.00-1.50)" and "3 rounds" in " ".join(doc["table"])
+    with pytest.raises(SystemExit, match="--rounds 0"):
+        compare.main(["--engines", "petrel", "--rounds", "0", "--peers-home", str(tmp_path)])
+
+
 def test_w2_flops_counts_every_position_through_every_layer():
     # SmolLM2-135M: 30 layers of 3.54 M linear weights; W2 has ~18.6 k prompt and 8 k output positions
     assert 6.0e12 < flops.w2_matmul_flops() < 7.0e12

@@ -7,6 +7,7 @@
     petrel bench compare --model DIR_OR_GGUF [--gguf FILE.gguf] --workloads w1,w2 [--w2-requests 16]
     petrel bench compare --workloads w6           # long contexts (W6), every engine
     petrel bench compare --contention 1           # a competing CPU-bound process during each engine's run
+    petrel bench compare --engines petrel,vllm --workloads w2 --rounds 3   # the engines in turn, three times
 
 The peers are the ones `benchmarks/peers/setup_peers.sh` installs under $PEERS_HOME (default ~/petrel-peers), each
 in its own virtual environment: transformers (`venv-hf`), vLLM's CPU build (`venv-vllm`) and llama.cpp through
@@ -27,6 +28,11 @@ is then the chat template of PATH's tokenizer (as petrel applies it), handed to 
 W6's plan (workloads.w6_plan: prompt lengths, the long request's context) is made here from the model's config and
 the KV budget, stated in the output, and handed to every engine. --contention N keeps N CPU-bound processes busy
 (stress-ng --cpu N if installed, else Python busy loops; petrel/bench/contention.py) during each engine's run.
+
+--rounds N runs the engines in turn N times, every other round in the reverse order (A B, B A, A B, ...), so that
+a drift in the machine's speed over the run (this shared machine's memory rate moves by a third within minutes)
+meets every engine alike: the table gives each engine's median over the rounds and, as the ratio, the median of the
+rounds' own ratios with their range; the rows keep each round's figure ("round") and "raw" each round's results.
 """
 
 from __future__ import annotations
@@ -85,8 +91,9 @@ class Compare:
             "f32": os.path.join(self.peers_home, "models", "smollm2-135m-instruct-f32.gguf"),
             "q4_1": os.path.join(self.peers_home, "models", "SmolLM2-135M-Instruct.Q4_1.gguf"),
         }
-        self.rows: list[dict] = []  # {"workload", "metric", "engine", "value", "unit", "note"}
-        self.raw: dict = {}
+        self.rows: list[dict] = []  # {"workload", "metric", "engine", "value", "unit", "note", "round"}
+        self.raw: dict = {}  # this round's results by name
+        self.round = 0  # the round being run (--rounds)
         self.model = os.path.abspath(os.path.expanduser(args.model)) if args.model else None
         self.model_is_gguf = bool(self.model) and self.model.endswith(".gguf")
         if args.gguf and not args.model:
@@ -152,7 +159,15 @@ class Compare:
     def add(self, workload: str, metric: str, engine: str, value, unit: str = "", note: str = "") -> None:
         if value is not None:
             self.rows.append(
-                {"workload": workload, "metric": metric, "engine": engine, "value": value, "unit": unit, "note": note}
+                {
+                    "workload": workload,
+                    "metric": metric,
+                    "engine": engine,
+                    "value": value,
+                    "unit": unit,
+                    "note": note,
+                    "round": self.round,
+                }
             )
 
     def peer_script(self, engine: str, *argv: str, env: dict | None = None):
@@ -521,6 +536,8 @@ def run(args) -> dict:
     engines = parse_choices(args.engines, ENGINES, "engine")
     if args.contention < 0:
         raise SystemExit(f"--contention {args.contention}: the number of competing processes must be >= 0")
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds {args.rounds}: the number of rounds must be >= 1")
     cmp = Compare(args)
     missing = [e for e in engines if not cmp.installed(e)]
     for e in missing:
@@ -539,19 +556,25 @@ def run(args) -> dict:
             raise SystemExit(f"no {engine} script at {script} (--peers-dir)")
     peak = matmul_peak_gflops()
     log(f"fp32 matmul peak (torch, 2 threads, 2048²): {peak:.1f} GFLOP/s")
-    errors = {}
-    for engine in engines:
-        try:
-            with contention:
-                getattr(cmp, engine)(workloads)
-        except Exception as e:  # noqa: BLE001 - one engine failing leaves the others' figures
-            errors[engine] = repr(e)
-            log(f"{engine} FAILED: {e!r}")
+    errors, raws = {}, []
+    for cmp.round in range(args.rounds):
+        cmp.raw = {}
+        if args.rounds > 1:
+            log(f"round {cmp.round + 1} of {args.rounds}")
+        for engine in engines if cmp.round % 2 == 0 else engines[::-1]:
+            try:
+                with contention:
+                    getattr(cmp, engine)(workloads)
+            except Exception as e:  # noqa: BLE001 - one engine failing leaves the others' figures
+                errors[engine if args.rounds == 1 else f"{engine} (round {cmp.round + 1})"] = repr(e)
+                log(f"{engine} FAILED: {e!r}")
+        raws.append(cmp.raw)
     # the full W2's arithmetic (its first --w2-requests prompts) on the compared model
     flops = w2_matmul_flops(args.model, args.w2_requests) if "w2" in workloads and not args.quick else None
     if flops is not None:
         for r in [r for r in cmp.rows if r["workload"] == "w2" and r["metric"] == "wall"]:
             achieved = flops / r["value"] / 1e9
+            cmp.round = r["round"]
             cmp.add(
                 "w2",
                 "matmul GFLOP/s (share of peak)",
@@ -573,6 +596,7 @@ def run(args) -> dict:
             "model": cmp.model or "default (SmolLM2-135M-Instruct)",
             "w1_prompt_ids": cmp.w1_ids,
             "contention": contention.describe(),
+            "rounds": args.rounds,
             "w6_plan": None if cmp.w6 is None else {**cmp.w6.__dict__, "notes": list(cmp.w6.notes)},
             "memory_read_gb_s": cmp.mem_gb_s,
             "workloads": workloads,
@@ -580,7 +604,7 @@ def run(args) -> dict:
             "w2_matmul_tflop": flops / 1e12 if flops is not None else None,
         },
         "rows": cmp.rows,
-        "raw": cmp.raw,
+        "raw": raws[0] if args.rounds == 1 else {f"round {i + 1}": raw for i, raw in enumerate(raws)},
         "table": table_head(cmp, contention) + ratio_table(cmp.rows, engines),
     }
 
@@ -590,6 +614,11 @@ def table_head(cmp: Compare, contention: Contention) -> list[str]:
     lines = [f"Model: {cmp.model or 'the default model (SmolLM2-135M-Instruct)'}."]
     if cmp.args.contention:
         lines.append(f"Contention ON: {contention.describe()}.")
+    if cmp.args.rounds > 1:
+        lines.append(
+            f"{cmp.args.rounds} rounds, the engines in turn (every other round reversed): each engine's median over "
+            "the rounds; each ratio the median of the rounds' ratios (lowest-highest)."
+        )
     if cmp.w6 is not None:
         lines += [f"W6: {note}." for note in cmp.w6.notes]
         if cmp.mem_gb_s:
@@ -684,6 +713,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="N competing CPU-bound processes during each engine's run (stress-ng --cpu N if installed, else "
         "Python busy loops; default 0: off)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run the engines in turn N times, every other round reversed; the table gives medians and each "
+        "ratio's median over the rounds with its range (default 1)",
     )
     p.add_argument(
         "--mem-bandwidth",

@@ -147,26 +147,39 @@ def summary(doc: dict) -> None:
 
 
 def ratio_table(rows: list[dict], engines: list[str]) -> list[str]:
-    """Markdown: one line per (workload, metric), a column per engine, then petrel / peer for each peer."""
+    """Markdown: one line per (workload, metric), a column per engine, then petrel / peer for each peer.
+
+    Rows of several rounds (a "round" in each, `petrel bench compare --rounds`) make one line per figure: each
+    engine's median over the rounds, and as the ratio the median of the rounds' own ratios (each petrel figure over
+    the peer's of the same round), with the lowest and highest of them."""
     keys, values = [], {}
     for r in rows:
         key = (r["workload"], r["metric"])
         if key not in values:
             keys.append(key)
             values[key] = {"unit": r["unit"]}
-        values[key][r["engine"]] = r["value"]
+        values[key].setdefault(r["engine"], {})[r.get("round", 0)] = r["value"]
     peers = [e for e in engines if e != "petrel"]
     head = ["workload", "metric"] + engines + [f"petrel / {p}" for p in peers]
     out = ["| " + " | ".join(head) + " |", "| " + " | ".join(["---"] * 2 + ["---:"] * (len(head) - 2)) + " |"]
     for key in keys:
         v = values[key]
         cells = [key[0], f"{key[1]} ({v['unit']})" if v["unit"] else key[1]]
-        cells += [_cell(v.get(e)) for e in engines]
-        for p in peers:
-            a, b = v.get("petrel"), v.get(p)
-            cells.append(f"{a / b:.2f}x" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else "")
+        cells += [_cell(median((v.get(e) or {}).values())) for e in engines]
+        cells += [_ratio_cell(v.get("petrel") or {}, v.get(p) or {}) for p in peers]
         out.append("| " + " | ".join(cells) + " |")
     return out
+
+
+def _ratio_cell(a: dict, b: dict) -> str:
+    """petrel over a peer: their one figure's ratio, or over rounds ({round: figure}) the median of each round's
+    ratio with its range; empty where no round has both."""
+    ratios = [a[r] / b[r] for r in a if isinstance(a[r], (int, float)) and isinstance(b.get(r), (int, float)) and b[r]]
+    if not ratios:
+        return ""
+    if len(ratios) == 1:
+        return f"{ratios[0]:.2f}x"
+    return f"{median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
 
 
 def _cell(x) -> str:
