@@ -579,3 +579,25 @@ def test_a_failed_batch_is_chosen_again_row_by_row_from_the_unchanged_logits():
         assert (result.token_ids[i], result.sampled_logprobs[i]) == (alone.token_ids[0], alone.sampled_logprobs[0])
         ref = penalised_reference(before[i], seqs[i])
         assert abs(result.sampled_logprobs[i] - float(torch.log_softmax(ref.double(), 0)[int(ref.argmax())])) < 1e-5
+
+
+def test_bans_go_into_the_logits_and_a_second_choice_from_them_is_the_same():
+    """min_tokens and bad words only ban (-inf), in the input itself (no copy of a [rows, vocab] tensor a step):
+    the banned tokens are never chosen, rows without bans keep theirs, and choosing again from the same input (what
+    a failed batch does row by row) gives the same tokens and logprobs."""
+    vocab = 500
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(5))
+    logits[:, EOS] = logits[:, 11] = logits[:, 12] = 50.0  # EOS, a stop token and a bad word's end lead every row
+    params = [
+        SamplingParams(temperature=0.0, min_tokens=5, stop_token_ids=[11], bad_words_token_ids=[[12]]),
+        SamplingParams(temperature=0.0, min_tokens=5, stop_token_ids=[11], logprobs=2),
+        SamplingParams(temperature=0.0),  # no bans: EOS stays its choice
+    ]
+    seqs = [make_seq(p, [1, 2, 3]) for p in params]
+    first = Sampler(vocab).sample(logits, seqs)
+    assert first.token_ids[0] not in (EOS, 11, 12) and first.token_ids[1] == 12 and first.token_ids[2] == EOS
+    assert logits[0, EOS] == logits[0, 11] == logits[0, 12] == INF and logits[1, 11] == INF
+    assert logits[2, EOS] == 50.0  # the row without bans is left as it came
+    again = Sampler(vocab).sample(logits, seqs)
+    assert again.token_ids == first.token_ids and again.sampled_logprobs == first.sampled_logprobs
+    assert again.logprobs[1] == first.logprobs[1] and first.logprobs[1].top[0][0] == 12

@@ -288,8 +288,11 @@ class ModelRunner:
         if parts:
             extra["input_embeds"] = (torch.cat([r for r, _ in parts]), torch.cat([e for _, e in parts]))
         hidden = self.model(input_ids, positions, self.kv_caches, meta, num_layers=plan.num_layers, **extra)
-        logits = self.model.compute_logits(hidden[self._tensor(plan.logits_rows)]) if plan.logits_rows else None
-        return hidden, logits
+        rows = plan.logits_rows
+        if not rows:
+            return hidden, None
+        every_row = len(rows) == hidden.shape[0] and rows == list(range(len(rows)))  # a step of decodes alone
+        return hidden, self.model.compute_logits(hidden if every_row else hidden[self._tensor(rows)])
 
     def _media_embeddings(self, spans: list[QuerySpan]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The encoder outputs of the spans' image rows, as [(rows, embeddings)]: each item's rows inside a span

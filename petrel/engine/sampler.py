@@ -166,14 +166,16 @@ class Sampler:
         return result
 
     def _choose(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[int | None] | None) -> SampleResult:
-        """Bias, bad words, penalties, min_tokens and grammar masks, then each row's token. The input stays as it
-        was (so a failed batch can be chosen again row by row): a step that changes the logits works on a copy,
-        and the random rows' temperature / top-k / top-p / min-p make a new tensor of their own."""
+        """Bias, bad words, penalties, min_tokens and grammar masks, then each row's token. A failed batch is
+        chosen again row by row from the same input, so what this does to it must come out the same done twice:
+        bans (-inf for bad words, min_tokens and grammars) go into the input itself, but where a row adds to its
+        logits (bias, penalties) the whole step works on a copy; the random rows' temperature / top-k / top-p /
+        min-p make a new tensor of their own."""
         params = [s.params for s in seqs]
         n = len(seqs)
         guided = {i: seq.grammar for i, seq in enumerate(seqs) if seq.grammar is not None}
         min_tokens = [i for i, (seq, p) in enumerate(zip(seqs, params)) if seq.num_output_tokens < p.min_tokens]
-        if guided or min_tokens or any(p.logit_bias or p.bad_words_token_ids or p.needs_penalties for p in params):
+        if any(p.logit_bias or p.needs_penalties for p in params):
             logits = self._scratch("logits", logits).copy_(logits)
         for i, p in enumerate(params):
             if p.logit_bias:
@@ -182,11 +184,14 @@ class Sampler:
         self._ban_bad_words(logits, seqs)
         if any(p.needs_penalties for p in params):
             self._apply_penalties(logits, seqs)
+        banned_rows, banned_ids = [], []  # min_tokens: each row's stop tokens (and EOS) banned, in one operation
         for i in min_tokens:
             p = params[i]
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(seqs[i].request.eos_token_ids))
-            if banned:
-                logits[i, banned] = float("-inf")
+            banned_rows += [i] * len(banned)
+            banned_ids += banned
+        if banned_ids:
+            logits[banned_rows, banned_ids] = float("-inf")
         if guided:
             apply_grammar_masks(logits, guided)
 

@@ -209,10 +209,7 @@ class LlamaForCausalLM(nn.Module):
             len(layers),
             kv_caches[0].data_ptr(),
             layers[0].input_layernorm.weight.data_ptr(),
-            tuple(
-                (*layer.self_attn._modules.values(), *layer.mlp._modules.values(), layer.self_attn.sliding_window)
-                for layer in layers
-            ),
+            _projections(layers),
         )
         if stack is None or stack[0] != key:
             parts = [layer.one_call_parts() for layer in layers]
@@ -285,6 +282,17 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
         quantized.install(self)
+
+
+def _projections(layers: nn.ModuleList) -> tuple:
+    """Each layer's attention and MLP modules (and its window): the decoder stack cache's key, so that a module
+    replaced after the stack was built (quantized, wrapped for LoRA) makes a new one. Read from the modules' own
+    `_modules` dicts: nn.Module's attribute lookup made this walk 8x slower (80 us a step on the default model)."""
+    out = []
+    for layer in layers._modules.values():
+        attn, mlp = layer._modules["self_attn"], layer._modules["mlp"]
+        out.append((*attn._modules.values(), *mlp._modules.values(), attn.sliding_window))
+    return tuple(out)
 
 
 def _add_quantized(quantized, name: str, target: str, module: nn.Module, piece: int | None, qweight) -> list[str]:
