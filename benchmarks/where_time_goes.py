@@ -5,7 +5,7 @@
                                               [--ceiling]
     python benchmarks/where_time_goes.py prefill [--model ...] [--tokens 7936 | --w2-prompts 16] [--layer-by-layer]
     python benchmarks/where_time_goes.py decode [--model ...] [--seqs 16] [--steps 32] [--prompt-tokens 8]
-    python benchmarks/where_time_goes.py attention [--chunks 2048@0,2048@5888] [--repeats 5]
+    python benchmarks/where_time_goes.py attention [--chunks 2048@0,2048@5888] [--repeats 5] [--kv-cache-dtype bfloat16]
     python benchmarks/where_time_goes.py decode-attention [--contexts 4x7936,16x2000,64x400,1x7936]
                                                           [--kv-cache-dtype bfloat16]
 
@@ -26,7 +26,8 @@ is not counted), their time, and inside them the decoder stack (one C call for a
 (compute_logits) and the sampler, per step, and what is left around them.
 attention: the prefill attention kernel alone on one layer of the default model's heads (9 query heads, 3 KV heads,
 head_dim 64, 16-token blocks in shuffled order): a chunk of N queries after P cached positions for each N@P, best of 3
-calls --repeats times, with each ISA's kernel this CPU runs (AVX2; AVX-512 too where it has it) in turn.
+calls --repeats times, with each ISA's kernel this CPU runs (AVX2; AVX-512 too where it has it) in turn; a bfloat16
+cache (--kv-cache-dtype bfloat16) through the AVX2 loops that widen it and, where AVX512_BF16 runs, the dpbf16 loops.
 decode-attention: the decode attention kernel alone on those heads, S sequences of C keys each for every SxC, over
 six layers' caches in turn (so that one call's keys and values are not in cache from the last): GB/s of keys and
 values read, and the rate torch sums the same caches at (a sequential read: the memory's rate), the best of seven
@@ -290,10 +291,18 @@ def decode(args) -> None:
 def attention(args) -> None:
     heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
     isas = ["avx2", "avx512"] if native.cpu_has_avx512() else ["avx2"]
+    dtype = torch.bfloat16 if args.kv_cache_dtype == "bfloat16" else torch.float32
+    if dtype is torch.bfloat16:  # what each ISA's kernel does with the cache
+        names = {
+            "avx2": "avx2 widened",
+            "avx512": "avx512 " + ("dpbf16" if dense_kernels._bf16_cache_kind() == 2 else "widened"),
+        }
+    else:
+        names = {isa: isa for isa in isas}
     for chunk in args.chunks.split(","):
         n, first_pos = (int(v) for v in chunk.split("@"))
         blocks = (first_pos + n + block_size - 1) // block_size
-        k_cache, v_cache = (torch.randn(blocks, block_size, kv_heads, head_dim) for _ in range(2))
+        k_cache, v_cache = (torch.randn(blocks, block_size, kv_heads, head_dim).to(dtype) for _ in range(2))
         table, q = torch.randperm(blocks), torch.randn(n, heads, head_dim)
         flop = 2 * 2 * heads * head_dim * sum(first_pos + i + 1 for i in range(n))  # causal: the keys each query sees
         best = {}
@@ -307,8 +316,8 @@ def attention(args) -> None:
                         3,
                     )
                 best[isa] = min(best.get(isa, seconds), seconds)
-        rates = ", ".join(f"{isa} {s * 1000:.0f} ms {flop / s / 1e9:.0f} GFLOP/s" for isa, s in best.items())
-        print(f"{n} queries after {first_pos}: {rates}")
+        rates = ", ".join(f"{names[isa]} {s * 1000:.1f} ms {flop / s / 1e9:.0f} GFLOP/s" for isa, s in best.items())
+        print(f"{n} queries after {first_pos} ({str(dtype).removeprefix('torch.')} cache): {rates}")
 
 
 def decode_attention(args) -> None:
@@ -367,7 +376,8 @@ def main() -> None:
     ap.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        help="prefill, decode: the engine's kv_cache_dtype; decode-attention: the caches' (float32 or bfloat16)",
+        help="prefill, decode: the engine's kv_cache_dtype; attention, decode-attention: the caches' (float32 or "
+        "bfloat16)",
     )
     ap.add_argument("--quantization", default=None, help="prefill, decode: e.g. int8 (default: none)")
     ap.add_argument("--tokens", type=int, default=7936, help="prefill: the prompt's length")
