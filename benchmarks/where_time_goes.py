@@ -144,18 +144,14 @@ def gemm_table(args, fma_peak: str | None) -> None:
         "GFLOP/s: few-row kernel / petrel GEMM / torch x W^T / torch (W x^T)^T / "
         "panels, AVX2 blocks / panels, AVX-512 blocks (0: not on this CPU)"
     )
-    lib, isas = gemm_kernels.library(), [gemm_kernels.PANELS_AVX2]
+    isas = [gemm_kernels.PANELS_AVX2]
     if gemm_kernels.f32_panels_isa() == gemm_kernels.PANELS_AVX512:
         isas.append(gemm_kernels.PANELS_AVX512)
-
-    def panels(x, packed, n, isa):  # gemm_kernels.f32_panels_product with the blocks of isa
-        y = torch.empty(x.shape[0], n)
-        lib.f32_panels_product(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), y.data_ptr(), n, threads, isa)
 
     gemm_rates = []
     for k, n in shapes:
         w = torch.randn(n, k) * 0.02
-        packed = pack_panels(w) if lib is not None else None
+        packed = pack_panels(w) if gemm_kernels.f32_panels_isa() else None
         for m in [int(r) for r in args.rows.split(",")]:
             x = torch.randn(m, k)
             gflop = 2 * m * k * n / 1e9
@@ -166,7 +162,9 @@ def gemm_table(args, fma_peak: str | None) -> None:
                 gflop / best_s(lambda: torch.mm(x, w.t()), repeats),
                 gflop / best_s(lambda: torch.mm(w, x.t()).t(), repeats),
                 *(
-                    gflop / best_s(lambda isa=isa: panels(x, packed, n, isa), repeats) if packed is not None else 0
+                    gflop / best_s(lambda isa=isa: gemm_kernels.f32_panels_product(x, packed, n, isa), repeats)
+                    if packed is not None
+                    else 0
                     for isa in isas
                 ),
             ]

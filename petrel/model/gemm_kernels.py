@@ -59,11 +59,13 @@ def f32_panels() -> bool:
     return os.environ.get("PETREL_F32_PANELS", "1") != "0" and f32_panels_isa() != 0
 
 
-def f32_panels_product(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor | None:
-    """x [M, K] float32 contiguous @ W^T for float32 W packed in panels (quantization.pack_panels) with n rows; None
+def f32_panels_product(x: torch.Tensor, packed: torch.Tensor, n: int, isa: int | None = None) -> torch.Tensor | None:
+    """x [M, K] float32 contiguous @ W^T for float32 W packed in panels (quantization.pack_panels) with n rows, with
+    the blocks of `isa` (default f32_panels_isa(); a benchmark may ask for PANELS_AVX2 on an AVX-512 CPU); None
     where the kernel cannot run (not the CPU, or no f32_panels_isa)."""
-    if not x.is_cpu or not packed.is_cpu or not (isa := f32_panels_isa()):
+    if not x.is_cpu or not packed.is_cpu or not (best := f32_panels_isa()):
         return None
+    isa = best if isa is None else isa
     lib, y = library(), torch.empty(x.shape[0], n, dtype=torch.float32)
     lib.f32_panels_product(
         x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), y.data_ptr(), n, torch.get_num_threads(), isa
