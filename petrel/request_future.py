@@ -58,6 +58,7 @@ class RequestFuture:
         )
         self._lock = threading.Lock()  # one consumer processes at a time, so outputs are processed in order
         self._route = None  # the engine's handle of the request, once queued
+        self._reported = False  # its end (finished or aborted) told to engine.events (under _lock)
 
     # ------------------------------------------------------------------ the engine loop's side
     def _on_output(self, out) -> None:
@@ -74,6 +75,7 @@ class RequestFuture:
             if not outputs:
                 return []
             chunks = []
+            ended = None
             for out in outputs:
                 try:
                     chunk, stop = self._processor.process(out)
@@ -86,6 +88,11 @@ class RequestFuture:
                 if chunk is not None:
                     self._builder.apply(chunk)
                     chunks.append(chunk)
+            if self._builder.finished and not self._reported:
+                self._reported = True
+                ended = self._builder.finished_request()
+        if ended is not None:  # every front's requests are counted here, once, as their caller sees them end
+            self._engine.events.finished(ended)
         return chunks
 
     def _fail(self, message: str) -> list[OutputChunk]:
@@ -109,7 +116,13 @@ class RequestFuture:
         return self.finished
 
     def abort(self) -> None:
-        """Cancel the request: it finishes with finish_reason 'cancelled' and its KV blocks are freed."""
+        """Cancel the request: it finishes with finish_reason 'cancelled' and its KV blocks are freed. Before its end,
+        the request counts as aborted (engine.events); after it, this does nothing."""
+        with self._lock:
+            report = not self._reported and not self._builder.finished
+            self._reported = True
+        if report:
+            self._engine.events.aborted()
         self._engine.abort_request(self.request_id, "cancelled")
 
     def result(self, timeout: float | None = None) -> RequestOutput:

@@ -25,6 +25,7 @@ from petrel.outputs import (
     TokenLogprobs,
     ToolCall,
 )
+from petrel.request_events import FinishedRequest
 from petrel.serve.tool_parser import parse_all
 
 
@@ -324,6 +325,16 @@ class RequestOutputBuilder:
             for seq in self.sequences
         ]
         return self._request_output(outputs, metrics)
+
+    def finished_request(self) -> FinishedRequest:
+        """What the request's end reports (petrel/request_events.py): kept whatever the caller asked to keep."""
+        return FinishedRequest(
+            tuple(seq.finish_reason for seq in self.sequences),
+            len(self.prompt_token_ids),
+            sum(len(seq.token_ids) for seq in self.sequences),
+            replace(self.metrics),
+            self.error,
+        )
 
     def _metrics_copy(self) -> RequestPerfMetrics | None:
         return replace(self.metrics) if self.params.return_perf_metrics else None

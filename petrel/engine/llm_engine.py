@@ -27,6 +27,7 @@ from petrel.model.loader import load_model, load_model_config, resolve_model
 from petrel.model.parallel import SINGLE, check_tensor_parallel
 from petrel.model.tokenizer import load_tokenizer
 from petrel.multimodal.prompts import load_processor
+from petrel.request_events import RequestEvents
 
 logger = logging.getLogger("petrel")
 
@@ -67,6 +68,7 @@ class LLMEngine:
             raise
         self.stats_history: deque = deque(maxlen=stats_history)  # IterationStats of recent steps
         self.step_observer: Callable | None = None  # fn(core), called on the loop thread after each step
+        self.events = RequestEvents()  # requests' ends on their callers' side, for /metrics (petrel/request_events.py)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._routes: dict[object, RequestRoute] = {}  # request id -> its route, from "add" to its end (loop thread)
         self._in_flight: dict[object, RequestRoute] = {}  # request id added and not finished (any thread, under

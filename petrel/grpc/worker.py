@@ -83,6 +83,7 @@ class WorkerBase:
         if self.max_pending is not None:
             pending = self.llm.engine.num_unfinished_sequences
             if pending + num_new > self.max_pending:
+                self.llm.engine.events.rejected()  # /metrics: petrel_request_rejected_total, as HTTP's 429
                 await context.abort(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"the server is full ({pending} sequences in flight, this request adds {num_new}, "

@@ -158,6 +158,7 @@ def build_app(
         max_pending=None if max_queue_len is None else llm.config.max_num_seqs + max_queue_len,
         media=_media_limits(llm, allow_remote_media),
     )
+    llm.engine.events.listen(state.metrics)  # every request on this engine, whatever its front, counts on /metrics
 
     async def check_key(creds: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
         if state.api_key is None:

@@ -227,7 +227,6 @@ async def create_chat_completion(state: ServeState, req: ChatCompletionRequest, 
         if req.return_token_ids:
             choice.token_ids = co.token_ids
         choices.append(choice)
-    state.metrics.record_request(out, [c.finish_reason for c in choices])
     body = ChatCompletionResponse(
         id=rid,
         created=created,
@@ -329,12 +328,10 @@ async def _stream(state: ServeState, req: ChatCompletionRequest, plan: ToolPlan,
         yield sse(APIError(str(exc), 500).body())
         yield SSE_DONE
         return
-    finally:  # the client went away (cancelled or closed generator): free the request's KV blocks
+    finally:  # the client went away (cancelled or closed generator): free the request's KV blocks (counted aborted)
         if not future.done():
-            state.metrics.aborted.inc()
             future.abort()
     last = future.result(timeout=0)
-    state.metrics.record_request(last, [_finish(plan, num_calls[co.index], co.finish_reason) for co in last.outputs])
     if include_usage:
         body = ChatCompletionChunk(
             id=rid, created=created, model=state.response_model(req.model), choices=[], usage=_usage(last)

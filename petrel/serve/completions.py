@@ -13,6 +13,7 @@ from petrel.serve import disagg
 from petrel.serve.errors import APIError, from_value_error
 from petrel.serve.guided import compile_guided, guided_from_request, guided_value_error
 from petrel.serve.logprobs import completion_logprobs
+from petrel.serve.metrics import api_finish_reason
 from petrel.serve.params import build_sampling_params, check_prompt_chars, check_prompt_length, resolve_max_tokens
 from petrel.serve.protocol import (
     CompletionChoice,
@@ -25,13 +26,6 @@ from petrel.serve.protocol import (
 from petrel.serve.streams import SSE_DONE, ServeState, abort_unfinished, merged, new_id, outputs_or_none, sse
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy endpoint
-
-
-def api_finish_reason(reason: str | None) -> str | None:
-    """petrel's stop | length | timeout | cancelled -> OpenAI's; a cut-short sequence reads as 'length'."""
-    if reason is None or reason in ("stop", "length"):
-        return reason
-    return "length"
 
 
 async def _prompts(state: ServeState, prompt) -> list[tuple[str, list[int]]]:
@@ -170,7 +164,6 @@ async def create_completion(state: ServeState, req: CompletionRequest, request: 
         outputs = [_without_generated(out) for out in outputs]
     choices = []
     for p, ((text, ids), out) in enumerate(zip(prompts, outputs)):
-        state.metrics.record_request(out, [api_finish_reason(co.finish_reason) for co in out.outputs])
         for co in out.outputs:
             choice = CompletionChoice(
                 index=p * req.n + co.index,
@@ -248,17 +241,14 @@ async def _stream(state: ServeState, req: CompletionRequest, prompts, futures, r
             yield event(choice)
             if done:
                 finished[p] += 1
-                if finished[p] == n:  # the prompt's request is over: count it
+                if finished[p] == n:  # the prompt's request is over: keep its output for the usage
                     out = futures[p].result(timeout=0)
-                    out = final_outputs[p] = _without_generated(out) if req.max_tokens == 0 else out
-                    state.metrics.record_request(out, [api_finish_reason(co.finish_reason) for co in out.outputs])
+                    final_outputs[p] = _without_generated(out) if req.max_tokens == 0 else out
     except RuntimeError as exc:
         yield sse(APIError(str(exc), 500).body())
         yield SSE_DONE
         return
-    finally:  # the client went away (cancelled or closed generator): free the requests' KV blocks
-        if not all(f.done() for f in futures):
-            state.metrics.aborted.inc()
+    finally:  # the client went away (cancelled or closed generator): free the requests' KV blocks (counted aborted)
         abort_unfinished(futures)
     if include_usage:
         body = CompletionStreamResponse(

@@ -1,9 +1,13 @@
 """Prometheus metrics, one CollectorRegistry per app. The names are part of petrel's interface: never rename.
 
-Per request (recorded when it ends): petrel_request_success_total{finished_reason}, petrel_request_aborted_total
-(the client went away), petrel_request_rejected_total (429: the server was full), petrel_prompt_tokens_total,
-petrel_generation_tokens_total, petrel_time_to_first_token_seconds, petrel_time_per_output_token_seconds,
-petrel_e2e_request_latency_seconds. Engine state (read through the engine loop at each scrape):
+Per request the engine serves, whatever its front (the HTTP endpoints, the gRPC worker's trtllm and vLLM services,
+the LLM API called in the server's process), counted where its caller sees it end (petrel/request_events.py):
+petrel_request_success_total{finished_reason} (per sequence: stop | length, the engine's reason in OpenAI's words,
+a timeout reading as length; a tool call ends with stop), petrel_request_aborted_total (given up before its end:
+the client went away, a gRPC call cancelled or aborted), petrel_request_rejected_total (refused because the server
+was full: HTTP 429, gRPC RESOURCE_EXHAUSTED), petrel_prompt_tokens_total, petrel_generation_tokens_total,
+petrel_time_to_first_token_seconds, petrel_time_per_output_token_seconds, petrel_e2e_request_latency_seconds. A
+request that fails with an error counts in none of them. Engine state (read through the engine loop at each scrape):
 petrel_num_requests_running, petrel_num_requests_waiting, petrel_kv_cache_usage_perc,
 petrel_prefix_cache_hit_rate, petrel_prefix_cache_queries_tokens, petrel_prefix_cache_hits_tokens,
 petrel_num_preemptions, and with speculative decoding petrel_spec_decode_num_draft_tokens,
@@ -27,6 +31,9 @@ _TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 
 
 
 class ServerMetrics:
+    """The app's metrics. It listens to the engine's request events (`llm.engine.events.listen(metrics)`, done by
+    build_app), so every request the engine serves is counted, whichever front it came through."""
+
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name}
@@ -96,21 +103,31 @@ class ServerMetrics:
         )
         self._encoder_seen = (0, 0, 0.0)
 
-    def record_request(self, output, finish_reasons: list[str]) -> None:
-        """One finished request (a RequestOutput with perf metrics) and its choices' API finish reasons."""
-        for reason in finish_reasons:
-            self.request_success.labels(finished_reason=reason, **self._labels).inc()
-        self.prompt_tokens.inc(len(output.prompt_token_ids))
-        self.generation_tokens.inc(sum(len(o.token_ids) for o in output.outputs))
-        m = output.request_perf_metrics
-        if m is None:
+    # ------------------------------------------------------------------ the engine's request events
+    def request_finished(self, request) -> None:
+        """One request at its end (a petrel.request_events.FinishedRequest)."""
+        if request.error is not None:
             return
+        if "cancelled" in request.finish_reasons:  # aborted in the engine without RequestFuture.abort
+            self.aborted.inc()
+            return
+        for reason in request.finish_reasons:
+            self.request_success.labels(finished_reason=api_finish_reason(reason), **self._labels).inc()
+        self.prompt_tokens.inc(request.prompt_tokens)
+        self.generation_tokens.inc(request.generated_tokens)
+        m = request.perf
         if m.ttft is not None:
             self.ttft.observe(m.ttft)
         if m.tpot is not None:
             self.tpot.observe(m.tpot)
         if m.e2e is not None:
             self.e2e.observe(m.e2e)
+
+    def request_aborted(self) -> None:
+        self.aborted.inc()
+
+    def request_rejected(self) -> None:
+        self.rejected.inc()
 
     async def render(self, engine, timeout: float = 2.0) -> bytes:
         try:
@@ -151,6 +168,13 @@ class ServerMetrics:
             self.tier_blocks.labels(model_name=model, event=event).set(chain[f"{event}_blocks"])
         for phase in ("fetch", "store"):
             self.tier_seconds.labels(model_name=model, phase=phase).set(chain[f"{phase}_seconds"])
+
+
+def api_finish_reason(reason: str | None) -> str | None:
+    """petrel's stop | length | timeout | cancelled -> OpenAI's; a cut-short sequence reads as 'length'."""
+    if reason is None or reason in ("stop", "length"):
+        return reason
+    return "length"
 
 
 def _engine_state(core) -> dict:

@@ -57,7 +57,7 @@ class ServeState:
             return
         pending = self.llm.engine.num_unfinished_sequences
         if pending + num_new > self.max_pending:
-            self.metrics.rejected.inc()
+            self.llm.engine.events.rejected()
             raise APIError(
                 f"the server is full ({pending} sequences in flight, this request adds {num_new}, limit "
                 f"{self.max_pending}); retry later",
@@ -184,12 +184,11 @@ async def wait_all_or_abort(request: Request, futures) -> list:
 
 
 async def outputs_or_none(state: ServeState, request: Request, futures) -> list | None:
-    """wait_all_or_abort for an endpoint: None when the client went away first (counted as aborted; answer 499);
-    an engine error is a 500."""
+    """wait_all_or_abort for an endpoint: None when the client went away first (its requests aborted, and counted
+    so; answer 499); an engine error is a 500."""
     try:
         return await wait_all_or_abort(request, futures)
     except ClientGone:
-        state.metrics.aborted.inc()
         return None
     except RuntimeError as exc:
         raise APIError(str(exc), 500) from None
