@@ -157,7 +157,9 @@ class LLM:
 
         def submit(streaming: bool, timeout: float | None) -> RequestFuture:
             arrival = _now() if request is None else _arrival(request.timestamp_ns)
-            options, kv_stats = disagg.request_options(dp, ids, self._engine.model_config, self.config)
+            options, kv_stats = disagg.request_options(
+                dp, ids, self._engine.model_config, self.config, self._engine.events
+            )
             future = RequestFuture(
                 next(self._ids) if request_id is None else request_id,
                 text,

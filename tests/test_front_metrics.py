@@ -2,9 +2,11 @@
 Responses, streamed or not), the gRPC worker's trtllm and vLLM services, and the LLM API called in the server's own
 process, each counted the same (success by finish reason, prompt and generated tokens, TTFT / TPOT / end-to-end
 histograms); a request given up on before its end (a gRPC call cancelled or aborted, the LLM API's abort) counts as
-aborted and a gRPC request refused for room as rejected.
+aborted and a gRPC request refused for room as rejected. Disaggregated serving counts the KV it hands off and
+fetches (count, bytes, time), the fetches that fail, and the pins held and expired.
 
-On the tiny random Llama: one engine behind an app and both gRPC services."""
+On the tiny random Llama: one engine behind an app and both gRPC services; a prefill and a decode instance, each
+behind its own app."""
 
 from __future__ import annotations
 
@@ -253,3 +255,73 @@ def test_a_grpc_request_refused_for_room_counts_as_rejected(llm, served):
             assert delta(before, samples(url), "petrel_request_rejected_total") == 1
     finally:
         full.stop()
+
+
+# ------------------------------------------------------------------------------------ disaggregated serving
+SECRET = "test-kv-transfer-secret"
+
+
+@pytest.fixture(scope="module")
+def split(tiny, tokenizer_dir):
+    """(prefill URL, decode URL, bytes of PROMPT's KV): a prefill and a decode instance, each behind its app."""
+    common = dict(tokenizer=tokenizer_dir, kv_cache_memory=1 << 20, kv_transfer_secret=SECRET)
+    prefill = LLM(tiny(2, False).path, kv_transfer_role="prefill", kv_transfer_timeout=1, **common)
+    decode = LLM(
+        tiny(2, False).path, kv_transfer_role="decode", kv_transfer_peers=[prefill.kv_transfer_endpoint], **common
+    )
+    cfg = decode.engine.model_config
+    kv_bytes = cfg.num_hidden_layers * 2 * len(PROMPT) * cfg.num_key_value_heads * cfg.head_dim * 4
+    try:
+        with BackgroundServer(build_app(prefill, MODEL)) as p, BackgroundServer(build_app(decode, MODEL)) as d:
+            yield p.url, d.url, kv_bytes
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def _context_only(prefill_url: str) -> dict:
+    body = {"prompt": PROMPT, "max_tokens": 4, "disaggregated_params": {"request_type": "context_only"}}
+    params = _post(prefill_url, "/v1/completions", body).json()["choices"][0]["disaggregated_params"]
+    return dict(params, request_type="generation_only")
+
+
+def _generation_only(decode_url: str, params: dict) -> httpx.Response:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "disaggregated_params": params}
+    return httpx.post(f"{decode_url}/v1/completions", json=body, timeout=WAIT, trust_env=False)
+
+
+def test_a_split_counts_the_kv_handed_off_and_fetched(split):
+    prefill_url, decode_url, kv_bytes = split
+    p0, d0 = samples(prefill_url), samples(decode_url)
+    params = _context_only(prefill_url)
+    assert total(samples(prefill_url), "petrel_kv_transfer_pins_held") == 1  # waiting for its fetch
+    r = _generation_only(decode_url, params)
+    assert r.status_code == 200 and r.json()["usage"]["kv_transfer"]["bytes"] == kv_bytes
+    p1, d1 = samples(prefill_url), samples(decode_url)
+    assert delta(p0, p1, "petrel_kv_transfer_handoffs_total") == 1
+    assert delta(p0, p1, "petrel_kv_transfer_handoff_bytes_total") == kv_bytes
+    assert delta(p0, p1, "petrel_kv_transfer_handoff_seconds_count") == 1
+    assert delta(p0, p1, "petrel_kv_transfer_handoff_seconds_sum") > 0
+    assert total(p1, "petrel_kv_transfer_pins_held") == 0
+    assert delta(d0, d1, "petrel_kv_transfer_fetches_total") == 1
+    assert delta(d0, d1, "petrel_kv_transfer_fetch_bytes_total") == kv_bytes
+    assert delta(d0, d1, "petrel_kv_transfer_fetch_seconds_count") == 1
+    assert delta(d0, d1, "petrel_kv_transfer_fetch_seconds_sum") > 0
+    # both halves of the split are requests too: one success on each side
+    assert delta(p0, p1, "petrel_request_success_total") == 1 and delta(d0, d1, "petrel_request_success_total") == 1
+    # a spent handle: the decode instance's fetch fails, the prefill instance refused it
+    assert _generation_only(decode_url, params).status_code == 400
+    p2, d2 = samples(prefill_url), samples(decode_url)
+    assert delta(d1, d2, "petrel_kv_transfer_fetch_failures_total") == 1
+    assert delta(p1, p2, "petrel_kv_transfer_handoff_failures_total") == 1
+    assert delta(d1, d2, "petrel_kv_transfer_fetches_total") == 0
+    assert delta(p1, p2, "petrel_kv_transfer_handoffs_total") == 0
+
+
+def test_an_unfetched_pin_counts_as_expired(split):
+    prefill_url, _, _ = split
+    before = samples(prefill_url)
+    _context_only(prefill_url)
+    assert total(samples(prefill_url), "petrel_kv_transfer_pins_held") == 1
+    wait_until(lambda: delta(before, samples(prefill_url), "petrel_kv_transfer_pins_expired_total") == 1)
+    assert total(samples(prefill_url), "petrel_kv_transfer_pins_held") == 0

@@ -64,28 +64,39 @@ class _Handler(socketserver.StreamRequestHandler):
             line = self.rfile.readline(MAX_HEADER_BYTES)
         except OSError:  # no request line in REQUEST_TIMEOUT, or the client went away
             return
+        started = time.perf_counter()
         try:
             request = json.loads(line)
             handle, mac = request["handle"], request["mac"]
             if not isinstance(handle, str) or not isinstance(mac, str):
                 raise TypeError("handle and mac must be strings")
         except (ValueError, KeyError, TypeError):
-            return self._send({"ok": False, "error": "bad request"})
+            return self._refuse("bad request")
         if not secrets.compare_digest(mac.encode(), handle_mac(self.server.secret, handle).encode()):
             logger.warning(
                 "refused a KV fetch from %s: wrong mac (its kv_transfer_secret differs)", self.client_address[0]
             )
-            return self._send({"ok": False, "error": "unauthorized"})
+            return self._refuse("unauthorized")
         try:
             kv = self.server.engine.call(lambda core: _export(core, handle), timeout=60)
         except Exception as exc:  # noqa: BLE001 - the engine is gone or stuck: tell the client
             logger.warning("a KV export failed: %s", exc)
-            return self._send({"ok": False, "error": "export failed"})
+            return self._refuse("export failed")
         if kv is None:
-            return self._send({"ok": False, "error": "unknown"})
+            return self._refuse("unknown")
         self.connection.settimeout(self.server.send_timeout)  # a large prompt's KV on a slow link takes a while
         data = kv.contiguous().view(-1).view(torch.uint8).numpy()
-        self._send({"ok": True, "dtype": str(kv.dtype).removeprefix("torch."), "shape": list(kv.shape)}, data)
+        events = self.server.engine.events
+        try:
+            self._send({"ok": True, "dtype": str(kv.dtype).removeprefix("torch."), "shape": list(kv.shape)}, data)
+        except OSError:
+            events.kv_handoff_failed()
+            raise
+        events.kv_handed_off(data.nbytes, time.perf_counter() - started)
+
+    def _refuse(self, error: str) -> None:
+        self.server.engine.events.kv_handoff_failed()
+        self._send({"ok": False, "error": error})
 
     def _send(self, header: dict, data=None) -> None:
         raw = json.dumps(header).encode()

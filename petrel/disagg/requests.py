@@ -104,10 +104,11 @@ def reserve_pin(dp: DisaggregatedParams | None, prompt_ids: list[int], pinned, c
 
 
 def request_options(
-    dp: DisaggregatedParams | None, prompt_ids: list[int], model_config, config
+    dp: DisaggregatedParams | None, prompt_ids: list[int], model_config, config, events=None
 ) -> tuple[dict, KVTransferStats | None]:
     """The EngineRequest fields for this request (fetching the KV of a generation-only one, no larger than this
-    prompt's: [layers, 2, prompt tokens, kv_heads, head_dim]), and the fetch's stats."""
+    prompt's: [layers, 2, prompt tokens, kv_heads, head_dim]), and the fetch's stats. `events` (the engine's
+    RequestEvents) hears of the fetch, or of its failure."""
     if dp is None or dp.request_type == "context_and_generation":
         return {}, None
     if dp.is_context_only:
@@ -119,7 +120,15 @@ def request_options(
         model_config.num_key_value_heads,
         model_config.head_dim,
     )
-    kv, stats = fetch_kv(peer(dp), dp.opaque_state, config.kv_transfer_secret, shape, config.kv_transfer_timeout)
+    endpoint = peer(dp)
+    try:
+        kv, stats = fetch_kv(endpoint, dp.opaque_state, config.kv_transfer_secret, shape, config.kv_transfer_timeout)
+    except Exception:
+        if events is not None:
+            events.kv_fetch_failed()
+        raise
+    if events is not None:
+        events.kv_fetched(stats.num_bytes, stats.seconds)
     return {"imported_kv": kv, "first_gen_tokens": list(dp.first_gen_tokens)}, stats
 
 

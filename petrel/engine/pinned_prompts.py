@@ -51,6 +51,7 @@ class PinnedPrompts:
         self.block_manager = block_manager
         self.ttl = ttl
         self.pins: dict[str, PinnedPrompt] = {}
+        self.num_expired = 0  # pins released unfetched since start (the engine loop's; /metrics reads it)
         self._lock = threading.Lock()  # guards the two counts below, which fronts read and reserve from
         self._held_prompts = 0  # pinned or reserved
         self._held_blocks = 0
@@ -135,6 +136,7 @@ class PinnedPrompts:
         old = [h for h, p in self.pins.items() if p.expires_at <= now]
         for handle in old:
             self.release(self.pins.pop(handle))
+        self.num_expired += len(old)
         return len(old)
 
 

@@ -18,6 +18,14 @@ petrel_kv_tier_dropped{tier}, petrel_kv_tier_errors{tier}; and petrel_kv_tier_bl
 petrel_kv_tier_seconds{phase=fetch|store} (time spent bringing blocks back, and storing evicted ones).
 Vision-language models' encoder (counters, brought up to the engine's totals at each scrape):
 petrel_encoder_images_encoded_total, petrel_encoder_cache_hits_total, petrel_encoder_seconds_total.
+Disaggregated serving (--kv-transfer-role), the prefill side: petrel_kv_transfer_handoffs_total and
+petrel_kv_transfer_handoff_bytes_total (prompts' KV sent to decode instances), petrel_kv_transfer_handoff_seconds
+(histogram: a fetch's request to its last byte sent), petrel_kv_transfer_handoff_failures_total (fetches refused:
+wrong secret, unknown or expired handle, or not sent whole), petrel_kv_transfer_pins_held (prompts' KV pinned now,
+waiting for their fetch), petrel_kv_transfer_pins_expired_total (pins released unfetched after
+--kv-transfer-timeout); the decode side: petrel_kv_transfer_fetches_total, petrel_kv_transfer_fetch_bytes_total,
+petrel_kv_transfer_fetch_seconds (histogram), petrel_kv_transfer_fetch_failures_total (fetches refused or failed:
+their requests failed).
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
 _TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
+_TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class ServerMetrics:
@@ -103,6 +112,25 @@ class ServerMetrics:
         )
         self._encoder_seen = (0, 0, 0.0)
 
+        def kv_counter(name, doc):
+            return counter(f"petrel_kv_transfer_{name}", doc).labels(**labels)
+
+        self.kv_handoffs = kv_counter("handoffs", "Prompts' KV sent to decode instances")
+        self.kv_handoff_bytes = kv_counter("handoff_bytes", "Bytes of prompts' KV sent to decode instances")
+        self.kv_handoff_seconds = histogram(
+            "petrel_kv_transfer_handoff_seconds", "A KV fetch's request to its last byte sent", _TRANSFER_BUCKETS
+        )
+        self.kv_handoff_failures = kv_counter("handoff_failures", "KV fetches refused or not sent whole")
+        self.kv_fetches = kv_counter("fetches", "Prompts' KV fetched from prefill instances")
+        self.kv_fetch_bytes = kv_counter("fetch_bytes", "Bytes of prompts' KV fetched from prefill instances")
+        self.kv_fetch_seconds = histogram(
+            "petrel_kv_transfer_fetch_seconds", "Time to fetch a prompt's KV from a prefill instance", _TRANSFER_BUCKETS
+        )
+        self.kv_fetch_failures = kv_counter("fetch_failures", "KV fetches refused or failed (their requests failed)")
+        self.kv_pins_held = gauge("petrel_kv_transfer_pins_held", "Prompts' KV pinned for a decode instance's fetch")
+        self.kv_pins_expired = kv_counter("pins_expired", "Pinned prompts' KV released unfetched after the timeout")
+        self._pins_expired_seen = 0
+
     # ------------------------------------------------------------------ the engine's request events
     def request_finished(self, request) -> None:
         """One request at its end (a petrel.request_events.FinishedRequest)."""
@@ -129,6 +157,22 @@ class ServerMetrics:
     def request_rejected(self) -> None:
         self.rejected.inc()
 
+    def kv_handed_off(self, num_bytes: int, seconds: float) -> None:
+        self.kv_handoffs.inc()
+        self.kv_handoff_bytes.inc(num_bytes)
+        self.kv_handoff_seconds.observe(seconds)
+
+    def kv_handoff_failed(self) -> None:
+        self.kv_handoff_failures.inc()
+
+    def kv_fetched(self, num_bytes: int, seconds: float) -> None:
+        self.kv_fetches.inc()
+        self.kv_fetch_bytes.inc(num_bytes)
+        self.kv_fetch_seconds.observe(seconds)
+
+    def kv_fetch_failed(self) -> None:
+        self.kv_fetch_failures.inc()
+
     async def render(self, engine, timeout: float = 2.0) -> bytes:
         try:
             state = await asyncio.to_thread(engine.call, _engine_state, timeout)
@@ -154,6 +198,10 @@ class ServerMetrics:
                 if total > seen:
                     metric.inc(total - seen)
             self._encoder_seen = tuple(max(a, b) for a, b in zip(self._encoder_seen, state["encoder"]))
+            self.kv_pins_held.set(state["pins_held"])
+            if state["pins_expired"] > self._pins_expired_seen:
+                self.kv_pins_expired.inc(state["pins_expired"] - self._pins_expired_seen)
+                self._pins_expired_seen = state["pins_expired"]
         return generate_latest(self.registry)
 
     def _set_tiers(self, tiers: dict) -> None:
@@ -179,6 +227,7 @@ def api_finish_reason(reason: str | None) -> str | None:
 
 def _engine_state(core) -> dict:
     bm, sched = core.block_manager, core.scheduler
+    pinned = getattr(core, "pinned", None)
     queried, hits = sched.prefix_queried_tokens, sched.prefix_hit_tokens
     return {
         "running": len(sched.running),
@@ -192,4 +241,6 @@ def _engine_state(core) -> dict:
         "accepted": core.num_accepted_tokens,
         "kv_tiers": core.tier_io.stats() if getattr(core, "tier_io", None) is not None else None,
         "encoder": core.encoder_counters(),
+        "pins_held": len(pinned) if pinned is not None else 0,
+        "pins_expired": pinned.num_expired if pinned is not None else 0,
     }
