@@ -99,6 +99,7 @@ class LLMEngine:
             config.device,
             config.quantization,
             tp=workers.tp if workers is not None else SINGLE,
+            float32_matmul_precision=config.float32_matmul_precision,
         )
         eos = set(model_config.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
@@ -117,7 +118,13 @@ class LLMEngine:
             draft_quantization = (
                 None if config.quantization == "gguf" and draft_source.kind != "gguf" else config.quantization
             )
-            draft = load_model(draft_source, config.torch_dtype, config.device, draft_quantization)
+            draft = load_model(
+                draft_source,
+                config.torch_dtype,
+                config.device,
+                draft_quantization,
+                float32_matmul_precision=config.float32_matmul_precision,
+            )
             if draft[1].vocab_size != model_config.vocab_size:
                 raise ValueError(
                     f"the draft model's vocabulary ({draft[1].vocab_size} tokens) differs from the "
