@@ -13,7 +13,8 @@ import queue
 import threading
 from concurrent.futures import Future
 
-PREPARE_THREADS = 2
+# one: large requests are prepared one at a time, so a stream of them takes at most one core from serving
+PREPARE_THREADS = 1
 
 
 class PreparePool:

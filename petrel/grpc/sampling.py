@@ -26,8 +26,8 @@ UNSUPPORTED_SAMPLING = (
 # GenerateRequest fields petrel does not serve: refused when present
 UNSUPPORTED_REQUEST = ("prompt_tuning_config", "multimodal_input", "kv_cache_retention", "lookahead_config")
 SAME_NAME = ("top_k", "top_p", "min_p", "temperature", "repetition_penalty", "presence_penalty", "frequency_penalty")
-# a request larger than this is prepared off the gRPC event loop (a few ms of work below it: ~85k prompt ids)
-INLINE_BYTES = 256 * 1024
+# a request larger than this is prepared off the gRPC event loop (below it, a few ms of work: ~25k token ids)
+INLINE_BYTES = 64 * 1024
 
 
 @dataclass
