@@ -83,9 +83,9 @@ def long_words(count: int, chars: int) -> list[str]:
 
 
 def large_request(rid: str) -> pb.GenerateRequest:
-    """Within every limit (MAX_BAD_WORDS bad words), but each word is ~40 kB to tokenize: seconds of preparation.
+    """Within every limit (MAX_BAD_WORDS bad words), but each word is ~80 kB to tokenize: seconds of preparation.
     The tiny model's vocabulary (256) is smaller than the tokenizer's, so it ends INVALID_ARGUMENT once checked."""
-    return trt_request(rid, _tokens(8, 1), bad=long_words(MAX_BAD_WORDS, 40_000))
+    return trt_request(rid, _tokens(8, 1), bad=long_words(MAX_BAD_WORDS, 80_000))
 
 
 def refused(call, *args) -> tuple[grpc.StatusCode, str, float]:
@@ -150,7 +150,7 @@ def test_repeated_token_ids_within_the_limit_are_served_once_each(llm, trtllm):
 
 
 def test_a_large_request_leaves_the_service_responsive(llm, trtllm):
-    """A request within the limits whose preparation takes seconds (64 bad words of 40 kB to tokenize): HealthCheck,
+    """A request within the limits whose preparation takes seconds (64 bad words of 80 kB to tokenize): HealthCheck,
     GetModelInfo and a small Generate keep answering in a fraction of its time (before: each waited for all of it,
     the preparation ran on the gRPC event loop)."""
     _, stub = trtllm
