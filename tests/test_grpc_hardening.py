@@ -188,9 +188,19 @@ def test_a_large_request_leaves_the_service_responsive(llm, trtllm):
     assert llm.engine.num_unfinished_requests == 0
 
 
-def test_stopping_does_not_wait_for_a_request_being_prepared(llm):
+def test_stopping_does_not_wait_for_a_request_being_prepared(llm, monkeypatch):
     """stop() ends a call whose large request is still being prepared with UNAVAILABLE (another worker may take
     it) instead of waiting for the preparation (before: for all of it, the event loop being busy with it)."""
+    import petrel.grpc.servicer as servicer_module
+
+    arrived = threading.Event()
+    original = servicer_module.generate_args
+
+    def noted(request, limits):
+        arrived.set()
+        return original(request, limits)
+
+    monkeypatch.setattr(servicer_module, "generate_args", noted)
     server = build_grpc_server(llm, "tiny").start()
     outcome = {}
 
@@ -203,7 +213,8 @@ def test_stopping_does_not_wait_for_a_request_being_prepared(llm):
 
     thread = threading.Thread(target=large)
     thread.start()
-    time.sleep(0.5)  # the request arrived and is being prepared (seconds of work)
+    assert arrived.wait(WAIT)
+    time.sleep(0.2)  # its bad words are being tokenized (seconds of work)
     t0 = time.monotonic()
     server.stop()
     stopped = time.monotonic() - t0
