@@ -17,6 +17,13 @@ WORDS = ["hello", "world", "petrel", "token", "stream", "gateway", "worker", "li
 PROMPT = [504, 3458, 282, 4649, 314]  # a few ordinary SmolLM2 ids
 
 
+def available() -> bool:
+    """The grpc extra is installed (the run is left out of the default set without it)."""
+    import importlib.util
+
+    return all(importlib.util.find_spec(name) is not None for name in ("grpc", "smg_grpc_proto"))
+
+
 def _request(pb, rid: str, max_tokens: int, **fields):
     return pb.GenerateRequest(
         request_id=rid,

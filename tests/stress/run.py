@@ -46,6 +46,7 @@ from collections import Counter, deque
 import httpx
 import psutil
 
+from tests.stress.grpc_lists import available as grpc_available
 from tests.stress.grpc_lists import grpc_lists, grpc_lists_failures
 
 PROMPTS = [
@@ -764,7 +765,7 @@ def main(argv=None) -> int:
     p.add_argument("--grpc-attackers", type=int, default=2, help="grpc_lists: attacking processes")
     p.add_argument("--server-arg", action="append", default=[], help="passed to `petrel serve` (repeatable)")
     args = p.parse_args(argv)
-    args.runs = args.runs or list(RUNS)
+    args.runs = args.runs or [run for run in RUNS if run != "grpc_lists" or grpc_available()]
     if set(args.runs) - set(RUNS):
         p.error(f"unknown run(s): {sorted(set(args.runs) - set(RUNS))}")
     grpc_port = free_port() if "grpc_lists" in args.runs else None
