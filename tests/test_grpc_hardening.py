@@ -260,6 +260,30 @@ def test_abort_while_being_prepared_ends_the_request(llm, trtllm, monkeypatch):
     assert llm.engine.num_unfinished_requests == 0 and not server.servicer.in_flight
 
 
+@pytest.mark.parametrize("service", ["trtllm", "vllm"])
+def test_guided_decoding_compiles_beside_the_event_loop(llm, trtllm, vllm, service):
+    """A constraint compiles on the grammar workers, awaited by the call: the output follows it; one that does not
+    compile is INVALID_ARGUMENT naming guided decoding."""
+    stub = (trtllm if service == "trtllm" else vllm)[1]
+
+    def generate(regex):
+        if service == "trtllm":
+            guide = pb.GuidedDecodingParams(guide_type=pb.GuidedDecodingParams.GUIDE_TYPE_REGEX, guide=regex)
+            req = trt_request("guided", _tokens(5, 6), max_tokens=8, guided_decoding=guide)
+        else:
+            req = vllm_request("guided", _tokens(5, 6), max_tokens=8)
+            req.sampling_params.regex = regex
+        out = list(stub.Generate(req, metadata=AUTH, timeout=WAIT))
+        complete = out[-1].complete
+        return list(complete.output_token_ids if service == "trtllm" else complete.output_ids)
+
+    ids = generate("[0-9]{3}")
+    assert len(ids) >= 3 and llm.tokenizer.decode(ids[:3]).isdigit(), ids
+    code, details, _ = refused(generate, "([0-9]")
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "guided_decoding" in details, details
+    assert llm.engine.num_unfinished_requests == 0
+
+
 BAD_CREDENTIALS = {
     "none": None,
     "wrong_key": (("authorization", "Bearer wrong"),),
