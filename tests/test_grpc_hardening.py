@@ -104,6 +104,9 @@ TRT_HUGE = {
     "sampling_config.beam_width": lambda r: setattr(r.sampling_config, "beam_width", 17),
     "output_config.logprobs": lambda r: setattr(r.output_config, "logprobs", MAX_LOGPROBS + 1),
     "output_config.prompt_logprobs": lambda r: setattr(r.output_config, "prompt_logprobs", MAX_LOGPROBS + 1),
+    "guided_decoding.guide": lambda r: r.guided_decoding.CopyFrom(
+        pb.GuidedDecodingParams(guide_type=pb.GuidedDecodingParams.GUIDE_TYPE_JSON_SCHEMA, guide="[" * 4_000_000)
+    ),
 }
 VLLM_HUGE = {
     "sampling_params.stop": lambda r: r.sampling_params.stop.extend(f"s{i}" for i in range(MAX_STOP_STRINGS + 1)),
@@ -111,6 +114,7 @@ VLLM_HUGE = {
     "sampling_params.logit_bias": lambda r: r.sampling_params.logit_bias.update({i: 1.0 for i in range(MAX_ITEMS + 1)}),
     "sampling_params.logprobs": lambda r: setattr(r.sampling_params, "logprobs", MAX_LOGPROBS + 1),
     "sampling_params.prompt_logprobs": lambda r: setattr(r.sampling_params, "prompt_logprobs", -1),
+    "sampling_params.json_schema": lambda r: setattr(r.sampling_params, "json_schema", "[" * 4_000_000),
 }
 
 

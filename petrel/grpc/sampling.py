@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from petrel.guided_decoding import GuidedDecodingParams
+from petrel.guided_decoding import GuidedDecodingLimits, GuidedDecodingParams
 from petrel.sampling_params import SamplingParams
 from petrel.serve.params import MAX_BAD_WORDS, MAX_STOP_STRINGS
 from petrel.serve.protocol import MAX_ITEMS, MAX_LOGPROBS
@@ -28,6 +28,9 @@ UNSUPPORTED_REQUEST = ("prompt_tuning_config", "multimodal_input", "kv_cache_ret
 SAME_NAME = ("top_k", "top_p", "min_p", "temperature", "repetition_penalty", "presence_penalty", "frequency_penalty")
 # a request larger than this is prepared off the gRPC event loop (below it, a few ms of work: ~25k token ids)
 INLINE_BYTES = 64 * 1024
+# a guided-decoding constraint's text: none over GuidedDecodingLimits' 128 KiB compiles, this leaves room for
+# whitespace; longer ones are refused before their nesting is scanned (4 MB held the interpreter for 0.6 s)
+MAX_GUIDE_CHARS = 8 * GuidedDecodingLimits().max_grammar_bytes
 
 
 @dataclass
@@ -123,6 +126,7 @@ def check_sizes(req, limits: GenerateLimits) -> None:
     check_count("bad", len(req.bad), limits.max_bad_words, "strings")
     check_count("stop_token_ids", len(req.stop_token_ids), limits.max_ids, "token ids")
     check_count("bad_token_ids", len(req.bad_token_ids), limits.max_ids, "token ids")
+    check_count("guided_decoding.guide", len(req.guided_decoding.guide), MAX_GUIDE_CHARS, "characters")
     if req.embedding_bias and len(req.embedding_bias) != limits.vocab_size:
         raise ValueError(
             f"embedding_bias has {len(req.embedding_bias)} values; it needs one per vocabulary token "

@@ -9,6 +9,7 @@ import json
 from petrel.disagg import DisaggregatedParams
 from petrel.grpc.sampling import (
     INLINE_BYTES,
+    MAX_GUIDE_CHARS,
     GenerateArgs,
     GenerateLimits,
     check_count,
@@ -61,8 +62,11 @@ def check_sizes(req, limits: GenerateLimits) -> None:
     check_count("sampling_params.stop", len(sp.stop), limits.max_stop, "strings")
     check_count("sampling_params.stop_token_ids", len(sp.stop_token_ids), limits.max_ids, "token ids")
     check_count("sampling_params.logit_bias", len(sp.logit_bias), limits.max_ids, "entries")
-    if sp.WhichOneof("constraint") == "choice":
+    kind = sp.WhichOneof("constraint")
+    if kind == "choice":
         check_count("sampling_params.choice.choices", len(sp.choice.choices), limits.max_ids, "strings")
+    elif kind in ("json_schema", "regex", "grammar", "structural_tag"):
+        check_count(f"sampling_params.{kind}", len(getattr(sp, kind)), MAX_GUIDE_CHARS, "characters")
     check_most("sampling_params.n", sp.n, limits.max_n)
     for name in ("logprobs", "prompt_logprobs"):
         if sp.HasField(name):

@@ -127,7 +127,7 @@ class WorkerBase:
         call = functools.partial(self.llm.generate_async, args.prompt_token_ids, params, streaming=True, **args.options)
         dp = args.options.get("disaggregated_params")
         try:
-            compiled = await self._compile(params)  # noqa: F841 - held until queued: the engine finds it again
+            compiled = await self._compile(params, prepare)  # noqa: F841 - held until queued: the engine finds it
             if dp is not None and dp.is_generation_only and self.llm.config.fetches_kv:
                 return await fetch_pool(self.llm).run(call)  # the KV fetch runs off the event loop
             return await prepare(call, on_orphan=lambda future: future.abort())
@@ -155,12 +155,14 @@ class WorkerBase:
             self._preparing.discard(task)
         await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
 
-    async def _compile(self, params):
+    async def _compile(self, params, prepare):
         """The request's guided-decoding constraint compiled on the grammar compiler's workers (None without one):
-        a compile never holds the event loop or a preparing thread."""
+        a compile never holds the event loop or a preparing thread. Its size checks (a scan of the constraint)
+        run where the request is prepared."""
         if params.guided_decoding is None:
             return None
-        future = self.llm.engine.grammar_compiler.submit(params.guided_decoding)
+        compiler = self.llm.engine.grammar_compiler
+        future = await prepare(functools.partial(compiler.submit, params.guided_decoding))
         return await asyncio.wrap_future(future)
 
     async def run(self, request_id: str, make_args, builder, context, slow: bool = False):
