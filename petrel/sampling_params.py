@@ -207,14 +207,15 @@ class SamplingParams:
             raise ValueError(
                 f"top_k must be <= the vocabulary size ({vocab_size}), got {self.top_k} (0 or -1 keeps every token)"
             )
-        words = [t for w in self.bad_words_token_ids + self.stop_token_sequences for t in w]
+        # max() first: a pass in C over the ids (a bad word list may hold millions), Python only for a bad one
+        words = [t for w in self.bad_words_token_ids + self.stop_token_sequences if max(w) >= vocab_size for t in w]
         for name, ids in (
             ("external_draft_tokens", self.external_draft_tokens or []),
             ("stop_token_ids", self.stop_token_ids),
             ("logit_bias", list(self.logit_bias or {})),
             ("bad_words/stop words", words),
         ):
-            bad = [t for t in ids if t >= vocab_size]
+            bad = [t for t in ids if t >= vocab_size] if ids and max(ids) >= vocab_size else []
             if bad:
                 raise ValueError(f"{name} has token ids outside the vocabulary (size {vocab_size}): {bad[:5]}")
         for name in ("logprobs", "prompt_logprobs"):

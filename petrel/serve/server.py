@@ -56,8 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument(
         "--api-key",
         default=os.environ.get("PETREL_API_KEY"),
-        help="require `Authorization: Bearer KEY` on /v1, /tokenize and /detokenize "
-        "(default: $PETREL_API_KEY, else none)",
+        help="require `Authorization: Bearer KEY` on /v1, /tokenize and /detokenize, and on every gRPC call "
+        "but HealthCheck (default: $PETREL_API_KEY, else none)",
     )
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: the model's)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template (file or text) overriding the model's")
@@ -107,7 +107,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="also serve the TensorRT-LLM gRPC worker service (trtllm.TrtllmService, what the smg gateway "
-        "drives: `smg launch --worker-urls grpc://HOST:PORT`) on this port, over the same engine "
+        "drives: `smg launch --worker-urls grpc://HOST:PORT`) on this port, over the same engine, at --host, "
+        "without TLS; with --api-key every call but HealthCheck needs metadata `authorization: Bearer KEY` "
         "(needs `pip install petrel[grpc]`)",
     )
     p.add_argument(
@@ -336,8 +337,8 @@ def run(args) -> int:
 
 
 def start_grpc(llm, state, chat_template: str | None, args):
-    """The gRPC worker beside the HTTP server (--grpc-port), with the HTTP server's model name, LoRA adapters and
-    queue limit; None without --grpc-port."""
+    """The gRPC worker beside the HTTP server (--grpc-port), with the HTTP server's host, API key, request size
+    limit, model name, LoRA adapters and queue limit; None without --grpc-port."""
     if args.grpc_port is None:
         return None
     from petrel.grpc import build_grpc_server
@@ -348,6 +349,8 @@ def start_grpc(llm, state, chat_template: str | None, args):
         args.host,
         args.grpc_port,
         service=args.grpc_service,
+        api_key=args.api_key,
+        max_request_bytes=args.max_request_bytes,
         max_pending=state.max_pending,
         max_n=args.max_n,
         chat_template=chat_template,

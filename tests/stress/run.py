@@ -1,6 +1,6 @@
 """Stress runs against `petrel serve` started as a subprocess with its default limits (not part of pytest).
 
-    PYTHONPATH=. python -m tests.stress.run [overload] [soak] [slowloris] [bombs] [--requests N] ...
+    PYTHONPATH=. python -m tests.stress.run [overload] [soak] [slowloris] [bombs] [grpc_lists] [--requests N] ...
 
 overload: N concurrent streaming completions (default 500, max_tokens 8) from one loopback async httpx client.
     Reports accepted (200) / rejected (429) / other, p50/p99 time to first token of the accepted ones, the
@@ -19,6 +19,11 @@ bombs: one after another, a few requests each (4 at a time): huge prompts (10 MB
     that never answers, from the server's own HTTP port, from a closed port; a flood of context_only requests).
     Each must be refused (4xx) within --bomb-deadline seconds, /health p99 must stay under 1 s meanwhile, and
     the RSS must come back within 10% afterwards.
+grpc_lists: the server also serves gRPC (--grpc-port); attackers send Generate requests with huge lists (100,000
+    bad strings, 100,000 stop strings, 300,000 stop token ids: each refused INVALID_ARGUMENT within --bomb-deadline)
+    and 64 bad words of 60 kB (within the limits: served) beside a healthy gRPC client (HealthCheck, GetModelInfo,
+    a 4-token Generate), whose latencies are reported alone and under the attack; HealthCheck and GetModelInfo
+    p99 must stay under 1 s (tests/stress/grpc_lists.py).
 Prints one JSON object with the figures; exits 1 when a check fails.
 """
 
@@ -40,6 +45,9 @@ from collections import Counter, deque
 
 import httpx
 import psutil
+
+from tests.stress.grpc_lists import available as grpc_available
+from tests.stress.grpc_lists import grpc_lists, grpc_lists_failures
 
 PROMPTS = [
     "The capital of France is",
@@ -730,7 +738,7 @@ def bombs_failures(report: dict, deadline: float) -> list[str]:
     return failures
 
 
-RUNS = ("overload", "soak", "slowloris", "bombs")
+RUNS = ("overload", "soak", "slowloris", "bombs", "grpc_lists")
 
 
 def main(argv=None) -> int:
@@ -753,12 +761,15 @@ def main(argv=None) -> int:
     p.add_argument("--bomb-concurrency", type=int, default=4, help="bombs: requests at once")
     p.add_argument("--bomb-deadline", type=float, default=2.0, help="bombs: seconds a refusal may take")
     p.add_argument("--context-only-flood", type=int, default=200, help="bombs: context_only requests sent")
+    p.add_argument("--grpc-seconds", type=float, default=30.0, help="grpc_lists: how long the attack lasts")
+    p.add_argument("--grpc-attackers", type=int, default=2, help="grpc_lists: attacking processes")
     p.add_argument("--server-arg", action="append", default=[], help="passed to `petrel serve` (repeatable)")
     args = p.parse_args(argv)
-    args.runs = args.runs or list(RUNS)
+    args.runs = args.runs or [run for run in RUNS if run != "grpc_lists" or grpc_available()]
     if set(args.runs) - set(RUNS):
         p.error(f"unknown run(s): {sorted(set(args.runs) - set(RUNS))}")
-    server = Server(args.server_arg)
+    grpc_port = free_port() if "grpc_lists" in args.runs else None
+    server = Server(args.server_arg + ([] if grpc_port is None else ["--grpc-port", str(grpc_port)]))
     report, failures = {}, []
     try:
         if "overload" in args.runs:
@@ -793,6 +804,10 @@ def main(argv=None) -> int:
                 bombs(server, args.bomb_repeat, args.bomb_concurrency, args.bomb_deadline, args.context_only_flood)
             )
             failures += bombs_failures(b, args.bomb_deadline)
+        if "grpc_lists" in args.runs:
+            g = report["grpc_lists"] = grpc_lists(grpc_port, args.grpc_seconds, args.grpc_attackers, pct)
+            print(json.dumps({"grpc_lists": g}), flush=True)
+            failures += grpc_lists_failures(g, args.bomb_deadline)
     finally:
         report["server_exit_code"] = server.stop()
     report["failures"] = failures
