@@ -255,6 +255,8 @@ class EngineCore:
             logits = step_logits.sample_logits
             if rows != list(range(len(rows))):
                 logits = logits[torch.tensor(rows)]
+            elif logits.shape[0] != len(rows):  # the rows after these are drafts' positions, verified later
+                logits = logits[: len(rows)]  # a view: one row per sequence, as the sampler reads them
             drafts = [
                 s.spec.draft_token_ids[position] if position < len(s.spec.draft_token_ids) else None for s in seqs
             ]
