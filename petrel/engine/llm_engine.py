@@ -171,7 +171,7 @@ class LLMEngine:
             params.bad_words_token_ids = params.bad_words_token_ids + self._bad_word_ids(params.bad_words)
         if request_options.get("use_batched_post_processor") and self.core.sampler.batched_post_processor is None:
             raise ValueError("logits_post_processor_name asks for the batched post-processor, but none is configured")
-        self.core.validate(prompt_token_ids, params)
+        self.core.validate(prompt_token_ids, params, self.eos_token_ids)
         lora_request = request_options.get("lora_request")
         if lora_request is not None:
             from petrel.lora import LoRARequest

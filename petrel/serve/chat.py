@@ -114,6 +114,7 @@ async def create_chat_completion(state: ServeState, req: ChatCompletionRequest, 
     lora_request = state.check_model(req.model)
     _check_unsupported(req)
     check_modalities(req)
+    await state.check_schemas(req)
     req, legacy = with_legacy_functions(req)
     dp = disagg.from_request(req, 1)
     guided = guided_from_request(req)

@@ -21,8 +21,10 @@ from petrel.serve.logprobs import TokenText
 from petrel.serve.media import MediaLimits
 from petrel.serve.metrics import ServerMetrics
 from petrel.serve.params import ServerLimits
+from petrel.serve.tool_schemas import check_tool_schemas, has_tool_schemas
 
 TOKENIZE_THREADS = 2
+SCHEMA_THREADS = 2  # tool schemas checked against their metaschema (tool_schemas.py)
 
 
 @dataclass
@@ -46,9 +48,20 @@ class ServeState:
         default_factory=lambda: ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="petrel-tokenize")
     )
 
+    # checking tool schemas (slow for big ones): off the event loop, and off the tokenize pool every prompt needs
+    schema_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(SCHEMA_THREADS, thread_name_prefix="petrel-schemas")
+    )
+
     async def run_blocking(self, fn, *args):
         """fn(*args) on the tokenize pool (CPU work that would otherwise stall every other client)."""
         return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, *args)
+
+    async def check_schemas(self, req) -> None:
+        """The chat request's tool schemas checked against their metaschema on the schema pool (APIError naming
+        the first bad one); nothing to wait for without tools."""
+        if has_tool_schemas(req):
+            await asyncio.get_running_loop().run_in_executor(self.schema_pool, check_tool_schemas, req)
 
     def check_capacity(self, num_new: int = 1) -> None:
         """Refuse new work with 429 rather than queue without bound. Counts sequences (a request with n=8 is 8):

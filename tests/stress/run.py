@@ -1,6 +1,6 @@
 """Stress runs against `petrel serve` started as a subprocess with its default limits (not part of pytest).
 
-    PYTHONPATH=. python -m tests.stress.run [overload] [soak] [slowloris] [bombs] [grpc_lists] [--requests N] ...
+    PYTHONPATH=. python -m tests.stress.run [overload] [soak] [slowloris] [bombs] [grpc_lists] [lists] [--requests N]
 
 overload: N concurrent streaming completions (default 500, max_tokens 8) from one loopback async httpx client.
     Reports accepted (200) / rejected (429) / other, p50/p99 time to first token of the accepted ones, the
@@ -24,6 +24,11 @@ grpc_lists: the server also serves gRPC (--grpc-port); attackers send Generate r
     and 64 bad words of 60 kB (within the limits: served) beside a healthy gRPC client (HealthCheck, GetModelInfo,
     a 4-token Generate), whose latencies are reported alone and under the attack; HealthCheck and GetModelInfo
     p99 must stay under 1 s (tests/stress/grpc_lists.py).
+lists: request lists past their limits, 4 at a time, 3 times each: 50,000 function tools (chat and Responses),
+    200,000 messages, 200,000 Responses input items; each must be a 400 within --bomb-deadline seconds. Then 128
+    tools of 100 properties each (within the limit: seconds of schema checks each, then refused for the prompt
+    they make) must be refused within 120 s. /health p99 must stay under 1 s throughout, the RSS come back within
+    10%.
 Prints one JSON object with the figures; exits 1 when a check fails.
 """
 
@@ -704,6 +709,47 @@ async def bombs(server: Server, repeat: int, concurrency: int, deadline: float, 
     return out
 
 
+# ------------------------------------------------------------------------------------------------ lists
+
+
+def _list_bombs() -> dict[str, list[tuple[str, str, bytes]]]:
+    """Each group: (label, path, JSON body) requests. huge_lists are past their limits (refused on the count);
+    tools_within_limit are at the limit with big schemas (checked off the event loop, then too long a prompt)."""
+
+    def body(**fields) -> bytes:
+        return json.dumps(fields).encode()
+
+    def tool(parameters) -> dict:
+        return {"type": "function", "function": {"name": "f", "parameters": parameters}}
+
+    user, chat, responses = [{"role": "user", "content": "Hi"}], "/v1/chat/completions", "/v1/responses"
+    flat_tool = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+    big = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "a field"} for i in range(100)}}
+    return {
+        "huge_lists": [
+            ("chat_50k_tools", chat, body(messages=user, max_tokens=2, tools=[tool({"type": "object"})] * 50_000)),
+            ("responses_50k_tools", responses, body(input="Hi", tools=[flat_tool] * 50_000)),
+            ("chat_200k_messages", chat, body(messages=user * 200_000, max_tokens=2)),
+            ("responses_200k_input_items", responses, body(input=user * 200_000)),
+        ],
+        "tools_within_limit": [
+            ("chat_128_tools_of_100_properties", chat, body(messages=user, max_tokens=2, tools=[tool(big)] * 128))
+        ],
+    }
+
+
+TOOLS_WITHIN_LIMIT_DEADLINE = 120.0  # seconds: 4 requests of seconds of schema checks share the schema pool
+
+
+async def lists(server: Server, repeat: int, concurrency: int, deadline: float) -> dict:
+    out = {}
+    for name, requests in _list_bombs().items():
+        limit = deadline if name == "huge_lists" else TOOLS_WITHIN_LIMIT_DEADLINE
+        out[name] = {**await bomb(server, requests, repeat, concurrency, limit), "deadline_s": limit}
+        print(json.dumps({f"lists.{name}": out[name]}), flush=True)
+    return out
+
+
 def slowloris_failures(r: dict, header_timeout: float) -> list[str]:
     failures = []
     if r["health_p99_s"] is None or r["health_p99_s"] >= 1.0:
@@ -718,27 +764,28 @@ def slowloris_failures(r: dict, header_timeout: float) -> list[str]:
     return failures
 
 
-def bombs_failures(report: dict, deadline: float) -> list[str]:
+def bombs_failures(report: dict, deadline: float, run: str = "bombs") -> list[str]:
     failures, four_xx = [], {str(s) for s in range(400, 500)}
-    for name, r in report.items():
+    for group, r in report.items():
+        name, limit = f"{run}.{group}", r.get("deadline_s", deadline)  # a group may have a deadline of its own
         if not r["all_refused_fast"]:
             missed = {
                 label: [v["statuses"], v["max_s"]]
                 for label, v in r["by_request"].items()
-                if set(v["statuses"]) - four_xx or v["max_s"] >= deadline
+                if set(v["statuses"]) - four_xx or v["max_s"] >= limit
             }
             failures.append(
-                f"bombs.{name}: {r['requests'] - r['refused_fast']} of {r['requests']} requests not "
-                f"refused with a 4xx within {deadline} s: {json.dumps(missed)}"
+                f"{name}: {r['requests'] - r['refused_fast']} of {r['requests']} requests not "
+                f"refused with a 4xx within {limit} s: {json.dumps(missed)}"
             )
         if r["health_p99_s"] is None or r["health_p99_s"] >= 1.0:
-            failures.append(f"bombs.{name}: /health p99 {r['health_p99_s']} s (>= 1 s or over 1% failed)")
+            failures.append(f"{name}: /health p99 {r['health_p99_s']} s (>= 1 s or over 1% failed)")
         if not r["rss_recovered"]:
-            failures.append(f"bombs.{name}: RSS {r['rss_after_mib']} MiB after vs {r['rss_before_mib']} MiB before")
+            failures.append(f"{name}: RSS {r['rss_after_mib']} MiB after vs {r['rss_before_mib']} MiB before")
     return failures
 
 
-RUNS = ("overload", "soak", "slowloris", "bombs", "grpc_lists")
+RUNS = ("overload", "soak", "slowloris", "bombs", "grpc_lists", "lists")
 
 
 def main(argv=None) -> int:
@@ -808,6 +855,11 @@ def main(argv=None) -> int:
             g = report["grpc_lists"] = grpc_lists(grpc_port, args.grpc_seconds, args.grpc_attackers, pct)
             print(json.dumps({"grpc_lists": g}), flush=True)
             failures += grpc_lists_failures(g, args.bomb_deadline)
+        if "lists" in args.runs:
+            li = report["lists"] = asyncio.run(
+                lists(server, args.bomb_repeat, args.bomb_concurrency, args.bomb_deadline)
+            )
+            failures += bombs_failures(li, args.bomb_deadline, "lists")
     finally:
         report["server_exit_code"] = server.stop()
     report["failures"] = failures
