@@ -35,7 +35,7 @@ lint: install              # ruff: the lint rules and the formatting ([tool.ruff
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-stress: install             # minutes: 500 concurrent streams, a 2,000-request fault soak, slowloris, bombs, gRPC huge lists (tests/stress)
+stress: install             # minutes: 500 concurrent streams, a 2,000-request fault soak, slowloris, bombs, gRPC huge lists, slow image hosts (tests/stress)
 	$(PY) -m tests.stress.run
 
 bench: install

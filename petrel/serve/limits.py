@@ -29,17 +29,19 @@ class HeapTrimmer:
         self._last = float("-inf")
         self._scheduled = False
 
-    def request(self) -> None:
-        """A trim soon: after the current task step (so the caller's frame and its buffers are gone first)."""
+    def request(self, executor=None) -> None:
+        """A trim soon: after the current task step (so the caller's frame and its buffers are gone first), on
+        `executor` (None: the loop's default). A pool of one thread that held the buffers runs it after that
+        thread has dropped the last job's arguments and result."""
         if self.release is None or self._scheduled:
             return
         loop = asyncio.get_running_loop()
         self._scheduled = True
-        loop.call_later(max(0.0, self._last + self.interval - loop.time()), self._run, loop)
+        loop.call_later(max(0.0, self._last + self.interval - loop.time()), self._run, loop, executor)
 
-    def _run(self, loop) -> None:
+    def _run(self, loop, executor=None) -> None:
         self._scheduled, self._last = False, loop.time()
-        loop.run_in_executor(None, self.release)
+        loop.run_in_executor(executor, self.release)
 
 
 class BodySizeLimit:
