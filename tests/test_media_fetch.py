@@ -350,15 +350,25 @@ def test_slow_hosts_freeze_no_other_chat(server, hosts):
 
 
 def test_fetches_at_once_are_bounded(server, hosts):
-    """Past max_concurrent requests fetching, a 429 (data URLs need no slot); the slot comes back after."""
+    """Past max_concurrent requests fetching, a 429 (data URLs need no slot), counted as a rejected request on
+    /metrics; the slot comes back after."""
     data_url = "data:image/png;base64," + base64.b64encode(CAT).decode()
     with policy(server, allow_private=True, timeout=1.5, max_concurrent=1):
         (slow,) = hosts.trickled(lambda: chat(server, hosts.url("/trickle")), 1)
+        rejected = _rejected(server)
         busy = chat(server, hosts.url("/cat.png"))
         assert busy.status_code == 429 and busy.json()["error"]["code"] == "server_overloaded"
+        assert _rejected(server) == rejected + 1
         assert chat(server, data_url).status_code == 200
         assert slow.result().status_code == 400
         assert chat(server, hosts.url("/cat.png")).status_code == 200
+
+
+def _rejected(server) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    return sum(
+        float(line.split()[-1]) for line in text.splitlines() if line.startswith("petrel_request_rejected_total")
+    )
 
 
 def _rss_mib() -> float:

@@ -77,6 +77,10 @@ async def load_media(state, messages, processor) -> tuple[list, list]:
     except FetchFailed as exc:
         logger.warning("media fetch refused or failed: %s", exc)
         raise fetch_error(exc.item.param, exc.item.what) from None
+    except APIError as exc:
+        if exc.status == 429:  # every fetch slot taken: refused for load, as a full server refuses
+            state.llm.engine.events.rejected()
+        raise
     images = await state.run_media(load_images, images, limits, fetched) if images else []
     videos = await state.run_media(load_videos, videos, limits, processor, fetched) if videos else []
     return images, videos
