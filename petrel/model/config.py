@@ -12,6 +12,13 @@ GGUF_ARCHITECTURES = {
     "gemma3": "Gemma3ForCausalLM",
 }
 
+# mixture-of-experts families (petrel/model/moe.py) -> the config key of their expert count
+MOE_ARCHITECTURES = {
+    "MixtralForCausalLM": "num_local_experts",
+    "Qwen2MoeForCausalLM": "num_experts",
+    "Qwen3MoeForCausalLM": "num_experts",
+}
+
 
 @dataclass
 class ModelConfig:
@@ -39,6 +46,17 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     mrope_section: list[int] | None = None  # multimodal rotary (Qwen2-VL): head_dim / 2 frequencies per t/h/w stream
+    # mixture of experts (petrel/model/moe.py; num_experts 0: a dense model): each token's MLP is the weighted sum
+    # of num_experts_per_tok experts of moe_intermediate_size picked by a softmax router (the top-k probabilities
+    # renormalised to sum 1 with norm_topk_prob), plus, with shared_expert_intermediate_size, an expert every token
+    # takes, scaled by sigmoid(shared_expert_gate(x)); the layers in dense_layers keep a dense MLP of
+    # intermediate_size instead
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    dense_layers: list[int] = field(default_factory=list)
     # a vision-language model's whole Hugging Face config (the fields above are its text_config's); None: text only
     multimodal_config: dict | None = field(default=None, repr=False)
 
@@ -76,6 +94,8 @@ class ModelConfig:
         partial = (rope_params or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
         if partial != 1.0:
             raise ValueError(f"partial rotary embedding (partial_rotary_factor {partial}) is not supported")
+        moe = _hf_moe(architecture, cfg) if architecture in MOE_ARCHITECTURES else {}
+        moe_qkv_bias = moe.pop("qkv_bias", False)
         return cls(
             architecture=architecture,
             vocab_size=cfg["vocab_size"],
@@ -91,8 +111,9 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             tie_word_embeddings=cfg.get("tie_word_embeddings", gemma),  # Gemma's config default is tied
             attention_bias=cfg.get("attention_bias", False),
-            qkv_bias=architecture == "Qwen2ForCausalLM" or qwen_vl,  # Qwen2 always has them; the config does not say
-            qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            # Qwen2 always has them (the config does not say); Qwen2-MoE's config says (qkv_bias, default true)
+            qkv_bias=architecture == "Qwen2ForCausalLM" or qwen_vl or moe_qkv_bias,
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"),
             mlp_bias=cfg.get("mlp_bias", False),
             sliding_windows=_gemma3_sliding_windows(cfg) if gemma else _sliding_windows(cfg),
             rope_local_theta=local_theta,
@@ -102,7 +123,12 @@ class ModelConfig:
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
             mrope_section=list(mrope) if mrope else None,
             multimodal_config=cfg if qwen_vl else None,  # the published Qwen2-VL configs are flat (no text_config)
+            **moe,
         )
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether this layer's MLP is a mixture of experts (petrel/model/moe.py)."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     def sliding_window(self, layer: int) -> int | None:
         return self.sliding_windows[layer] if self.sliding_windows else None
@@ -177,6 +203,50 @@ class ModelConfig:
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=[eos] if eos is not None else [],
         )
+
+
+def _hf_moe(architecture: str, cfg: dict) -> dict:
+    """The mixture-of-experts fields of a Mixtral, Qwen2-MoE or Qwen3-MoE config (and Qwen2-MoE's qkv_bias), checked:
+    a ValueError names the field petrel cannot run."""
+    count_key = MOE_ARCHITECTURES[architecture]
+    if count_key not in cfg:  # transformers 5 writes Qwen3-MoE's count as Mixtral's key
+        count_key = next((k for k in ("num_experts", "num_local_experts") if k in cfg), count_key)
+    experts, top_k = cfg.get(count_key), cfg.get("num_experts_per_tok")
+    if not isinstance(experts, int) or experts < 1:
+        raise ValueError(f"{architecture}: {count_key} {experts!r} is not a positive number of experts")
+    if not isinstance(top_k, int) or not 1 <= top_k <= experts:
+        raise ValueError(f"{architecture}: num_experts_per_tok {top_k!r} must be between 1 and {count_key} ({experts})")
+    scoring = cfg.get("scoring_func", "softmax")
+    if scoring != "softmax":
+        raise ValueError(f"{architecture}: scoring_func {scoring!r} is not supported (supported: softmax)")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{architecture}: hidden_act {act!r} is not supported (supported: silu)")
+    layers = cfg["num_hidden_layers"]
+    if architecture == "MixtralForCausalLM":  # every layer sparse, its experts intermediate_size wide, renormalised
+        return dict(
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=cfg["intermediate_size"],
+            norm_topk_prob=True,
+        )
+    step = cfg.get("decoder_sparse_step", 1) or 1
+    only = cfg.get("mlp_only_layers") or []
+    if not isinstance(step, int) or step < 1:
+        raise ValueError(f"{architecture}: decoder_sparse_step {step!r} is not a positive integer")
+    if any(not isinstance(i, int) or not 0 <= i < layers for i in only):
+        raise ValueError(f"{architecture}: mlp_only_layers {only!r} names layers the model does not have")
+    out = dict(
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=cfg["moe_intermediate_size"],
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        dense_layers=[i for i in range(layers) if i in only or (i + 1) % step],
+    )
+    if architecture == "Qwen2MoeForCausalLM":
+        out["shared_expert_intermediate_size"] = cfg.get("shared_expert_intermediate_size") or 0
+        out["qkv_bias"] = cfg.get("qkv_bias", True)
+    return out
 
 
 def _sliding_windows(cfg: dict) -> list[int | None]:

@@ -133,11 +133,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE, layer_class: type = LlamaDecoderLayer):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(layer_class(cfg, i, tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -249,15 +249,14 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and cfg.tie_word_embeddings:
                 continue
-            target, piece = name, None
-            for fragment, (fused, shard) in self.fused_shards.items():
-                if fragment in name:
-                    target, piece = name.replace(fragment, fused), shard
-                    break
+            target, piece = self.checkpoint_target(name)
             if target not in params:
                 raise ValueError(f"unexpected weight {name!r} in checkpoint for {cfg.architecture}")
             owner, _, kind = target.rpartition(".")
             module = modules[owner]
+            if hasattr(module, "piece_keys"):  # experts: dense or quantized, whole or one expert's piece
+                loaded.update(f"{target}#{k}" for k in module.load(kind, tensor, piece, name))
+                continue
             if isinstance(tensor, QuantizedWeight):
                 loaded.update(_add_quantized(quantized, name, target, module, piece, tensor))
                 continue
@@ -276,12 +275,22 @@ class LlamaForCausalLM(nn.Module):
             module = modules[pname.rpartition(".")[0]]
             if isinstance(module, ColumnParallelLinear):
                 expected.update(f"{pname}#{i}" for i in range(len(module.pieces)))
+            elif hasattr(module, "piece_keys"):  # loaded piece by piece (petrel/model/moe.py's experts)
+                expected.update(f"{pname}#{i}" for i in module.piece_keys(pname.rpartition(".")[2]))
             else:
                 expected.add(pname)
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
         quantized.install(self)
+
+    def checkpoint_target(self, name: str) -> tuple[str, object]:
+        """(parameter name, piece) a checkpoint tensor loads into: q/k/v and gate/up into their fused projections
+        (piece: the shard index), anything else into the parameter of its own name (piece None)."""
+        for fragment, (fused, shard) in self.fused_shards.items():
+            if fragment in name:
+                return name.replace(fragment, fused), shard
+        return name, None
 
 
 def _projections(layers: nn.ModuleList) -> tuple:
