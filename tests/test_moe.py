@@ -165,6 +165,28 @@ def test_engine_greedy_matches_transformers_generate(moe, name, engine_kwargs, e
         assert results[f"req{i}"] == expected, f"{name} prompt {i}: petrel {results[f'req{i}']} != {expected}"
 
 
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_kernel_and_torch_loop_give_the_same_tokens(moe, name, monkeypatch):
+    """The experts' kernel (one call per layer) and the torch loop it falls back to (no compiler or AVX2;
+    PETREL_MOE_KERNEL=0) give transformers' tokens; a spy shows which ran."""
+    from petrel.model import moe_kernels
+
+    t = moe(name)
+    prompts = [_tokens(21, 61), _tokens(9, 60)]
+    calls = []
+    original = moe_kernels.experts
+    monkeypatch.setattr(moe_kernels, "experts", lambda *a: calls.append(out := original(*a)) or out)
+    tokens = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv("PETREL_MOE_KERNEL", switch)
+        calls.clear()
+        results, _ = _engine_generate(t, prompts, 12, block_size=4, max_num_batched_tokens=16)
+        tokens[switch] = [results[f"req{i}"] for i in range(len(prompts))]
+        ran = [c is not None for c in calls]
+        assert ran and all(ran) if switch == "1" else not any(ran), (switch, ran)
+    assert tokens["1"] == tokens["0"] == [hf_greedy(t, p, 12) for p in prompts]
+
+
 def _llm(t, tokenizer_dir, **options) -> LLM:
     return LLM(t.path, tokenizer=tokenizer_dir, kv_cache_memory=1 << 20, **options)
 

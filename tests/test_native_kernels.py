@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from petrel import SamplingParams
-from petrel.model import dense_kernels, gemm_kernels, kernel_build, native, quant_kernels
+from petrel.model import dense_kernels, gemm_kernels, kernel_build, moe_kernels, native, quant_kernels
 
 MODEL_DIR = kernel_build.DIRECTORY
 needs_kernels = pytest.mark.skipif(
@@ -79,7 +79,7 @@ def test_header_declarations_parse_to_ctypes_types():
 
 def _kernel_calls():
     """(module file, kernel name, ast.Call, parent node) for every `...lib.NAME(...)` call in the wrappers."""
-    for module in (dense_kernels, gemm_kernels, quant_kernels):
+    for module in (dense_kernels, gemm_kernels, quant_kernels, moe_kernels):
         tree = ast.parse(open(module.__file__).read())
         parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
         for node in ast.walk(tree):
@@ -207,6 +207,7 @@ def test_failed_scratch_allocation_is_reported():
         )
         == oom
     )
+    assert lib.moe_experts(None, huge, 64, 32, 8, None, None, 0, 4, None, None, None, 1) == oom
     # ... and the wrappers raise instead of returning an unwritten output
     failing = SimpleNamespace(quant_gemv=lambda *args: oom, quant_gemm=lambda *args: oom)
     x, codes, scale = torch.randn(2, 64), torch.zeros(16, 2, 16, dtype=torch.uint8), torch.ones(16, 2)

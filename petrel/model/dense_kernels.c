@@ -19,6 +19,7 @@
 #include "kernels.h"
 #include "simd.h"
 #include "thread_pool.h"
+#include "weight_product.h"
 
 /* f32_gemv, bf16_gemv (bfloat16 rows: each weight widened to float32 exactly, a shift) */
 #define GEMV_WEIGHT float
@@ -213,10 +214,8 @@ static int bf16_panels(const weight *w) {
     return w->bits == 16 && w->panels;
 }
 
-/* y[M][N] = x[M][K] @ W^T for either kind of weight (quantized: few rows in registers, from w->integer_rows rows in
- * integers: int8_gemm for one scale a row, group_gemm for groups; else dequantized tiles); 0, or
- * KERNEL_OUT_OF_MEMORY (quantized products' scratch) */
-static int product(const float *x, int64_t M, int64_t K, const weight *w, float *y, int64_t N, int nthreads) {
+/* see weight_product.h */
+int weight_product(const float *x, int64_t M, int64_t K, const weight *w, float *y, int64_t N, int nthreads) {
     if (w->bits == 32 && w->panels) {
         f32_panels_product(x, M, K, (const float *)w->data, y, N, nthreads, w->panels);
         return 0;
@@ -283,7 +282,7 @@ static int layer_step(const float *x, float *x_out, int64_t T, int64_t H, const 
     float *qkv = h + T * H, *qk = qkv + T * QKV, *attn = qk + T * QK;
     float *gate_up = qkv, *act = gate_up + T * 2 * I, *y = qkv + T * shared_floats(I, NH, KVH, D);
     rms_norm(x, T, H, H, norm1, eps, h, nthreads);
-    if ((status = product(h, T, H, w_qkv, qkv, QKV, nthreads))) goto done;
+    if ((status = weight_product(h, T, H, w_qkv, qkv, QKV, nthreads))) goto done;
     rotary(qkv, T, NH + KVH, D, QKV, cos_t, sin_t, qk, nthreads);
     write_cache(qk + NH * D, QK, qkv + QK, QKV, T, ROW, slots, key_cache, value_cache, kv_bf16, nthreads);
     if (decodes)
@@ -295,16 +294,16 @@ static int layer_step(const float *x, float *x_out, int64_t T, int64_t H, const 
                                 chunk_rows(chunks, n_chunks, i, T), c->p0, NH, KVH, D, bs, window, scale,
                                 attn + c->first_row * NH * D, workspace, avx512, nthreads);
     }
-    if ((status = product(attn, T, NH * D, w_o, y, H, nthreads))) goto done;
+    if ((status = weight_product(attn, T, NH * D, w_o, y, H, nthreads))) goto done;
     add(x, y, x_out, T, H, nthreads);
     rms_norm(x_out, T, H, H, norm2, eps, h, nthreads);
-    if ((status = product(h, T, H, w_gate_up, gate_up, 2 * I, nthreads))) goto done;
+    if ((status = weight_product(h, T, H, w_gate_up, gate_up, 2 * I, nthreads))) goto done;
     if (bf16_panels(w_down)) {   /* the activation straight to bfloat16, the product's input */
         silu_and_mul_bf16(gate_up, T, I, (uint16_t *)act, nthreads);
         bf16_panels_product_rounded((const uint16_t *)act, T, I, (const uint16_t *)w_down->data, y, H, nthreads);
     } else {
         silu_and_mul(gate_up, T, I, act, nthreads);
-        if ((status = product(act, T, I, w_down, y, H, nthreads))) goto done;
+        if ((status = weight_product(act, T, I, w_down, y, H, nthreads))) goto done;
     }
     add(x_out, y, x_out, T, H, nthreads);
 done:

@@ -120,6 +120,12 @@ int int8_gemm(const float *x, int64_t M, int64_t K, const int8_t *codes, const f
 int group_gemm(int bits, const float *x, int64_t M, int64_t K, const void *codes, const float *scale,
                const float *mins, int gshift, float *y, int64_t N, int nthreads, int isa);
 
+/* moe.c: a mixture-of-experts layer's experts over a step's rows (ids, route_weights [T][k]; this rank's experts
+ * first .. first + E - 1, their weights gate_up[E] [2I][H] and down[E] [H][I]) */
+int moe_experts(const float *x, int64_t T, int64_t H, int64_t I, int64_t k, const int64_t *ids,
+                const float *route_weights, int64_t first, int64_t E, const weight *gate_up, const weight *down,
+                float *out, int nthreads);
+
 /* greedy_rows.c */
 void greedy_rows(const float *x, int64_t rows, int64_t vocab, int64_t stride, int64_t *tokens, float *logprobs,
                  int nthreads);

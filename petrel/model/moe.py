@@ -83,6 +83,12 @@ class Experts(nn.Module):
         self.held: nn.ModuleList | None = None
         self._quantized: dict = {}  # (kind, local expert, part) -> QuantizedWeight, while loading
 
+    def __getstate__(self):
+        """Copies and pickles leave out the kernel's cached description (raw pointers into these weights)."""
+        state = dict(super().__getstate__())
+        state.pop("_described", None)
+        return state
+
     @property
     def local_intermediate(self) -> int:
         return self.columns[1] - self.columns[0]
