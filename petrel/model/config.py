@@ -10,7 +10,10 @@ GGUF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
+GGUF_GATING_SOFTMAX = 1  # llama.cpp's expert_gating_func values: 1 softmax, 2 sigmoid, 3 softmax over the top-k
 
 # mixture-of-experts families (petrel/model/moe.py) -> the config key of their expert count
 MOE_ARCHITECTURES = {
@@ -161,6 +164,9 @@ class ModelConfig:
             scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
         eos = meta.get("tokenizer.ggml.eos_token_id")
         architecture = GGUF_ARCHITECTURES[arch]
+        if arch == "llama" and get("expert_count"):  # llama.cpp writes Mixtral as a llama with experts
+            architecture = "MixtralForCausalLM"
+        moe = _gguf_moe(arch, architecture, get) if architecture in MOE_ARCHITECTURES else {}
         gemma = architecture == "Gemma3ForCausalLM"
         head_dim = get("attention.key_length") or hidden // heads
         layers = get("block_count")
@@ -193,8 +199,8 @@ class ModelConfig:
             rope_theta=get("rope.freq_base", 10000.0),
             rope_scaling=scaling,
             tie_word_embeddings=not has_output_tensor,
-            qkv_bias=architecture == "Qwen2ForCausalLM",
-            qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            qkv_bias=architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"),  # load_model_config checks
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_windows=windows,
             rope_local_theta=10_000.0 if gemma else None,
             # llama.cpp's rule: hidden / heads for the 62-layer 27B, head_dim for the others
@@ -202,7 +208,36 @@ class ModelConfig:
             final_logit_softcapping=get("final_logit_softcapping") if gemma else None,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=[eos] if eos is not None else [],
+            **moe,
         )
+
+
+def _gguf_moe(arch: str, architecture: str, get) -> dict:
+    """The mixture-of-experts fields of a GGUF's metadata (llama.cpp's keys, under the architecture's prefix),
+    checked; which layers are dense the tensors say (loader.load_model_config). Routing weights are renormalised
+    as llama.cpp does for each architecture (Mixtral and Qwen3-MoE yes, Qwen2-MoE no) unless expert_weights_norm
+    says."""
+    experts, top_k = get("expert_count"), get("expert_used_count")
+    if not isinstance(experts, int) or experts < 1:
+        raise ValueError(f"GGUF {arch}.expert_count {experts!r} is not a positive number of experts")
+    if not isinstance(top_k, int) or not 1 <= top_k <= experts:
+        raise ValueError(f"GGUF {arch}.expert_used_count {top_k!r} must be between 1 and expert_count ({experts})")
+    gating = get("expert_gating_func", GGUF_GATING_SOFTMAX)
+    if gating != GGUF_GATING_SOFTMAX:
+        raise ValueError(f"GGUF {arch}.expert_gating_func {gating!r} is not supported (supported: 1, softmax)")
+    shared_count = get("expert_shared_count", 1 if get("expert_shared_feed_forward_length") else 0)
+    if shared_count not in (0, 1):
+        raise ValueError(f"GGUF {arch}.expert_shared_count {shared_count!r} is not supported (supported: 0 or 1)")
+    for key in ("expert_weights_scale", "expert_group_count"):
+        if get(key) not in (None, 0, 1, 1.0):
+            raise ValueError(f"GGUF {arch}.{key} {get(key)!r} is not supported")
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=get("expert_feed_forward_length") or get("feed_forward_length"),
+        norm_topk_prob=bool(get("expert_weights_norm", architecture != "Qwen2MoeForCausalLM")),
+        shared_expert_intermediate_size=(get("expert_shared_feed_forward_length") or 0) if shared_count else 0,
+    )
 
 
 def _hf_moe(architecture: str, cfg: dict) -> dict:
