@@ -401,3 +401,48 @@ def test_experts_hold_only_this_ranks_share():
     whole = Experts(8, 16, 32, tp)
     assert (whole.first, whole.num_local, whole.columns) == (4, 4, (0, 32))
     assert tuple(whole.gate_up_proj.shape) == (4, 64, 16) and tuple(sliced.down_proj.shape) == (8, 16, 16)
+
+
+# ---------------------------------------------------------------- statistics
+
+
+def _hf_routed(t, tokens: list[int], layer: int) -> list[int]:
+    """Tokens transformers' router sends to each expert of a layer over a prompt."""
+    with torch.no_grad():
+        out = t.hf(torch.tensor([tokens]), output_router_logits=True)
+    sparse = [i for i, s in enumerate(_hf_is_sparse(t.hf)) if s]
+    logits = out.router_logits[sparse.index(layer)]
+    picks = torch.softmax(logits.float(), -1).topk(t.cfg.num_experts_per_tok, -1).indices
+    return torch.bincount(picks.reshape(-1), minlength=t.cfg.num_experts).tolist()
+
+
+def test_expert_load_per_step_and_on_metrics(moe, tokenizer_dir):
+    """IterationStats.expert_load: each MoE layer's tokens per expert of the step (a prompt's prefill: transformers'
+    router's counts); /metrics: petrel_moe_expert_tokens{layer, expert}, the totals since start."""
+    from fastapi.testclient import TestClient
+
+    from petrel.serve.app import build_app
+
+    t = moe("qwen2_moe")
+    prompt = _tokens(17, 150)
+    llm = _llm(t, tokenizer_dir)
+    try:
+        llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+        history = list(llm.engine.stats_history)
+        prefill = next(s for s in history if s.num_prompt_tokens == 17)
+        assert sorted(prefill.expert_load) == [0, 2]  # layer 1 is dense
+        for layer in (0, 2):
+            assert prefill.expert_load[layer] == _hf_routed(t, prompt, layer)
+        decodes = [s for s in history if s.num_prompt_tokens == 0 and s.expert_load]
+        assert decodes and all(sum(s.expert_load[0]) == 2 for s in decodes)  # one token, top 2
+        text = TestClient(build_app(llm)).get("/metrics").text
+    finally:
+        llm.shutdown()
+    series = [line for line in text.splitlines() if line.startswith("petrel_moe_expert_tokens{")]
+    assert len(series) == 2 * 8  # two MoE layers of 8 experts
+    totals = {}
+    for line in series:
+        labels, value = line.rsplit(" ", 1)
+        layer = labels.split('layer="')[1].split('"')[0]
+        totals[layer] = totals.get(layer, 0) + float(value)
+    assert totals == {"0": 2 * (17 + 2), "2": 2 * (17 + 2)}  # 17 prompt tokens and 2 decode steps, top 2 each

@@ -448,7 +448,7 @@ def load_model(
         reader = _gguf_reader(source) if source.kind == "gguf" else None
         cfg = load_model_config(source, reader)
     cls = model_class(cfg.architecture, f"model {source.name!r}")
-    check_tensor_parallel(cfg, tp.size)
+    check_tensor_parallel(cfg, tp.size, tp.expert_parallel)
     with _without_weight_init():
         model = cls(cfg, tp).float()
     with _ReadingFiles(source):

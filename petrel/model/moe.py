@@ -236,7 +236,8 @@ class Experts(nn.Module):
 
 class SparseMoeBlock(nn.Module):
     """The MoE layer (see the module's docstring): router, experts and Qwen2-MoE's gated shared expert. Each call
-    keeps its step's tokens per expert (`last_counts`, for the engine's statistics)."""
+    adds its rows' picks to `routed` (tokens per expert, for the engine's statistics: MoeForCausalLM.take_expert_load
+    reads and clears them)."""
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
@@ -247,11 +248,12 @@ class SparseMoeBlock(nn.Module):
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = LlamaMLP(replace(cfg, intermediate_size=cfg.shared_expert_intermediate_size), tp)
             self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
-        self.last_counts: torch.Tensor | None = None
+        self.routed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate.route(x, self.top_k, self.renormalize)
-        out, self.last_counts = self.experts(x, ids, weights)
+        out, counts = self.experts(x, ids, weights)
+        self.routed = counts if self.routed is None else self.routed + counts
         out = self.tp.all_reduce(out)  # each rank's experts (or slices of every expert): partial sums
         if hasattr(self, "shared_expert"):
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
@@ -327,10 +329,14 @@ class MoeForCausalLM(LlamaForCausalLM):
         """Each layer's MoE block (None for a dense layer)."""
         return [layer.mlp if isinstance(layer.mlp, SparseMoeBlock) else None for layer in self.model.layers]
 
-    def expert_load(self) -> list[list[int]] | None:
-        """Tokens routed to each expert of each MoE layer in the last forward (layers in order, dense ones left
-        out), or None before the first."""
-        counts = [b.last_counts for b in self.moe_blocks() if b is not None]
-        if not counts or any(c is None for c in counts):
+    def take_expert_load(self) -> dict[int, list[int]] | None:
+        """Tokens routed to each expert of each MoE layer (by layer index) by the forwards since the last call,
+        which clears them; None when none ran. With tensor or expert parallelism every rank routes every token, so
+        rank 0's counts are the whole model's."""
+        blocks = [(i, b) for i, b in enumerate(self.moe_blocks()) if b is not None]
+        if all(b.routed is None for _, b in blocks):
             return None
-        return torch.stack(counts).tolist()
+        load = {i: b.routed.tolist() if b.routed is not None else [0] * b.experts.num_experts for i, b in blocks}
+        for _, b in blocks:
+            b.routed = None
+        return load

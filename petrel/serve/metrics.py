@@ -14,6 +14,8 @@ petrel_kv_tier_dropped{tier}, petrel_kv_tier_errors{tier}; and petrel_kv_tier_bl
 petrel_kv_tier_seconds{phase=fetch|store} (time spent bringing blocks back, and storing evicted ones).
 Vision-language models' encoder (counters, brought up to the engine's totals at each scrape):
 petrel_encoder_images_encoded_total, petrel_encoder_cache_hits_total, petrel_encoder_seconds_total.
+Mixtures of experts: petrel_moe_expert_tokens{layer, expert} (tokens routed to that expert of that layer since
+start: a hot expert shows as one series growing faster than its layer's others).
 """
 
 from __future__ import annotations
@@ -86,6 +88,12 @@ class ServerMetrics:
         self.tier_seconds = tier_gauge(
             "petrel_kv_tier_seconds", "Seconds spent fetching blocks from / storing blocks to the tiers", "phase"
         )
+        self.expert_tokens = Gauge(
+            "petrel_moe_expert_tokens",
+            "Tokens routed to an expert of a mixture-of-experts layer, since start",
+            ["model_name", "layer", "expert"],
+            registry=r,
+        )
         self.engine_up = gauge("petrel_engine_up", "1 when the engine loop answered this scrape, else 0")
         self.encoder = (  # the engine's (images encoded, cache hits, seconds) since start, as counters
             counter("petrel_encoder_images_encoded", "Images run through the vision encoder").labels(**labels),
@@ -133,11 +141,19 @@ class ServerMetrics:
             self.spec_rate.set(state["accepted"] / state["drafted"] if state["drafted"] else 0.0)
             if state["kv_tiers"] is not None:
                 self._set_tiers(state["kv_tiers"])
+            if state["expert_tokens"] is not None:
+                self._set_expert_tokens(state["expert_tokens"])
             for metric, seen, total in zip(self.encoder, self._encoder_seen, state["encoder"]):
                 if total > seen:
                     metric.inc(total - seen)
             self._encoder_seen = tuple(max(a, b) for a, b in zip(self._encoder_seen, state["encoder"]))
         return generate_latest(self.registry)
+
+    def _set_expert_tokens(self, tokens: dict) -> None:
+        model = self._labels["model_name"]
+        for layer, counts in tokens.items():
+            for expert, count in enumerate(counts):
+                self.expert_tokens.labels(model_name=model, layer=str(layer), expert=str(expert)).set(count)
 
     def _set_tiers(self, tiers: dict) -> None:
         model = self._labels["model_name"]
@@ -168,4 +184,10 @@ def _engine_state(core) -> dict:
         "accepted": core.num_accepted_tokens,
         "kv_tiers": core.tier_io.stats() if getattr(core, "tier_io", None) is not None else None,
         "encoder": core.encoder_counters(),
+        "expert_tokens": _copied(getattr(core, "expert_tokens", None)),  # a mixture of experts' (None: dense)
     }
+
+
+def _copied(table: dict | None) -> dict | None:
+    """A copy of the core's {layer: [per expert]} made in the engine loop, read later by the scrape's thread."""
+    return {layer: list(counts) for layer, counts in table.items()} if table else None
