@@ -446,3 +446,15 @@ def test_expert_load_per_step_and_on_metrics(moe, tokenizer_dir):
         layer = labels.split('layer="')[1].split('"')[0]
         totals[layer] = totals.get(layer, 0) + float(value)
     assert totals == {"0": 2 * (17 + 2), "2": 2 * (17 + 2)}  # 17 prompt tokens and 2 decode steps, top 2 each
+
+
+def test_benchmarks_count_only_the_experts_a_token_takes(moe):
+    """petrel bench's W2 arithmetic counts a mixture of experts' router, its top-k experts and shared expert per
+    token in sparse layers, the dense MLP in dense ones."""
+    from petrel.bench.flops import mlp_multiply_adds
+
+    cfg = moe("qwen2_moe").cfg  # layers 0 and 2 sparse: router 8, top 2 of 32, shared 48 and its gate; layer 1 dense
+    sparse = 64 * 8 + 3 * 64 * 32 * 2 + 3 * 64 * 48 + 64
+    assert mlp_multiply_adds(cfg) == (3 * 64 * 96 + 2 * sparse) / 3
+    mixtral = moe("mixtral").cfg
+    assert mlp_multiply_adds(mixtral) == 64 * 4 + 3 * 64 * 32 * 2
