@@ -458,3 +458,63 @@ def test_benchmarks_count_only_the_experts_a_token_takes(moe):
     assert mlp_multiply_adds(cfg) == (3 * 64 * 96 + 2 * sparse) / 3
     mixtral = moe("mixtral").cfg
     assert mlp_multiply_adds(mixtral) == 64 * 4 + 3 * 64 * 32 * 2
+
+
+# ---------------------------------------------------------------- the rest of the stack
+
+
+@pytest.fixture(scope="module")
+def moe_with_vocabulary(tmp_path_factory, tokenizer_dir):
+    """A tiny Qwen3-MoE over the default model's whole vocabulary (49,152 ids), its tokenizer saved beside it: text
+    prompts, guided decoding and the server need a vocabulary the tokenizer covers."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    hf = build_hf("qwen3_moe", vocab_size=len(tokenizer))
+    path = tmp_path_factory.mktemp("qwen3-moe-vocab")
+    hf.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def test_guided_decoding_the_server_and_the_executor_run_on_a_moe_model(moe_with_vocabulary):
+    """Guided decoding (a regex, a JSON schema) constrains a MoE model's output; petrel serve's /v1/completions and
+    /v1/chat/completions answer; the Executor's greedy tokens are LLM's."""
+    import re
+
+    from fastapi.testclient import TestClient
+
+    from petrel import GuidedDecodingParams
+    from petrel.executor import Executor, OutputConfig, Request
+    from petrel.serve.app import build_app
+
+    path = moe_with_vocabulary
+    llm = LLM(path, kv_cache_memory=4 << 20)
+    try:
+        regex = SamplingParams(
+            temperature=0, max_tokens=20, guided_decoding=GuidedDecodingParams(regex=r"[0-9]{3}-[a-z]{2}")
+        )
+        assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", llm.generate("Code:", regex, use_tqdm=False).outputs[0].text)
+        schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+        params = SamplingParams(temperature=0, max_tokens=40, guided_decoding=GuidedDecodingParams(json=schema))
+        assert isinstance(json.loads(llm.generate("JSON:", params, use_tqdm=False).outputs[0].text)["n"], int)
+        greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        ids = llm.engine.tokenizer("The sea is")["input_ids"]
+        expected = llm.generate(ids, greedy, use_tqdm=False).outputs[0].token_ids
+        with TestClient(build_app(llm, "tiny-moe")) as client:
+            r = client.post("/v1/completions", json={"model": "tiny-moe", "prompt": "The sea is", "max_tokens": 8})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0
+            chat = {"model": "tiny-moe", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5}
+            assert client.post("/v1/chat/completions", json=chat).status_code == 200
+    finally:
+        llm.shutdown()
+    executor = Executor(path, kv_cache_memory=4 << 20)
+    try:
+        request = Request(ids, 8, output_config=OutputConfig(exclude_input_from_output=True))
+        request_id = executor.enqueue_request(request)
+        responses = []
+        while not responses or not (responses[-1].has_error() or responses[-1].result.is_final):
+            responses.extend(executor.await_responses(request_id, timeout=30.0))
+        assert not responses[-1].has_error() and responses[-1].result.output_token_ids[0] == list(expected)
+    finally:
+        executor.shutdown()
