@@ -165,26 +165,42 @@ def test_engine_greedy_matches_transformers_generate(moe, name, engine_kwargs, e
         assert results[f"req{i}"] == expected, f"{name} prompt {i}: petrel {results[f'req{i}']} != {expected}"
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
-def test_kernel_and_torch_loop_give_the_same_tokens(moe, name, monkeypatch):
-    """The experts' kernel (one call per layer) and the torch loop it falls back to (no compiler or AVX2;
-    PETREL_MOE_KERNEL=0) give transformers' tokens; a spy shows which ran."""
+@pytest.mark.parametrize("name", FAMILY_IDS)
+def test_every_path_gives_the_same_tokens(moe, name, monkeypatch):
+    """The whole decoder stack as one kernel call (plain layers: Mixtral's, Qwen3-MoE's q/k norms included; the
+    router, top-k and experts in C), each layer as its modules with the experts' kernel (Qwen2-MoE's biases, or the
+    stack switched off), and the torch loop (no compiler or AVX2; PETREL_MOE_KERNEL=0): transformers' tokens
+    through chunked prefill and decode; spies show which ran."""
     from petrel.model import moe_kernels
+    from petrel.model.llama import LlamaForCausalLM
 
     t = moe(name)
     prompts = [_tokens(21, 61), _tokens(9, 60)]
-    calls = []
-    original = moe_kernels.experts
-    monkeypatch.setattr(moe_kernels, "experts", lambda *a: calls.append(out := original(*a)) or out)
-    tokens = {}
-    for switch in ("1", "0"):
-        monkeypatch.setenv("PETREL_MOE_KERNEL", switch)
-        calls.clear()
+    expected = [hf_greedy(t, p, 12) for p in prompts]
+    stack_steps, kernel_calls = [], []
+    step, experts = LlamaForCausalLM._step_in_one_call, moe_kernels.experts
+    monkeypatch.setattr(moe_kernels, "experts", lambda *a: kernel_calls.append(out := experts(*a)) or out)
+    plain = name != "qwen2_moe"  # Qwen2-MoE's q/k/v biases keep it out of the one-call stack
+    for path in ("stack", "layers", "torch"):
+        monkeypatch.setenv("PETREL_MOE_KERNEL", "0" if path == "torch" else "1")
+        monkeypatch.setattr(
+            LlamaForCausalLM,
+            "_step_in_one_call",
+            (lambda self, *a: stack_steps.append(out := step(self, *a)) or out)
+            if path != "layers"
+            else (lambda *a: None),
+        )
+        stack_steps.clear(), kernel_calls.clear()
         results, _ = _engine_generate(t, prompts, 12, block_size=4, max_num_batched_tokens=16)
-        tokens[switch] = [results[f"req{i}"] for i in range(len(prompts))]
-        ran = [c is not None for c in calls]
-        assert ran and all(ran) if switch == "1" else not any(ran), (switch, ran)
-    assert tokens["1"] == tokens["0"] == [hf_greedy(t, p, 12) for p in prompts]
+        assert [results[f"req{i}"] for i in range(len(prompts))] == expected, path
+        took_stack = [s is not None for s in stack_steps]
+        took_kernel = [c is not None for c in kernel_calls]
+        if path == "stack" and plain:
+            assert took_stack and all(took_stack) and not kernel_calls, (took_stack, took_kernel)
+        elif path == "torch":
+            assert not any(took_stack) and kernel_calls and not any(took_kernel)
+        else:  # layer by layer: prompt steps through the experts' kernel (decode steps: decode_layer, also C)
+            assert not any(took_stack) and any(took_kernel) and all(took_kernel)
 
 
 def _llm(t, tokenizer_dir, **options) -> LLM:

@@ -110,6 +110,18 @@ def test_python_call_sites_match_the_header():
     assert called == set(declared) - {"f32_tile_product", "kernels_source_digest"}  # those two: C / native only
 
 
+def test_layer_structs_match_the_header():
+    """The mixture-of-experts layer and the layer extras decode_layer(s) take, field for field."""
+    types = {"int64_t": ctypes.c_int64, "weight": dense_kernels.Weight}
+    for name, mirror in (("moe_layer", dense_kernels.MoeLayer), ("layer_extras", dense_kernels.LayerExtras)):
+        body = re.search(r"typedef\s+struct\s*\{([^{}]*)\}\s*" + name + r"\s*;", _read("kernels.h")).group(1)
+        fields = [
+            (m.group(3), ctypes.c_void_p if m.group(2) else types[m.group(1)])
+            for m in re.finditer(r"^\s*(?:const\s+)?(\w+)\s*(\*?)\s*(\w+);", body, flags=re.M)
+        ]
+        assert fields == mirror._fields_, name
+
+
 def test_weight_struct_matches_the_header():
     body = re.search(r"typedef\s+struct\s*\{(.*?)\}\s*weight\s*;", _read("kernels.h"), flags=re.S).group(1)
     fields = [
@@ -168,6 +180,7 @@ def test_failed_scratch_allocation_is_reported():
             0,
             1.0,
             None,
+            None,
             0,
             1,
         )
@@ -201,6 +214,7 @@ def test_failed_scratch_allocation_is_reported():
             16,
             None,
             1.0,
+            None,
             None,
             0,
             1,

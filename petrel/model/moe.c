@@ -19,6 +19,7 @@
  * A unit's products run on its thread alone (weight_product with one thread); a run of columns that is not a whole
  * expert goes through a per-thread scratch of at most MOE_COLUMNS columns and is copied into place. */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -200,5 +201,76 @@ int moe_experts(const float *x, int64_t T, int64_t H, int64_t I, int64_t k, cons
     free(buffer);
     free(slot);
     free(offsets);
+    return status;
+}
+
+/* Each row's top_k experts by softmax probability (ties: the lower number first) and their routing weights,
+ * renormalised to sum 1 if asked: logits [T][E] in, ids and weights [T][k] out */
+static void route_rows(const float *logits, int64_t T, int64_t E, int64_t k, int renormalize, int64_t *ids,
+                       float *weights, float *probs) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *l = logits + t * E;
+        float top = l[0], sum = 0.f;
+        for (int64_t e = 1; e < E; e++) top = l[e] > top ? l[e] : top;
+        for (int64_t e = 0; e < E; e++) sum += probs[e] = expf(l[e] - top);
+        for (int64_t e = 0; e < E; e++) probs[e] /= sum;
+        float picked = 0.f;
+        for (int64_t j = 0; j < k; j++) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++)
+                if (probs[e] >= 0.f && (best < 0 || probs[e] > probs[best])) best = e;
+            if (best < 0) best = j % E;   /* NaN logits: no expert wins; any valid one (the output is NaN anyway) */
+            ids[t * k + j] = best;
+            weights[t * k + j] = probs[best];
+            picked += probs[best];
+            probs[best] = -1.f;   /* taken */
+        }
+        if (renormalize)
+            for (int64_t j = 0; j < k; j++) weights[t * k + j] /= picked;
+    }
+}
+
+typedef struct { const float *h; int64_t H; const float *gate, *shared; float *y; } shared_args;
+
+/* y[t] += sigmoid(gate[t]) * shared[t] */
+static void add_shared_rows(const void *args, int64_t t0, int64_t t1) {
+    const shared_args *a = args;
+    for (int64_t t = t0; t < t1; t++) {
+        const float g = 1.f / (1.f + expf(-a->gate[t]));
+        for (int64_t i = 0; i < a->H; i++) a->y[t * a->H + i] += g * a->shared[t * a->H + i];
+    }
+}
+
+/* see weight_product.h */
+int moe_mlp(const float *h, int64_t T, int64_t H, const moe_layer *m, float *y, int nthreads) {
+    const int64_t E = m->experts, k = m->top_k, SI = m->shared_inter;
+    const int64_t floats = T * E + E + T * k + (SI ? T * (3 * SI + H + 1) : 0);
+    float *const scratch = malloc(sizeof(float) * floats + sizeof(int64_t) * T * k);
+    if (!scratch) return KERNEL_OUT_OF_MEMORY;
+    float *const logits = scratch, *const probs = logits + T * E, *const weights = probs + E;
+    int64_t *const ids = (int64_t *)(weights + T * k + (SI ? T * (3 * SI + H + 1) : 0));
+    const weight router = {m->router, NULL, NULL, 32, 0, 0, 0, 0};   /* float32 rows */
+    int status = weight_product(h, T, H, &router, logits, E, nthreads);
+    if (status == 0) {
+        route_rows(logits, T, E, k, (int)m->renormalize, ids, weights, probs);
+        if (m->routed)
+            for (int64_t i = 0; i < T * k; i++) m->routed[ids[i]]++;
+        status = moe_experts(h, T, H, m->inter, k, ids, weights, m->first, m->num_local, m->gate_up, m->down, y,
+                             nthreads);
+    }
+    if (status == 0 && SI) {   /* the shared expert, scaled by its gate */
+        float *const gate_up = weights + T * k, *const act = gate_up + T * 2 * SI, *const shared = act + T * SI;
+        float *const gate = shared + T * H;
+        if (!(status = weight_product(h, T, H, &m->shared_gate_up, gate_up, 2 * SI, nthreads))) {
+            silu_and_mul(gate_up, T, SI, act, nthreads);
+            status = weight_product(act, T, SI, &m->shared_down, shared, H, nthreads);
+        }
+        if (status == 0) status = weight_product(h, T, H, &m->shared_gate, gate, 1, nthreads);
+        if (status == 0) {
+            shared_args a = {h, H, gate, shared, y};
+            for_rows(add_shared_rows, &a, T, T * H, nthreads);
+        }
+    }
+    free(scratch);
     return status;
 }

@@ -16,24 +16,29 @@ Checkpoints: the published layout with one tensor per expert and projection (Mix
 and writes with save_pretrained(save_original_format=False) (mlp.experts.gate_up_proj [E, 2I, H], mlp.experts.
 down_proj [E, H, I]); GGUF files through petrel/model/loader.py.
 
-The MoE layers never run in the one-call decoder stack (dense_kernels.DecoderStack takes plain Llama layers only):
-their attention runs as the separate modules do and their experts in moe_kernels' one call per layer (the torch loop
-below where the kernels cannot run: the same sums).
+On the CPU a step's decoder stack runs as one kernel call (dense_kernels.DecoderStack, moe.c's moe_mlp for the MoE
+layers: the router, top-k and the experts in C) where every layer is plain (no biases, one rank); otherwise each
+layer runs its modules, its experts in moe_kernels' one call per layer (the torch loop below where the kernels
+cannot run: the same sums).
 """
 
 from __future__ import annotations
 
+import ctypes
 import re
+import sys
 from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from petrel.model import dense_kernels, moe_kernels
 from petrel.model.config import ModelConfig
 from petrel.model.layers import Linear, RMSNorm, silu_and_mul
 from petrel.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 from petrel.model.parallel import SINGLE, ParallelLMHead, TensorParallel, partition
+from petrel.model.quantization import QuantizedLinear
 
 
 class Router(nn.Module):
@@ -199,8 +204,6 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H]; ids, weights [T, k] (the router's). Returns (this rank's sum over each token's experts of
         weight * expert(x) [T, H] in x's dtype, tokens per expert [E] int64 over all experts)."""
-        from petrel.model import moe_kernels
-
         flat = ids.reshape(-1)
         counts = torch.bincount(flat, minlength=self.num_experts)
         out = moe_kernels.experts(self, x, ids, weights)
@@ -236,8 +239,8 @@ class Experts(nn.Module):
 
 class SparseMoeBlock(nn.Module):
     """The MoE layer (see the module's docstring): router, experts and Qwen2-MoE's gated shared expert. Each call
-    adds its rows' picks to `routed` (tokens per expert, for the engine's statistics: MoeForCausalLM.take_expert_load
-    reads and clears them)."""
+    adds its rows' picks to `routed` (int64 tokens per expert, for the engine's statistics: MoeForCausalLM.
+    take_expert_load reads and clears them; the one-call decoder stack adds to the same buffer)."""
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
@@ -248,16 +251,76 @@ class SparseMoeBlock(nn.Module):
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = LlamaMLP(replace(cfg, intermediate_size=cfg.shared_expert_intermediate_size), tp)
             self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
-        self.routed: torch.Tensor | None = None
+        self.register_buffer("routed", torch.zeros(cfg.num_experts, dtype=torch.int64), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate.route(x, self.top_k, self.renormalize)
         out, counts = self.experts(x, ids, weights)
-        self.routed = counts if self.routed is None else self.routed + counts
+        self.routed += counts.to(self.routed.device)
         out = self.tp.all_reduce(out)  # each rank's experts (or slices of every expert): partial sums
         if hasattr(self, "shared_expert"):
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
+
+    def __getstate__(self):
+        """Copies and pickles leave out the kernels' cached description (raw pointers into these weights)."""
+        state = dict(super().__getstate__())
+        state.pop("_kernel_parts", None)
+        return state
+
+    def kernel_parts(self) -> dense_kernels.MoeParts | None:
+        """The block as the one-call decoder layer and stack take it in place of a dense MLP (dense_kernels.
+        MoeParts: router, experts as moe_kernels describes them, the routed counter, the shared expert), or None
+        where they cannot: split over ranks, on another device, a bias, weights the kernels do not take. Built
+        once and kept while the weights and the CPU switches they depend on stay the same."""
+        shared = (
+            (self.shared_expert.gate_up_proj, self.shared_expert.down_proj, self.shared_expert_gate)
+            if hasattr(self, "shared_expert")
+            else ()
+        )
+        key = (moe_kernels.Described.key(self.experts), self.routed.data_ptr(), self.gate.weight.data_ptr(), shared)
+        cached = self.__dict__.get("_kernel_parts")
+        if cached is None or cached[0] != key:
+            cached = self.__dict__["_kernel_parts"] = (key, self._build_kernel_parts(shared))
+        return cached[1]
+
+    def _build_kernel_parts(self, shared: tuple) -> dense_kernels.MoeParts | None:
+        experts, router = self.experts, self.gate.weight
+        if (
+            self.tp.size > 1
+            or not (router.is_cpu and router.dtype is torch.float32 and router.is_contiguous())
+            or not self.routed.is_cpu
+            or experts.local_intermediate % 16
+            or not moe_kernels.enabled()
+            or dense_kernels.library() is None
+        ):
+            return None
+        described = moe_kernels.Described(experts)
+        if not described.ok or any(getattr(m, "bias", None) is not None for m in shared):
+            return None
+        shared_weights = [m.qweight if isinstance(m, QuantizedLinear) else m.weight for m in shared]
+        shared_described = [dense_kernels.describe(w) for w in shared_weights]
+        if None in shared_described:
+            return None
+        inter = self.shared_expert.down_proj.in_features if shared else 0
+        if inter % 16:
+            return None
+        layer = dense_kernels.MoeLayer(
+            router.data_ptr(),
+            ctypes.addressof(described.gate_up),
+            ctypes.addressof(described.down),
+            self.routed.data_ptr(),
+            experts.num_experts,
+            self.top_k,
+            int(self.renormalize),
+            experts.first,
+            experts.num_local,
+            experts.local_intermediate,
+            *(shared_described or [dense_kernels.Weight()] * 3),
+            inter,
+        )
+        max_rows = min(described.max_rows, moe_kernels.max_rows(shared_weights) if shared else sys.maxsize)
+        return dense_kernels.MoeParts(layer, (described, router, self.routed, *shared_weights), max_rows)
 
 
 class MoeDecoderLayer(LlamaDecoderLayer):
@@ -270,8 +333,13 @@ class MoeDecoderLayer(LlamaDecoderLayer):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SparseMoeBlock(cfg, tp) if cfg.is_moe_layer(layer) else LlamaMLP(cfg, tp)
 
-    def one_call_parts(self):
-        return None if isinstance(self.mlp, SparseMoeBlock) else super().one_call_parts()
+    def one_call_parts(self) -> dense_kernels.LayerParts | None:
+        """A MoE layer as one kernel call: Llama's attention and the block's kernel_parts, or None."""
+        if not isinstance(self.mlp, SparseMoeBlock):
+            return super().one_call_parts()
+        if (moe := self.mlp.kernel_parts()) is None or (parts := self._one_call_parts(())) is None:
+            return None
+        return parts._replace(moe=moe)
 
 
 # checkpoint names of one expert's matrices -> (petrel parameter, part: 0 gate, 1 up, None whole)
@@ -304,8 +372,9 @@ class MoeForCausalLM(LlamaForCausalLM):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def _step_in_one_call(self, x, cos_sin, kv_caches, meta, layers):
-        """Never: the one-call decoder stack takes plain Llama layers only (each layer runs on its own)."""
-        return None
+        """Llama's one-call decoder stack, its MoE layers' experts in C too; not with the experts' kernel switched
+        off (PETREL_MOE_KERNEL=0: every layer's modules, the experts in the torch loop)."""
+        return super()._step_in_one_call(x, cos_sin, kv_caches, meta, layers) if moe_kernels.enabled() else None
 
     def checkpoint_target(self, name: str) -> tuple[str, object]:
         """Experts' tensors into their layer's Experts (piece: (expert or None, part)); Mixtral's block_sparse_moe
@@ -331,12 +400,12 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     def take_expert_load(self) -> dict[int, list[int]] | None:
         """Tokens routed to each expert of each MoE layer (by layer index) by the forwards since the last call,
-        which clears them; None when none ran. With tensor or expert parallelism every rank routes every token, so
-        rank 0's counts are the whole model's."""
+        which clears them; None when none routed a token. With tensor or expert parallelism every rank routes every
+        token, so rank 0's counts are the whole model's."""
         blocks = [(i, b) for i, b in enumerate(self.moe_blocks()) if b is not None]
-        if all(b.routed is None for _, b in blocks):
+        load = {i: b.routed.tolist() for i, b in blocks}
+        if not any(any(counts) for counts in load.values()):
             return None
-        load = {i: b.routed.tolist() if b.routed is not None else [0] * b.experts.num_experts for i, b in blocks}
         for _, b in blocks:
-            b.routed = None
+            b.routed.zero_()
         return load

@@ -9,3 +9,7 @@
  * registers, from w->integer_rows rows in integers: int8_gemm for one scale a row, group_gemm for groups; else
  * dequantized tiles), over nthreads threads (1: all on the calling thread); 0, or KERNEL_OUT_OF_MEMORY (scratch) */
 int weight_product(const float *x, int64_t M, int64_t K, const weight *w, float *y, int64_t N, int nthreads);
+
+/* y [T][H] = a mixture of experts' MLP of h [T][H] (kernels.h's moe_layer: router, top-k, experts, shared expert);
+ * defined in moe.c. 0, or KERNEL_OUT_OF_MEMORY */
+int moe_mlp(const float *h, int64_t T, int64_t H, const moe_layer *m, float *y, int nthreads);
