@@ -74,6 +74,12 @@ def parallel_arguments(p) -> None:
         help="how the workers run: local processes (mp, the default) or Ray actors (ray; joins the "
         "cluster at RAY_ADDRESS when set)",
     )
+    p.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="mixtures of experts over --tensor-parallel-size ranks: each rank holds whole experts (E / N of "
+        "them) instead of a slice of every expert",
+    )
 
 
 def parallel_options(args) -> dict:
@@ -83,6 +89,8 @@ def parallel_options(args) -> dict:
         options["tensor_parallel_size"] = args.tensor_parallel_size
     if args.distributed_executor_backend is not None:
         options["distributed_executor_backend"] = args.distributed_executor_backend
+    if args.enable_expert_parallel:
+        options["enable_expert_parallel"] = True
     return options
 
 

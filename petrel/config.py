@@ -153,6 +153,9 @@ class EngineConfig:
     float32_matmul_precision: str = "highest"
     tensor_parallel_size: int = 1  # ranks the model is split over (kv_cache_memory is per rank)
     distributed_executor_backend: str = "mp"  # with tensor_parallel_size > 1: 'mp' (local processes) or 'ray'
+    # mixtures of experts over tensor_parallel_size > 1 ranks: each rank holds E / ranks whole experts (the router
+    # runs on every rank, each rank's experts' sums are all-reduced) instead of a slice of every expert
+    enable_expert_parallel: bool = False
     # vision-language models (petrel/multimodal): images / videos per prompt by kind (vLLM's limit_mm_per_prompt;
     # None: any number), the pixel budget of one image, and the bytes of encoder outputs kept for reuse (encoder cache)
     limit_mm_per_prompt: dict | None = None

@@ -330,3 +330,17 @@ def test_gguf_qwen_matches_transformers(family, tmp_path, name, arch):
     tokens = _tokens(19, 70)
     drv = PagedDriver(g)
     assert_close(drv.run_chunks(drv.new_seq(tokens), [11, 1, 7]), t.hf_logits(tokens), f"{name} from GGUF")
+
+
+def test_qwen3_q_k_norms_run_in_the_one_call_stack(family, monkeypatch):
+    """Qwen3's per-head q/k norms are part of the one-call decoder stack (decode_layers' layer extras): its decode
+    steps and prompt chunks take the stack, with transformers' logits."""
+    from test_model_tiny import stack_calls
+
+    t = family("qwen3")
+    taken = stack_calls(monkeypatch)
+    tokens = _tokens(19, 40)
+    drv = PagedDriver(t, block_size=4)
+    got = drv.run_chunks(drv.new_seq(tokens), [7, 1, 1, 10])
+    assert taken == [True] * 4
+    assert_close(got, t.hf_logits(tokens), "qwen3 through the stack")

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from petrel import SamplingParams
-from petrel.model import dense_kernels, gemm_kernels, kernel_build, native, quant_kernels
+from petrel.model import dense_kernels, gemm_kernels, kernel_build, moe_kernels, native, quant_kernels
 
 MODEL_DIR = kernel_build.DIRECTORY
 needs_kernels = pytest.mark.skipif(
@@ -79,7 +79,7 @@ def test_header_declarations_parse_to_ctypes_types():
 
 def _kernel_calls():
     """(module file, kernel name, ast.Call, parent node) for every `...lib.NAME(...)` call in the wrappers."""
-    for module in (dense_kernels, gemm_kernels, quant_kernels):
+    for module in (dense_kernels, gemm_kernels, quant_kernels, moe_kernels):
         tree = ast.parse(open(module.__file__).read())
         parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
         for node in ast.walk(tree):
@@ -108,6 +108,18 @@ def test_python_call_sites_match_the_header():
             assert isinstance(parent.body[0], ast.Raise), where
         called.add(name)
     assert called == set(declared) - {"f32_tile_product", "kernels_source_digest"}  # those two: C / native only
+
+
+def test_layer_structs_match_the_header():
+    """The mixture-of-experts layer and the layer extras decode_layer(s) take, field for field."""
+    types = {"int64_t": ctypes.c_int64, "weight": dense_kernels.Weight}
+    for name, mirror in (("moe_layer", dense_kernels.MoeLayer), ("layer_extras", dense_kernels.LayerExtras)):
+        body = re.search(r"typedef\s+struct\s*\{([^{}]*)\}\s*" + name + r"\s*;", _read("kernels.h")).group(1)
+        fields = [
+            (m.group(3), ctypes.c_void_p if m.group(2) else types[m.group(1)])
+            for m in re.finditer(r"^\s*(?:const\s+)?(\w+)\s*(\*?)\s*(\w+);", body, flags=re.M)
+        ]
+        assert fields == mirror._fields_, name
 
 
 def test_weight_struct_matches_the_header():
@@ -168,6 +180,7 @@ def test_failed_scratch_allocation_is_reported():
             0,
             1.0,
             None,
+            None,
             0,
             1,
         )
@@ -202,11 +215,13 @@ def test_failed_scratch_allocation_is_reported():
             None,
             1.0,
             None,
+            None,
             0,
             1,
         )
         == oom
     )
+    assert lib.moe_experts(None, huge, 64, 32, 8, None, None, 0, 4, None, None, None, 1) == oom
     # ... and the wrappers raise instead of returning an unwritten output
     failing = SimpleNamespace(quant_gemv=lambda *args: oom, quant_gemm=lambda *args: oom)
     x, codes, scale = torch.randn(2, 64), torch.zeros(16, 2, 16, dtype=torch.uint8), torch.ones(16, 2)

@@ -38,7 +38,7 @@ def w2_matmul_flops(model: str | None = None, num_requests: int | None = None) -
     cfg: ModelConfig = load_model_config(resolve_model(model))
     h, kv = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim
     q = cfg.num_attention_heads * cfg.head_dim
-    per_layer = h * q + 2 * h * kv + q * h + 3 * h * cfg.intermediate_size
+    per_layer = h * q + 2 * h * kv + q * h + mlp_multiply_adds(cfg)
     new = 128
     total = 0.0
     for prompt in make_w2_prompts(num_requests or W2_NUM_REQUESTS):
@@ -48,6 +48,20 @@ def w2_matmul_flops(model: str | None = None, num_requests: int | None = None) -
         total += 2 * 2 * q * cfg.num_hidden_layers * contexts
         total += 2 * h * cfg.vocab_size * new
     return total
+
+
+def mlp_multiply_adds(cfg) -> float:
+    """A token's multiply-adds in one layer's MLP, averaged over the layers: a dense MLP's 3 h I; a mixture of
+    experts' router and the experts it takes (top-k of moe_intermediate_size, and the shared expert with its gate)
+    in its sparse layers."""
+    h, layers = cfg.hidden_size, cfg.num_hidden_layers
+    dense = 3 * h * cfg.intermediate_size
+    if not cfg.num_experts:
+        return dense
+    sparse = h * cfg.num_experts + 3 * h * cfg.moe_intermediate_size * cfg.num_experts_per_tok
+    if cfg.shared_expert_intermediate_size:
+        sparse += 3 * h * cfg.shared_expert_intermediate_size + h
+    return (len(cfg.dense_layers) * dense + (layers - len(cfg.dense_layers)) * sparse) / layers
 
 
 def memory_read_gbs(mib: int = 512, repeats: int = 3) -> float:

@@ -19,9 +19,10 @@ def collective_timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)))
 
 
-def join_group(rank: int, size: int, init_method: str, device: str) -> TensorParallel:
-    """Join torch.distributed's default group (gloo on CPU, NCCL on CUDA); returns this rank's TensorParallel.
-    A dead peer's closed connection fails a gloo collective at once; the timeout bounds a peer that hangs."""
+def join_group(rank: int, size: int, init_method: str, device: str, expert_parallel: bool = False) -> TensorParallel:
+    """Join torch.distributed's default group (gloo on CPU, NCCL on CUDA); returns this rank's TensorParallel
+    (expert_parallel: a mixture of experts' ranks hold whole experts). A dead peer's closed connection fails a gloo
+    collective at once; the timeout bounds a peer that hangs."""
     if dist.is_initialized():
         raise RuntimeError(
             "this process is already in a torch.distributed group: one tensor-parallel engine per process"
@@ -32,7 +33,7 @@ def join_group(rank: int, size: int, init_method: str, device: str) -> TensorPar
     dist.init_process_group(
         "nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=size, timeout=collective_timeout()
     )
-    return TensorParallel(rank, size)
+    return TensorParallel(rank, size, expert_parallel)
 
 
 def leave_group() -> None:

@@ -36,7 +36,9 @@ class ProcessWorkers(Workers):
                 self.procs.append(proc)
                 self.conns.append(parent)
             self._expect("hello")  # imported and about to join: a worker that cannot start fails here, not in a wait
-            self.tp = join_group(0, config.tensor_parallel_size, init_method, config.device)
+            self.tp = join_group(
+                0, config.tensor_parallel_size, init_method, config.device, config.enable_expert_parallel
+            )
         except BaseException:
             self.shutdown()
             raise

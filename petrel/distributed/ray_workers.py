@@ -84,7 +84,7 @@ class RayWorkers(Workers):
                     )
                 )
             self.started = [actor.start.remote() for actor in self.actors]
-            self.tp = join_group(0, size, init_method, config.device)
+            self.tp = join_group(0, size, init_method, config.device, config.enable_expert_parallel)
         except BaseException:
             self.shutdown()
             raise

@@ -33,8 +33,13 @@ class Worker:
         self.tp = None
 
     def join(self) -> None:
+        config = self.spec.config
         self.tp = join_group(
-            self.spec.rank, self.spec.config.tensor_parallel_size, self.spec.init_method, self.spec.device
+            self.spec.rank,
+            config.tensor_parallel_size,
+            self.spec.init_method,
+            self.spec.device,
+            config.enable_expert_parallel,
         )
 
     def load(self) -> None:

@@ -102,6 +102,8 @@ class EngineCore:
         self.last_stats: IterationStats | None = None
         self.num_draft_tokens = 0  # speculative decoding, since start: drafts verified, and accepted
         self.num_accepted_tokens = 0
+        # mixtures of experts, since start: tokens routed to each expert, {layer index: [per expert]} (None: dense)
+        self.expert_tokens: dict[int, list[int]] | None = None
 
     # ------------------------------------------------------------------ requests
     def validate(self, prompt_token_ids: list[int], params, eos_token_ids=()) -> None:
@@ -219,10 +221,31 @@ class EngineCore:
         self.iteration += 1
         counts = (num_prompt_tokens, num_generated, num_draft, num_accepted)
         encoder = tuple(b - a for a, b in zip(encoder0, self.encoder_counters()))
+        expert_load = self._take_expert_load()
         self.last_stats = step_stats(
-            self.iteration, t0, batch, self.scheduler, self.block_manager, *counts, encoder, kv_tiers=self.tier_io
+            self.iteration,
+            t0,
+            batch,
+            self.scheduler,
+            self.block_manager,
+            *counts,
+            encoder,
+            kv_tiers=self.tier_io,
+            expert_load=expert_load,
         )
         return outputs
+
+    def _take_expert_load(self) -> dict[int, list[int]] | None:
+        """A mixture of experts' tokens per expert this step (petrel/model/moe.py), added to expert_tokens."""
+        take = getattr(self.runner.model, "take_expert_load", None)
+        load = take() if take is not None else None
+        if load is not None:
+            totals = self.expert_tokens if self.expert_tokens is not None else {}
+            for layer, counts in load.items():
+                known = totals.setdefault(layer, [0] * len(counts))
+                totals[layer] = [a + b for a, b in zip(known, counts)]
+            self.expert_tokens = totals
+        return load
 
     def encoder_counters(self) -> tuple[int, int, float]:
         """(images encoded, encoder-cache hits, encoder seconds) since start (zeros without an encoder cache)."""

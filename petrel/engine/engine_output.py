@@ -74,6 +74,9 @@ class IterationStats:
     kv_tier_loaded_blocks: int = 0
     kv_tier_stored_blocks: int = 0
     kv_tiers: dict | None = None
+    # mixtures of experts: tokens routed to each expert this step, {layer index: [tokens of expert 0, 1, ...]} over
+    # the MoE layers (the step's forwards of the model, drafts of self-speculation included); None for dense models
+    expert_load: dict[int, list[int]] | None = None
 
 
 def step_stats(
@@ -88,6 +91,7 @@ def step_stats(
     num_accepted: int,
     encoder: tuple[int, int, float] = (0, 0, 0.0),
     kv_tiers=None,
+    expert_load: dict[int, list[int]] | None = None,
 ) -> IterationStats:
     """The stats of the step that started at t0 (time.monotonic()) and ran `batch`; encoder: the step's (images
     encoded, encoder-cache hits, encoder seconds)."""
@@ -113,6 +117,7 @@ def step_stats(
         kv_tier_loaded_blocks=kv_tiers.step_loaded if kv_tiers is not None else 0,
         kv_tier_stored_blocks=kv_tiers.step_stored if kv_tiers is not None else 0,
         kv_tiers=kv_tiers.stats() if kv_tiers is not None else None,
+        expert_load=expert_load,
     )
 
 

@@ -88,7 +88,7 @@ class LLMEngine:
         size = config.tensor_parallel_size
         if size == 1:
             return None
-        check_tensor_parallel(load_model_config(self.source), size)  # before any process starts
+        check_tensor_parallel(load_model_config(self.source), size, config.enable_expert_parallel)  # before any process
         torch.set_num_threads(threads_per_rank(config))
         return start_workers(config, self.source)
 

@@ -10,6 +10,16 @@ GGUF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+}
+GGUF_GATING_SOFTMAX = 1  # llama.cpp's expert_gating_func values: 1 softmax, 2 sigmoid, 3 softmax over the top-k
+
+# mixture-of-experts families (petrel/model/moe.py) -> the config key of their expert count
+MOE_ARCHITECTURES = {
+    "MixtralForCausalLM": "num_local_experts",
+    "Qwen2MoeForCausalLM": "num_experts",
+    "Qwen3MoeForCausalLM": "num_experts",
 }
 
 
@@ -39,6 +49,17 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     mrope_section: list[int] | None = None  # multimodal rotary (Qwen2-VL): head_dim / 2 frequencies per t/h/w stream
+    # mixture of experts (petrel/model/moe.py; num_experts 0: a dense model): each token's MLP is the weighted sum
+    # of num_experts_per_tok experts of moe_intermediate_size picked by a softmax router (the top-k probabilities
+    # renormalised to sum 1 with norm_topk_prob), plus, with shared_expert_intermediate_size, an expert every token
+    # takes, scaled by sigmoid(shared_expert_gate(x)); the layers in dense_layers keep a dense MLP of
+    # intermediate_size instead
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    dense_layers: list[int] = field(default_factory=list)
     # a vision-language model's whole Hugging Face config (the fields above are its text_config's); None: text only
     multimodal_config: dict | None = field(default=None, repr=False)
 
@@ -76,6 +97,8 @@ class ModelConfig:
         partial = (rope_params or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
         if partial != 1.0:
             raise ValueError(f"partial rotary embedding (partial_rotary_factor {partial}) is not supported")
+        moe = _hf_moe(architecture, cfg) if architecture in MOE_ARCHITECTURES else {}
+        moe_qkv_bias = moe.pop("qkv_bias", False)
         return cls(
             architecture=architecture,
             vocab_size=cfg["vocab_size"],
@@ -91,8 +114,9 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             tie_word_embeddings=cfg.get("tie_word_embeddings", gemma),  # Gemma's config default is tied
             attention_bias=cfg.get("attention_bias", False),
-            qkv_bias=architecture == "Qwen2ForCausalLM" or qwen_vl,  # Qwen2 always has them; the config does not say
-            qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            # Qwen2 always has them (the config does not say); Qwen2-MoE's config says (qkv_bias, default true)
+            qkv_bias=architecture == "Qwen2ForCausalLM" or qwen_vl or moe_qkv_bias,
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"),
             mlp_bias=cfg.get("mlp_bias", False),
             sliding_windows=_gemma3_sliding_windows(cfg) if gemma else _sliding_windows(cfg),
             rope_local_theta=local_theta,
@@ -102,7 +126,12 @@ class ModelConfig:
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
             mrope_section=list(mrope) if mrope else None,
             multimodal_config=cfg if qwen_vl else None,  # the published Qwen2-VL configs are flat (no text_config)
+            **moe,
         )
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether this layer's MLP is a mixture of experts (petrel/model/moe.py)."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     def sliding_window(self, layer: int) -> int | None:
         return self.sliding_windows[layer] if self.sliding_windows else None
@@ -135,6 +164,9 @@ class ModelConfig:
             scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
         eos = meta.get("tokenizer.ggml.eos_token_id")
         architecture = GGUF_ARCHITECTURES[arch]
+        if arch == "llama" and get("expert_count"):  # llama.cpp writes Mixtral as a llama with experts
+            architecture = "MixtralForCausalLM"
+        moe = _gguf_moe(arch, architecture, get) if architecture in MOE_ARCHITECTURES else {}
         gemma = architecture == "Gemma3ForCausalLM"
         head_dim = get("attention.key_length") or hidden // heads
         layers = get("block_count")
@@ -167,8 +199,8 @@ class ModelConfig:
             rope_theta=get("rope.freq_base", 10000.0),
             rope_scaling=scaling,
             tie_word_embeddings=not has_output_tensor,
-            qkv_bias=architecture == "Qwen2ForCausalLM",
-            qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            qkv_bias=architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"),  # load_model_config checks
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_windows=windows,
             rope_local_theta=10_000.0 if gemma else None,
             # llama.cpp's rule: hidden / heads for the 62-layer 27B, head_dim for the others
@@ -176,7 +208,80 @@ class ModelConfig:
             final_logit_softcapping=get("final_logit_softcapping") if gemma else None,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=[eos] if eos is not None else [],
+            **moe,
         )
+
+
+def _gguf_moe(arch: str, architecture: str, get) -> dict:
+    """The mixture-of-experts fields of a GGUF's metadata (llama.cpp's keys, under the architecture's prefix),
+    checked; which layers are dense the tensors say (loader.load_model_config). Routing weights are renormalised
+    as llama.cpp does for each architecture (Mixtral and Qwen3-MoE yes, Qwen2-MoE no) unless expert_weights_norm
+    says."""
+    experts, top_k = get("expert_count"), get("expert_used_count")
+    if not isinstance(experts, int) or experts < 1:
+        raise ValueError(f"GGUF {arch}.expert_count {experts!r} is not a positive number of experts")
+    if not isinstance(top_k, int) or not 1 <= top_k <= experts:
+        raise ValueError(f"GGUF {arch}.expert_used_count {top_k!r} must be between 1 and expert_count ({experts})")
+    gating = get("expert_gating_func", GGUF_GATING_SOFTMAX)
+    if gating != GGUF_GATING_SOFTMAX:
+        raise ValueError(f"GGUF {arch}.expert_gating_func {gating!r} is not supported (supported: 1, softmax)")
+    shared_count = get("expert_shared_count", 1 if get("expert_shared_feed_forward_length") else 0)
+    if shared_count not in (0, 1):
+        raise ValueError(f"GGUF {arch}.expert_shared_count {shared_count!r} is not supported (supported: 0 or 1)")
+    for key in ("expert_weights_scale", "expert_group_count"):
+        if get(key) not in (None, 0, 1, 1.0):
+            raise ValueError(f"GGUF {arch}.{key} {get(key)!r} is not supported")
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=get("expert_feed_forward_length") or get("feed_forward_length"),
+        norm_topk_prob=bool(get("expert_weights_norm", architecture != "Qwen2MoeForCausalLM")),
+        shared_expert_intermediate_size=(get("expert_shared_feed_forward_length") or 0) if shared_count else 0,
+    )
+
+
+def _hf_moe(architecture: str, cfg: dict) -> dict:
+    """The mixture-of-experts fields of a Mixtral, Qwen2-MoE or Qwen3-MoE config (and Qwen2-MoE's qkv_bias), checked:
+    a ValueError names the field petrel cannot run."""
+    count_key = MOE_ARCHITECTURES[architecture]
+    if count_key not in cfg:  # transformers 5 writes Qwen3-MoE's count as Mixtral's key
+        count_key = next((k for k in ("num_experts", "num_local_experts") if k in cfg), count_key)
+    experts, top_k = cfg.get(count_key), cfg.get("num_experts_per_tok")
+    if not isinstance(experts, int) or experts < 1:
+        raise ValueError(f"{architecture}: {count_key} {experts!r} is not a positive number of experts")
+    if not isinstance(top_k, int) or not 1 <= top_k <= experts:
+        raise ValueError(f"{architecture}: num_experts_per_tok {top_k!r} must be between 1 and {count_key} ({experts})")
+    scoring = cfg.get("scoring_func", "softmax")
+    if scoring != "softmax":
+        raise ValueError(f"{architecture}: scoring_func {scoring!r} is not supported (supported: softmax)")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{architecture}: hidden_act {act!r} is not supported (supported: silu)")
+    layers = cfg["num_hidden_layers"]
+    if architecture == "MixtralForCausalLM":  # every layer sparse, its experts intermediate_size wide, renormalised
+        return dict(
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=cfg["intermediate_size"],
+            norm_topk_prob=True,
+        )
+    step = cfg.get("decoder_sparse_step", 1) or 1
+    only = cfg.get("mlp_only_layers") or []
+    if not isinstance(step, int) or step < 1:
+        raise ValueError(f"{architecture}: decoder_sparse_step {step!r} is not a positive integer")
+    if any(not isinstance(i, int) or not 0 <= i < layers for i in only):
+        raise ValueError(f"{architecture}: mlp_only_layers {only!r} names layers the model does not have")
+    out = dict(
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=cfg["moe_intermediate_size"],
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        dense_layers=[i for i in range(layers) if i in only or (i + 1) % step],
+    )
+    if architecture == "Qwen2MoeForCausalLM":
+        out["shared_expert_intermediate_size"] = cfg.get("shared_expert_intermediate_size") or 0
+        out["qkv_bias"] = cfg.get("qkv_bias", True)
+    return out
 
 
 def _sliding_windows(cfg: dict) -> list[int | None]:

@@ -6,7 +6,7 @@
  *   five to eight torch operations (and their dispatch overhead, ~10 us each at one row) they replace.
  * decode_layer: all of the above and decode_attention.c's attention for a whole Llama decoder layer; its products
  *   take float32 weights or the quantized ones of quant_kernels.c (compiled into the same library), each described
- *   by a `weight`.
+ *   by a `weight`; with q/k norms (Qwen3) and a mixture of experts (moe.c) as the MLP where the layer has them.
  * Work is shared out over nthreads threads of thread_pool.c; the small operations stay on the calling thread unless
  * there are many rows. */
 #include <immintrin.h>
@@ -19,6 +19,7 @@
 #include "kernels.h"
 #include "simd.h"
 #include "thread_pool.h"
+#include "weight_product.h"
 
 /* f32_gemv, bf16_gemv (bfloat16 rows: each weight widened to float32 exactly, a shift) */
 #define GEMV_WEIGHT float
@@ -98,6 +99,25 @@ static void rotary_rows(const void *args, int64_t t0, int64_t t1) {
             }
         }
     }
+}
+
+typedef struct { float *x; int64_t heads, D, stride; const float *w; float eps; } head_norm_args;
+
+static void head_norm_rows(const void *args, int64_t t0, int64_t t1) {
+    const head_norm_args *a = args;
+    for (int64_t t = t0; t < t1; t++) {
+        float *row = a->x + t * a->stride;
+        norm_args n = {row, a->D, a->D, a->w, a->eps, row};   /* each head a row of D, normed in place */
+        rms_norm_rows(&n, 0, a->heads);
+    }
+}
+
+/* x[t][h] = rms_norm(x[t][h]) * w for T rows of `heads` heads of D floats (rows `stride` floats apart), in place:
+ * the per-head q / k norms of Qwen3 */
+static void head_norm(float *x, int64_t T, int64_t heads, int64_t D, int64_t stride, const float *w, float eps,
+                      int nthreads) {
+    head_norm_args a = {x, heads, D, stride, w, eps};
+    for_rows(head_norm_rows, &a, T, T * heads * D, nthreads);
 }
 
 /* Rotate-half rotary embedding: out[t][h] = x[t][h] * cos[t] + rotate_half(x[t][h]) * sin[t], for T rows of
@@ -213,10 +233,8 @@ static int bf16_panels(const weight *w) {
     return w->bits == 16 && w->panels;
 }
 
-/* y[M][N] = x[M][K] @ W^T for either kind of weight (quantized: few rows in registers, from w->integer_rows rows in
- * integers: int8_gemm for one scale a row, group_gemm for groups; else dequantized tiles); 0, or
- * KERNEL_OUT_OF_MEMORY (quantized products' scratch) */
-static int product(const float *x, int64_t M, int64_t K, const weight *w, float *y, int64_t N, int nthreads) {
+/* see weight_product.h */
+int weight_product(const float *x, int64_t M, int64_t K, const weight *w, float *y, int64_t N, int nthreads) {
     if (w->bits == 32 && w->panels) {
         f32_panels_product(x, M, K, (const float *)w->data, y, N, nthreads, w->panels);
         return 0;
@@ -274,8 +292,8 @@ static int layer_step(const float *x, float *x_out, int64_t T, int64_t H, const 
                       const weight *w_down, int64_t I, int64_t NH, int64_t KVH, int64_t D, const float *cos_t,
                       const float *sin_t, void *key_cache, void *value_cache, int kv_bf16, int avx512,
                       const int64_t *slots, const int64_t *tables, int64_t max_blocks, const int64_t *context_lens,
-                      int64_t bs, int64_t window, float scale, const prompt_chunk *chunks, int64_t n_chunks,
-                      float *h, float *workspace, int nthreads) {
+                      int64_t bs, int64_t window, float scale, const layer_extras *extras,
+                      const prompt_chunk *chunks, int64_t n_chunks, float *h, float *workspace, int nthreads) {
     const int64_t QKV = (NH + 2 * KVH) * D, QK = (NH + KVH) * D, ROW = KVH * D;
     const int64_t decodes = n_chunks ? chunks[0].first_row : T;
     int status;
@@ -283,7 +301,9 @@ static int layer_step(const float *x, float *x_out, int64_t T, int64_t H, const 
     float *qkv = h + T * H, *qk = qkv + T * QKV, *attn = qk + T * QK;
     float *gate_up = qkv, *act = gate_up + T * 2 * I, *y = qkv + T * shared_floats(I, NH, KVH, D);
     rms_norm(x, T, H, H, norm1, eps, h, nthreads);
-    if ((status = product(h, T, H, w_qkv, qkv, QKV, nthreads))) goto done;
+    if ((status = weight_product(h, T, H, w_qkv, qkv, QKV, nthreads))) goto done;
+    if (extras && extras->q_norm) head_norm(qkv, T, NH, D, QKV, extras->q_norm, eps, nthreads);
+    if (extras && extras->k_norm) head_norm(qkv + NH * D, T, KVH, D, QKV, extras->k_norm, eps, nthreads);
     rotary(qkv, T, NH + KVH, D, QKV, cos_t, sin_t, qk, nthreads);
     write_cache(qk + NH * D, QK, qkv + QK, QKV, T, ROW, slots, key_cache, value_cache, kv_bf16, nthreads);
     if (decodes)
@@ -295,16 +315,19 @@ static int layer_step(const float *x, float *x_out, int64_t T, int64_t H, const 
                                 chunk_rows(chunks, n_chunks, i, T), c->p0, NH, KVH, D, bs, window, scale,
                                 attn + c->first_row * NH * D, workspace, avx512, nthreads);
     }
-    if ((status = product(attn, T, NH * D, w_o, y, H, nthreads))) goto done;
+    if ((status = weight_product(attn, T, NH * D, w_o, y, H, nthreads))) goto done;
     add(x, y, x_out, T, H, nthreads);
     rms_norm(x_out, T, H, H, norm2, eps, h, nthreads);
-    if ((status = product(h, T, H, w_gate_up, gate_up, 2 * I, nthreads))) goto done;
-    if (bf16_panels(w_down)) {   /* the activation straight to bfloat16, the product's input */
+    if (extras && extras->moe) {   /* a mixture of experts instead of the dense MLP */
+        if ((status = moe_mlp(h, T, H, extras->moe, y, nthreads))) goto done;
+    } else if ((status = weight_product(h, T, H, w_gate_up, gate_up, 2 * I, nthreads))) {
+        goto done;
+    } else if (bf16_panels(w_down)) {   /* the activation straight to bfloat16, the product's input */
         silu_and_mul_bf16(gate_up, T, I, (uint16_t *)act, nthreads);
         bf16_panels_product_rounded((const uint16_t *)act, T, I, (const uint16_t *)w_down->data, y, H, nthreads);
     } else {
         silu_and_mul(gate_up, T, I, act, nthreads);
-        if ((status = product(act, T, I, w_down, y, H, nthreads))) goto done;
+        if ((status = weight_product(act, T, I, w_down, y, H, nthreads))) goto done;
     }
     add(x_out, y, x_out, T, H, nthreads);
 done:
@@ -322,19 +345,21 @@ done:
  * heads each); cos, sin [T][D]; slots [T] the cache slot of each row's new K/V; the caches hold float32, or
  * bfloat16 when kv_bf16 (the new K/V rounded to nearest even, as torch rounds); tables, context_lens: the decode
  * rows' (paged_decode_attention's); kv_bf16 the cache's kind for both attention kernels, avx512 the prompt chunks'
- * (paged_prefill_attention's).
+ * (paged_prefill_attention's). extras (or NULL): q/k norms after the qkv product (Qwen3), and a mixture of experts
+ * (moe.c's moe_mlp) in place of the dense MLP (whose weights and I it then leaves unread).
  * Returns 0, or KERNEL_OUT_OF_MEMORY when scratch memory (its own or a quantized product's) could not be had. */
 int decode_layer(const float *x, float *x_out, int64_t T, int64_t H, const float *norm1, const float *norm2,
                  float eps, const weight *w_qkv, const weight *w_o, const weight *w_gate_up, const weight *w_down,
                  int64_t I, int64_t NH, int64_t KVH, int64_t D, const float *cos_t, const float *sin_t,
                  void *key_cache, void *value_cache, int kv_bf16, int avx512, const int64_t *slots,
                  const int64_t *tables, int64_t max_blocks, const int64_t *context_lens, int64_t bs, int64_t window,
-                 float scale, const prompt_chunk *chunks, int64_t n_chunks, int nthreads) {
+                 float scale, const layer_extras *extras, const prompt_chunk *chunks, int64_t n_chunks,
+                 int nthreads) {
     float *workspace, *h = layer_scratch(T, H, I, NH, KVH, D, chunks, n_chunks, &workspace);
     if (!h) return KERNEL_OUT_OF_MEMORY;
     const int status = layer_step(x, x_out, T, H, norm1, norm2, eps, w_qkv, w_o, w_gate_up, w_down, I, NH, KVH, D,
                                   cos_t, sin_t, key_cache, value_cache, kv_bf16, avx512, slots, tables, max_blocks,
-                                  context_lens, bs, window, scale, chunks, n_chunks, h, workspace, nthreads);
+                                  context_lens, bs, window, scale, extras, chunks, n_chunks, h, workspace, nthreads);
     free(h);
     return status;
 }
@@ -343,14 +368,15 @@ int decode_layer(const float *x, float *x_out, int64_t T, int64_t H, const float
  * (x -> x_out), one call for the whole model instead of one per layer from Python, with one scratch for all of
  * them (a prompt step's is tens of MB: allocated a layer at a time, its pages would be faulted in 30 times). Per
  * layer l: norms norm1[l], norm2[l]; weights weights[4 l .. 4 l + 3] (qkv, o, gate_up, down); its cache
- * key_caches[l], value_caches[l]; windows[l]. All layers share the slots, block tables, context lengths (one KV
- * block table per sequence) and chunks. Returns 0, or KERNEL_OUT_OF_MEMORY (then stops at that layer). */
+ * key_caches[l], value_caches[l]; windows[l]; extras[l] (extras NULL: none for any). All layers share the slots, block
+ * tables, context lengths (one KV block table per sequence) and chunks; I is the dense layers' MLP width. Returns 0, or KERNEL_OUT_OF_MEMORY (then stops at that layer). */
 int decode_layers(int64_t L, const float *x, float *x_out, int64_t T, int64_t H, const float *const *norm1,
                   const float *const *norm2, float eps, const weight *weights, int64_t I, int64_t NH, int64_t KVH,
                   int64_t D, const float *cos_t, const float *sin_t, void *const *key_caches,
                   void *const *value_caches, int kv_bf16, int avx512, const int64_t *slots,
                   const int64_t *tables, int64_t max_blocks, const int64_t *context_lens, int64_t bs,
-                  const int64_t *windows, float scale, const prompt_chunk *chunks, int64_t n_chunks, int nthreads) {
+                  const int64_t *windows, float scale, const layer_extras *extras, const prompt_chunk *chunks,
+                  int64_t n_chunks, int nthreads) {
     float *workspace, *h = layer_scratch(T, H, I, NH, KVH, D, chunks, n_chunks, &workspace);
     float *spare = malloc(sizeof(float) * T * H);
     int status = h && spare ? 0 : KERNEL_OUT_OF_MEMORY;
@@ -360,7 +386,7 @@ int decode_layers(int64_t L, const float *x, float *x_out, int64_t T, int64_t H,
         status = layer_step(in, out, T, H, norm1[l], norm2[l], eps, &weights[4 * l], &weights[4 * l + 1],
                             &weights[4 * l + 2], &weights[4 * l + 3], I, NH, KVH, D, cos_t, sin_t, key_caches[l],
                             value_caches[l], kv_bf16, avx512, slots, tables, max_blocks, context_lens, bs, windows[l],
-                            scale, chunks, n_chunks, h, workspace, nthreads);
+                            scale, extras ? &extras[l] : NULL, chunks, n_chunks, h, workspace, nthreads);
         in = out;
     }
     free(spare);

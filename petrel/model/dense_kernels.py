@@ -45,6 +45,45 @@ class Weight(ctypes.Structure):
     ]
 
 
+class MoeLayer(ctypes.Structure):
+    """A mixture of experts in place of a layer's dense MLP, as decode_layer(s) take it (kernels.h's moe_layer, field
+    for field): the float32 router, this rank's experts' Weight arrays, the int64 tokens-per-expert counter it adds
+    to, and a shared expert (shared_inter 0: none); petrel/model/moe.py's SparseMoeBlock.kernel_parts builds it."""
+
+    _fields_ = [
+        ("router", _P),
+        ("gate_up", _P),
+        ("down", _P),
+        ("routed", _P),
+        ("experts", ctypes.c_int64),
+        ("top_k", ctypes.c_int64),
+        ("renormalize", ctypes.c_int64),
+        ("first", ctypes.c_int64),
+        ("num_local", ctypes.c_int64),
+        ("inter", ctypes.c_int64),
+        ("shared_gate_up", Weight),
+        ("shared_down", Weight),
+        ("shared_gate", Weight),
+        ("shared_inter", ctypes.c_int64),
+    ]
+
+
+class LayerExtras(ctypes.Structure):
+    """What a layer holds beyond a plain Llama layer, as decode_layer(s) take it (kernels.h's layer_extras): per-head
+    q and k norm weights (or None), a MoeLayer (or None)."""
+
+    _fields_ = [("q_norm", _P), ("k_norm", _P), ("moe", _P)]
+
+
+class MoeParts(NamedTuple):
+    """A mixture of experts for decode_layer(s): its MoeLayer, the tensors and arrays its pointers point into (kept
+    alive with it), and the most rows its products take in one call (moe_kernels.max_rows)."""
+
+    layer: MoeLayer
+    keep: tuple
+    max_rows: int
+
+
 class PromptChunk(ctypes.Structure):
     """A step's prompt chunk after its decode rows, as decode_layers takes them, an array in row order (kernels.h's
     prompt_chunk, field for field): rows from first_row to the next chunk's (the last one's to the step's end) are
@@ -363,43 +402,67 @@ def greedy_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | Non
 
 
 class LayerParts(NamedTuple):
-    """A plain Llama decoder layer as decode_layer takes it: norms (input, post-attention RMS norm weights) and
-    their eps; weights (float32 tensors or QuantizedWeights): qkv [(NH + 2 KVH) D, hidden], o [hidden, NH D],
-    gate_up [2 I, hidden], down [hidden, I]; heads (NH, KVH, D); the attention's scale and sliding window."""
+    """A Llama decoder layer as decode_layer takes it: norms (input, post-attention RMS norm weights) and their eps;
+    weights (float32 tensors or QuantizedWeights): qkv [(NH + 2 KVH) D, hidden], o [hidden, NH D], gate_up [2 I,
+    hidden], down [hidden, I] (None, None with moe); heads (NH, KVH, D); the attention's scale and sliding window;
+    qk_norms: the per-head q and k RMS norm weights [D] (Qwen3), or None; moe: a mixture of experts (MoeParts) in
+    place of the dense MLP, or None."""
 
     norms: tuple[torch.Tensor, torch.Tensor]
     eps: float
-    weights: tuple[torch.Tensor | QuantizedWeight, ...]
+    weights: tuple[torch.Tensor | QuantizedWeight | None, ...]
     heads: tuple[int, int, int]
     scale: float
     sliding_window: int | None
+    qk_norms: tuple[torch.Tensor, torch.Tensor] | None = None
+    moe: MoeParts | None = None
 
     @property
     def max_rows(self) -> int:
         """The most rows its products take in one call: any number where each product runs one kernel at every
         count of rows (weights in panels, or integer products from a few rows on), else the few-row kernels' limit
-        (quantized ones': dequantized tiles above a few rows); and fewer than the rows from which a weight's
-        products go to oneDNN (QuantizedWeight.tiles, AMX CPUs: petrel.model.amx), which the C call cannot reach."""
-        if all(isinstance(w, QuantizedWeight) and (w.panels or w.integer_rows) for w in self.weights):
-            limit = sys.maxsize
-        else:
-            quantized = any(isinstance(w, QuantizedWeight) for w in self.weights)
-            limit = QUANT_GEMM_MAX_ROWS if quantized else GEMV_MAX_ROWS
-        tiled = [w.tiles.min_rows for w in self.weights if isinstance(w, QuantizedWeight) and w.tiles is not None]
+        (quantized ones': dequantized tiles above a few rows); the experts' likewise; and fewer than the rows from
+        which a weight's products go to oneDNN (QuantizedWeight.tiles, AMX CPUs: petrel.model.amx), which the C call
+        cannot reach."""
+        weights = [w for w in self.weights if w is not None]
+        limit = self.moe.max_rows if self.moe is not None else sys.maxsize
+        if not all(isinstance(w, QuantizedWeight) and (w.panels or w.integer_rows) for w in weights):
+            quantized = any(isinstance(w, QuantizedWeight) for w in weights)
+            limit = min(limit, QUANT_GEMM_MAX_ROWS if quantized else GEMV_MAX_ROWS)
+        tiled = [w.tiles.min_rows for w in weights if isinstance(w, QuantizedWeight) and w.tiles is not None]
         return min(limit, min(tiled) - 1) if tiled else limit
+
+    @property
+    def intermediate(self) -> int:
+        """The dense MLP's width I (0 with a mixture of experts)."""
+        return self.weights[3].shape[1] if self.weights[3] is not None else 0
 
     def fits(self, rows: int) -> bool:
         """Whether the kernels take this layer for a step of `rows` rows (its weights apart: see describe)."""
         head_dim = self.heads[2]
-        hidden, inter = self.weights[0].shape[1], self.weights[3].shape[1]
+        norms = (*self.norms, *(self.qk_norms or ()))
         return (
             rows <= self.max_rows
-            and hidden % 16 == 0
-            and inter % 16 == 0
+            and self.weights[0].shape[1] % 16 == 0
+            and self.intermediate % 16 == 0
             and head_dim % 16 == 0  # the products', rotary's
-            and _is_cpu_f32(*self.norms)
-            and all(t.is_contiguous() for t in self.norms)
+            and _is_cpu_f32(*norms)
+            and all(t.is_contiguous() for t in norms)
         )
+
+    def extras(self) -> LayerExtras | None:
+        """The layer's LayerExtras for the kernels (None for a plain Llama layer)."""
+        if self.qk_norms is None and self.moe is None:
+            return None
+        q_norm, k_norm = (t.data_ptr() for t in self.qk_norms) if self.qk_norms is not None else (None, None)
+        return LayerExtras(q_norm, k_norm, ctypes.addressof(self.moe.layer) if self.moe is not None else None)
+
+
+def describe_layer(parts: LayerParts) -> list[Weight] | None:
+    """The layer's four weights for the kernels (a mixture of experts' absent dense MLP as empty Weights), or None
+    where one of them cannot be taken."""
+    described = [describe(w) if w is not None else Weight() for w in parts.weights]
+    return None if None in described else described
 
 
 def _step_fits(
@@ -444,11 +507,12 @@ def decode_layer(
         not layer.fits(x.shape[0])
         or not _step_fits(x, cos, sin, kv_cache, slots, block_tables, context_lens, layer.heads)
         or (kv_bf16 := _kv_bf16(kv_cache)) is None
-        or None in (described := [describe(w) for w in layer.weights])
+        or (described := describe_layer(layer)) is None
         or (lib := library()) is None
     ):
         return None
     w_qkv, w_o, w_gate_up, w_down = (ctypes.byref(w) for w in described)
+    extras = layer.extras()
     block_tables, context_lens = block_tables.contiguous(), context_lens.contiguous()
     out = torch.empty_like(x)
     if lib.decode_layer(
@@ -463,7 +527,7 @@ def decode_layer(
         w_o,
         w_gate_up,
         w_down,
-        layer.weights[3].shape[1],
+        layer.intermediate,
         num_heads,
         num_kv_heads,
         head_dim,
@@ -480,6 +544,7 @@ def decode_layer(
         kv_cache.shape[2],
         layer.sliding_window or 0,
         layer.scale,
+        ctypes.byref(extras) if extras is not None else None,
         None,
         0,
         torch.get_num_threads(),
@@ -508,6 +573,12 @@ class DecoderStack:
         self.kv_bf16 = kv_bf16
         self.windows = (ctypes.c_int64 * n)(*(p.sliding_window or 0 for p in layers))
         self.max_rows = min(p.max_rows for p in layers)
+        self.intermediate = max(p.intermediate for p in layers)  # the dense layers' (0: every one a MoE)
+        extras = [p.extras() for p in layers]
+        self.extras = (
+            None if all(e is None for e in extras) else (LayerExtras * n)(*(e or LayerExtras() for e in extras))
+        )
+        self.layers = layers  # what the extras point into (q/k norms, MoeParts)
 
     @classmethod
     def build(cls, layers: list[LayerParts], kv_caches: list[torch.Tensor]) -> DecoderStack | None:
@@ -520,19 +591,19 @@ class DecoderStack:
             and p.eps == first.eps
             and p.scale == first.scale
             and p.weights[0].shape == first.weights[0].shape
-            and p.weights[3].shape == first.weights[3].shape
             for p in layers
         )
         if (
             not same
+            or len({p.intermediate for p in layers} - {0}) > 1  # one width for every dense MLP
             or not all(p.fits(1) for p in layers)
             or (lib := library()) is None
             or len({tuple(c.shape) for c in kv_caches}) != 1
             or (kv_bf16 := _kv_bf16(*kv_caches)) is None
-            or None in (weights := [describe(w) for p in layers for w in p.weights])
+            or None in (described := [describe_layer(p) for p in layers])
         ):
             return None
-        return cls(lib, layers, kv_caches, kv_bf16, weights)
+        return cls(lib, layers, kv_caches, kv_bf16, [w for four in described for w in four])
 
     def __call__(
         self,
@@ -572,7 +643,7 @@ class DecoderStack:
             self.norm2,
             first.eps,
             self.weights,
-            first.weights[3].shape[1],
+            self.intermediate,
             num_heads,
             num_kv_heads,
             head_dim,
@@ -589,6 +660,7 @@ class DecoderStack:
             self.kv_caches[0].shape[2],
             self.windows,
             first.scale,
+            self.extras,
             prompts,
             len(chunks),
             torch.get_num_threads(),

@@ -36,6 +36,7 @@ SOURCES = (
     "bf16_pairs.c",
     "panels.c",
     "greedy_rows.c",
+    "moe.c",
     "thread_pool.c",
     "build_info.c",
     HEADER,
@@ -50,6 +51,7 @@ SOURCES = (
     "gemv_rows.h",
     "bf16_pairs.h",
     "int16_rows.h",
+    "weight_product.h",
 )
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-pthread", "-shared", "-fPIC")
 LIBRARIES = ("-lm",)

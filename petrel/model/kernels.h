@@ -56,18 +56,50 @@ typedef struct {
     const int64_t *table;
     int64_t p0;
 } prompt_chunk;
+/* A mixture of experts in place of a layer's dense MLP (dense_kernels.MoeLayer mirrors it, field for field): a
+ * float32 router [experts][H] whose softmax's top_k experts each row takes (their probabilities renormalised to sum
+ * 1 if renormalize), this rank's experts first .. first + num_local - 1 with weights gate_up[e] [2 inter][H] and
+ * down[e] [H][inter] (moe.c's moe_experts), tokens routed added to routed[expert] (int64, or NULL); with
+ * shared_inter > 0 a shared expert every row takes (shared_gate_up [2 shared_inter][H], shared_down [H][shared_inter])
+ * scaled by sigmoid(shared_gate . x) (shared_gate [1][H]) */
+typedef struct {
+    const float *router;
+    const weight *gate_up;
+    const weight *down;
+    int64_t *routed;
+    int64_t experts;
+    int64_t top_k;
+    int64_t renormalize;
+    int64_t first;
+    int64_t num_local;
+    int64_t inter;
+    weight shared_gate_up;
+    weight shared_down;
+    weight shared_gate;
+    int64_t shared_inter;
+} moe_layer;
+/* What a layer holds beyond a plain Llama layer (dense_kernels.LayerExtras mirrors it): RMS norms over each head of q
+ * and of k before rotary, with the layer's eps (q_norm, k_norm [D], or NULL: Qwen3's), and a mixture of experts
+ * instead of the dense MLP (moe, or NULL) */
+typedef struct {
+    const float *q_norm;
+    const float *k_norm;
+    const moe_layer *moe;
+} layer_extras;
 int decode_layer(const float *x, float *x_out, int64_t T, int64_t H, const float *norm1, const float *norm2,
                  float eps, const weight *w_qkv, const weight *w_o, const weight *w_gate_up, const weight *w_down,
                  int64_t I, int64_t NH, int64_t KVH, int64_t D, const float *cos_t, const float *sin_t,
                  void *key_cache, void *value_cache, int kv_bf16, int avx512, const int64_t *slots,
                  const int64_t *tables, int64_t max_blocks, const int64_t *context_lens, int64_t bs, int64_t window,
-                 float scale, const prompt_chunk *chunks, int64_t n_chunks, int nthreads);
+                 float scale, const layer_extras *extras, const prompt_chunk *chunks, int64_t n_chunks,
+                 int nthreads);
 int decode_layers(int64_t L, const float *x, float *x_out, int64_t T, int64_t H, const float *const *norm1,
                   const float *const *norm2, float eps, const weight *weights, int64_t I, int64_t NH, int64_t KVH,
                   int64_t D, const float *cos_t, const float *sin_t, void *const *key_caches,
                   void *const *value_caches, int kv_bf16, int avx512, const int64_t *slots,
                   const int64_t *tables, int64_t max_blocks, const int64_t *context_lens, int64_t bs,
-                  const int64_t *windows, float scale, const prompt_chunk *chunks, int64_t n_chunks, int nthreads);
+                  const int64_t *windows, float scale, const layer_extras *extras, const prompt_chunk *chunks,
+                  int64_t n_chunks, int nthreads);
 
 /* prefill_attention.c */
 int64_t prefill_attention_workspace(int64_t n, int64_t p0, int64_t window, int64_t KVH, int64_t D);
@@ -119,6 +151,12 @@ int int8_gemm(const float *x, int64_t M, int64_t K, const int8_t *codes, const f
 #define INT8_ACTIVATIONS 4
 int group_gemm(int bits, const float *x, int64_t M, int64_t K, const void *codes, const float *scale,
                const float *mins, int gshift, float *y, int64_t N, int nthreads, int isa);
+
+/* moe.c: a mixture-of-experts layer's experts over a step's rows (ids, route_weights [T][k]; this rank's experts
+ * first .. first + E - 1, their weights gate_up[E] [2I][H] and down[E] [H][I]) */
+int moe_experts(const float *x, int64_t T, int64_t H, int64_t I, int64_t k, const int64_t *ids,
+                const float *route_weights, int64_t first, int64_t E, const weight *gate_up, const weight *down,
+                float *out, int nthreads);
 
 /* greedy_rows.c */
 void greedy_rows(const float *x, int64_t rows, int64_t vocab, int64_t stride, int64_t *tokens, float *logprobs,

@@ -93,7 +93,7 @@ class LlamaDecoderLayer(nn.Module):
     def _decode_in_one_call(self, x, cos_sin, kv_cache, meta: AttentionMetadata):
         """A step of decodes only: the whole layer as one kernel call (dense_kernels.decode_layer: the same kernels
         the separate modules use on CPU, float32 or quantized weights, without a dispatch per operation), when the
-        layer is plain — no biases, no q/k norms, one rank, no LoRA. None otherwise."""
+        layer is plain — no biases, one rank, no LoRA. None otherwise."""
         if meta.prefills or len(meta.decode_groups) != 1 or (parts := self.one_call_parts()) is None:
             return None
         group = meta.decode_groups[0]
@@ -103,41 +103,59 @@ class LlamaDecoderLayer(nn.Module):
 
     def one_call_parts(self) -> dense_kernels.LayerParts | None:
         """What dense_kernels needs of this layer to run it as one call, or None when it is not plain."""
-        attn, mlp = self.self_attn, self.mlp
-        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        return self._one_call_parts((self.mlp.gate_up_proj, self.mlp.down_proj))
+
+    def _one_call_parts(self, mlp_projections: tuple) -> dense_kernels.LayerParts | None:
+        """LayerParts of the attention and these MLP projections (none: the MLP is not a dense one), or None."""
+        attn = self.self_attn
+        projections = (attn.qkv_proj, attn.o_proj, *mlp_projections)
         cached = self.__dict__.get("_plain")  # (projections, whether plain), kept while they stay the same
-        if cached is None or any(a is not b for a, b in zip(cached[0], projections)):
+        if (
+            cached is None
+            or len(cached[0]) != len(projections)
+            or any(a is not b for a, b in zip(cached[0], projections))
+        ):
             cached = self.__dict__["_plain"] = (projections, self._is_plain(projections))
         if not cached[1]:
             return None
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        weights = tuple(m.qweight if type(m) is QuantizedLinear else m.weight for m in projections)
         return dense_kernels.LayerParts(
             (norm1.weight, norm2.weight),
             norm1.eps,
-            tuple(m.qweight if type(m) is QuantizedLinear else m.weight for m in projections),
+            weights + (None,) * (4 - len(weights)),
             (attn.num_heads, attn.num_kv_heads, attn.head_dim),
             attn.scale,
             attn.sliding_window,
+            (attn.q_norm.weight, attn.k_norm.weight) if hasattr(attn, "q_norm") else None,
         )
 
     def _is_plain(self, projections) -> bool:
         dense_kinds = (ColumnParallelLinear, RowParallelLinear, ColumnParallelLinear, RowParallelLinear)
+        attn, eps = self.self_attn, self.input_layernorm.eps
         return (
             all(type(m) in (kind, QuantizedLinear) for m, kind in zip(projections, dense_kinds))
             and all(getattr(m, "tp", SINGLE).size == 1 and m.bias is None for m in projections)
-            and not hasattr(self.self_attn, "q_norm")
+            and (  # q/k norms (Qwen3): RMS norms with the layer's eps
+                not hasattr(attn, "q_norm")
+                or (
+                    type(attn.q_norm) is RMSNorm
+                    and type(attn.k_norm) is RMSNorm
+                    and attn.q_norm.eps == eps == attn.k_norm.eps
+                )
+            )
             and type(self.input_layernorm) is RMSNorm
             and type(self.post_attention_layernorm) is RMSNorm
-            and self.input_layernorm.eps == self.post_attention_layernorm.eps
+            and eps == self.post_attention_layernorm.eps
         )
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE, layer_class: type = LlamaDecoderLayer):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(layer_class(cfg, i, tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -249,15 +267,14 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and cfg.tie_word_embeddings:
                 continue
-            target, piece = name, None
-            for fragment, (fused, shard) in self.fused_shards.items():
-                if fragment in name:
-                    target, piece = name.replace(fragment, fused), shard
-                    break
+            target, piece = self.checkpoint_target(name)
             if target not in params:
                 raise ValueError(f"unexpected weight {name!r} in checkpoint for {cfg.architecture}")
             owner, _, kind = target.rpartition(".")
             module = modules[owner]
+            if hasattr(module, "piece_keys"):  # experts: dense or quantized, whole or one expert's piece
+                loaded.update(f"{target}#{k}" for k in module.load(kind, tensor, piece, name))
+                continue
             if isinstance(tensor, QuantizedWeight):
                 loaded.update(_add_quantized(quantized, name, target, module, piece, tensor))
                 continue
@@ -276,12 +293,22 @@ class LlamaForCausalLM(nn.Module):
             module = modules[pname.rpartition(".")[0]]
             if isinstance(module, ColumnParallelLinear):
                 expected.update(f"{pname}#{i}" for i in range(len(module.pieces)))
+            elif hasattr(module, "piece_keys"):  # loaded piece by piece (petrel/model/moe.py's experts)
+                expected.update(f"{pname}#{i}" for i in module.piece_keys(pname.rpartition(".")[2]))
             else:
                 expected.add(pname)
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
         quantized.install(self)
+
+    def checkpoint_target(self, name: str) -> tuple[str, object]:
+        """(parameter name, piece) a checkpoint tensor loads into: q/k/v and gate/up into their fused projections
+        (piece: the shard index), anything else into the parameter of its own name (piece None)."""
+        for fragment, (fused, shard) in self.fused_shards.items():
+            if fragment in name:
+                return name.replace(fragment, fused), shard
+        return name, None
 
 
 def _projections(layers: nn.ModuleList) -> tuple:
@@ -291,7 +318,10 @@ def _projections(layers: nn.ModuleList) -> tuple:
     out = []
     for layer in layers._modules.values():
         attn, mlp = layer._modules["self_attn"], layer._modules["mlp"]
-        out.append((*attn._modules.values(), *mlp._modules.values(), attn.sliding_window))
+        experts = mlp._modules.get("experts")  # a mixture of experts: held again (quantized) means new weights
+        out.append(
+            (*attn._modules.values(), *mlp._modules.values(), attn.sliding_window, getattr(experts, "held", None))
+        )
     return tuple(out)
 
 

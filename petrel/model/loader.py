@@ -111,6 +111,16 @@ _GGUF_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # mixtures of experts (petrel/model/moe.py): the router, every expert's matrices stacked [E, ...], the shared
+    # expert and its gate
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 # Gemma 3's four norms per layer: llama.cpp's ffn_norm is the norm before the MLP, and two more follow
 _GGUF_NAMES_GEMMA3 = {
@@ -256,8 +266,9 @@ def gguf_weights(reader, cfg: ModelConfig, keep_quantized: bool = False) -> Iter
     from petrel.model.gguf_quants import READERS
     from petrel.model.quantization import QuantizedWeight
 
-    # llama.cpp permutes q/k rows for llama only (Idefics3's text model from a GGUF is one: petrel/model/mmproj.py)
-    permuted = cfg.architecture in ("LlamaForCausalLM", "Idefics3ForConditionalGeneration")
+    # llama.cpp permutes q/k rows for llama only (Idefics3's text model from a GGUF is one: petrel/model/mmproj.py;
+    # so is Mixtral)
+    permuted = cfg.architecture in ("LlamaForCausalLM", "Idefics3ForConditionalGeneration", "MixtralForCausalLM")
     gemma = cfg.architecture == "Gemma3ForCausalLM"
     names = _GGUF_NAMES_GEMMA3 if gemma else _GGUF_NAMES
     for t in reader.tensors:
@@ -268,6 +279,13 @@ def gguf_weights(reader, cfg: ModelConfig, keep_quantized: bool = False) -> Iter
             name = f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
         else:
             name = f"{names[parts[0]]}.{parts[1]}"
+        if parts[0] == "blk" and parts[2] in _GGUF_EXPERTS:  # [E, rows, cols]: every expert's matrix of a layer
+            yield from _gguf_experts(t, name.removesuffix(".weight"), keep_quantized)
+            continue
+        if parts[0] == "blk" and parts[2] == "ffn_gate_inp_shexp" and len(t.shape) == 1:
+            data = dequantize(t.data, t.tensor_type).reshape(1, -1)  # stored as a vector: the gate's one row
+            yield name, torch.from_numpy(np.array(data, dtype=np.float32))
+            continue
         if t.tensor_type.name in READERS and len(t.shape) == 2:
             rows, cols = int(t.shape[1]), int(t.shape[0])
             weight = QuantizedWeight.from_gguf(t.tensor_type.name, t.data, rows, cols)
@@ -290,6 +308,33 @@ def gguf_weights(reader, cfg: ModelConfig, keep_quantized: bool = False) -> Iter
         elif permuted and parts[0] == "blk" and parts[2] == "attn_k":
             data = _unpermute_rope(data, cfg.num_key_value_heads)
         yield name, torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy
+
+
+_GGUF_EXPERTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+
+
+def _gguf_experts(t, stacked: str, keep_quantized: bool) -> Iterator[tuple[str, object]]:
+    """A layer's experts' matrices of one kind (llama.cpp's ffn_{gate,up,down}_exps, [E, rows, cols]): with
+    keep_quantized and blocks petrel multiplies natively, one QuantizedWeight per expert (named as the published
+    per-expert tensors are: mlp.experts.E.gate_proj.weight); otherwise the float32 stack [E, rows, cols] under
+    the stacked name (mlp.experts.gate_proj), each expert's blocks dequantized as a 2-D tensor's are."""
+    from gguf.quants import dequantize
+
+    from petrel.model.gguf_quants import READERS
+    from petrel.model.quantization import QuantizedWeight
+
+    experts, rows, cols = (int(d) for d in reversed(t.shape))
+    if t.tensor_type.name not in READERS:
+        data = dequantize(t.data, t.tensor_type).reshape(experts, rows, cols)
+        yield stacked, torch.from_numpy(np.array(data, dtype=np.float32))
+        return
+    weights = [QuantizedWeight.from_gguf(t.tensor_type.name, t.data[e], rows, cols) for e in range(experts)]
+    if keep_quantized:
+        base, _, kind = stacked.rpartition(".")
+        for e, weight in enumerate(weights):
+            yield f"{base}.{e}.{kind}.weight", weight
+        return
+    yield stacked, torch.stack([w.dequantize() for w in weights])
 
 
 # ---------------------------------------------------------------- Hugging Face directories
@@ -323,6 +368,8 @@ def load_model_config(source: ModelSource, reader=None) -> ModelConfig:
             from petrel.model.mmproj import with_mmproj
 
             return with_mmproj(cfg, source.mmproj)
+        if cfg.num_experts:
+            _gguf_moe_layers(cfg, {t.name for t in reader.tensors})
         if cfg.architecture == "Gemma3ForCausalLM":
             if reader.gemma_end_of_turn and 106 not in cfg.eos_token_ids:
                 cfg.eos_token_ids.append(106)
@@ -337,6 +384,17 @@ def load_model_config(source: ModelSource, reader=None) -> ModelConfig:
             if e not in cfg.eos_token_ids:
                 cfg.eos_token_ids.append(e)
     return cfg
+
+
+def _gguf_moe_layers(cfg: ModelConfig, names: set[str]) -> None:
+    """What a mixture of experts' GGUF says by its tensors: the layers without a router (blk.N.ffn_gate_inp) are
+    dense, and Qwen2-MoE's q/k/v biases are there or not; an expert score bias (exp_probs_b: DeepSeek's
+    bias-corrected selection) is refused, naming it."""
+    cfg.dense_layers = [i for i in range(cfg.num_hidden_layers) if f"blk.{i}.ffn_gate_inp.weight" not in names]
+    if any(n.endswith(".exp_probs_b.bias") or n.endswith(".exp_probs_b") for n in names):
+        raise ValueError("GGUF tensor exp_probs_b (a bias on the experts' scores for selection) is not supported")
+    if cfg.architecture == "Qwen2MoeForCausalLM":
+        cfg.qkv_bias = "blk.0.attn_q.bias" in names
 
 
 def _has_gemma_end_of_turn(reader) -> bool:
@@ -397,7 +455,7 @@ def load_model(
         reader = _gguf_reader(source) if source.kind == "gguf" else None
         cfg = load_model_config(source, reader)
     cls = model_class(cfg.architecture, f"model {source.name!r}")
-    check_tensor_parallel(cfg, tp.size)
+    check_tensor_parallel(cfg, tp.size, tp.expert_parallel)
     with _without_weight_init():
         model = cls(cfg, tp).float()
     with _ReadingFiles(source):

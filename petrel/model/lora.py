@@ -34,6 +34,11 @@ TARGET_MAP = {
     "up_proj": ("mlp.gate_up_proj", 1),
     "down_proj": ("mlp.down_proj", 0),
 }
+# a mixture of experts' weights (petrel/model/moe.py): its experts (Mixtral's block_sparse_moe too), shared expert,
+# shared expert's gate and router
+_EXPERT_KEY = re.compile(
+    r"\.layers\.\d+\.((?:mlp|block_sparse_moe)\.(?:experts|shared_expert_gate|shared_expert|gate)\b\S*?)\.lora_"
+)
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
@@ -97,6 +102,11 @@ def load_adapter(request: LoRARequest, cfg, max_rank: int) -> LoRAAdapter:
         raise ValueError(f"{where}: adapter_model.safetensors is unreadable: {exc}") from None
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
+        if (expert := _EXPERT_KEY.search(key)) is not None:
+            raise ValueError(
+                f"{where}: tensor {key!r} adapts {expert.group(1)}: LoRA on a mixture of experts' weights (its "
+                f"experts, shared expert and router) is not supported (attention LoRA is)"
+            )
         m = _KEY.match(key)
         if m is None or m.group(3) not in TARGET_MAP:
             raise ValueError(
@@ -106,6 +116,11 @@ def load_adapter(request: LoRARequest, cfg, max_rank: int) -> LoRAAdapter:
         layer = int(m.group(1))
         if layer >= cfg.num_hidden_layers:
             raise ValueError(f"{where}: tensor {key!r} names layer {layer}; the model has {cfg.num_hidden_layers}")
+        if m.group(2) == "mlp" and cfg.is_moe_layer(layer):
+            raise ValueError(
+                f"{where}: tensor {key!r} adapts layer {layer}'s MLP, which is a mixture of experts: LoRA on "
+                f"expert weights is not supported (attention LoRA is)"
+            )
         pairs.setdefault((layer, m.group(3)), {})[m.group(4)] = tensor.float()
     sizes = _slice_sizes(cfg)
     weights: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -222,6 +237,8 @@ class LoRAManager:
             for path in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
                 parent_name, attr = path.split(".")
                 parent = getattr(layer, parent_name)
+                if not hasattr(parent, attr):  # a mixture of experts' layer: no dense MLP (load_adapter refuses one)
+                    continue
                 wrapped = LoRALinear(getattr(parent, attr), sizes[path], max_loras, max_rank, self.mapping)
                 setattr(parent, attr, wrapped)
                 self.layers[(i, path)] = wrapped

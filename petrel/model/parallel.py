@@ -29,8 +29,9 @@ class TensorParallel:
     """This process's place in a tensor-parallel group (rank, size) and the two collectives the layers need, over
     torch.distributed's default process group (joined by petrel.distributed.group.join_group)."""
 
-    def __init__(self, rank: int = 0, size: int = 1):
+    def __init__(self, rank: int = 0, size: int = 1, expert_parallel: bool = False):
         self.rank, self.size = rank, size
+        self.expert_parallel = expert_parallel  # mixtures of experts: whole experts per rank (petrel/model/moe.py)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over the ranks, in place."""
@@ -60,15 +61,26 @@ def partition(total: int, parts: int, index: int) -> tuple[int, int]:
     return total * index // parts, total * (index + 1) // parts
 
 
-def check_tensor_parallel(cfg, size: int) -> None:
-    """ValueError unless the model can be split over `size` ranks (each needs a KV head and a slice of the MLP)."""
+def check_tensor_parallel(cfg, size: int, expert_parallel: bool = False) -> None:
+    """ValueError unless the model can be split over `size` ranks (each needs a KV head and a slice of the MLP; of a
+    mixture of experts, an expert with expert_parallel, else a slice of every expert)."""
     if size > cfg.num_key_value_heads:
         raise ValueError(
             f"tensor_parallel_size={size} is larger than the model's {cfg.num_key_value_heads} key/value "
             f"heads: every rank needs at least one (use tensor_parallel_size <= {cfg.num_key_value_heads})"
         )
-    if size > cfg.intermediate_size:
+    experts = getattr(cfg, "num_experts", 0)
+    if size > cfg.intermediate_size and (not experts or cfg.dense_layers):  # a mixture of experts: its dense layers'
         raise ValueError(f"tensor_parallel_size={size} is larger than the model's MLP width {cfg.intermediate_size}")
+    if experts and expert_parallel and size > experts:
+        raise ValueError(
+            f"tensor_parallel_size={size} with enable_expert_parallel is larger than the model's {experts} experts: "
+            f"every rank needs one"
+        )
+    if experts and not expert_parallel and size > cfg.moe_intermediate_size:
+        raise ValueError(
+            f"tensor_parallel_size={size} is larger than the model's expert width {cfg.moe_intermediate_size}"
+        )
 
 
 class AttentionHeads:

@@ -362,13 +362,16 @@ class QuantizedLoads:
 
 
 def _hold(model: nn.Module, make: Callable[[torch.Tensor], QuantizedWeight]) -> None:
-    """Every nn.Linear of a loaded model -> a QuantizedLinear of make(its weight); the embedding too (rows are its
-    output channels), one weight for both where the LM head is tied to it."""
+    """Every nn.Linear of a loaded model -> a QuantizedLinear of make(its weight), and each expert's matrices of a
+    mixture of experts (petrel/model/moe.py's Experts) make(matrix); the embedding too (rows are its output
+    channels), one weight for both where the LM head is tied to it. A MoE router is no nn.Linear: it stays float32."""
     embed = model.model.embed_tokens
     tied = getattr(model.lm_head, "weight", None) is getattr(embed, "weight", False)
     for path, module in list(model.named_modules()):
         if isinstance(module, nn.Linear) and not (tied and path == "lm_head"):
             _replace(model, path, QuantizedLinear(make(module.weight), module.bias))
+        elif hasattr(module, "hold_experts"):  # a mixture of experts' matrices, each expert's held alike
+            module.hold_experts(make)
     if isinstance(embed, nn.Embedding):
         qweight = make(embed.weight)
         model.model.embed_tokens = QuantizedEmbedding(qweight, embed.weight.dtype)

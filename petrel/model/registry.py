@@ -5,6 +5,7 @@ from __future__ import annotations
 from petrel.model.gemma3 import Gemma3ForCausalLM
 from petrel.model.idefics3 import Idefics3ForConditionalGeneration
 from petrel.model.llama import LlamaForCausalLM
+from petrel.model.moe import MoeForCausalLM
 from petrel.model.qwen2_vl import Qwen2VLForConditionalGeneration
 
 MODEL_CLASSES = {
@@ -14,6 +15,10 @@ MODEL_CLASSES = {
     "Qwen3ForCausalLM": LlamaForCausalLM,  # + per-head q/k norm (ModelConfig.qk_norm)
     "Phi3ForCausalLM": LlamaForCausalLM,  # checkpoint holds qkv_proj and gate_up_proj fused
     "Gemma3ForCausalLM": Gemma3ForCausalLM,  # Gemma 3 text (petrel/model/gemma3.py)
+    # mixtures of experts (petrel/model/moe.py): Llama's attention, sparse MLPs
+    "MixtralForCausalLM": MoeForCausalLM,
+    "Qwen2MoeForCausalLM": MoeForCausalLM,  # + qkv bias, a gated shared expert, dense layers
+    "Qwen3MoeForCausalLM": MoeForCausalLM,  # + per-head q/k norm
     # vision-language: SigLIP tower + pixel-shuffle connector before a Llama text model (petrel/model/idefics3.py)
     "Idefics3ForConditionalGeneration": Idefics3ForConditionalGeneration,
     "SmolVLMForConditionalGeneration": Idefics3ForConditionalGeneration,

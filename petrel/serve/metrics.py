@@ -26,6 +26,8 @@ waiting for their fetch), petrel_kv_transfer_pins_expired_total (pins released u
 --kv-transfer-timeout); the decode side: petrel_kv_transfer_fetches_total, petrel_kv_transfer_fetch_bytes_total,
 petrel_kv_transfer_fetch_seconds (histogram), petrel_kv_transfer_fetch_failures_total (fetches refused or failed:
 their requests failed).
+Mixtures of experts: petrel_moe_expert_tokens{layer, expert} (tokens routed to that expert of that layer since
+start: a hot expert shows as one series growing faster than its layer's others).
 """
 
 from __future__ import annotations
@@ -101,6 +103,12 @@ class ServerMetrics:
         )
         self.tier_seconds = tier_gauge(
             "petrel_kv_tier_seconds", "Seconds spent fetching blocks from / storing blocks to the tiers", "phase"
+        )
+        self.expert_tokens = Gauge(
+            "petrel_moe_expert_tokens",
+            "Tokens routed to an expert of a mixture-of-experts layer, since start",
+            ["model_name", "layer", "expert"],
+            registry=r,
         )
         self.engine_up = gauge("petrel_engine_up", "1 when the engine loop answered this scrape, else 0")
         self.encoder = (  # the engine's (images encoded, cache hits, seconds) since start, as counters
@@ -194,6 +202,8 @@ class ServerMetrics:
             self.spec_rate.set(state["accepted"] / state["drafted"] if state["drafted"] else 0.0)
             if state["kv_tiers"] is not None:
                 self._set_tiers(state["kv_tiers"])
+            if state["expert_tokens"] is not None:
+                self._set_expert_tokens(state["expert_tokens"])
             for metric, seen, total in zip(self.encoder, self._encoder_seen, state["encoder"]):
                 if total > seen:
                     metric.inc(total - seen)
@@ -203,6 +213,12 @@ class ServerMetrics:
                 self.kv_pins_expired.inc(state["pins_expired"] - self._pins_expired_seen)
                 self._pins_expired_seen = state["pins_expired"]
         return generate_latest(self.registry)
+
+    def _set_expert_tokens(self, tokens: dict) -> None:
+        model = self._labels["model_name"]
+        for layer, counts in tokens.items():
+            for expert, count in enumerate(counts):
+                self.expert_tokens.labels(model_name=model, layer=str(layer), expert=str(expert)).set(count)
 
     def _set_tiers(self, tiers: dict) -> None:
         model = self._labels["model_name"]
@@ -243,4 +259,10 @@ def _engine_state(core) -> dict:
         "encoder": core.encoder_counters(),
         "pins_held": len(pinned) if pinned is not None else 0,
         "pins_expired": pinned.num_expired if pinned is not None else 0,
+        "expert_tokens": _copied(getattr(core, "expert_tokens", None)),  # a mixture of experts' (None: dense)
     }
+
+
+def _copied(table: dict | None) -> dict | None:
+    """A copy of the core's {layer: [per expert]} made in the engine loop, read later by the scrape's thread."""
+    return {layer: list(counts) for layer, counts in table.items()} if table else None

@@ -1,0 +1,301 @@
+"""A Qwen3-MoE-shaped mixture-of-experts model with random weights, for benchmarks (speed does not depend on the
+values), and the GGUF writer for petrel's three MoE families.
+
+    python benchmarks/make_moe.py --out ~/petrel-peers/models/moe                  # the default shapes, below
+    python benchmarks/make_moe.py --out DIR --gguf-type q4_k --no-bf16              # experts in Q4_K blocks
+    python benchmarks/make_moe.py --out /tmp/tiny --layers 2 --hidden 64 --heads 4 --kv-heads 2 --head-dim 16 \\
+        --experts 8 --top-k 2 --moe-intermediate 32                                 # the same builder, tiny
+
+Writes, under --out:
+  fp32/               a Hugging Face directory (config.json, model.safetensors in float32 with one tensor per
+                      expert, as the published Qwen3-MoE checkpoints are, tokenizer files)
+  bf16/               the same weights rounded to bfloat16 (config dtype bfloat16)
+  moe-<type>.gguf     the weights as llama.cpp's converter lays out a qwen3moe (`--gguf-type f32|f16|bf16|q8_0`:
+                      the matrices and expert stacks in that type, by the gguf package's quantizer; q4_k: expert
+                      stacks and matrices of 256-multiple widths in Q4_K blocks, by quantize_q4_k here, the
+                      others in Q8_0), the router and norms float32 as the converter keeps them
+
+The default shapes are Qwen3-30B-A3B's scaled down to fit this machine (24 layers, hidden 1024, 16 query heads and
+4 KV heads of 64, 64 experts of 256 with the top 8 routed, per-head q/k norms, untied head), with the default
+model's vocabulary (SmolLM2's 49,152 ids, its tokenizer and chat template) so that a benchmark's prompts tokenize:
+1.37 B parameters in all, 0.27 B of them read per token (8 of 64 experts, attention, the head).
+
+write_gguf writes any of petrel's MoE families as llama.cpp's convert_hf_to_gguf.py does: qwen3moe and qwen2moe
+(q/k/v biases, ffn_*_shexp, ffn_gate_inp_shexp, expert_shared_feed_forward_length), and Mixtral as a "llama" with
+experts (q and k rows permuted to llama.cpp's rotary layout); each layer's experts as 3-D stacks
+ffn_{gate,up,down}_exps [experts, rows, columns], the router ffn_gate_inp, metadata expert_count,
+expert_used_count, expert_feed_forward_length (tests/test_moe_gguf.py writes its tiny models with it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+GGUF_TYPES = {  # --gguf-type -> the file type llama.cpp records
+    "f32": "ALL_F32",
+    "f16": "MOSTLY_F16",
+    "bf16": "MOSTLY_BF16",
+    "q8_0": "MOSTLY_Q8_0",
+    "q4_k": "MOSTLY_Q4_K_M",
+}
+GGUF_ARCH = {"Qwen3MoeForCausalLM": "qwen3moe", "Qwen2MoeForCausalLM": "qwen2moe", "MixtralForCausalLM": "llama"}
+GGUF_NAMES = {  # Hugging Face name inside model.layers.N. (Mixtral's block_sparse_moe is mlp here) -> llama.cpp's
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",  # a dense layer's MLP
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.experts.gate_proj": "ffn_gate_exps",
+    "mlp.experts.up_proj": "ffn_up_exps",
+    "mlp.experts.down_proj": "ffn_down_exps",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+}
+FLOAT32_KEPT = ("ffn_gate_inp", "ffn_gate_inp_shexp")  # routers: the converter keeps them float32
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="output directory (created)")
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--moe-intermediate", type=int, default=256)
+    p.add_argument("--context", type=int, default=32768, help="max_position_embeddings (default 32768)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--std", type=float, default=0.02, help="std of the random weights (default 0.02)")
+    p.add_argument("--gguf-type", default="f32", choices=[*GGUF_TYPES])
+    p.add_argument("--no-bf16", action="store_true", help="skip the bf16 directory")
+    p.add_argument("--no-gguf", action="store_true", help="skip the GGUF")
+    args = p.parse_args(argv)
+    if args.heads % args.kv_heads or args.head_dim % 2 or not 1 <= args.top_k <= args.experts:
+        p.error("--heads must split into --kv-heads groups, --head-dim be even, --top-k be 1..--experts")
+    return args
+
+
+def build_model(args, tokenizer):
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=args.hidden,
+        intermediate_size=args.moe_intermediate * args.top_k,  # a dense layer's (none here; Qwen3-30B-A3B's ratio)
+        moe_intermediate_size=args.moe_intermediate,
+        num_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        norm_topk_prob=True,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        max_position_embeddings=args.context,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=False,
+        initializer_range=args.std,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(args.seed)
+    return Qwen3MoeForCausalLM(config).float().eval()  # transformers' init: normal(0, initializer_range)
+
+
+def quantize_q4_k(data: np.ndarray) -> np.ndarray:
+    """float32 [..., cols] (cols a multiple of 256) as GGUF Q4_K blocks [..., cols / 256 * 144] uint8: per 256 values
+    a float16 scale d and min scale dmin, 8 sub-blocks of 32 each with a 6-bit scale and min (w = d sc q - dmin m,
+    q 4 bits; ggml's get_scale_min_k4 packing of the 12 scale bytes), the codes of sub-blocks 2c and 2c + 1 in the
+    low and high nibbles of 32 bytes. A plain min/max fit (llama.cpp's quantizer searches its scales further)."""
+    shape = data.shape
+    x = np.asarray(data, dtype=np.float32).reshape(-1, 8, 32)
+    lo, hi = np.minimum(x.min(-1), 0.0), np.maximum(x.max(-1), 0.0)
+    scale, mins = (hi - lo) / 15.0, -lo
+    d = (scale.max(-1) / 63.0).astype(np.float16)
+    dmin = (mins.max(-1) / 63.0).astype(np.float16)
+
+    def six_bits(values, step):
+        step = step.astype(np.float32)[:, None]
+        return np.where(step > 0, np.rint(values / np.where(step > 0, step, 1)), 0).clip(0, 63).astype(np.uint8)
+
+    sc, mn = six_bits(scale, d), six_bits(mins, dmin)
+    step = (d.astype(np.float32)[:, None] * sc)[..., None]
+    offset = (dmin.astype(np.float32)[:, None] * mn)[..., None]
+    q = np.where(step > 0, np.rint((x + offset) / np.where(step > 0, step, 1)), 0).clip(0, 15).astype(np.uint8)
+    n = x.shape[0]
+    scales = np.empty((n, 12), dtype=np.uint8)
+    scales[:, 0:4] = sc[:, 0:4] | ((sc[:, 4:8] >> 4) << 6)
+    scales[:, 4:8] = mn[:, 0:4] | ((mn[:, 4:8] >> 4) << 6)
+    scales[:, 8:12] = (sc[:, 4:8] & 0xF) | ((mn[:, 4:8] & 0xF) << 4)
+    codes = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(n, 128)
+    blocks = np.concatenate([d.view(np.uint8).reshape(n, 2), dmin.view(np.uint8).reshape(n, 2), scales, codes], 1)
+    return blocks.reshape(*shape[:-1], shape[-1] // 256 * 144)
+
+
+def copy_tokenizer_metadata(writer, source_gguf: str) -> None:
+    """Every tokenizer.* key of a GGUF (the default model's: vocabulary, merges, special ids, chat template)."""
+    import gguf
+
+    reader = gguf.GGUFReader(source_gguf)
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
+
+
+def permute_for_llamacpp(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Hugging Face's rotate-half q/k rows to llama.cpp's interleaved pairs (the inverse of petrel's unpermute)."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_tensors(model):
+    """(llama.cpp name, float32 array) of a transformers MoE model as the converter writes it: each layer's experts
+    stacked [E, rows, cols] (gate and up apart), Mixtral's q/k rows permuted."""
+    cfg = model.config
+    arch = GGUF_ARCH[type(model).__name__]
+    tied = cfg.tie_word_embeddings
+    for name, tensor in model.state_dict().items():
+        data = tensor.detach().float().numpy()
+        if name == "lm_head.weight":
+            if not tied:
+                yield "output.weight", data
+            continue
+        if name == "model.embed_tokens.weight":
+            yield "token_embd.weight", data
+            continue
+        if name == "model.norm.weight":
+            yield "output_norm.weight", data
+            continue
+        _, _, layer, *rest = name.split(".")
+        kind, suffix = ".".join(rest[:-1]), rest[-1]
+        if suffix == "gate_up_proj":  # transformers 5 holds each layer's experts fused: [E, 2I, H]
+            inter = data.shape[1] // 2
+            yield f"blk.{layer}.ffn_gate_exps.weight", np.ascontiguousarray(data[:, :inter])
+            yield f"blk.{layer}.ffn_up_exps.weight", np.ascontiguousarray(data[:, inter:])
+            continue
+        if suffix == "down_proj":
+            yield f"blk.{layer}.ffn_down_exps.weight", data
+            continue
+        if arch == "llama" and kind == "self_attn.q_proj":
+            data = permute_for_llamacpp(data, cfg.num_attention_heads)
+        elif arch == "llama" and kind == "self_attn.k_proj":
+            data = permute_for_llamacpp(data, cfg.num_key_value_heads)
+        yield f"blk.{layer}.{GGUF_NAMES[kind]}.{suffix}", data
+
+
+def write_gguf(model, path: str, gguf_type: str = "f32", source_gguf: str | None = None) -> None:
+    """A transformers Mixtral, Qwen2-MoE or Qwen3-MoE model as llama.cpp's converter writes it (the module's
+    docstring); source_gguf: a GGUF whose tokenizer metadata is copied (None: a placeholder vocabulary of the
+    model's size, enough to load the weights)."""
+    import gguf
+    from gguf.quants import quantize
+
+    cfg = model.config
+    arch = GGUF_ARCH[type(model).__name__]
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w = gguf.GGUFWriter(path, arch)
+    w.add_name(f"{arch}-shaped (random weights)")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_expert_count(getattr(cfg, "num_experts", None) or cfg.num_local_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    if arch != "llama":
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if getattr(cfg, "shared_expert_intermediate_size", 0):
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    w.add_file_type(gguf.LlamaFileType[GGUF_TYPES[gguf_type]])
+    if source_gguf is not None:
+        copy_tokenizer_metadata(w, source_gguf)
+    else:
+        w.add_tokenizer_model("gpt2")
+        w.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
+        w.add_bos_token_id(cfg.bos_token_id if cfg.bos_token_id is not None else 1)
+        w.add_eos_token_id(cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else 2)
+    for name, data in gguf_tensors(model):
+        kept = data.ndim < 2 or name.split(".")[-2] in FLOAT32_KEPT
+        if kept or gguf_type == "f32":
+            w.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
+        elif gguf_type == "q4_k" and data.shape[-1] % 256 == 0:
+            w.add_tensor(name, quantize_q4_k(data), raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+        else:
+            qtype = gguf.GGMLQuantizationType["Q8_0" if gguf_type == "q4_k" else gguf_type.upper()]
+            w.add_tensor(name, quantize(np.ascontiguousarray(data), qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def active_parameters(model) -> int:
+    """Parameters a token reads: everything but the experts it is not routed to (and the embedding table, of which
+    it reads a row)."""
+    cfg = model.config
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    unused = experts * (1 - cfg.num_experts_per_tok / cfg.num_experts)
+    return int(total - unused - model.model.embed_tokens.weight.numel())
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from petrel.model.loader import resolve_model
+    from petrel.model.tokenizer import load_tokenizer
+
+    t0 = time.perf_counter()
+    source = resolve_model(None)
+    tokenizer = load_tokenizer(source)
+    model = build_model(args, tokenizer)
+    n_params, active = sum(p.numel() for p in model.parameters()), active_parameters(model)
+    print(
+        f"built {n_params / 1e9:.3f} B parameters, {active / 1e9:.3f} B read per token (vocab {len(tokenizer)}) "
+        f"in {time.perf_counter() - t0:.0f} s"
+    )
+    os.makedirs(args.out, exist_ok=True)
+    if not args.no_gguf:  # before the bf16 copy rounds the weights
+        path = os.path.join(args.out, f"moe-{args.gguf_type}.gguf")
+        write_gguf(model, path, args.gguf_type, source.path)
+        print(f"wrote {path}")
+    for sub, dtype in (("fp32", torch.float32), *(() if args.no_bf16 else (("bf16", torch.bfloat16),))):
+        model.to(dtype).save_pretrained(os.path.join(args.out, sub), safe_serialization=True)
+        tokenizer.save_pretrained(os.path.join(args.out, sub))
+        print(f"wrote {os.path.join(args.out, sub)}")
+    with open(os.path.join(args.out, "README.json"), "w") as f:
+        info = {"built_by": "benchmarks/make_moe.py", "args": vars(args), "parameters": n_params, "active": active}
+        json.dump(info, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
