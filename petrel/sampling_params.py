@@ -270,27 +270,13 @@ def _lookahead_sizes(value) -> tuple:
 def _check_draft_logits(params: SamplingParams) -> None:
     """external_draft_logits: a floating-point [len(external_draft_tokens), vocab] tensor of finite values or -inf
     (at least one finite a row), kept as float32 on the CPU; the threshold needs it and lies in (0, 1]."""
-    import torch
+    from petrel.engine.draft_acceptance import checked_draft_logits
 
     logits, threshold = params.external_draft_logits, params.external_draft_acceptance_threshold
     if logits is not None:
         if params.external_draft_tokens is None:
             raise ValueError("external_draft_logits needs external_draft_tokens (one row of logits per draft token)")
-        if not isinstance(logits, torch.Tensor):
-            try:
-                logits = torch.as_tensor(logits, dtype=torch.float32)
-            except (TypeError, ValueError, RuntimeError):
-                raise ValueError(
-                    f"external_draft_logits must be a tensor [num_draft_tokens, vocab], got {type(logits).__name__}"
-                ) from None
-        if logits.dim() != 2 or logits.shape[0] != len(params.external_draft_tokens) or not logits.is_floating_point():
-            raise ValueError(
-                "external_draft_logits must be a floating-point tensor [len(external_draft_tokens) = "
-                f"{len(params.external_draft_tokens)}, vocab], got {logits.dtype} of shape {tuple(logits.shape)}"
-            )
-        logits = logits.detach().to("cpu", torch.float32)
-        if logits.isnan().any() or (logits == float("inf")).any() or not logits.isfinite().any(dim=1).all():
-            raise ValueError("external_draft_logits must hold finite values or -inf, with a finite value in every row")
+        logits = checked_draft_logits(logits, len(params.external_draft_tokens), "external_draft_logits")
         params.external_draft_logits = logits
     if threshold is not None:
         if logits is None:

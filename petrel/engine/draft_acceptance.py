@@ -61,3 +61,24 @@ def draft_with_probs(tokens: list[int], logits: torch.Tensor, threshold: float |
     """The drafts with the distributions their logits rows give (softmax, float32)."""
     probs = torch.softmax(logits.float(), dim=-1)
     return [DraftWithProbs(token, probs[i], threshold) for i, token in enumerate(tokens)]
+
+
+def checked_draft_logits(logits, num_tokens: int, name: str) -> torch.Tensor:
+    """Draft logits as float32 on the CPU, checked: a floating-point [num_tokens, vocab] tensor of finite values or
+    -inf, a finite value in every row (else a ValueError naming `name`)."""
+    if not isinstance(logits, torch.Tensor):
+        try:
+            logits = torch.as_tensor(logits, dtype=torch.float32)
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(
+                f"{name} must be a tensor [num_draft_tokens, vocab], got {type(logits).__name__}"
+            ) from None
+    if logits.dim() != 2 or logits.shape[0] != num_tokens or not logits.is_floating_point():
+        raise ValueError(
+            f"{name} must be a floating-point tensor [num_draft_tokens = {num_tokens}, vocab], got {logits.dtype} "
+            f"of shape {tuple(logits.shape)}"
+        )
+    logits = logits.detach().to("cpu", torch.float32)
+    if logits.isnan().any() or (logits == float("inf")).any() or not logits.isfinite().any(dim=1).all():
+        raise ValueError(f"{name} must hold finite values or -inf, with a finite value in every row")
+    return logits
