@@ -237,10 +237,10 @@ class EngineCore:
 
     def _sample_and_append(self, seqs: list[Sequence], rows: list[int], step_logits, failed: dict):
         """Sample every sequence's next token; a sequence with drafts goes on to its next row while the sampled
-        token is its next draft (speculative verification: in a draft tree, a child of the node it stands on). One
-        merged output per sequence; a beam keeps its
-        candidates until every beam of its request has them. A request whose sampling or bookkeeping raises is
-        added to `failed` (the caller aborts what is left of it). Returns (outputs, tokens sampled, drafts accepted)."""
+        token is its next draft (speculative verification; in a draft tree, a child of the node it stands on). One
+        merged output per sequence; a beam keeps its candidates until every beam of its request has them. A
+        request whose sampling or bookkeeping raises is added to `failed` (the caller aborts what is left of it).
+        Returns (outputs, tokens sampled, drafts accepted)."""
         merged: dict[Sequence, EngineOutput] = {}
         beam_requests: dict[object, EngineRequest] = {}
         num_generated = num_accepted = 0

@@ -196,8 +196,11 @@ class Speculator:
             return 0
         k = min(k, self.max_model_len - seq.num_tokens)  # a tree's nodes take that many cache slots too
         if p.max_tokens is not None:
-            left = p.max_tokens - seq.num_output_tokens - 1  # the step emits at most drafts + 1 tokens (a chain)
-            k = min(k, left) if not tree else k if left > 0 else 0
+            left = p.max_tokens - seq.num_output_tokens - 1  # what the step may emit after its next token
+            if tree:  # a tree's depth, not its size, bounds what it emits: any room for one more token will do
+                k = k if left > 0 else 0
+            else:  # a chain emits at most its drafts + 1 tokens
+                k = min(k, left)
         return max(k, 0)
 
     def propose(self, batch) -> None:
