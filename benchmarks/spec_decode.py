@@ -74,6 +74,13 @@ METHODS = {
     "self": {"method": "self", "num_speculative_tokens": 2, "draft_num_layers": 20},
     "draft_model": {"method": "draft_model", "num_speculative_tokens": 4},  # the default model drafts for itself
     "lookahead": {"method": "lookahead", "max_window_size": 4, "max_ngram_size": 4, "max_verification_set_size": 4},
+    # a tree of 7 drafts a step instead of 23: for a CPU, where each draft costs compute
+    "lookahead_small": {
+        "method": "lookahead",
+        "max_window_size": 2,
+        "max_ngram_size": 3,
+        "max_verification_set_size": 2,
+    },
 }
 
 
