@@ -70,7 +70,7 @@ class SpeculativeConfig:
         or None."""
         if value is None or isinstance(value, cls):
             return value
-        if all(hasattr(value, name) for name in LOOKAHEAD_SIZES):
+        if has_lookahead_sizes(value):
             return cls(method="lookahead", **{name: getattr(value, name) for name in LOOKAHEAD_SIZES})
         if isinstance(value, dict):
             known = {f.name for f in fields(cls)}
@@ -201,6 +201,8 @@ class EngineConfig:
         return cls(**kwargs)
 
     def __post_init__(self):
+        if has_lookahead_sizes(self.speculative_config):  # a TensorRT-LLM-style LookaheadDecodingConfig object
+            self.speculative_config = SpeculativeConfig.coerce(self.speculative_config)
         check_field_types(self)
         if self.device.split(":")[0] not in DEVICES or not _device_index_ok(self.device):
             raise ValueError(
@@ -379,6 +381,12 @@ class EngineConfig:
     @property
     def kv_cache_torch_dtype(self) -> torch.dtype:
         return TORCH_DTYPES[self.kv_cache_dtype]
+
+
+def has_lookahead_sizes(value) -> bool:
+    """A lookahead config object (not a SpeculativeConfig nor a dict): max_window_size, max_ngram_size and
+    max_verification_set_size attributes."""
+    return not isinstance(value, (SpeculativeConfig, dict)) and all(hasattr(value, n) for n in LOOKAHEAD_SIZES)
 
 
 def check_field_types(config) -> None:

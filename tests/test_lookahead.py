@@ -296,3 +296,14 @@ def test_executor_lookahead_under_an_executor_wide_maximum(tiny, tokenizer_dir):
     ):
         with pytest.raises(ValueError, match="decoding_config"):
             Executor(_engine_config(tiny, tokenizer_dir), executor_config=ExecutorConfig(decoding_config=decoding))
+
+
+def test_tensorrt_llm_style_config_objects_are_taken_as_sizes():
+    """LLM(speculative_config=LookaheadDecodingConfig(W, N, G)) and SamplingParams(lookahead_config=...) take
+    TensorRT-LLM's (and petrel.executor's) config object as well as a dict or a tuple."""
+    from petrel.executor import LookaheadDecodingConfig
+
+    spec = EngineConfig(speculative_config=LookaheadDecodingConfig(3, 4, 2)).speculative_config
+    assert (spec.method, spec.lookahead_sizes) == ("lookahead", (3, 4, 2))
+    assert SamplingParams(lookahead_config=LookaheadDecodingConfig(2, 2, 1)).lookahead_config == (2, 2, 1)
+    assert SamplingParams(lookahead_config=[2, 3, 0]).lookahead_config == (2, 3, 0)
