@@ -2,20 +2,27 @@
 
     python benchmarks/spec_decode.py --out benchmarks/results/DATE-spec-decode.json
     python benchmarks/spec_decode.py --methods none,ngram --quick      # a smoke run
+    python benchmarks/spec_decode.py --methods none,ngram,lookahead --batch-sizes 1,4,16 --max-tokens 64
 
 Each configuration gets its own engine on the default model (float32), warmed up once, then:
   W1    the W1 chat prompt, greedy, exactly 256 new tokens (EOS ignored), one request;
   edit  EDIT_TEXTS, each in a chat prompt asking to fix its typos and return it in full, greedy, up to 256 new
         tokens (the model's own EOS ends it), one request at a time: the output repeats most of the prompt.
+With --batch-sizes, the workloads are instead two sets of 16 prompts run b at a time (one generate call of b
+prompts, greedy, exactly --max-tokens new tokens each):
+  repetitive@b  the edit prompts (EDIT_TEXTS under EDIT_INSTRUCTIONS): the output copies the prompt;
+  open@b        OPEN_QUESTIONS: answers that copy nothing.
 Reported per workload: output tokens, wall seconds, output tokens/s, speedup over 'none' in the same run,
 draft tokens verified and accepted (acceptance rate) and accepted tokens per verify round. Greedy outputs
-must be identical to 'none' token for token; a configuration that differs is marked invalid.
+must be identical to 'none' token for token; a configuration that differs is marked invalid. The machine's load
+average (os.getloadavg) is recorded before and after each configuration.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -36,23 +43,52 @@ EDIT_TEXTS = [
     "and more power outlets, so that students can work their for longer.",
 ]
 EDIT_INSTRUCTION = "Fix the spelling mistakes in this text and return the whole corrected text, nothing else:\n\n"
+EDIT_INSTRUCTIONS = [
+    EDIT_INSTRUCTION,
+    "Correct the typos below and give back the full text, unchanged otherwise:\n\n",
+    "Proofread this paragraph and return it in full with the mistakes fixed:\n\n",
+    "Rewrite the text exactly, only fixing its spelling errors:\n\n",
+]
+OPEN_QUESTIONS = [
+    "Write a short poem about the sea.",
+    "What is 17 times 23? Explain how you computed it.",
+    "List three colors and one fact about each.",
+    "Explain what a binary search does, step by step.",
+    "Give me three ideas for a rainy Sunday afternoon.",
+    "Why is the sky blue? Answer for a ten-year-old.",
+    "Describe a cat to someone who has never seen one.",
+    "What are the pros and cons of working from home?",
+    "Invent a name and a slogan for a bakery.",
+    "How do plants make their food?",
+    "Tell a very short story about a lost key.",
+    "What should I pack for a weekend in the mountains?",
+    "Explain the difference between weather and climate.",
+    "Suggest a healthy breakfast and say why it is healthy.",
+    "What makes a good friend?",
+    "Describe how a bicycle works.",
+]
 
 METHODS = {
     "none": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
     "self": {"method": "self", "num_speculative_tokens": 2, "draft_num_layers": 20},
     "draft_model": {"method": "draft_model", "num_speculative_tokens": 4},  # the default model drafts for itself
+    "lookahead": {"method": "lookahead", "max_window_size": 4, "max_ngram_size": 4, "max_verification_set_size": 4},
+    # a tree of 7 drafts a step instead of 23: for a CPU, where each draft costs compute
+    "lookahead_small": {
+        "method": "lookahead",
+        "max_window_size": 2,
+        "max_ngram_size": 3,
+        "max_verification_set_size": 2,
+    },
 }
 
 
 def run_config(name: str, spec: dict | None, w1_tokens: int, edit_texts: list[str]) -> dict:
     from petrel import LLM, SamplingParams
     from petrel.bench import W1_USER_MESSAGE
-    from petrel.model.loader import default_model_path
 
-    if spec is not None and spec["method"] == "draft_model":
-        spec = dict(spec, draft_model=default_model_path())
-    llm = LLM(speculative_config=spec)
+    llm = LLM(speculative_config=_resolved(spec))
     try:
         llm.generate("Hello", SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)  # warm-up
         w1_prompt = llm.apply_chat_template([{"role": "user", "content": W1_USER_MESSAGE}])
@@ -64,16 +100,53 @@ def run_config(name: str, spec: dict | None, w1_tokens: int, edit_texts: list[st
         llm.shutdown()
 
 
-def _measure(llm, prompts: list[str], params) -> dict:
-    """One request at a time; totals over the prompts."""
+def _resolved(spec: dict | None) -> dict | None:
+    if spec is not None and spec["method"] == "draft_model":
+        from petrel.model.loader import default_model_path
+
+        return dict(spec, draft_model=default_model_path())
+    return spec
+
+
+def batch_workloads(llm) -> dict[str, list[str]]:
+    """16 chat prompts of each kind: edits (the answer copies the prompt) and open questions (it copies nothing)."""
+    edits = [i + t for i in EDIT_INSTRUCTIONS for t in EDIT_TEXTS]
+    return {
+        kind: [llm.apply_chat_template([{"role": "user", "content": c}]) for c in contents]
+        for kind, contents in (("repetitive", edits), ("open", OPEN_QUESTIONS))
+    }
+
+
+def run_batches(name: str, spec: dict | None, batch_sizes: list[int], max_tokens: int) -> dict:
+    """Each workload's 16 prompts, b at a time, for each batch size b."""
+    from petrel import LLM, SamplingParams
+
+    load_before = os.getloadavg()
+    llm = LLM(speculative_config=_resolved(spec))
+    try:
+        llm.generate(["Hello"] * max(batch_sizes), SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        out = {"method": name, "speculative_config": spec}
+        for kind, prompts in batch_workloads(llm).items():
+            for b in batch_sizes:
+                out[f"{kind}@{b}"] = _measure(llm, [prompts[i : i + b] for i in range(0, len(prompts), b)], params)
+        out["load_average"] = [round(x, 2) for x in (*load_before, *os.getloadavg())]
+        return out
+    finally:
+        llm.shutdown()
+
+
+def _measure(llm, prompts: list, params) -> dict:
+    """One generate call per item (a prompt, or a list of prompts run as one batch); totals over the items."""
     before = llm.engine.call(lambda core: (core.num_draft_tokens, core.num_accepted_tokens))
     tokens, rounds, wall = [], 0, 0.0
     for prompt in prompts:
         t0 = time.perf_counter()
-        out = llm.generate(prompt, params, use_tqdm=False)
+        outs = llm.generate(prompt, params, use_tqdm=False)
         wall += time.perf_counter() - t0
-        tokens.append(out.outputs[0].token_ids)
-        rounds += out.outputs[0].spec_verify_ct or 0
+        for out in outs if isinstance(outs, list) else [outs]:
+            tokens.append(out.outputs[0].token_ids)
+            rounds += out.outputs[0].spec_verify_ct or 0
     after = llm.engine.call(lambda core: (core.num_draft_tokens, core.num_accepted_tokens))
     drafted, accepted = after[0] - before[0], after[1] - before[1]
     n = sum(len(t) for t in tokens)
@@ -94,6 +167,8 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {list(METHODS)}")
     ap.add_argument("--quick", action="store_true", help="32 W1 tokens, one edit text")
     ap.add_argument("--out", default=None, help="write the results as one JSON document")
+    ap.add_argument("--batch-sizes", default=None, help="e.g. 1,4,16: the batched workloads instead of W1 and edit")
+    ap.add_argument("--max-tokens", type=int, default=64, help="new tokens a request in the batched workloads")
     args = ap.parse_args(argv)
     methods = args.methods.split(",")
     unknown = [m for m in methods if m not in METHODS]
@@ -105,11 +180,16 @@ def main(argv=None) -> int:
     results = []
     for name in methods:
         print(f"[spec-bench] {name} ...", file=sys.stderr, flush=True)
-        results.append(run_config(name, METHODS[name], w1_tokens, texts))
+        if args.batch_sizes:
+            sizes = [int(b) for b in args.batch_sizes.split(",")]
+            results.append(run_batches(name, METHODS[name], sizes, args.max_tokens))
+        else:
+            results.append(run_config(name, METHODS[name], w1_tokens, texts))
     base = results[0]
+    workloads = [k for k in base if isinstance(base[k], dict) and "output_tokens" in base[k]]
     rows = []
     for r in results:
-        for wl in ("w1", "edit"):
+        for wl in workloads:
             m = r[wl]
             same = m["token_ids"] == base[wl]["token_ids"]
             rows.append(
@@ -125,6 +205,7 @@ def main(argv=None) -> int:
                     "accepted_per_round": m["accepted_per_round"],
                     "draft_tokens": m["draft_tokens"],
                     "accepted_tokens": m["accepted_tokens"],
+                    "load_average": r.get("load_average"),
                 }
             )
     for row in rows:

@@ -20,7 +20,8 @@ TORCH_DTYPES = {
 
 
 DEVICES = ("cpu", "cuda")
-SPECULATIVE_METHODS = ("ngram", "draft_model", "self")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "self", "lookahead")
+LOOKAHEAD_SIZES = ("max_window_size", "max_ngram_size", "max_verification_set_size")
 KV_TRANSFER_ROLES = ("prefill", "decode", "both")
 EXECUTOR_BACKENDS = ("mp", "ray")
 KV_STORE_SCHEMES = ("redis://", "rediss://", "unix://")
@@ -45,6 +46,11 @@ class SpeculativeConfig:
     method 'draft_model': a smaller model with the same vocabulary (draft_model: path or hub id) drafts greedily
     with its own paged KV cache (same block tables as the target).
     method 'self': the target's first draft_num_layers layers, its final norm and LM head draft (early exit).
+    method 'lookahead': Jacobi lookahead decoding (petrel/engine/lookahead.py), no extra model: a window of
+    max_window_size future positions, n-grams of max_ngram_size tokens, up to max_verification_set_size of them
+    verified a step (TensorRT-LLM's LookaheadDecodingConfig W, N, G); these are the maximum a request's own
+    SamplingParams.lookahead_config may ask for, and the sizes of requests without one. num_speculative_tokens
+    does not apply.
     """
 
     method: str = "ngram"
@@ -53,12 +59,19 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     draft_model: str | None = None
     draft_num_layers: int | None = None  # 'self': None means a quarter of the target's layers
+    max_window_size: int = 4  # 'lookahead': W
+    max_ngram_size: int = 3  # 'lookahead': N
+    max_verification_set_size: int = 4  # 'lookahead': G
 
     @classmethod
     def coerce(cls, value) -> SpeculativeConfig | None:
-        """A SpeculativeConfig from itself, a dict (the CLI's JSON) or None."""
+        """A SpeculativeConfig from itself, a dict (the CLI's JSON), a lookahead config object (TensorRT-LLM's
+        LookaheadDecodingConfig, or petrel.executor's: max_window_size, max_ngram_size, max_verification_set_size)
+        or None."""
         if value is None or isinstance(value, cls):
             return value
+        if has_lookahead_sizes(value):
+            return cls(method="lookahead", **{name: getattr(value, name) for name in LOOKAHEAD_SIZES})
         if isinstance(value, dict):
             known = {f.name for f in fields(cls)}
             unknown = sorted(set(value) - known)
@@ -95,6 +108,18 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config.draft_num_layers must be a positive integer, got {self.draft_num_layers!r}"
             )
+        if self.method == "lookahead":
+            from petrel.engine.lookahead import check_lookahead_config
+
+            sizes = tuple(getattr(self, name) for name in LOOKAHEAD_SIZES)
+            check_lookahead_config(
+                "speculative_config max_window_size / max_ngram_size / max_verification_set_size", sizes, 1
+            )
+
+    @property
+    def lookahead_sizes(self) -> tuple[int, int, int]:
+        """'lookahead': (W, N, G)."""
+        return self.max_window_size, self.max_ngram_size, self.max_verification_set_size
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -179,6 +204,8 @@ class EngineConfig:
         return cls(**kwargs)
 
     def __post_init__(self):
+        if has_lookahead_sizes(self.speculative_config):  # a TensorRT-LLM-style LookaheadDecodingConfig object
+            self.speculative_config = SpeculativeConfig.coerce(self.speculative_config)
         check_field_types(self)
         if self.device.split(":")[0] not in DEVICES or not _device_index_ok(self.device):
             raise ValueError(
@@ -357,6 +384,12 @@ class EngineConfig:
     @property
     def kv_cache_torch_dtype(self) -> torch.dtype:
         return TORCH_DTYPES[self.kv_cache_dtype]
+
+
+def has_lookahead_sizes(value) -> bool:
+    """A lookahead config object (not a SpeculativeConfig nor a dict): max_window_size, max_ngram_size and
+    max_verification_set_size attributes."""
+    return not isinstance(value, (SpeculativeConfig, dict)) and all(hasattr(value, n) for n in LOOKAHEAD_SIZES)
 
 
 def check_field_types(config) -> None:

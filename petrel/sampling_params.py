@@ -65,6 +65,15 @@ class SamplingParams:
     guided_decoding: GuidedDecodingParams | None = None  # constrain the output (JSON schema, regex, grammar, ...)
     # speculative decoding: token ids the caller proposes as the continuation; verified like petrel's own drafts
     external_draft_tokens: list[int] | None = None
+    # the logits each external draft token was drawn from ([len(external_draft_tokens), vocab]): a sampled request
+    # verifies them by speculative sampling (petrel/engine/draft_acceptance.py); greedy ones ignore them
+    external_draft_logits: object = field(default=None, repr=False, compare=False)
+    # with external_draft_logits: accept a draft when p / q reaches this constant (0, 1] instead of a uniform draw
+    # (TensorRT-LLM's acceptance_threshold; the output is then no longer distributed exactly as the target)
+    external_draft_acceptance_threshold: float | None = None
+    # lookahead decoding's (window, ngram, verification set) sizes for this request, within the engine's
+    # speculative_config maximum (method 'lookahead'); (1, 1, 0) decodes plainly. None: the engine's sizes
+    lookahead_config: tuple[int, int, int] | None = None
     # prompt tuning: a [num_virtual_tokens, hidden] tensor; prompt ids >= vocab_size take row (id - vocab_size)
     prompt_embedding_table: object = field(default=None, repr=False, compare=False)
 
@@ -81,6 +90,8 @@ class SamplingParams:
         self.additional_model_outputs = list(self.additional_model_outputs or [])
         if self.external_draft_tokens is not None:
             self.external_draft_tokens = list(self.external_draft_tokens)
+        if self.lookahead_config is not None:
+            self.lookahead_config = _lookahead_sizes(self.lookahead_config)
         self.validate()
 
     @property
@@ -171,6 +182,13 @@ class SamplingParams:
                 bad("external_draft_tokens", "must be a list of token ids (ints >= 0)")
             if self.use_beam_search and drafts:
                 bad("external_draft_tokens", "cannot be verified with beam search")
+        _check_draft_logits(self)
+        if self.lookahead_config is not None:
+            from petrel.engine.lookahead import check_lookahead_config
+
+            check_lookahead_config("lookahead_config", self.lookahead_config)
+            if self.use_beam_search:
+                bad("lookahead_config", "cannot be used with beam search")
         table = self.prompt_embedding_table
         if table is not None:
             shape = tuple(getattr(table, "shape", ()))
@@ -219,6 +237,12 @@ class SamplingParams:
             bad = [t for t in ids if t >= vocab_size] if ids and max(ids) >= vocab_size else []
             if bad:
                 raise ValueError(f"{name} has token ids outside the vocabulary (size {vocab_size}): {bad[:5]}")
+        logits = self.external_draft_logits
+        if logits is not None and logits.shape[1] != vocab_size:
+            raise ValueError(
+                f"external_draft_logits must have the vocabulary's size ({vocab_size}) per row, got shape "
+                f"{tuple(logits.shape)}"
+            )
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             if k is not None and k > vocab_size:
@@ -253,3 +277,32 @@ class SamplingParams:
 def _is_int(value) -> bool:
     """An integer, not a bool (True is an int to Python, not a count or a token id to a request)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _lookahead_sizes(value) -> tuple:
+    """(window, ngram, verification set) from a 3-sequence or a lookahead config object (TensorRT-LLM's
+    LookaheadDecodingConfig, or petrel.executor's); checked in validate."""
+    names = ("max_window_size", "max_ngram_size", "max_verification_set_size")
+    if all(hasattr(value, name) for name in names):
+        return tuple(getattr(value, name) for name in names)
+    if isinstance(value, (list, tuple)):
+        return tuple(value)
+    return value
+
+
+def _check_draft_logits(params: SamplingParams) -> None:
+    """external_draft_logits: a floating-point [len(external_draft_tokens), vocab] tensor of finite values or -inf
+    (at least one finite a row), kept as float32 on the CPU; the threshold needs it and lies in (0, 1]."""
+    from petrel.engine.draft_acceptance import checked_draft_logits
+
+    logits, threshold = params.external_draft_logits, params.external_draft_acceptance_threshold
+    if logits is not None:
+        if params.external_draft_tokens is None:
+            raise ValueError("external_draft_logits needs external_draft_tokens (one row of logits per draft token)")
+        logits = checked_draft_logits(logits, len(params.external_draft_tokens), "external_draft_logits")
+        params.external_draft_logits = logits
+    if threshold is not None:
+        if logits is None:
+            raise ValueError("external_draft_acceptance_threshold needs external_draft_logits (it compares p / q)")
+        if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not 0.0 < threshold <= 1.0:
+            raise ValueError(f"external_draft_acceptance_threshold must be in (0, 1], got {threshold!r}")

@@ -90,6 +90,10 @@ def test_missing_model_is_one_clear_line(tmp_path):
         (("serve", "--chat-template", "not-a-file-nor-a-template"), "--chat-template"),
         (("serve", "--speculative-config", "{method: ngram}"), "--speculative-config: not valid JSON"),
         (("generate", "hi", "--speculative-config", '{"method": "medusa"}'), "speculative_config.method"),
+        (
+            ("serve", "--speculative-config", '{"method": "lookahead", "max_ngram_size": 0}'),
+            "speculative_config max_window_size / max_ngram_size / max_verification_set_size",
+        ),
     ],
 )
 def test_user_mistakes_exit_2_without_a_traceback(args, message, petrel_here):

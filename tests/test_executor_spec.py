@@ -299,8 +299,24 @@ def test_external_draft_tokens_config_is_verified_and_never_changes_greedy_token
     for drafts in (plain, plain[:3] + wrong[3:], wrong):
         got = run(executor, bad_words=NO_EOS, external_draft_tokens_config=ExternalDraftTokensConfig(list(drafts)))
         assert got.result.output_token_ids[0] == plain, drafts
-    for name, value in (("logits", torch.zeros(2, VOCAB)), ("acceptance_threshold", 0.5), ("fast_logits", True)):
-        config = ExternalDraftTokensConfig(plain[:2], **{name: value})
+    logits = torch.zeros(2, VOCAB)  # with the logits the drafts were drawn from: greedy still equals plain
+    for config in (
+        ExternalDraftTokensConfig(plain[:2], logits=logits),
+        ExternalDraftTokensConfig(plain[:2], logits=logits, acceptance_threshold=0.5, fast_logits=True),
+    ):
+        got = run(executor, bad_words=NO_EOS, external_draft_tokens_config=config)
+        assert got.result.output_token_ids[0] == plain
+    for name, kw in (
+        ("logits", dict(logits=torch.zeros(3, VOCAB))),
+        ("logits", dict(logits=torch.zeros(2, VOCAB - 1))),
+        ("logits", dict(logits=torch.full((2, VOCAB), float("nan")))),
+        ("fast_logits", dict(logits=torch.zeros(1, 5), fast_logits=True)),
+        ("fast_logits", dict(fast_logits="yes")),
+        ("acceptance_threshold", dict(acceptance_threshold=0.5)),
+        ("acceptance_threshold", dict(logits=logits, acceptance_threshold=1.5)),
+        ("tokens", dict()),
+    ):
+        config = ExternalDraftTokensConfig([] if name == "tokens" else plain[:2], **kw)
         assert f"external_draft_tokens_config.{name}" in error_of(executor, external_draft_tokens_config=config)
 
 

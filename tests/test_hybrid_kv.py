@@ -263,6 +263,17 @@ def test_speculative_decoding(gemma):
     assert got[("r", 0)] == hf_greedy(gemma, prompt, 40)[:30]
 
 
+def test_lookahead_decoding(gemma):
+    """A draft tree sees its ancestors within each layer's window (by the drafts' positions); the accepted nodes'
+    K/V move in every group's table."""
+    prompt = _tokens(26, 4)  # an output some of whose drafts are right
+    spec = {"method": "lookahead", "max_window_size": 4, "max_ngram_size": 3, "max_verification_set_size": 4}
+    got, core, max_held = run_engine(gemma, {"r": (prompt, greedy(40))}, speculative_config=spec)
+    assert core.num_accepted_tokens > 0
+    assert max_held[1] <= GEMMA_MAX_HELD + 4  # the tree's 15 slots run up to 4 blocks ahead of the sequence
+    assert got[("r", 0)] == hf_greedy(gemma, prompt, 40)
+
+
 def test_disaggregated_split_moves_every_groups_kv(gemma):
     prompt = _tokens(26, 1)
     ctx = make_core(gemma)  # the context instance: prefills, samples one token, pins the prompt's KV

@@ -321,3 +321,28 @@ def test_speculative_decoding_with_images(vlm, llm):
     spec = {"method": "self", "num_speculative_tokens": 2, "draft_num_layers": 1}
     with LLM(vlm.path, kv_cache_memory=1 << 22, speculative_config=spec) as speculative:
         assert speculative.generate(_mm(PROMPT2, [A, B]), GREEDY).outputs[0].token_ids == want
+
+
+def test_lookahead_tree_nodes_take_the_rotary_positions_of_their_depths(vlm, llm):
+    """A draft tree whose second branch holds the right continuation (the first a wrong one): its nodes' M-RoPE
+    positions are those of their depths (after the images' rope delta), so the accepted ones, and the tokens after
+    them, are plain decoding's."""
+    from petrel.engine.draft_tree import DraftTree
+
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = list(llm.generate(_mm(PROMPT2, [A, B]), params).outputs[0].token_ids)
+    vocab = llm.engine.model_config.vocab_size
+
+    def tree(seq, budget):
+        right = want[seq.num_output_tokens : seq.num_output_tokens + 3]
+        draft = DraftTree()
+        draft.add_path([(t + 1) % vocab for t in right], budget)
+        draft.add_path(right, budget)
+        return draft
+
+    spec = {"method": "lookahead", "max_window_size": 4, "max_ngram_size": 3, "max_verification_set_size": 4}
+    with LLM(vlm.path, kv_cache_memory=1 << 22, speculative_config=spec) as speculative:
+        speculative.engine.call(lambda core: setattr(core.drafting.lookahead, "tree", tree))
+        assert list(speculative.generate(_mm(PROMPT2, [A, B]), params).outputs[0].token_ids) == want
+        accepted, steps = speculative.engine.call(lambda core: (core.num_accepted_tokens, core.iteration))
+        assert accepted >= 12 and steps <= 10

@@ -32,6 +32,7 @@ METHODS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4},
     "self": {"method": "self", "num_speculative_tokens": 2, "draft_num_layers": 20},
     "draft_model": {"method": "draft_model", "num_speculative_tokens": 3, "draft_model": default_model_path()},
+    "lookahead": {"method": "lookahead", "max_window_size": 4, "max_ngram_size": 4, "max_verification_set_size": 4},
 }
 
 
@@ -67,13 +68,16 @@ def test_greedy_batch_equals_plain_decoding(spec_llm, prompts, plain):
         assert accepted == drafted
     if method == "ngram":  # the repeat and rewrite prompts copy their text
         assert accepted > 0.3 * drafted
+    if method == "lookahead":  # a tree of candidates and window rows: most nodes are alternatives, some are right
+        assert accepted > 0
     rounds = [o.outputs[0].spec_verify_ct for o in outputs]
     assert all(r is not None for r in rounds) and sum(rounds) > 0
     assert all(o.outputs[0].accept_draft_tokens is not None for o in outputs)
 
 
-@pytest.mark.parametrize("spec_llm", ["ngram"], indirect=True)  # one method is enough for the feature mix; the
-def test_guided_json_stop_strings_logprobs_and_n_with_drafts(llm, spec_llm, prompts):  # tiny-model tests cover all
+# a chain of drafts and a tree (lookahead) for the feature mix; the tiny-model tests cover every method
+@pytest.mark.parametrize("spec_llm", ["ngram", "lookahead"], indirect=True)
+def test_guided_json_stop_strings_logprobs_and_n_with_drafts(llm, spec_llm, prompts):
     _, sllm = spec_llm
     schema = {
         "type": "object",

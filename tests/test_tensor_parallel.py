@@ -318,6 +318,27 @@ def test_self_speculation_and_a_worker_that_dies_while_idle(checkpoint):
     assert not _worker_processes()
 
 
+def test_lookahead_trees_and_their_slot_copies_run_on_every_rank(checkpoint):
+    """A lookahead step's draft tree, and the copies of its accepted nodes' K/V to their slots after it, reach every
+    rank: greedy tokens are one process's plain ones."""
+    path, prompts = checkpoint(None, num_key_value_heads=2), [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11]]
+    with LLM(path, tokenizer=_tokenizer_dir()) as single:
+        expected = _greedy(single, prompts, 40)
+    spec = {"method": "lookahead", "max_window_size": 4, "max_ngram_size": 3, "max_verification_set_size": 4}
+    llm = LLM(
+        path, tokenizer=_tokenizer_dir(), tensor_parallel_size=2, kv_cache_memory=1 << 22, speculative_config=spec
+    )
+    try:
+        runner, copied = llm.engine.core.runner, []
+        move = runner.move_slots
+        runner.move_slots = lambda copies: (copied.append(len(copies)), move(copies))
+        assert _greedy(llm, prompts, 40) == expected
+        assert sum(copied) > 0
+    finally:
+        llm.shutdown()
+    assert not _worker_processes()
+
+
 # ----------------------------------------------------------------------------- Ray actors
 
 

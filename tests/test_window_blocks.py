@@ -248,6 +248,17 @@ def test_speculative_decoding_with_freeing(mistral):
     assert got[("r", 0)] == hf_greedy(mistral, prompt, 70)[:40]  # greedy: a prefix of the longer generation
 
 
+def test_lookahead_decoding_with_freeing(mistral):
+    """A draft tree's rows see their window by the drafts' positions (not their cache slots), past blocks given
+    back behind it."""
+    prompt = _tokens(30, 1)
+    spec = {"method": "lookahead", "max_window_size": 4, "max_ngram_size": 3, "max_verification_set_size": 4}
+    got, core, max_held = run_engine(mistral, {"r": (prompt, greedy(60))}, speculative_config=spec)
+    assert core.num_accepted_tokens > 0
+    assert max_held <= MODEL_MAX_HELD + 4  # the tree's slots run a few blocks ahead of the sequence
+    assert got[("r", 0)] == hf_greedy(mistral, prompt, 70)[:60]
+
+
 def test_cache_smaller_than_the_sequence(mistral):
     prompt = _tokens(20, 5)
     # 16 blocks = 64 tokens for a 100-token sequence: it completes only because it gives blocks back

@@ -118,6 +118,7 @@ class EngineCore:
         )
         if params.prompt_embedding_table is not None:
             check_prompt_tuning_engine(self.runner.model, self.config.speculative_config)
+        self.drafting.check_request(params)
 
     def add_request(self, request: EngineRequest) -> None:
         if request.request_id in self.requests:
@@ -212,7 +213,7 @@ class EngineCore:
         for request_id, message in failed.items():
             outputs.extend(self.abort_request(request_id, message))
         # after the step: drafts verified, blocks behind a window given back, stats
-        num_draft = self.drafting.finish_verification(batch, self.block_manager)
+        num_draft = self.drafting.finish_verification(batch, self.block_manager, step_logits)
         if self.block_manager.frees_blocks:  # forked children too: give back what fell behind a window
             for seq in self.scheduler.running:
                 self.block_manager.free_behind_window(seq)
@@ -267,12 +268,14 @@ class EngineCore:
 
     def _sample_and_append(self, seqs: list[Sequence], rows: list[int], step_logits, failed: dict):
         """Sample every sequence's next token; a sequence with drafts goes on to its next row while the sampled
-        token equals its draft (speculative verification). One merged output per sequence; a beam keeps its
-        candidates until every beam of its request has them. A request whose sampling or bookkeeping raises is
-        added to `failed` (the caller aborts what is left of it). Returns (outputs, tokens sampled, drafts accepted)."""
+        token is its next draft (speculative verification; in a draft tree, a child of the node it stands on). One
+        merged output per sequence; a beam keeps its candidates until every beam of its request has them. A
+        request whose sampling or bookkeeping raises is added to `failed` (the caller aborts what is left of it).
+        Returns (outputs, tokens sampled, drafts accepted)."""
         merged: dict[Sequence, EngineOutput] = {}
         beam_requests: dict[object, EngineRequest] = {}
-        num_generated = num_accepted = position = 0
+        num_generated = num_accepted = 0
+        nodes = [0] * len(seqs)  # each sequence's draft node (0: the row after its last token)
         now = time.monotonic()
         while seqs:
             logits = step_logits.sample_logits
@@ -280,14 +283,12 @@ class EngineCore:
                 logits = logits[torch.tensor(rows)]
             elif logits.shape[0] != len(rows):  # the rows after these are drafts' positions, verified later
                 logits = logits[: len(rows)]  # a view: one row per sequence, as the sampler reads them
-            drafts = [
-                s.spec.draft_token_ids[position] if position < len(s.spec.draft_token_ids) else None for s in seqs
-            ]
+            drafts = self.drafting.sampler_drafts(seqs, nodes)
             extras = generation_rows(seqs, logits, step_logits.sample_hidden, rows)
             result = self.sampler.sample(logits, seqs, drafts if any(d is not None for d in drafts) else None)
             for i, message in result.errors.items():
                 failed.setdefault(seqs[i].request.request_id, message)
-            next_seqs, next_rows = [], []
+            next_seqs, next_rows, next_nodes = [], [], []
             chosen = zip(seqs, result.token_ids, result.logprobs, result.sampled_logprobs)
             for i, (seq, token, lp, sampled) in enumerate(chosen):
                 if seq.request.request_id in failed:
@@ -306,14 +307,15 @@ class EngineCore:
                 if out is None:
                     continue
                 merged[seq] = merge_outputs(merged[seq], out) if seq in merged else out
-                if token == drafts[i]:
+                child = self.drafting.next_node(seq, nodes[i], token)
+                if child is not None:
                     seq.spec.num_accepted += 1
                     num_accepted += 1
                     if out.finish_reason is None:
                         next_seqs.append(seq)
-                        next_rows.append(rows[i] + 1)
-            seqs, rows = next_seqs, next_rows
-            position += 1
+                        next_rows.append(rows[i] + child - nodes[i])
+                        next_nodes.append(child)
+            seqs, rows, nodes = next_seqs, next_rows, next_nodes
         outputs = []
         for req in beam_requests.values():
             outputs.extend(isolated(failed, req.request_id, self.beams.advance, req, now) or [])

@@ -9,6 +9,7 @@ import torch
 from petrel.config import kv_cache_budget
 from petrel.engine.block_manager import FREED
 from petrel.engine.decode_graphs import capture_decode_graphs, graphs_supported
+from petrel.engine.draft_tree import DraftTree
 from petrel.engine.encoder_cache import DEFAULT_ENCODER_CACHE_MEMORY, EncoderCache
 from petrel.engine.kv_groups import KVGroups, single_group
 from petrel.engine.prompt_tuning import virtual_token_embeddings
@@ -35,6 +36,16 @@ class QuerySpan:
     embedding_table: torch.Tensor | None = None
     multi_modal: MultiModalInputs | None = None  # the prompt's images, whose rows take encoder outputs
     rope_inputs: MultiModalInputs | None = None  # the request's media, for multimodal rotary positions (M-RoPE)
+    # the tokens after the first are a tree of drafts (lookahead decoding): token k is the tree's node k, at cache
+    # slot start + k but position start + its depth, seeing the context and its own ancestors only
+    tree: DraftTree | None = None
+
+    @property
+    def positions(self) -> list[int]:
+        """The tokens' positions: consecutive from start, or the root's and each draft node's (start + depth)."""
+        if self.tree is None:
+            return list(range(self.start, self.start + len(self.token_ids)))
+        return [self.start] + [self.start + d for d in self.tree.depths]
 
     @staticmethod
     def of(seq: Sequence, token_ids: list[int], start: int) -> QuerySpan:
@@ -55,6 +66,9 @@ class ForwardPlan:
     logits_rows: list[int]  # rows of the flat batch whose logits are wanted
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     num_layers: int | None = None  # early exit after this many layers (self-speculation)
+    # (source, destination) flat cache slots whose K/V are copied before the pass, in every layer: a draft tree's
+    # accepted nodes brought to their positions' slots (a plan of copies alone runs no model)
+    slot_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -119,6 +133,14 @@ def num_kv_blocks(config, cfg: ModelConfig, layers_per_block: int | None = None)
     return kv_cache_budget(config) // kv_bytes_per_block(
         cfg, config.block_size, config.kv_cache_torch_dtype, config.tensor_parallel_size, layers_per_block
     )
+
+
+def _mrope_positions(span: QuerySpan) -> torch.Tensor:
+    """A span's multimodal rotary positions [3, n]; a draft tree's nodes take those of their depths."""
+    if span.tree is None:
+        return span_positions(span.rope_inputs, span.start, len(span.token_ids))
+    deep = span_positions(span.rope_inputs, span.start, 1 + max(span.tree.depths))
+    return deep[:, [0] + span.tree.depths]
 
 
 def _readable(block_table: list[int]) -> list[int]:
@@ -205,11 +227,16 @@ class ModelRunner:
 
     @staticmethod
     def spans(batch: ScheduledBatch) -> list[QuerySpan]:
-        """The scheduled tokens of each sequence (decodes first, as the scheduler orders them)."""
-        return [
-            QuerySpan.of(seq, seq.pending_token_ids(n), seq.num_computed_tokens)
-            for seq, n in zip(batch.seqs, batch.num_new_tokens)
-        ]
+        """The scheduled tokens of each sequence (decodes first, as the scheduler orders them); a sequence
+        verifying a draft tree runs its last token and the tree's nodes."""
+        spans = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            span = QuerySpan.of(seq, seq.pending_token_ids(n), seq.num_computed_tokens)
+            tree = seq.spec.draft_tree
+            if tree is not None and n == 1 + len(tree):
+                span.tree = tree
+            spans.append(span)
+        return spans
 
     def build_inputs(self, spans: list[QuerySpan]):
         """Flat input ids, positions and attention metadata; single-token spans must come first. With several
@@ -218,9 +245,9 @@ class ModelRunner:
         input_ids, positions = [], []
         for span in spans:
             input_ids.extend(span.token_ids)
-            positions.extend(range(span.start, span.start + len(span.token_ids)))
+            positions.extend(span.positions)
         if getattr(self.model, "uses_mrope", False) and spans:
-            positions = torch.cat([span_positions(s.rope_inputs, s.start, len(s.token_ids)) for s in spans], dim=1)
+            positions = torch.cat([_mrope_positions(s) for s in spans], dim=1)
         if self.kv_groups.num_groups == 1:
             meta = self._metadata(spans, lambda span: span.block_table)
         else:
@@ -244,6 +271,8 @@ class ModelRunner:
                 assert not prefills, "single-token spans come first"
                 decode_tables.append(table)
                 decode_lens.append(end)
+            elif span.tree is not None:
+                prefills.append(self._tree_chunk(span, row, self._tensor(table[: -(-end // bs)])))
             else:
                 mask = None
                 if start > 0:
@@ -271,10 +300,27 @@ class ModelRunner:
             )
         return meta
 
+    def _tree_chunk(self, span: QuerySpan, row: int, block_table: torch.Tensor) -> PrefillChunk:
+        """A draft tree's chunk: the root and every node see the whole context before the root; within the span,
+        node k sees the root, its ancestors and itself. The positions go with it for windowed layers."""
+        tree, start, n = span.tree, span.start, len(span.token_ids)
+        own = torch.eye(n, dtype=torch.bool)
+        own[:, 0] = True
+        for node in range(1, n):
+            own[node, tree.ancestors(node)] = True
+        mask = torch.cat([torch.ones(n, start, dtype=torch.bool), own], dim=1).to(self.device)
+        q_pos = self._tensor(span.positions)
+        k_pos = torch.cat([torch.arange(start, device=self.device), q_pos])
+        return PrefillChunk(row, n, start + n, block_table, mask, tree_positions=(q_pos, k_pos))
+
     @torch.inference_mode()
-    def forward(self, plan: ForwardPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run a plan: (hidden states of every row, logits of plan.logits_rows or None when there are none)."""
+    def forward(self, plan: ForwardPlan) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Run a plan: (hidden states of every row, logits of plan.logits_rows or None when there are none). A plan
+        without spans only copies (blocks, slots) and returns (None, None)."""
         self.copy_blocks(plan.block_copies)
+        self.copy_slots(plan.slot_copies)
+        if not plan.spans:
+            return None, None
         input_ids, positions, meta = self.build_inputs(plan.spans)
         parts = []  # (rows, embeddings) that replace token embeddings: prompt tuning's, then the images'
         if any(span.embedding_table is not None for span in plan.spans):
@@ -365,6 +411,22 @@ class ModelRunner:
         dst = self._tensor([d for _, d in copies])
         for cache in self.cache_tensors:
             cache[:, dst] = cache[:, src]
+
+    def copy_slots(self, copies: list[tuple[int, int]]) -> None:
+        """Copy single K/V slots (flat: block * block_size + offset) in every layer's cache; every source is read
+        before any destination is written."""
+        if not copies:
+            return
+        src = self._tensor([s for s, _ in copies])
+        dst = self._tensor([d for _, d in copies])
+        for cache in self.cache_tensors:
+            flat = cache.view(2, -1, *cache.shape[3:])
+            flat[:, dst] = flat[:, src]
+
+    def move_slots(self, copies: list[tuple[int, int]]) -> None:
+        """copy_slots now, on every tensor-parallel rank too (a plan of copies alone: no model runs)."""
+        if copies:
+            self.forward(ForwardPlan([], [], slot_copies=copies))
 
     def check_health(self) -> None:
         """Raise if the executor cannot run steps (a tensor-parallel worker died); one process always can."""

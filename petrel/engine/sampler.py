@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from petrel.engine.draft_acceptance import Draft, accepts, draft_token, reject
 from petrel.engine.grammar import apply_grammar_masks
 from petrel.engine.post_processors import BatchedPostProcessor, run_post_processors
 from petrel.engine.sequence import Sequence
@@ -128,10 +129,11 @@ class Sampler:
                 logits[i, banned] = float("-inf")
 
     def sample(
-        self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[int | None] | None = None
+        self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[Draft | None] | None = None
     ) -> SampleResult:
-        """drafts: a speculative draft token per row (or None). A greedy row ignores it (the caller compares);
-        a random row accepts it with its probability, else samples from the rest of the distribution.
+        """drafts: a speculative draft token per row (or None), alone or with the distribution it was drawn from
+        (DraftWithProbs). A greedy row ignores it (the caller compares); a random row keeps it or draws another
+        token by the acceptance rule (_sample_random).
 
         One request's failure fails that request only: a logits processor that raises marks its row, and if
         choosing the tokens raises for the batch, the rows are chosen again one at a time, so the rows that
@@ -149,7 +151,7 @@ class Sampler:
         return result
 
     def _choose_row_by_row(
-        self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[int | None] | None
+        self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[Draft | None] | None
     ) -> SampleResult:
         """_choose for each row alone; a row that raises gets an error instead of a token."""
         result = SampleResult([0] * len(seqs), [None] * len(seqs), sampled_logprobs=[None] * len(seqs))
@@ -169,7 +171,7 @@ class Sampler:
                 result.beam_logp[i] = row.beam_logp[0]
         return result
 
-    def _choose(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[int | None] | None) -> SampleResult:
+    def _choose(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[Draft | None] | None) -> SampleResult:
         """Bias, bad words, penalties, min_tokens and grammar masks, then each row's token. A failed batch is
         chosen again row by row from the same input, so what this does to it must come out the same done twice:
         bans (-inf for bad words, min_tokens and grammars) go into the input itself, but where a row adds to its
@@ -292,7 +294,7 @@ class Sampler:
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
     def _sample_random(
-        self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[int | None] | None = None
+        self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[Draft | None] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Temperature, top-k, top-p, min-p on these rows' logits (into a new tensor; the input is not changed),
         then one token per row by inverse-CDF sampling: one uniform draw u from the row's generator picks the
@@ -300,8 +302,10 @@ class Sampler:
         its own generator, on the CPU whatever the logits' device, so its tokens do not depend on the device or
         on the other rows of the batch.
 
-        A row with a draft token d (speculative decoding, d proposed deterministically) keeps d with probability
-        p(d); otherwise it draws from p with d removed. Either way the token is distributed exactly as p.
+        A row with a draft token d keeps it or draws a replacement by petrel/engine/draft_acceptance.py's rule (d
+        proposed deterministically: kept with probability p(d), else p with d removed; d drawn from a given q:
+        kept with probability min(1, p(d) / q(d)), else the normalised max(0, p - q)). Either way the token is
+        distributed exactly as p.
 
         Returns (tokens, each token's logprob under the processed distribution, the processed logits)."""
         params = [s.params for s in seqs]
@@ -340,12 +344,12 @@ class Sampler:
             generator = seq.generator
             if draft is not None:
                 generator = generator or self._engine_generator(x.device)
-                if torch.rand((), generator=generator, device=generator.device).item() < probs[j, draft].item():
-                    accepted[j] = draft
+                if accepts(probs[j], draft, generator):
+                    accepted[j] = draft_token(draft)
                 else:
                     if draw_probs is probs:
                         draw_probs = probs.clone()
-                    draw_probs[j, draft] = 0.0
+                    reject(draw_probs[j], probs[j], draft)
             if seq.generator is not None:  # a seeded request's CPU generator: its draw does not depend on the device
                 own[j] = torch.rand((), dtype=torch.float64, generator=seq.generator, device=seq.generator.device)
         if len(own) == len(seqs):

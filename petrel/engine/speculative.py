@@ -8,16 +8,26 @@ accepted one is appended (and stop-checked) like a sampled token.
 Drafts are proposed greedily (a point mass on one token), so the verifying sampler's rule is simple and
 exact: a greedy row keeps a draft token while it equals the target's argmax; a sampled row accepts draft d
 with probability p(d) and otherwise draws from p with d removed, which leaves every emitted token
-distributed exactly as p (see Sampler). The engine core verifies all drafts of a step in one forward pass.
+distributed exactly as p (see Sampler). A caller's drafts may come with the logits they were drawn from: a
+sampled row then takes the speculative sampling rule (petrel/engine/draft_acceptance.py). The engine core
+verifies all drafts of a step in one forward pass.
+
+Lookahead decoding (petrel/engine/lookahead.py) proposes a tree instead of a chain: the sampled token picks the
+child to go on with (no acceptance draw: a child is taken only when the ordinary draw lands on it), and the
+accepted nodes' K/V are copied to their positions' cache slots after the step.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
 from petrel.config import EngineConfig, SpeculativeConfig
+from petrel.engine.draft_acceptance import Draft, draft_with_probs
+from petrel.engine.draft_tree import DraftTree
 from petrel.engine.engine_output import EngineOutput
+from petrel.engine.lookahead import LookaheadProposer
 from petrel.engine.model_runner import ModelRunner, QuerySpan
 from petrel.engine.sequence import Sequence
 
@@ -74,9 +84,13 @@ class ModelDrafter:
         return drafts
 
 
-def build_proposer(cfg: SpeculativeConfig, target: ModelRunner, draft: ModelRunner | None = None):
+def build_proposer(
+    cfg: SpeculativeConfig, target: ModelRunner, draft: ModelRunner | None = None, vocab_size: int | None = None
+):
     if cfg.method == "ngram":
         return NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+    if cfg.method == "lookahead":
+        return LookaheadProposer(*cfg.lookahead_sizes, vocab_size=vocab_size)
     if cfg.method == "self":
         layers = target.cfg.num_hidden_layers
         num_layers = cfg.draft_num_layers or max(1, layers // 4)
@@ -134,9 +148,27 @@ class Speculator:
                 config.device,
                 kv_cache_dtype=config.kv_cache_torch_dtype,
             )
-        self.proposer = None if self.config is None else build_proposer(self.config, target, draft)
+        self.proposer = None if self.config is None else build_proposer(self.config, target, draft, vocab_size)
+        self.lookahead = self.proposer if isinstance(self.proposer, LookaheadProposer) else None
+        self.runner = target
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+
+    def check_request(self, params) -> None:
+        """A request's lookahead_config needs the engine's lookahead decoding, within its maximum sizes."""
+        wanted = params.lookahead_config
+        if wanted is None:
+            return
+        if self.lookahead is None:
+            raise ValueError(
+                "lookahead_config needs an engine with speculative_config method 'lookahead' (its maximum sizes)"
+            )
+        limit = self.lookahead.max_sizes
+        if any(a > b for a, b in zip(wanted, limit)):
+            raise ValueError(
+                f"lookahead_config {tuple(wanted)} exceeds the engine's maximum (window, ngram, verification set) "
+                f"sizes {limit}"
+            )
 
     def reserve_lookahead(self, running: list[Sequence]) -> None:
         """Before scheduling: the draft slots each running sequence may use this step."""
@@ -153,15 +185,22 @@ class Speculator:
         if p.use_beam_search or seq.num_output_tokens == 0 or seq.num_computed_tokens != seq.num_tokens - 1:
             return 0
         external = external_drafts(seq)
+        tree = False
         if external:
             k = min(len(external), MAX_EXTERNAL_DRAFTS)
+        elif self.lookahead is not None:
+            k, tree = self.lookahead.max_draft_tokens(seq), True
         elif self.proposer is not None:
             k = self.config.num_speculative_tokens
         else:
             return 0
-        k = min(k, self.max_model_len - seq.num_tokens)
+        k = min(k, self.max_model_len - seq.num_tokens)  # a tree's nodes take that many cache slots too
         if p.max_tokens is not None:
-            k = min(k, p.max_tokens - seq.num_output_tokens - 1)  # the step emits at most drafts + 1 tokens
+            left = p.max_tokens - seq.num_output_tokens - 1  # what the step may emit after its next token
+            if tree:  # a tree's depth, not its size, bounds what it emits: any room for one more token will do
+                k = k if left > 0 else 0
+            else:  # a chain emits at most its drafts + 1 tokens
+                k = min(k, left)
         return max(k, 0)
 
     def propose(self, batch) -> None:
@@ -175,10 +214,16 @@ class Speculator:
             return
         drafts = {i: external_drafts(batch.seqs[i]) for i in picked}
         proposed = [i for i in picked if not drafts[i]]
+        for i in picked:
+            if drafts[i]:  # the caller's drafts, with the distributions they were drawn from when given
+                self._external(batch.seqs[i], drafts[i][: batch.num_new_tokens[i] - 1])
         if proposed and self.proposer is not None:
             seqs = [batch.seqs[i] for i in proposed]
             for i, draft in zip(proposed, self.proposer.propose(seqs, [batch.num_new_tokens[i] - 1 for i in proposed])):
-                if self.vocab_size is not None:  # prompt lookup may continue into a prompt's virtual tokens
+                if isinstance(draft, DraftTree):  # built within the budget, without ids outside the vocabulary
+                    batch.seqs[i].spec.draft_tree = draft if len(draft) else None
+                    draft = draft.tokens
+                elif self.vocab_size is not None:  # prompt lookup may continue into a prompt's virtual tokens
                     draft = draft[: next((j for j, t in enumerate(draft) if t >= self.vocab_size), len(draft))]
                 drafts[i] = draft
         for i in picked:
@@ -188,6 +233,43 @@ class Speculator:
         batch.put_decodes_first()  # a sequence left without drafts is a plain decode again
 
     @staticmethod
+    def _external(seq: Sequence, drafts: list[int]) -> None:
+        """A sampled request's external drafts with logits: each draft with its distribution, for the sampler."""
+        p = seq.params
+        if p.external_draft_logits is None or p.greedy:
+            return
+        first = seq.num_output_tokens  # the output index of the first draft: its row of the logits
+        rows = p.external_draft_logits[first : first + len(drafts)]
+        seq.spec.draft_dists = draft_with_probs(drafts, rows, p.external_draft_acceptance_threshold)
+
+    @staticmethod
+    def sampler_drafts(seqs: list[Sequence], nodes: list[int]) -> list[Draft | None]:
+        """What each row verifies, each sequence standing on draft node `nodes[i]` (0: the row after its last
+        token): the chain's next draft (with its distribution when the caller gave one), None after its last one
+        and for a tree (the sampled token itself picks the child)."""
+        out: list[Draft | None] = []
+        for seq, node in zip(seqs, nodes):
+            spec = seq.spec
+            if spec.draft_tree is not None or node >= len(spec.draft_token_ids):
+                out.append(None)
+            else:
+                out.append(spec.draft_dists[node] if spec.draft_dists else spec.draft_token_ids[node])
+        return out
+
+    @staticmethod
+    def next_node(seq: Sequence, node: int, token: int) -> int | None:
+        """The draft node the sequence goes on to after sampling `token` on `node`, or None: its verification ends
+        (the token was no draft there). An accepted node is recorded on the sequence."""
+        spec = seq.spec
+        if spec.draft_tree is not None:
+            child = spec.draft_tree.children[node].get(token)
+        else:
+            child = node + 1 if node < len(spec.draft_token_ids) and spec.draft_token_ids[node] == token else None
+        if child is not None:
+            spec.accepted_nodes.append(child)
+        return child
+
+    @staticmethod
     def report(out: EngineOutput, seq: Sequence) -> None:
         """The sequence's verify rounds so far (this step's included) on its output; on its final output, the
         drafts accepted per round."""
@@ -195,10 +277,13 @@ class Speculator:
         if out.finish_reason is not None:
             out.accept_draft_tokens = seq.spec.num_accepted / out.spec_verify_ct if out.spec_verify_ct else 0.0
 
-    @staticmethod
-    def finish_verification(batch, block_manager) -> int:
-        """After the step: accepted drafts are computed K/V; clear the drafts. Returns the number of drafts."""
+    def finish_verification(self, batch, block_manager, step_logits=None) -> int:
+        """After the step: accepted drafts are computed K/V (a tree's copied to their positions' slots first);
+        lookahead windows take their outputs; clear the drafts. Returns the number of drafts."""
+        if self.lookahead is not None and step_logits is not None:
+            self._observe_lookahead(batch, step_logits)
         num_draft = 0
+        moves = []
         for seq in batch.seqs:
             spec = seq.spec
             if not spec.draft_token_ids:
@@ -206,9 +291,50 @@ class Speculator:
             num_draft += len(spec.draft_token_ids)
             spec.num_verify_rounds += 1
             spec.num_drafted += len(spec.draft_token_ids)
-            spec.draft_token_ids = []
+            if spec.draft_tree is not None and not seq.is_finished:
+                moves.extend(self._tree_moves(seq, block_manager.block_size))
+            spec.draft_token_ids, spec.draft_tree, spec.draft_dists, spec.accepted_nodes = [], None, None, []
             if not seq.is_finished:
                 seq.num_computed_tokens = seq.num_tokens - 1
                 spec.num_draft_computed = min(spec.num_draft_computed, seq.num_computed_tokens)
+        self.runner.move_slots(moves)
+        for seq in batch.seqs:
+            if not seq.is_finished:
                 block_manager.cache_computed_blocks(seq)
         return num_draft
+
+    @staticmethod
+    def _tree_moves(seq: Sequence, block_size: int) -> list[tuple[int, int]]:
+        """The (source, destination) cache slots, in every KV group, that bring the accepted tree nodes' K/V to
+        their positions: node k of a tree rooted at cache index r lies at r + k; the i-th accepted belongs at
+        r + i."""
+        root = seq.num_computed_tokens - 1  # the step computed the root (its last token) only
+
+        def slot(table: list[int], index: int) -> int:
+            return table[index // block_size] * block_size + index % block_size
+
+        return [
+            (slot(table, root + node), slot(table, root + i))
+            for i, node in enumerate(seq.spec.accepted_nodes, start=1)
+            if node != i
+            for table in seq.block_tables
+        ]
+
+    def _observe_lookahead(self, batch, step_logits) -> None:
+        """Each lookahead sequence still running takes the greedy tokens after its window rows' nodes."""
+        first_row = {seq: row for seq, row in zip(step_logits.sample_seqs, step_logits.first_rows)}
+        wanted = [
+            (seq, node)
+            for seq in batch.seqs
+            if seq.spec.draft_tree is not None and not seq.is_finished and seq in first_row
+            for node in self.lookahead.output_nodes(seq)
+        ]
+        if not wanted:
+            return
+        rows = torch.tensor([first_row[seq] + node for seq, node in wanted], device=step_logits.sample_logits.device)
+        tokens = step_logits.sample_logits[rows].argmax(dim=-1).tolist()
+        outputs: dict[Sequence, dict[int, int]] = {}
+        for (seq, node), token in zip(wanted, tokens):
+            outputs.setdefault(seq, {})[node] = token
+        for seq, by_node in outputs.items():
+            self.lookahead.observe(seq, by_node)

@@ -4,6 +4,7 @@ from petrel.executor.executor import Executor
 from petrel.executor.types import (
     AdditionalModelOutput,
     AdditionalOutput,
+    DecodingConfig,
     ExecutorConfig,
     ExternalDraftTokensConfig,
     FinishReason,
@@ -45,6 +46,7 @@ __all__ = [
     "PromptTuningConfig",
     "ExternalDraftTokensConfig",
     "LookaheadDecodingConfig",
+    "DecodingConfig",
     "RequestStage",
     "RequestStats",
     "KvCacheConfig",

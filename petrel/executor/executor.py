@@ -33,6 +33,7 @@ from petrel.engine.output_queue import OutputQueue
 from petrel.executor.multimodal import multimodal_inputs
 from petrel.executor.request_translation import apply_kv_cache_config, configured_outputs, translate_request
 from petrel.executor.results import RequestState, responses_for
+from petrel.executor.speculation import apply_decoding_config
 from petrel.executor.types import (
     ExecutorConfig,
     LogitsPostProcessorConfig,
@@ -57,6 +58,7 @@ class Executor:
         else:
             engine_config = EngineConfig.from_kwargs(model=model, **engine_options)
         engine_config = apply_kv_cache_config(self.config.kv_cache_config, engine_config)
+        engine_config = apply_decoding_config(self.config.decoding_config, engine_config)
         self._outputs_configured = configured_outputs(self.config)
         lpp = self.config.logits_post_processor_config or LogitsPostProcessorConfig()
         self._post_processors = dict(lpp.processor_map)

@@ -10,6 +10,7 @@ import math
 import torch
 
 from petrel.config import EngineConfig
+from petrel.executor.speculation import speculation_fields
 from petrel.executor.types import ExecutorConfig, KvCacheConfig, LoraConfig, Request
 from petrel.lora import LoRARequest
 from petrel.sampling_params import ADDITIONAL_OUTPUTS, SamplingParams
@@ -33,21 +34,10 @@ KV_CACHE_UNSUPPORTED = tuple(
 )
 
 
-def speculation_and_prompt_tuning(request: Request) -> dict:
-    """The SamplingParams fields of a request's external_draft_tokens_config and prompt_tuning_config (ValueError
-    for lookahead_config and for the parts petrel cannot honour)."""
-    extra = {}
-    if request.lookahead_config is not None:
-        raise ValueError(
-            "Request.lookahead_config: per-request lookahead (Jacobi) decoding is not supported by petrel; "
-            "engine-wide prompt lookup is speculative_config={'method': 'ngram'}"
-        )
-    drafts = request.external_draft_tokens_config
-    if drafts is not None:
-        for name in ("logits", "acceptance_threshold", "fast_logits"):
-            if getattr(drafts, name, None) is not None:
-                raise ValueError(f"external_draft_tokens_config.{name} is not supported by petrel")
-        extra["external_draft_tokens"] = list(drafts.tokens)
+def speculation_and_prompt_tuning(request: Request, vocab_size: int) -> dict:
+    """The SamplingParams fields of a request's speculative decoding (petrel/executor/speculation.py) and
+    prompt_tuning_config (ValueError for the parts petrel cannot honour)."""
+    extra = speculation_fields(request, vocab_size)
     tuning = request.prompt_tuning_config
     if tuning is not None:
         if tuning.input_token_extra_ids is not None:
@@ -163,7 +153,7 @@ def translate_request(
     for name in UNSUPPORTED_FIELDS:
         if getattr(request, name) is not None:
             raise ValueError(f"Request.{name} is not supported by petrel")
-    extra = speculation_and_prompt_tuning(request)
+    extra = speculation_and_prompt_tuning(request, vocab_size)
     sc, oc = request.sampling_config, request.output_config
     if oc.return_encoder_output:
         raise ValueError("output_config.return_encoder_output: the model is decoder-only (no encoder output)")

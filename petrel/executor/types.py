@@ -95,9 +95,17 @@ class MultimodalInput:
 @dataclass
 class ExternalDraftTokensConfig:
     """Draft tokens the caller proposes as the continuation, verified exactly like petrel's own drafts (greedy:
-    kept while equal to the argmax; sampled: petrel's acceptance rule), so the output is what it would be without
-    them. Draft `logits`, `acceptance_threshold` and `fast_logits` are refused (petrel verifies against the
-    target model's own distribution)."""
+    kept while equal to the argmax, so the output is what it would be without them).
+
+    logits: [len(tokens), vocab], the logits each draft token was drawn from (its distribution q is their
+    softmax): a sampled request then verifies by speculative sampling (accept d with probability
+    min(1, p(d) / q(d)), else draw from the normalised max(0, p - q)), which keeps the target's distribution p.
+    Without them a sampled request treats each draft as a point mass (accept with probability p(d)).
+    acceptance_threshold: in (0, 1], with logits: accept d when p(d) / q(d) reaches it (a constant in place of
+    the uniform draw, as TensorRT-LLM does; the output is no longer distributed exactly as p).
+    fast_logits: TensorRT-LLM's direct transfer of a draft model's logits between executors; in petrel the
+    logits always travel in the request, so it is accepted with the logits themselves and refused with
+    TensorRT-LLM's [1, n] transfer descriptor."""
 
     tokens: list[int]
     logits: Any = None
@@ -107,13 +115,24 @@ class ExternalDraftTokensConfig:
 
 @dataclass
 class LookaheadDecodingConfig:
-    """TensorRT-LLM's lookahead (Jacobi) decoding: refused per request. petrel's n-gram proposer is prompt lookup
-    (one continuation from an earlier n-gram, engine-wide: speculative_config={"method": "ngram"}), which honours
-    none of window_size / verification_set_size."""
+    """Lookahead (Jacobi) decoding's sizes, TensorRT-LLM's (W, N, G): the window of future positions iterated
+    each step, the n-gram size (N - 1 drafts a candidate), the verification set (candidates verified a step).
+    In ExecutorConfig.decoding_config: the executor-wide maximum (and the sizes of requests without their own);
+    in Request.lookahead_config: the request's own, within that maximum ((1, 1, 0): plain decoding)."""
 
-    window_size: int
-    ngram_size: int
-    verification_set_size: int
+    max_window_size: int
+    max_ngram_size: int
+    max_verification_set_size: int
+
+
+@dataclass
+class DecodingConfig:
+    """The executor's decoding (TensorRT-LLM's DecodingConfig): lookahead_decoding_config turns lookahead decoding
+    on with its maximum sizes. decoding_mode: None, 'auto' or 'lookahead' (the others are TensorRT-LLM's choice
+    of kernels petrel makes itself)."""
+
+    decoding_mode: str | None = None
+    lookahead_decoding_config: LookaheadDecodingConfig | None = None
 
 
 @dataclass
@@ -216,7 +235,7 @@ class Request:
     allotted_time_ms: int | None = None  # the request ends with FinishReason.TIMED_OUT after this long
     lora_config: LoraConfig | None = None
     prompt_tuning_config: PromptTuningConfig | None = None  # virtual prompt tokens (ids >= vocab) -> table rows
-    lookahead_config: LookaheadDecodingConfig | None = None  # refused: see LookaheadDecodingConfig
+    lookahead_config: LookaheadDecodingConfig | None = None  # this request's lookahead sizes (see the class)
     external_draft_tokens_config: ExternalDraftTokensConfig | None = None  # the caller's drafts, verified
     position_ids: Any = None  # refused (a ValueError naming it), as are the fields below unless said otherwise
     mrope_config: Any = None
@@ -307,6 +326,7 @@ class ExecutorConfig:
     # outputs requests may ask for through OutputConfig.additional_model_outputs ('hidden_states')
     additional_model_outputs: list[AdditionalModelOutput] | None = None
     kv_cache_config: KvCacheConfig | None = None
+    decoding_config: DecodingConfig | None = None  # lookahead decoding, executor-wide (its maximum sizes)
 
 
 @dataclass

@@ -16,6 +16,11 @@ before its first visible block), and a decode group reads them only masked (zero
 group keeps those columns. With mixed layers (Gemma 3: local and global) each group of layers with one window has
 its own block tables (petrel/engine/kv_groups.py) and its own metadata (the model gets one per layer): a sliding
 group's tables give back blocks as a uniform window's do, the global group's keep them all.
+
+A chunk may be a tree of speculative drafts (lookahead decoding): its tokens sit at consecutive cache slots but not
+at consecutive positions, and each sees the context and its own ancestors only. Its explicit mask (and, under a
+window, its positions) take the PyTorch path: the C kernel leaves the chunk to it, and a CUDA step holding one runs
+whole in PyTorch instead of Triton.
 """
 
 from __future__ import annotations
@@ -38,6 +43,9 @@ class PrefillChunk:
     context_len: int  # tokens in the KV cache after this step (cached prefix + this chunk)
     block_table: torch.Tensor  # [num_blocks_of_this_seq] int64
     mask: torch.Tensor | None  # [num_tokens, context_len] bool, None when the chunk is the whole context
+    # a draft tree (speculative decoding, petrel/engine/draft_tree.py): its queries' and keys' positions ([num_tokens],
+    # [context_len]); its mask is not causal (each draft sees its own ancestors), so only the torch path serves it
+    tree_positions: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def first_pos(self) -> int:
@@ -98,7 +106,7 @@ def paged_attention(
 
     sliding_window: when set, each query attends to its last `sliding_window` positions only (itself included).
     """
-    if triton_attention.serves(q.device):
+    if triton_attention.serves(q.device) and not any(c.tree_positions is not None for c in meta.prefills):
         return triton_attention.paged_attention(q, k, v, kv_cache, meta, scale, sliding_window)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -125,13 +133,21 @@ def paged_attention(
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)
         first_pos = chunk.first_pos
-        fast = dense_kernels.prefill_attention(
-            q[rows], key_cache, value_cache, chunk.block_table, first_pos, scale, sliding_window
-        )
+        fast = None
+        if chunk.tree_positions is None:
+            fast = dense_kernels.prefill_attention(
+                q[rows], key_cache, value_cache, chunk.block_table, first_pos, scale, sliding_window
+            )
         if fast is not None:
             out[rows] = fast
             continue
-        if sliding_window is not None and chunk.context_len > sliding_window:
+        if chunk.tree_positions is not None:  # a draft tree: its own mask, windowed by the drafts' positions
+            kp, vp = _gather(key_cache, value_cache, chunk.block_table, chunk.context_len, q.dtype)
+            mask, causal = chunk.mask, False
+            if sliding_window is not None:
+                q_pos, k_pos = chunk.tree_positions
+                mask = mask & (k_pos.unsqueeze(0) > q_pos.unsqueeze(1) - sliding_window)
+        elif sliding_window is not None and chunk.context_len > sliding_window:
             # Keys from the block holding the first visible position on; mask causal and window together.
             first_block = max(0, first_pos - sliding_window + 1) // block_size
             offset = first_block * block_size

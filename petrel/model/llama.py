@@ -215,8 +215,8 @@ class LlamaForCausalLM(nn.Module):
         decides for itself; on a device the Triton kernels serve, they run the step)."""
         if not isinstance(meta, AttentionMetadata) or len(meta.decode_groups) > 1:
             return None
-        if triton_attention.serves(x.device):
-            return None
+        if triton_attention.serves(x.device) or any(c.tree_positions is not None for c in meta.prefills):
+            return None  # Triton's step, or a draft tree (its mask is not causal: the torch path)
         decodes = meta.decode_groups[0].end if meta.decode_groups else 0
         starts, ends = [c.start for c in meta.prefills], [c.start + c.num_tokens for c in meta.prefills]
         if not (decodes or starts) or starts != [decodes, *ends][: len(starts)]:  # chunks one after another

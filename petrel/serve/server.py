@@ -165,7 +165,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         metavar="JSON",
         help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
-        '(methods: ngram, draft_model with "draft_model": PATH, self with "draft_num_layers": N)',
+        '(methods: ngram, draft_model with "draft_model": PATH, self with "draft_num_layers": N, lookahead with '
+        '"max_window_size", "max_ngram_size", "max_verification_set_size")',
     )
     multimodal_arguments(p)
     kv_tier_arguments(p)
