@@ -166,6 +166,11 @@ class EngineConfig:
     kv_disk_tier_path: str | None = None
     kv_disk_tier_bytes: int = 8 * 1024**3
     kv_tier_fetch_timeout: float = 2.0
+    # attention windows on any model (TensorRT-LLM's KvCacheConfig, petrel/engine/attention_windows.py): one window
+    # per layer, the list repeated over the layers; and the first positions every windowed layer also sees
+    # (StreamingLLM's attention sinks). The blocks behind a window are given back
+    max_attention_window: list[int] | None = None
+    sink_token_length: int | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
@@ -219,6 +224,9 @@ class EngineConfig:
             raise ValueError(f"kv_transfer_timeout must be > 0 seconds, got {self.kv_transfer_timeout!r}")
         self._check_kv_transfer()
         self._check_kv_tiers()
+        from petrel.engine.attention_windows import check_window_options
+
+        check_window_options(self.max_attention_window, self.sink_token_length)
         from petrel.model.quantization import QUANTIZATION_METHODS
 
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:

@@ -6,7 +6,9 @@ A block is in exactly one state: free (no content worth keeping), used (ref coun
 Sliding window: when every layer of the model attends to the same last W positions, a running sequence gives
 back each block that no future query can see (free_behind_window). Its block-table entry becomes FREED, so the
 table keeps its positional layout (position p lives in block_table[p // block_size]); the freed entries always
-form a prefix of the table, and free / fork / retain / prefix-cache publishing skip them.
+form a prefix of the table, and free / fork / retain / prefix-cache publishing skip them. With attention sinks
+(sink_tokens: every query also sees the first positions) a windowed table keeps its first sink blocks, and the
+freed entries form a run right after them instead.
 
 KV groups (petrel/engine/kv_groups.py): a model mixing sliding-window and global layers has one block table per
 group of layers (seq.block_tables; seq.block_table is group 0's), all drawing from this one pool. The tables keep
@@ -34,14 +36,21 @@ FREED = -1  # a block-table entry whose block was given back behind the sliding 
 TIER = -2  # match_prefix: a prompt block that a lower KV tier holds (not in memory)
 
 
-def num_freed_blocks(block_table: list[int]) -> int:
-    """How many leading entries of a block table are FREED (they always form a prefix)."""
-    return bisect.bisect_left(block_table, True, key=lambda b: b != FREED)
+def num_freed_blocks(block_table: list[int], start: int = 0) -> int:
+    """How many entries of a block table from `start` on are FREED (they always form a run there: from 0, or from
+    the end of the sink blocks)."""
+    return bisect.bisect_left(block_table, True, lo=min(start, len(block_table)), key=lambda b: b != FREED) - min(
+        start, len(block_table)
+    )
 
 
 def held_blocks(block_table: list[int]) -> list[int]:
     """The blocks a table actually holds (FREED entries left out)."""
-    return block_table[num_freed_blocks(block_table) :]
+    if not block_table or block_table[0] == FREED:  # behind a window, from the start
+        return block_table[num_freed_blocks(block_table) :]
+    if FREED not in block_table:
+        return block_table[:]
+    return [b for b in block_table if b != FREED]  # a run after the sink blocks
 
 
 def _cache_key(group: int, block_hash: bytes):
@@ -60,10 +69,12 @@ class BlockManager:
         watermark: float = 0.01,
         sliding_window: int | None = None,
         group_windows: list[int | None] | None = None,
+        sink_tokens: int = 0,
     ):
         """sliding_window: the window of every layer of the model (None: some layer sees all positions); with
         one, free_behind_window gives back the blocks behind it. group_windows: instead, one window per KV group
-        (a block table per group; see petrel/engine/kv_groups.py)."""
+        (a block table per group; see petrel/engine/kv_groups.py). sink_tokens: the first positions every query of
+        a windowed group also sees (attention sinks): their blocks are never given back."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one slot, got {num_blocks} x {block_size}")
         self.num_blocks = num_blocks
@@ -72,6 +83,7 @@ class BlockManager:
         self.hash_seed = hash_seed
         self.windows: list[int | None] = list(group_windows) if group_windows is not None else [sliding_window]
         self.num_groups = len(self.windows)
+        self.sink_blocks = -(-sink_tokens // block_size)  # a windowed table's first blocks, kept for the sinks
         self.watermark_blocks = int(watermark * num_blocks)
         self.ref_counts = [0] * num_blocks
         self.free_blocks: deque[int] = deque(range(num_blocks))
@@ -232,9 +244,11 @@ class BlockManager:
         whole = seq.request.context_only
         to_load = []  # (table, index, group, prompt block)
         for g, table in enumerate(tables):
-            first = 0 if whole else self._first_needed(g, hit)
-            table.extend([FREED] * first)
-            for i in range(first, hit):
+            needed = self._needed(g, hit, whole)
+            for i in range(hit):
+                if not needed(i):
+                    table.append(FREED)
+                    continue
                 block = cached(g, i)
                 if block == TIER:
                     to_load.append((table, len(table), g, i))
@@ -255,12 +269,11 @@ class BlockManager:
 
     def _tier_blocks_wanted(self, seq: Sequence, hit: int, cached) -> int:
         whole = seq.request.context_only
-        return sum(
-            1
-            for g in range(self.num_groups)
-            for i in range((0 if whole else self._first_needed(g, hit)), hit)
-            if cached(g, i) == TIER
-        )
+        total = 0
+        for g in range(self.num_groups):
+            needed = self._needed(g, hit, whole)
+            total += sum(1 for i in range(hit) if needed(i) and cached(g, i) == TIER)
+        return total
 
     def _longest_hit(self, seq: Sequence, max_blocks: int, cached) -> int:
         """How many of the prompt's first blocks every group holds (cached(g, i) not None) as far as it reads."""
@@ -276,16 +289,26 @@ class BlockManager:
                     if self.windows[g] is None
                     else next((i for i in reversed(range(first, hit)) if cached(g, i) is None), None)
                 )
+                if missing is None and first > 0:  # the sink blocks, read by every query of a windowed group
+                    missing = next((i for i in range(min(self.sink_blocks, first)) if cached(g, i) is None), None)
                 if missing is not None:
                     hit, settled = missing, False
         return hit
 
     def _first_needed(self, group: int, num_blocks: int) -> int:
-        """The first block a group still reads once num_blocks full blocks are computed (0 without a window)."""
+        """The first block a group still reads once num_blocks full blocks are computed (0 without a window),
+        apart from the sink blocks before it (see _needed)."""
         window = self.windows[group]
         if window is None:
             return 0
         return max(0, min((num_blocks * self.block_size - window) // self.block_size, num_blocks))
+
+    def _needed(self, group: int, num_blocks: int, whole: bool = False):
+        """Whether the group reads block i once num_blocks full blocks are computed: every block from the first
+        its window sees, and the sink blocks (every block with `whole`: a context-only prompt is exported)."""
+        first = 0 if whole else self._first_needed(group, num_blocks)
+        sinks = self.sink_blocks if self.windows[group] is not None else 0
+        return lambda i: i >= first or i < sinks
 
     def free_behind_window(self, seq: Sequence) -> int:
         """Give back the sequence's blocks that every future query has behind its sliding window; returns how many.
@@ -304,7 +327,7 @@ class BlockManager:
             if window is None:
                 continue
             end = min((seq.num_computed_tokens - window) // self.block_size, len(table))
-            start = num_freed_blocks(table)
+            start = self.sink_blocks + num_freed_blocks(table, self.sink_blocks)  # the sink blocks stay
             for i in range(start, end):  # oldest first, so the oldest is evicted first
                 self._release(table[i])
                 table[i] = FREED

@@ -121,10 +121,14 @@ def num_kv_blocks(config, cfg: ModelConfig, layers_per_block: int | None = None)
     )
 
 
-def _readable(block_table: list[int]) -> list[int]:
-    """The table with its FREED entries (blocks given back behind the sliding window, a prefix) pointing at block 0:
-    attention reads those columns masked at most (zero weight), so any valid block id will do."""
-    if block_table and block_table[0] == FREED:
+def _readable(block_table: list[int], sink_blocks: int = 0) -> list[int]:
+    """The table with its FREED entries (blocks given back behind the sliding window: a prefix, or a run after the
+    sink_blocks kept for attention sinks) pointing at block 0: attention reads those columns masked at most (zero
+    weight), so any valid block id will do."""
+    if block_table and (
+        block_table[0] == FREED
+        or (sink_blocks and len(block_table) > sink_blocks and block_table[sink_blocks] == FREED)
+    ):
         return [max(b, 0) for b in block_table]
     return block_table
 
@@ -170,12 +174,14 @@ class ModelRunner:
             else DECODE_GROUP_SIZE
         )
         self.kv_groups = kv_groups or single_group(cfg.num_hidden_layers, None)
+        self.sink_blocks = -(-self.kv_groups.sink_tokens // block_size)
         kv_heads = local_kv_heads(cfg.num_key_value_heads, tp)  # this rank's slice of the cache
         plain = (
             tp.size == 1
             and self.kv_groups.num_groups == 1
             and lora_manager is None
             and not getattr(model, "uses_mrope", False)
+            and not self.kv_groups.sink_tokens  # attention sinks mask on the host: no graph holds them
         )
         graph_sizes = (cuda_graph_batch_sizes or []) if plain and graphs_supported(self.device) else []
         # layers_per_block tensors; the i-th layer of every group uses the i-th (at that group's block ids); with
@@ -239,7 +245,7 @@ class ModelRunner:
             end = start + n
             # new K/V never go to a FREED entry (a negative slot would fail index_copy_ loudly)
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            table = _readable(table)
+            table = _readable(table, self.sink_blocks)
             if n == 1:
                 assert not prefills, "single-token spans come first"
                 decode_tables.append(table)
@@ -340,7 +346,7 @@ class ModelRunner:
             [s.token_ids[0] for s in spans],
             [s.start for s in spans],
             [s.block_table[s.start // bs] * bs + s.start % bs for s in spans],
-            [_readable(s.block_table) for s in spans],
+            [_readable(s.block_table, self.sink_blocks) for s in spans],
             [s.start + 1 for s in spans],
         )
 

@@ -26,10 +26,12 @@ UNSUPPORTED_FIELDS = (
     "skip_cross_attn_blocks",
     "language_adapter_uid",
 )
+# KvCacheConfig fields that become EngineConfig options of the same name
+KV_CACHE_ENGINE_OPTIONS = ("max_attention_window", "sink_token_length")
 KV_CACHE_UNSUPPORTED = tuple(
     f.name
     for f in dataclasses.fields(KvCacheConfig)
-    if f.name not in ("enable_block_reuse", "max_tokens", "free_gpu_memory_fraction")
+    if f.name not in ("enable_block_reuse", "max_tokens", "free_gpu_memory_fraction", *KV_CACHE_ENGINE_OPTIONS)
 )
 
 
@@ -79,6 +81,12 @@ def apply_kv_cache_config(kv: KvCacheConfig | None, engine_config: EngineConfig)
     if unsupported:
         raise ValueError(f"kv_cache_config fields {unsupported} are not supported by petrel")
     changes: dict = {"enable_prefix_caching": bool(kv.enable_block_reuse)}
+    for name in KV_CACHE_ENGINE_OPTIONS:
+        if getattr(kv, name) is not None:
+            value = getattr(kv, name)
+            if name == "max_attention_window" and isinstance(value, (int, tuple)) and not isinstance(value, bool):
+                value = [value] if isinstance(value, int) else list(value)  # older bindings took one window
+            changes[name] = value
     budgets = []
     if kv.max_tokens is not None:
         if not isinstance(kv.max_tokens, int) or kv.max_tokens < 1:
@@ -101,7 +109,10 @@ def apply_kv_cache_config(kv: KvCacheConfig | None, engine_config: EngineConfig)
         budgets.append(int(torch.cuda.mem_get_info(torch.device(engine_config.device))[0] * fraction))
     if budgets:
         changes["kv_cache_memory"] = min(budgets)
-    return dataclasses.replace(engine_config, **changes)
+    try:
+        return dataclasses.replace(engine_config, **changes)
+    except (TypeError, ValueError) as exc:  # a malformed window or sink count: named as the caller gave it
+        raise ValueError(f"kv_cache_config: {exc}") from None
 
 
 def lora_request_for(lora: LoraConfig, known: dict[int, LoRARequest]) -> LoRARequest:

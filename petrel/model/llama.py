@@ -35,6 +35,7 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel = SINGLE):
         super().__init__()
         self.sliding_window = cfg.sliding_window(layer)
+        self.attention_sinks = cfg.attention_sinks if self.sliding_window is not None else 0  # StreamingLLM's sinks
         heads = AttentionHeads(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, tp)  # this rank's
         self.num_heads, self.num_kv_heads, self.head_dim = heads.num_heads, heads.num_kv_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
@@ -59,7 +60,9 @@ class LlamaAttention(nn.Module):
         if hasattr(self, "q_norm"):
             qk = torch.cat([self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])], dim=1)
         qk = RotaryEmbedding.rotate(qk, cos_sin)
-        out = paged_attention(qk[:, :heads], qk[:, heads:], v, kv_cache, meta, self.scale, self.sliding_window)
+        out = paged_attention(
+            qk[:, :heads], qk[:, heads:], v, kv_cache, meta, self.scale, self.sliding_window, self.attention_sinks
+        )
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -126,6 +129,7 @@ class LlamaDecoderLayer(nn.Module):
             all(type(m) in (kind, QuantizedLinear) for m, kind in zip(projections, dense_kinds))
             and all(getattr(m, "tp", SINGLE).size == 1 and m.bias is None for m in projections)
             and not hasattr(self.self_attn, "q_norm")
+            and not self.self_attn.attention_sinks  # the kernels know windows, not sinks
             and type(self.input_layernorm) is RMSNorm
             and type(self.post_attention_layernorm) is RMSNorm
             and self.input_layernorm.eps == self.post_attention_layernorm.eps
