@@ -171,6 +171,9 @@ class EngineConfig:
     # (StreamingLLM's attention sinks). The blocks behind a window are given back
     max_attention_window: list[int] | None = None
     sink_token_length: int | None = None
+    # a lower KV tier takes an evicted block only if its retention priority (petrel/engine/kv_retention.py: 0..100,
+    # 35 by default) is at least this (TensorRT-LLM's secondary_offload_min_priority)
+    secondary_offload_min_priority: int = 35
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
@@ -227,6 +230,9 @@ class EngineConfig:
         from petrel.engine.attention_windows import check_window_options
 
         check_window_options(self.max_attention_window, self.sink_token_length)
+        from petrel.engine.kv_retention import check_priority
+
+        check_priority(self.secondary_offload_min_priority, "secondary_offload_min_priority")
         from petrel.model.quantization import QUANTIZATION_METHODS
 
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:

@@ -217,8 +217,11 @@ def test_kv_cache_config_and_configured_additional_outputs(tiny, tokenizer_dir):
         executor_config=ExecutorConfig(kv_cache_config=KvCacheConfig(enable_block_reuse=True, max_tokens=48)),
     ) as ex:
         assert ex.engine.config.enable_prefix_caching is True and ex.engine.kv_cache_tokens == 48
-    with pytest.raises(ValueError, match="host_cache_size"):
-        Executor(_engine_config(tiny, tokenizer_dir), ExecutorConfig(kv_cache_config=KvCacheConfig(host_cache_size=1)))
+    with pytest.raises(ValueError, match="cross_kv_cache_fraction"):
+        Executor(
+            _engine_config(tiny, tokenizer_dir),
+            ExecutorConfig(kv_cache_config=KvCacheConfig(cross_kv_cache_fraction=0.5)),
+        )
     with pytest.raises(ValueError, match="free_gpu_memory_fraction"):
         Executor(
             _engine_config(tiny, tokenizer_dir),

@@ -1,7 +1,9 @@
 """Paged KV blocks: a pool with ref counts, a hash-chained prefix cache and LRU eviction. No torch here.
 
 A block is in exactly one state: free (no content worth keeping), used (ref count > 0), or cached
-(ref count 0 but its hash is kept, evictable least-recently-used first).
+(ref count 0 but its hash is kept, evictable least-recently-used first). Cached blocks have a retention priority
+(petrel/engine/kv_retention.py: a request's KvCacheRetentionConfig; the default otherwise): the lowest priority goes
+first, least recently used first among equals (petrel/engine/eviction.py).
 
 Sliding window: when every layer of the model attends to the same last W positions, a running sequence gives
 back each block that no future query can see (free_behind_window). Its block-table entry becomes FREED, so the
@@ -27,9 +29,14 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-from collections import OrderedDict, deque
+import heapq
+import itertools
+import time
+from collections import deque
 from collections.abc import Callable
 
+from petrel.engine.eviction import EvictionQueue
+from petrel.engine.kv_retention import DEFAULT_PRIORITY
 from petrel.engine.sequence import Sequence
 
 FREED = -1  # a block-table entry whose block was given back behind the sliding window (never read unmasked)
@@ -87,7 +94,15 @@ class BlockManager:
         self.watermark_blocks = int(watermark * num_blocks)
         self.ref_counts = [0] * num_blocks
         self.free_blocks: deque[int] = deque(range(num_blocks))
-        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks, LRU first
+        self.evictable = EvictionQueue()  # cached blocks, in eviction order (lowest priority, then LRU, first)
+        # retention priorities of cached or used blocks other than the default, and when they run out
+        self.block_priority: dict[int, int] = {}
+        self._expiry: list[tuple[float, int, int]] = []  # (time, serial, block) heap of priorities that expire
+        self._expiry_serial: dict[int, int] = {}  # block -> the serial of its live expiry
+        self._serials = itertools.count()
+        self.clock: Callable[[], float] = time.monotonic
+        # a lower KV tier takes an evicted block only if its priority is at least this (secondary_offload_min_priority)
+        self.offload_min_priority = DEFAULT_PRIORITY
         self.hash_to_block: dict[bytes, int] = {}
         self.block_hash: dict[int, bytes] = {}
         self.block_tokens: dict[int, tuple[int, ...]] = {}
@@ -102,6 +117,7 @@ class BlockManager:
         # the step that reads it (both drained by the engine right after scheduling).
         self.tier_fetch: Callable[[int, bytes, tuple], object | None] | None = None
         self.pending_evictions: list[tuple[int, int, bytes, tuple]] = []
+        self.evicted_priorities: dict[tuple[int, bytes], int] = {}  # (group, hash) -> a non-default priority
         self.pending_loads: dict[int, object] = {}
         # a shared store (publish_computed): every block cache_computed_blocks publishes is listed in
         # pending_publishes (block, group, hash, tokens) for the runner to copy out to the store
@@ -177,12 +193,22 @@ class BlockManager:
             block = self.free_blocks.popleft()
             self.pending_loads.pop(block, None)
         else:
+            if self._expiry:
+                self._expire()
             block, _ = self.evictable.popitem(last=False)
+            priority = self._forget_priority(block)
             h = self.block_hash.pop(block)
             tokens = self.block_tokens.pop(block, None)
-            if self.pending_loads.pop(block, None) is None and self.tier_fetch is not None and tokens is not None:
+            if (
+                self.pending_loads.pop(block, None) is None
+                and self.tier_fetch is not None
+                and tokens is not None
+                and priority >= self.offload_min_priority
+            ):
                 group, block_hash = h if isinstance(h, tuple) else (0, h)
                 self.pending_evictions.append((block, group, block_hash, tokens))  # its KV goes down a tier
+                if priority != DEFAULT_PRIORITY:  # the host tier orders what it keeps by it
+                    self.evicted_priorities[group, block_hash] = priority
             if self.hash_to_block.get(h) == block:
                 del self.hash_to_block[h]
                 if self.kv_event_sink is not None and isinstance(h, bytes):
@@ -194,9 +220,45 @@ class BlockManager:
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:
             if block in self.block_hash:
-                self.evictable[block] = None  # newest at the end
+                self.evictable.add(block, self.block_priority.get(block, DEFAULT_PRIORITY))  # newest of its priority
             else:
+                self._forget_priority(block)
                 self.free_blocks.append(block)
+
+    # ------------------------------------------------------------------ retention priorities
+    def set_priority(self, block: int, priority: int, duration: float | None = None) -> None:
+        """A cached (or used) block's retention priority, back to the default after `duration` seconds (None: for
+        good); a cached block moves to its new place in the eviction order."""
+        self._expiry_serial.pop(block, None)
+        if priority == DEFAULT_PRIORITY:
+            self.block_priority.pop(block, None)
+        else:
+            self.block_priority[block] = priority
+            if duration is not None:
+                serial = next(self._serials)
+                self._expiry_serial[block] = serial
+                heapq.heappush(self._expiry, (self.clock() + duration, serial, block))
+        if block in self.evictable:
+            self.evictable.add(block, priority)
+
+    def _expire(self) -> None:
+        """Priorities whose duration has passed go back to the default."""
+        now = self.clock()
+        while self._expiry and self._expiry[0][0] <= now:
+            _, serial, block = heapq.heappop(self._expiry)
+            if self._expiry_serial.get(block) == serial:
+                self.set_priority(block, DEFAULT_PRIORITY)
+
+    def _forget_priority(self, block: int) -> int:
+        """The block leaves the cache: its priority (returned) is forgotten."""
+        self._expiry_serial.pop(block, None)
+        return self.block_priority.pop(block, DEFAULT_PRIORITY)
+
+    def _apply_retention(self, block: int, seq: Sequence, i: int) -> None:
+        """Give the sequence's block i the priority its request's retention policy says (if it has one)."""
+        retention = seq.request.kv_retention
+        if retention is not None:
+            self.set_priority(block, *retention.block_priority(i, self.block_size, seq.num_prompt_tokens))
 
     def match_prefix(self, seq: Sequence) -> None:
         """On admission: take the longest chain of cached full blocks of the prompt (never all of it:
@@ -258,6 +320,7 @@ class BlockManager:
                     self.evictable.pop(block)
                 self.ref_counts[block] += 1
                 table.append(block)
+                self._apply_retention(block, seq, i)
         for table, index, g, i in to_load:  # fresh blocks for the tier hits, published at once
             block = self._take_block()
             table[index] = block
@@ -385,6 +448,7 @@ class BlockManager:
         self.block_hash[block] = key
         self.hash_to_block[key] = block
         self.block_tokens[block] = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+        self._apply_retention(block, seq, i)
         if group == 0 and self.kv_event_sink is not None:
             parent = seq.block_hashes[i - 1] if i else None
             self.kv_event_sink(("stored", key, parent, self.block_tokens[block]))
@@ -449,6 +513,7 @@ class BlockManager:
                 del self.hash_to_block[h]
             if self.ref_counts[block] == 0 and block in self.evictable:
                 del self.evictable[block]
+                self._forget_priority(block)
                 self.free_blocks.append(block)
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
@@ -458,6 +523,7 @@ class BlockManager:
     def reset_prefix_cache(self) -> None:
         for block in list(self.evictable):
             del self.evictable[block]
+            self._forget_priority(block)
             self.free_blocks.append(block)
         self.hash_to_block.clear()
         if self.kv_event_sink is not None:

@@ -19,6 +19,7 @@ from petrel.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from petrel.engine.beam_search import BeamSearch
+    from petrel.engine.kv_retention import KvRetention
     from petrel.multimodal.inputs import MultiModalInputs
     from petrel.outputs import KVFetchStats
 
@@ -60,6 +61,7 @@ class EngineRequest:
     first_gen_tokens: list[int] = field(default_factory=list)
     prompt_table_digest: str = ""  # params.prompt_embedding_table's digest, in the prefix cache's root hash
     multi_modal: MultiModalInputs | None = None  # the prompt's images (petrel/multimodal/inputs.py)
+    kv_retention: KvRetention | None = None  # its cached blocks' priorities (petrel/engine/kv_retention.py)
     # dkv_cache_hint (petrel/kv_tiers/dkv_hint.py): chain hashes the shared KV store holds, and the prompt tokens
     # it holds from the start; plan_hinted_fetch keeps those in this request's own chain
     kv_hint_keys: tuple[bytes, ...] = ()

@@ -11,6 +11,7 @@ from petrel.executor.types import (
     GuideType,
     KvCacheConfig,
     KvCacheMetrics,
+    KvCacheRetentionConfig,
     LogitsPostProcessorConfig,
     LookaheadDecodingConfig,
     LoraConfig,
@@ -26,6 +27,7 @@ from petrel.executor.types import (
     Result,
     SamplingConfig,
     TimingMetrics,
+    TokenRangeRetentionConfig,
 )
 
 __all__ = [
@@ -49,6 +51,8 @@ __all__ = [
     "RequestStats",
     "KvCacheConfig",
     "KvCacheMetrics",
+    "KvCacheRetentionConfig",
+    "TokenRangeRetentionConfig",
     "LoraConfig",
     "MultimodalInput",
     "RequestPerfMetrics",

@@ -10,7 +10,8 @@ import math
 import torch
 
 from petrel.config import EngineConfig
-from petrel.executor.types import ExecutorConfig, KvCacheConfig, LoraConfig, Request
+from petrel.engine.kv_retention import KvRetention, make_retention
+from petrel.executor.types import ExecutorConfig, KvCacheConfig, KvCacheRetentionConfig, LoraConfig, Request
 from petrel.lora import LoRARequest
 from petrel.sampling_params import ADDITIONAL_OUTPUTS, SamplingParams
 
@@ -21,13 +22,18 @@ UNSUPPORTED_FIELDS = (
     "encoder_input_features",
     "encoder_output_length",
     "cross_attention_mask",
-    "kv_cache_retention_config",
     "eagle_config",
     "skip_cross_attn_blocks",
     "language_adapter_uid",
 )
-# KvCacheConfig fields that become EngineConfig options of the same name
-KV_CACHE_ENGINE_OPTIONS = ("max_attention_window", "sink_token_length")
+# KvCacheConfig fields that become EngineConfig options (of the same name unless mapped here)
+KV_CACHE_ENGINE_OPTIONS = (
+    "max_attention_window",
+    "sink_token_length",
+    "secondary_offload_min_priority",
+    "host_cache_size",
+)
+KV_CACHE_ENGINE_NAMES = {"host_cache_size": "kv_host_tier_bytes"}
 KV_CACHE_UNSUPPORTED = tuple(
     f.name
     for f in dataclasses.fields(KvCacheConfig)
@@ -86,7 +92,7 @@ def apply_kv_cache_config(kv: KvCacheConfig | None, engine_config: EngineConfig)
             value = getattr(kv, name)
             if name == "max_attention_window" and isinstance(value, (int, tuple)) and not isinstance(value, bool):
                 value = [value] if isinstance(value, int) else list(value)  # older bindings took one window
-            changes[name] = value
+            changes[KV_CACHE_ENGINE_NAMES.get(name, name)] = value
     budgets = []
     if kv.max_tokens is not None:
         if not isinstance(kv.max_tokens, int) or kv.max_tokens < 1:
@@ -262,4 +268,20 @@ def translate_request(
         options["timeout"] = ms / 1000.0
     if request.lora_config is not None:
         options["lora_request"] = lora_request_for(request.lora_config, loras)
+    if request.kv_cache_retention_config is not None:
+        options["kv_retention"] = retention_of(request.kv_cache_retention_config)
     return params, options
+
+
+def retention_of(config) -> KvRetention:
+    """Request.kv_cache_retention_config as the engine's KvRetention (ValueError naming the field)."""
+    field = "kv_cache_retention_config"
+    if not isinstance(config, (KvCacheRetentionConfig, dict)):
+        raise ValueError(f"{field} must be a KvCacheRetentionConfig, got {type(config).__name__}")
+    mode = getattr(config, "transfer_mode", "DRAM")
+    if str(getattr(mode, "name", mode)).upper() != "DRAM" or getattr(config, "directory", None):
+        raise ValueError(
+            f"{field}.transfer_mode / directory: only DRAM (TensorRT-LLM's default; its other modes are debug "
+            "options) is supported"
+        )
+    return make_retention(config, field)

@@ -131,6 +131,32 @@ class LoraConfig:
 
 
 @dataclass
+class TokenRangeRetentionConfig:
+    """The retention priority (0..100; 35 is the default) of the cached blocks whose first token lies in the prompt
+    range [token_start, token_end) (token_end None: to the prompt's end), for duration_ms (milliseconds, or a
+    datetime.timedelta; None: for as long as the block stays cached)."""
+
+    token_start: int
+    token_end: int | None = None
+    priority: int = 35
+    duration_ms: Any = None
+
+
+@dataclass
+class KvCacheRetentionConfig:
+    """Which of a request's cached KV blocks are evicted last (TensorRT-LLM's retention policy; see
+    petrel/engine/kv_retention.py): token ranges of the prompt with priorities and durations, and the priority and
+    duration of the blocks of generated tokens. transfer_mode and directory are TensorRT-LLM's debug options:
+    only the default (DRAM, no directory) is accepted."""
+
+    token_range_retention_configs: list[TokenRangeRetentionConfig] = field(default_factory=list)
+    decode_retention_priority: int = 35
+    decode_duration_ms: Any = None
+    transfer_mode: str = "DRAM"
+    directory: str | None = None
+
+
+@dataclass
 class TimingMetrics:
     """Monotonic times (time.monotonic(), seconds) of the request's life."""
 
@@ -228,7 +254,7 @@ class Request:
     encoder_input_features: Any = None
     encoder_output_length: int | None = None
     cross_attention_mask: Any = None
-    kv_cache_retention_config: Any = None
+    kv_cache_retention_config: KvCacheRetentionConfig | None = None  # its cached blocks' eviction priorities
     eagle_config: Any = None
     skip_cross_attn_blocks: Any = None
     language_adapter_uid: int | None = None
