@@ -174,6 +174,10 @@ class EngineConfig:
     # a lower KV tier takes an evicted block only if its retention priority (petrel/engine/kv_retention.py: 0..100,
     # 35 by default) is at least this (TensorRT-LLM's secondary_offload_min_priority)
     secondary_offload_min_priority: int = 35
+    # the block after a prefix hit may be reused in part: its first tokens from a cached block that shares them
+    # (petrel/engine/block_manager.py); copied into a fresh block, or (copy_on_partial_reuse False) taken over
+    enable_partial_reuse: bool = False
+    copy_on_partial_reuse: bool = True
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:

@@ -18,6 +18,12 @@ the same positional layout; only a sliding group's table frees behind its window
 group, and the prefix cache keys a block by (group, hash): a hit counts only as far as every group holds what its
 layers will read (a global group all blocks of the hit, a sliding group those its window still sees).
 
+Partial reuse (enable_partial_reuse, TensorRT-LLM's): after the whole blocks a prompt matches, the block after them
+may match in part: a cached block with the same parent in the chain whose first k tokens equal the prompt's next k
+gives them too. With copy_on_partial_reuse its KV is copied into a fresh block (any number of requests may do so);
+without, the request takes the cached block itself when no one else uses it (it leaves the prefix cache: its later
+slots are overwritten). Requests with images take whole blocks only (their blocks are keyed by the images too).
+
 Lower KV tiers (petrel/kv_tiers, when the engine has them): an evicted cached block is listed for the engine to copy
 out, and a prefix lookup continues past the memory hit through tier_fetch; a tier hit gets a fresh block, published
 at once, whose KV (opaque here) the engine writes before the step runs (see petrel/engine/kv_tier_io.py).
@@ -60,6 +66,16 @@ def held_blocks(block_table: list[int]) -> list[int]:
     return [b for b in block_table if b != FREED]  # a run after the sink blocks
 
 
+def _common_prefix(a, b) -> int:
+    """How many leading items a and b share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def _cache_key(group: int, block_hash: bytes):
     """A block's prefix-cache key: group 0's is the hash itself, another group's the pair (the same tokens have a
     block in every group, each holding its own layers' KV)."""
@@ -91,6 +107,13 @@ class BlockManager:
         self.windows: list[int | None] = list(group_windows) if group_windows is not None else [sliding_window]
         self.num_groups = len(self.windows)
         self.sink_blocks = -(-sink_tokens // block_size)  # a windowed table's first blocks, kept for the sinks
+        # partial reuse of the block after a prefix hit (see the module's doc); children: cached blocks by their
+        # parent's cache key, to find the candidates
+        self.partial_reuse = False
+        self.copy_on_partial_reuse = True
+        self.children: dict[object, dict[int, None]] = {}
+        self.block_parent: dict[int, object] = {}
+        self._copy_sources: list[int] = []  # blocks held until the runner has copied them (take_pending_copies)
         self.watermark_blocks = int(watermark * num_blocks)
         self.ref_counts = [0] * num_blocks
         self.free_blocks: deque[int] = deque(range(num_blocks))
@@ -197,6 +220,7 @@ class BlockManager:
                 self._expire()
             block, _ = self.evictable.popitem(last=False)
             priority = self._forget_priority(block)
+            self._forget_parent(block)
             h = self.block_hash.pop(block)
             tokens = self.block_tokens.pop(block, None)
             if (
@@ -327,8 +351,81 @@ class BlockManager:
             self.pending_loads[block] = loaded[g, i]
             self._publish(block, g, seq, i)
         seq.num_computed_tokens = hit * bs
+        if self.partial_reuse and seq.request.multi_modal is None:
+            self._match_partial(seq, hit)
         # after a preemption the chain can run into the sequence's own output: report prompt tokens only
         seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+
+    def _match_partial(self, seq: Sequence, hit: int) -> None:
+        """After a hit of `hit` whole blocks: the next block's first tokens from a cached block of the same parent
+        that holds them (the most of them; see the module's doc). Every group must have such a block."""
+        bs = self.block_size
+        start = hit * bs
+        limit = min(bs, seq.num_tokens - 1 - start)  # at least one token is left to compute
+        tables = self._tables(seq)
+        if limit <= 0 or len(tables[0]) != hit:
+            return
+        want = seq.token_ids[start : start + limit]
+        parent = seq.block_hashes[hit - 1] if hit else self._chain_root(seq)
+        picks, matched = [], limit
+        for g in range(self.num_groups):
+            best, best_k = None, 0
+            for block in self.children.get(_cache_key(g, parent), ()):
+                if not self.copy_on_partial_reuse and self.ref_counts[block]:
+                    continue  # taken over only when no one else uses it
+                k = _common_prefix(self.block_tokens[block], want)
+                if k > best_k:
+                    best, best_k = block, k
+            if best is None:
+                return
+            picks.append(best)
+            matched = min(matched, best_k)
+        if self.copy_on_partial_reuse:
+            for block in picks:  # held while fresh blocks are taken, so none of them is evicted for one
+                self._hold(block)
+            if len(picks) > self.num_free_blocks:
+                for block in picks:
+                    self._release(block)
+                return
+            for table, block in zip(tables, picks):
+                fresh = self._take_block()
+                self.pending_copies.append((block, fresh))
+                self._copy_sources.append(block)  # released once the runner has the copies
+                table.append(fresh)
+        else:
+            for table, block in zip(tables, picks):
+                self._hold(block)
+                self._uncache(block)  # its slots from `matched` on will be overwritten
+                table.append(block)
+        seq.num_computed_tokens = start + matched
+
+    def _hold(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            self.evictable.pop(block)
+        self.ref_counts[block] += 1
+
+    def _chain_root(self, seq: Sequence) -> bytes:
+        req = seq.request
+        return self.root_hash(req.cache_salt, req.lora_int_id, req.prompt_table_digest)
+
+    def _uncache(self, block: int) -> None:
+        """The block leaves the prefix cache (it stays with whoever holds it)."""
+        h = self.block_hash.pop(block, None)
+        self.block_tokens.pop(block, None)
+        self._forget_parent(block)
+        self._forget_priority(block)
+        if h is not None and self.hash_to_block.get(h) == block:
+            del self.hash_to_block[h]
+            if self.kv_event_sink is not None and isinstance(h, bytes):
+                self.kv_event_sink(("removed", h))
+
+    def _forget_parent(self, block: int) -> None:
+        parent = self.block_parent.pop(block, None)
+        if parent is not None:
+            siblings = self.children[parent]
+            del siblings[block]
+            if not siblings:
+                del self.children[parent]
 
     def _tier_blocks_wanted(self, seq: Sequence, hit: int, cached) -> int:
         whole = seq.request.context_only
@@ -449,6 +546,10 @@ class BlockManager:
         self.hash_to_block[key] = block
         self.block_tokens[block] = tuple(seq.token_ids[i * bs : (i + 1) * bs])
         self._apply_retention(block, seq, i)
+        if self.partial_reuse:
+            parent_key = _cache_key(group, seq.block_hashes[i - 1] if i else self._chain_root(seq))
+            self.children.setdefault(parent_key, {})[block] = None
+            self.block_parent[block] = parent_key
         if group == 0 and self.kv_event_sink is not None:
             parent = seq.block_hashes[i - 1] if i else None
             self.kv_event_sink(("stored", key, parent, self.block_tokens[block]))
@@ -511,19 +612,26 @@ class BlockManager:
             self.block_tokens.pop(block, None)
             if h is not None and self.hash_to_block.get(h) == block:
                 del self.hash_to_block[h]
+            self._forget_parent(block)
             if self.ref_counts[block] == 0 and block in self.evictable:
                 del self.evictable[block]
                 self._forget_priority(block)
                 self.free_blocks.append(block)
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
+        """The copies for the runner to make before the step writes anything; the partial-reuse sources held for
+        them are let go (nothing can take them before the copies run)."""
         copies, self.pending_copies = self.pending_copies, []
+        sources, self._copy_sources = self._copy_sources, []
+        for block in sources:
+            self._release(block)
         return copies
 
     def reset_prefix_cache(self) -> None:
         for block in list(self.evictable):
             del self.evictable[block]
             self._forget_priority(block)
+            self._forget_parent(block)
             self.free_blocks.append(block)
         self.hash_to_block.clear()
         if self.kv_event_sink is not None:

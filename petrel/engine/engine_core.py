@@ -61,6 +61,8 @@ class EngineCore:
             group_windows=windows,
             sink_tokens=self.kv_groups.sink_tokens,
         )
+        self.block_manager.partial_reuse = config.enable_partial_reuse and config.enable_prefix_caching
+        self.block_manager.copy_on_partial_reuse = config.copy_on_partial_reuse
         self.pinned = PinnedPrompts(self.block_manager, config.kv_transfer_timeout)  # context-only prompts' KV
         self.lora_manager = None
         if config.enable_lora:

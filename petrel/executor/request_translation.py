@@ -32,6 +32,8 @@ KV_CACHE_ENGINE_OPTIONS = (
     "sink_token_length",
     "secondary_offload_min_priority",
     "host_cache_size",
+    "enable_partial_reuse",
+    "copy_on_partial_reuse",
 )
 KV_CACHE_ENGINE_NAMES = {"host_cache_size": "kv_host_tier_bytes"}
 KV_CACHE_UNSUPPORTED = tuple(
