@@ -1,6 +1,15 @@
 """The Executor API: token ids in, Responses out, with in-flight batching (TensorRT-LLM's executor, in Python)."""
 
 from petrel.executor.executor import Executor
+from petrel.executor.kv_events import (
+    KVCacheCreatedData,
+    KVCacheEvent,
+    KVCacheEventManager,
+    KVCacheRemovedData,
+    KVCacheStoredBlockData,
+    KVCacheStoredData,
+    UniqueToken,
+)
 from petrel.executor.types import (
     AdditionalModelOutput,
     AdditionalOutput,
@@ -58,4 +67,11 @@ __all__ = [
     "RequestPerfMetrics",
     "RequestStatsPerIteration",
     "TimingMetrics",
+    "KVCacheEventManager",
+    "KVCacheEvent",
+    "KVCacheCreatedData",
+    "KVCacheStoredData",
+    "KVCacheStoredBlockData",
+    "KVCacheRemovedData",
+    "UniqueToken",
 ]

@@ -30,6 +30,7 @@ from petrel.engine.block_manager import held_blocks
 from petrel.engine.llm_engine import LLMEngine
 from petrel.engine.output_processor import RequestOutputProcessor
 from petrel.engine.output_queue import OutputQueue
+from petrel.executor.kv_events import KVCacheEventManager, attach_kv_events
 from petrel.executor.multimodal import multimodal_inputs
 from petrel.executor.request_translation import apply_kv_cache_config, configured_outputs, translate_request
 from petrel.executor.results import RequestState, responses_for
@@ -68,6 +69,11 @@ class Executor:
             stats_history=self.config.iter_stats_max_iterations,
         )
         self._engine.step_observer = self._record_request_stats
+        kv = self.config.kv_cache_config
+        self._kv_events = None  # KvCacheConfig.event_buffer_max_size > 0: the prefix cache's events
+        if kv is not None and kv.event_buffer_max_size:
+            size = kv.event_buffer_max_size
+            self._kv_events = self._engine.call(lambda core: attach_kv_events(core, size))
         self._ids = itertools.count(1)
         self._outputs = OutputQueue()  # (request state, raw EngineOutput), from the engine loop
         self._lock = threading.Lock()  # the consumer side: processing, _ready and _states
@@ -210,6 +216,11 @@ class Executor:
 
     def can_enqueue_requests(self) -> bool:
         return not self._shutdown
+
+    def get_kv_cache_event_manager(self) -> KVCacheEventManager | None:
+        """The KV cache's events (stored / removed blocks; petrel/executor/kv_events.py), or None unless
+        KvCacheConfig.event_buffer_max_size > 0."""
+        return self._kv_events
 
     # ------------------------------------------------------------------ stats
     def get_latest_iteration_stats(self) -> list:

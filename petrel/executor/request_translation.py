@@ -36,10 +36,18 @@ KV_CACHE_ENGINE_OPTIONS = (
     "copy_on_partial_reuse",
 )
 KV_CACHE_ENGINE_NAMES = {"host_cache_size": "kv_host_tier_bytes"}
+KV_CACHE_EXECUTOR_OPTIONS = ("event_buffer_max_size",)  # the Executor's own (get_kv_cache_event_manager)
 KV_CACHE_UNSUPPORTED = tuple(
     f.name
     for f in dataclasses.fields(KvCacheConfig)
-    if f.name not in ("enable_block_reuse", "max_tokens", "free_gpu_memory_fraction", *KV_CACHE_ENGINE_OPTIONS)
+    if f.name
+    not in (
+        "enable_block_reuse",
+        "max_tokens",
+        "free_gpu_memory_fraction",
+        *KV_CACHE_ENGINE_OPTIONS,
+        *KV_CACHE_EXECUTOR_OPTIONS,
+    )
 )
 
 
@@ -88,6 +96,9 @@ def apply_kv_cache_config(kv: KvCacheConfig | None, engine_config: EngineConfig)
     unsupported = [name for name in KV_CACHE_UNSUPPORTED if getattr(kv, name) is not None]
     if unsupported:
         raise ValueError(f"kv_cache_config fields {unsupported} are not supported by petrel")
+    size = kv.event_buffer_max_size
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
+        raise ValueError(f"kv_cache_config.event_buffer_max_size must be an integer >= 0, got {size!r}")
     changes: dict = {"enable_prefix_caching": bool(kv.enable_block_reuse)}
     for name in KV_CACHE_ENGINE_OPTIONS:
         if getattr(kv, name) is not None:
