@@ -214,3 +214,13 @@ def test_secondary_offload_min_priority_decides_what_the_host_tier_takes(tiny, t
         assert reused_blocks(ex, low + [9]) == 0  # never offloaded
     with pytest.raises(ValueError, match="secondary_offload_min_priority"):
         _executor(tiny, tokenizer_dir, secondary_offload_min_priority=101).shutdown()
+
+
+def test_kv_cache_placement_fields_say_what_petrel_does(tiny, tokenizer_dir):
+    _executor(tiny, tokenizer_dir, onboard_blocks=True, use_uvm=True).shutdown()  # petrel's behaviour on the CPU
+    for kv, field in (
+        ({"onboard_blocks": False}, "onboard_blocks"),
+        ({"cross_kv_cache_fraction": 0.5}, "decoder-only"),
+    ):
+        with pytest.raises(ValueError, match=field):
+            _executor(tiny, tokenizer_dir, **kv).shutdown()

@@ -36,19 +36,6 @@ KV_CACHE_ENGINE_OPTIONS = (
     "copy_on_partial_reuse",
 )
 KV_CACHE_ENGINE_NAMES = {"host_cache_size": "kv_host_tier_bytes"}
-KV_CACHE_EXECUTOR_OPTIONS = ("event_buffer_max_size",)  # the Executor's own (get_kv_cache_event_manager)
-KV_CACHE_UNSUPPORTED = tuple(
-    f.name
-    for f in dataclasses.fields(KvCacheConfig)
-    if f.name
-    not in (
-        "enable_block_reuse",
-        "max_tokens",
-        "free_gpu_memory_fraction",
-        *KV_CACHE_ENGINE_OPTIONS,
-        *KV_CACHE_EXECUTOR_OPTIONS,
-    )
-)
 
 
 def speculation_and_prompt_tuning(request: Request) -> dict:
@@ -93,9 +80,7 @@ def apply_kv_cache_config(kv: KvCacheConfig | None, engine_config: EngineConfig)
     max_tokens and/or free_gpu_memory_fraction (the smaller when both are set)."""
     if kv is None:
         return engine_config
-    unsupported = [name for name in KV_CACHE_UNSUPPORTED if getattr(kv, name) is not None]
-    if unsupported:
-        raise ValueError(f"kv_cache_config fields {unsupported} are not supported by petrel")
+    check_kv_cache_placement(kv, engine_config)
     size = kv.event_buffer_max_size
     if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
         raise ValueError(f"kv_cache_config.event_buffer_max_size must be an integer >= 0, got {size!r}")
@@ -132,6 +117,25 @@ def apply_kv_cache_config(kv: KvCacheConfig | None, engine_config: EngineConfig)
         return dataclasses.replace(engine_config, **changes)
     except (TypeError, ValueError) as exc:  # a malformed window or sink count: named as the caller gave it
         raise ValueError(f"kv_cache_config: {exc}") from None
+
+
+def check_kv_cache_placement(kv: KvCacheConfig, engine_config: EngineConfig) -> None:
+    """The KvCacheConfig fields about where blocks live: what petrel does already is accepted, the rest refused
+    saying why."""
+    if kv.cross_kv_cache_fraction is not None:
+        raise ValueError(
+            "kv_cache_config.cross_kv_cache_fraction: petrel's models are decoder-only (no cross-attention KV cache)"
+        )
+    if kv.onboard_blocks is False:
+        raise ValueError(
+            "kv_cache_config.onboard_blocks=False: petrel attends only to blocks in its KV cache, so a block found "
+            "in a lower tier is always brought back (onboarded)"
+        )
+    if kv.use_uvm and not str(engine_config.device).startswith("cpu"):
+        raise ValueError(
+            "kv_cache_config.use_uvm: petrel allocates a CUDA KV cache in device memory (unified memory is not "
+            "supported); on the CPU the cache is host memory already"
+        )
 
 
 def lora_request_for(lora: LoraConfig, known: dict[int, LoRARequest]) -> LoRARequest:

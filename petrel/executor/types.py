@@ -306,7 +306,14 @@ class LogitsPostProcessorConfig:
 class KvCacheConfig:
     """The engine's KV cache. enable_block_reuse: prefix caching; max_tokens: the cache's size in tokens;
     free_gpu_memory_fraction: the fraction of free accelerator memory it takes (CUDA only; with max_tokens too, the
-    smaller). The other fields are TensorRT-LLM's and not supported: setting one is a ValueError naming it."""
+    smaller). max_attention_window (per layer, repeated over the layers) and sink_token_length: sliding-window
+    attention with attention sinks on any model (petrel/engine/attention_windows.py). host_cache_size: bytes of the
+    host-memory tier evicted blocks go to; secondary_offload_min_priority: the least retention priority it takes
+    (petrel/engine/kv_retention.py). enable_partial_reuse / copy_on_partial_reuse: reuse of a partly matching block
+    after a prefix hit (off unless set: petrel's default reuses whole blocks). event_buffer_max_size > 0: the events
+    of Executor.get_kv_cache_event_manager(). onboard_blocks (True: tier blocks come back into the cache) and
+    use_uvm (on the CPU, where the cache is host memory) take petrel's behaviour only; cross_kv_cache_fraction is for
+    encoder-decoder models (refused)."""
 
     enable_block_reuse: bool = True
     max_tokens: int | None = None
