@@ -32,6 +32,7 @@ from petrel.engine.output_processor import RequestOutputProcessor
 from petrel.engine.output_queue import OutputQueue
 from petrel.executor.kv_events import KVCacheEventManager, attach_kv_events
 from petrel.executor.multimodal import multimodal_inputs
+from petrel.executor.packed_lora import adapter_from_packed
 from petrel.executor.request_translation import apply_kv_cache_config, configured_outputs, translate_request
 from petrel.executor.results import RequestState, responses_for
 from petrel.executor.types import (
@@ -62,6 +63,7 @@ class Executor:
         lpp = self.config.logits_post_processor_config or LogitsPostProcessorConfig()
         self._post_processors = dict(lpp.processor_map)
         self._loras: dict[int, LoRARequest] = {}  # LoraConfig.task_id -> its adapter, from its first request
+        self._packed_loras: dict[int, str] = {}  # task_id -> the digest of the packed tensors it was loaded from
         self._request_stats: collections.deque = collections.deque(maxlen=self.config.request_stats_max_iterations)
         self._engine = LLMEngine(
             engine_config,
@@ -99,6 +101,7 @@ class Executor:
                 self._outputs_configured,
                 self._engine.model_config.vocab_size,
                 self._loras,
+                self._packed_loras,
             )
             ids = list(request.input_token_ids)
             engine = self._engine
@@ -119,6 +122,9 @@ class Executor:
 
     def _add(self, request_id: int, ids: list[int], params, state: RequestState, request: Request, options: dict):
         lora = options.get("lora_request")
+        packed = options.pop("lora_packed", None)
+        if packed is not None:
+            self._load_packed_lora(lora, *packed)
         try:
             self._engine.add_request(
                 request_id,
@@ -134,6 +140,17 @@ class Executor:
             raise
         if lora is not None:
             self._loras.setdefault(lora.lora_int_id, lora)  # later requests of this task_id need no path
+            if packed is not None:
+                self._packed_loras.setdefault(lora.lora_int_id, packed[2])
+
+    def _load_packed_lora(self, lora: LoRARequest, weights, config, digest: str) -> None:
+        """A new task_id's packed tensors (TensorRT-LLM's layout, petrel/executor/packed_lora.py) into the engine's
+        adapter store, where PEFT directories go too."""
+        manager = self._engine.core.lora_manager
+        if manager is None:
+            raise ValueError("lora_config needs an engine started with enable_lora=True")
+        adapter = adapter_from_packed(lora, weights, config, self._engine.model_config, manager.max_rank)
+        manager.register(lora, adapter)
 
     def enqueue_requests(self, requests: list[Request]) -> list[int]:
         return [self.enqueue_request(r) for r in requests]

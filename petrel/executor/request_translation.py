@@ -11,6 +11,7 @@ import torch
 
 from petrel.config import EngineConfig
 from petrel.engine.kv_retention import KvRetention, make_retention
+from petrel.executor.packed_lora import packed_digest, packed_request
 from petrel.executor.types import ExecutorConfig, KvCacheConfig, KvCacheRetentionConfig, LoraConfig, Request
 from petrel.lora import LoRARequest
 from petrel.sampling_params import ADDITIONAL_OUTPUTS, SamplingParams
@@ -138,23 +139,39 @@ def check_kv_cache_placement(kv: KvCacheConfig, engine_config: EngineConfig) -> 
         )
 
 
-def lora_request_for(lora: LoraConfig, known: dict[int, LoRARequest]) -> LoRARequest:
-    """The adapter of a LoraConfig: a new task_id needs `path`; a known one may omit it."""
+def lora_request_for(
+    lora: LoraConfig, known: dict[int, LoRARequest], packed_digests: dict[int, str]
+) -> tuple[LoRARequest, tuple | None]:
+    """The adapter of a LoraConfig, and (weights, config, digest) when its packed tensors must be loaded first. A new
+    task_id needs `path` (a PEFT directory) or packed `weights` and `config`; a known one may leave them out (given
+    again, they must be the ones it is cached with)."""
     if not isinstance(lora, LoraConfig):
         raise ValueError(f"lora_config must be an executor LoraConfig, got {type(lora).__name__}")
-    if lora.weights is not None or lora.config is not None:
-        raise ValueError("lora_config: packed weights/config tensors are not supported; give a PEFT adapter path")
     task = lora.task_id
     if not isinstance(task, int) or isinstance(task, bool) or task < 1:
         raise ValueError(f"lora_config.task_id must be an integer >= 1, got {task!r}")
+    packed = lora.weights is not None or lora.config is not None
+    if packed and lora.path is not None:
+        raise ValueError("lora_config: give either a PEFT adapter path or packed weights / config, not both")
     cached = known.get(task)
+    if packed:
+        if lora.weights is None or lora.config is None:
+            raise ValueError("lora_config: packed weights need their config, and a config its weights")
+        digest = packed_digest(lora.weights, lora.config)
+        if cached is not None:
+            if packed_digests.get(task) != digest:
+                raise ValueError(f"lora_config: task_id {task} is cached with another adapter")
+            return cached, None
+        return packed_request(task), (lora.weights, lora.config, digest)
     if lora.path is None:
         if cached is None:
-            raise ValueError(f"lora_config: task_id {task} is not cached; its first request must give a path")
-        return cached
+            raise ValueError(
+                f"lora_config: task_id {task} is not cached; its first request must give a path or packed weights"
+            )
+        return cached, None
     if cached is not None and cached.lora_path != str(lora.path):
-        raise ValueError(f"lora_config: task_id {task} is cached with another path ({cached.lora_path})")
-    return LoRARequest(f"task-{task}", task, str(lora.path))
+        raise ValueError(f"lora_config: task_id {task} is cached with another adapter ({cached.lora_path})")
+    return LoRARequest(f"task-{task}", task, str(lora.path)), None
 
 
 class _EmbeddingBias:
@@ -186,8 +203,11 @@ def translate_request(
     outputs_configured: set[str],
     vocab_size: int,
     loras: dict[int, LoRARequest],
+    packed_digests: dict[int, str] | None = None,
 ) -> tuple[SamplingParams, dict]:
-    """The request's SamplingParams and its engine request options (with 'timeout' and 'lora_request')."""
+    """The request's SamplingParams and its engine request options (with 'timeout' and 'lora_request'; and
+    'lora_packed', the Executor's to load, for a new task_id's packed LoRA tensors)."""
+    packed_digests = {} if packed_digests is None else packed_digests
     if not isinstance(request, Request):
         raise TypeError(f"enqueue_request takes an executor Request, got {type(request).__name__}")
     if not request.input_token_ids:
@@ -284,7 +304,9 @@ def translate_request(
             raise ValueError(f"allotted_time_ms must be > 0, got {ms!r}")
         options["timeout"] = ms / 1000.0
     if request.lora_config is not None:
-        options["lora_request"] = lora_request_for(request.lora_config, loras)
+        options["lora_request"], packed = lora_request_for(request.lora_config, loras, packed_digests)
+        if packed is not None:
+            options["lora_packed"] = packed  # loaded by the Executor before the request is queued
     if request.kv_cache_retention_config is not None:
         options["kv_retention"] = retention_of(request.kv_cache_retention_config)
     return params, options

@@ -119,10 +119,12 @@ class LookaheadDecodingConfig:
 @dataclass
 class LoraConfig:
     """The LoRA adapter a request runs with, cached by task_id (TensorRT-LLM's behaviour): the first request with a
-    task_id gives `path`, later ones give only the task_id. The engine needs enable_lora=True.
+    task_id gives the adapter, later ones only the task_id. The engine needs enable_lora=True.
 
-    `path` is petrel's extension: a PEFT adapter directory (adapter_config.json + adapter_model.safetensors).
-    TensorRT-LLM's packed `weights` / `config` tensors are not supported (a ValueError)."""
+    The adapter: TensorRT-LLM's packed `weights` ([rows, width]: each row a module's flattened in then out weights)
+    and `config` ([rows, 3]: module id, layer, adapter size), see petrel/executor/packed_lora.py; or petrel's
+    extension `path`, a PEFT adapter directory (adapter_config.json + adapter_model.safetensors). Both go into the
+    engine's one adapter store."""
 
     task_id: int
     weights: Any = None
