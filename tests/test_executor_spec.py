@@ -284,11 +284,11 @@ def test_post_processors_get_the_spec_arguments_and_beams_in_one_call(executor):
     "name, value",
     [
         ("lookahead_config", LookaheadDecodingConfig(4, 3, 4)),
-        ("mrope_config", object()),
+        ("mrope_config", object()),  # a text model has no M-RoPE
         ("encoder_input_token_ids", [1, 2]),
         ("multimodal_embedding", torch.zeros(2, 64)),
         ("multimodal_input", MultimodalInput([[1] * 8], [0], [1])),  # a text-only model takes no images
-        ("position_ids", [0, 1]),
+        ("position_ids", [0, 1]),  # one per prompt token
     ],
 )
 def test_unsupported_request_fields_are_refused_by_name(executor, name, value):

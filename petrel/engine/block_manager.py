@@ -207,7 +207,9 @@ class BlockManager:
             # the content hashes of the images whose rows the block holds: same tokens, other image, other block
             media = req.multi_modal.block_key(i, bs) if req.multi_modal is not None else b""
             seq.block_hashes.append(
-                hashlib.sha256(parent + repr(tokens).encode() + (b"|mm:" + media if media else b"")).digest()
+                hashlib.sha256(
+                    parent + repr(tokens).encode() + (b"|mm:" + media if media else b"") + req.block_key(i, bs)
+                ).digest()
             )
 
     # ------------------------------------------------------------------ allocation

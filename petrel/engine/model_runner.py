@@ -35,6 +35,7 @@ class QuerySpan:
     embedding_table: torch.Tensor | None = None
     multi_modal: MultiModalInputs | None = None  # the prompt's images, whose rows take encoder outputs
     rope_inputs: MultiModalInputs | None = None  # the request's media, for multimodal rotary positions (M-RoPE)
+    positions: list[int] | None = None  # the tokens' rotary positions when the request gave them (else indices)
 
     @staticmethod
     def of(seq: Sequence, token_ids: list[int], start: int) -> QuerySpan:
@@ -43,7 +44,10 @@ class QuerySpan:
         table = seq.params.prompt_embedding_table if in_prompt else None
         media = seq.request.multi_modal if in_prompt else None
         rope = seq.request.multi_modal
-        return QuerySpan(token_ids, start, tables[0], tables if len(tables) > 1 else None, table, media, rope)
+        positions = seq.request.position_of(start, len(token_ids))
+        return QuerySpan(
+            token_ids, start, tables[0], tables if len(tables) > 1 else None, table, media, rope, positions
+        )
 
 
 @dataclass
@@ -119,6 +123,24 @@ def num_kv_blocks(config, cfg: ModelConfig, layers_per_block: int | None = None)
     return kv_cache_budget(config) // kv_bytes_per_block(
         cfg, config.block_size, config.kv_cache_torch_dtype, config.tensor_parallel_size, layers_per_block
     )
+
+
+def given_rotary_rows(spans: list[QuerySpan], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(rows of the flat batch, their cos, their sin [rows, head_dim / 2]) for the prompt tokens whose rotary table a
+    request gave (Executor Request.mrope_config: MultiModalInputs.rope_cos_sin), or None when no span has any."""
+    rows, tables, row = [], [], 0
+    for span in spans:
+        table = getattr(span.rope_inputs, "rope_cos_sin", None)  # [prompt length, head_dim / 2, 2]
+        n = len(span.token_ids)
+        if table is not None and span.start < table.shape[0]:
+            k = min(n, table.shape[0] - span.start)
+            rows.append(torch.arange(row, row + k))
+            tables.append(table[span.start : span.start + k])
+        row += n
+    if not rows:
+        return None
+    given = torch.cat(tables).to(device)
+    return torch.cat(rows).to(device), given[..., 0], given[..., 1]
 
 
 def _readable(block_table: list[int], sink_blocks: int = 0) -> list[int]:
@@ -224,7 +246,10 @@ class ModelRunner:
         input_ids, positions = [], []
         for span in spans:
             input_ids.extend(span.token_ids)
-            positions.extend(range(span.start, span.start + len(span.token_ids)))
+            if span.positions is not None:
+                positions.extend(span.positions)
+            else:
+                positions.extend(range(span.start, span.start + len(span.token_ids)))
         if getattr(self.model, "uses_mrope", False) and spans:
             positions = torch.cat([span_positions(s.rope_inputs, s.start, len(s.token_ids)) for s in spans], dim=1)
         if self.kv_groups.num_groups == 1:
@@ -293,6 +318,10 @@ class ModelRunner:
         extra = {}
         if parts:
             extra["input_embeds"] = (torch.cat([r for r, _ in parts]), torch.cat([e for _, e in parts]))
+        if any(getattr(span.rope_inputs, "rope_cos_sin", None) is not None for span in plan.spans):
+            rotary = given_rotary_rows(plan.spans, self.device)
+            if rotary is not None:
+                extra["rotary_rows"] = rotary
         hidden = self.model(input_ids, positions, self.kv_caches, meta, num_layers=plan.num_layers, **extra)
         rows = plan.logits_rows
         if not rows:

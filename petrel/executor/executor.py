@@ -33,6 +33,7 @@ from petrel.engine.output_queue import OutputQueue
 from petrel.executor.kv_events import KVCacheEventManager, attach_kv_events
 from petrel.executor.multimodal import multimodal_inputs
 from petrel.executor.packed_lora import adapter_from_packed
+from petrel.executor.positions import apply_mrope_config, position_ids_of
 from petrel.executor.request_translation import apply_kv_cache_config, configured_outputs, translate_request
 from petrel.executor.results import RequestState, responses_for
 from petrel.executor.types import (
@@ -106,8 +107,12 @@ class Executor:
             ids = list(request.input_token_ids)
             engine = self._engine
             multi_modal = multimodal_inputs(request, engine.mm_processor, engine.model_config.hidden_size)
+            multi_modal = apply_mrope_config(request, multi_modal, engine.model_config)
             if multi_modal is not None:
                 options["multi_modal"] = multi_modal
+            positions = position_ids_of(request, engine.model_config)
+            if positions is not None:
+                options["position_ids"] = positions
             processor = RequestOutputProcessor(request_id, self._engine.tokenizer, ids, params)
             state = RequestState(request_id, request, params, processor, self._engine.config.block_size)
             with self._lock:

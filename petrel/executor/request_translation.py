@@ -17,8 +17,6 @@ from petrel.lora import LoRARequest
 from petrel.sampling_params import ADDITIONAL_OUTPUTS, SamplingParams
 
 UNSUPPORTED_FIELDS = (
-    "position_ids",
-    "mrope_config",
     "encoder_input_token_ids",
     "encoder_input_features",
     "encoder_output_length",

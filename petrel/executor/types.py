@@ -106,6 +106,19 @@ class ExternalDraftTokensConfig:
 
 
 @dataclass
+class MropeConfig:
+    """A Qwen2-VL request's multimodal rotary embedding, as TensorRT-LLM takes it: mrope_rotary_cos_sin holds, for each
+    prompt token in order (more rows, up to the model's context, may follow and are not read), the (cos, sin) pair of
+    each of the head's head_dim / 2 rotary frequencies at that token's temporal / height / width position (each
+    frequency from its M-RoPE section's stream), flattened (any shape of rows * head_dim values: [1, n], [rows,
+    head_dim] or [rows, head_dim / 2, 2]); a generated token at index i has all three positions i +
+    mrope_position_deltas (an int, or a one-element tensor). See petrel/executor/positions.py."""
+
+    mrope_rotary_cos_sin: Any
+    mrope_position_deltas: Any
+
+
+@dataclass
 class LookaheadDecodingConfig:
     """TensorRT-LLM's lookahead (Jacobi) decoding: refused per request. petrel's n-gram proposer is prompt lookup
     (one continuation from an earlier n-gram, engine-wide: speculative_config={"method": "ngram"}), which honours
@@ -246,8 +259,10 @@ class Request:
     prompt_tuning_config: PromptTuningConfig | None = None  # virtual prompt tokens (ids >= vocab) -> table rows
     lookahead_config: LookaheadDecodingConfig | None = None  # refused: see LookaheadDecodingConfig
     external_draft_tokens_config: ExternalDraftTokensConfig | None = None  # the caller's drafts, verified
-    position_ids: Any = None  # refused (a ValueError naming it), as are the fields below unless said otherwise
-    mrope_config: Any = None
+    # the prompt tokens' rotary positions (a text model's; one per token): later tokens go on from the last one
+    position_ids: list[int] | None = None
+    mrope_config: MropeConfig | None = None  # an M-RoPE model's rotary table and position delta (Qwen2-VL)
+    # the fields below are refused (a ValueError naming them) unless said otherwise
     # a vision-language model's image rows given as embeddings ([rows, hidden], one per image placeholder token of
     # input_token_ids, in order): the vision encoder is skipped (petrel/executor/multimodal.py)
     multimodal_embedding: Any = None

@@ -172,16 +172,23 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         num_layers: int | None = None,
         input_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+        rotary_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Flat batch in ([T] ids and positions), final hidden states out ([T, hidden]).
 
         num_layers: run only the first layers, then the final norm (early exit, for self-speculation).
         input_embeds: (rows, embeddings [len(rows), hidden]) that replace those rows' token embeddings (prompt
-        tuning's virtual tokens)."""
+        tuning's virtual tokens). rotary_rows: (rows, cos, sin [len(rows), head_dim / 2]) that replace those rows'
+        rotary angles (a request's given M-RoPE table)."""
         x = self.model.embed_tokens(input_ids)
         if input_embeds is not None:
             x[input_embeds[0]] = input_embeds[1].to(x.dtype)
         cos_sin = self.model.rotary.for_positions(positions, x.dtype)
+        if rotary_rows is not None:
+            rows, cos, sin = rotary_rows
+            cos_sin = tuple(t.clone() for t in cos_sin)
+            cos_sin[0][rows, 0] = torch.cat([cos, cos], dim=-1).to(x.dtype)  # rotate-half layout: [freqs, freqs]
+            cos_sin[1][rows, 0] = torch.cat([sin, sin], dim=-1).to(x.dtype)
         layers = self.model.layers if num_layers is None else self.model.layers[:num_layers]
         if (out := self._step_in_one_call(x, cos_sin, kv_caches, meta, layers)) is not None:
             return self.model.norm(out)
