@@ -321,7 +321,30 @@ def test_prompt_tuning_config_virtual_tokens_take_table_rows(executor):
     assert tuned(virtual, PromptTuningConfig(table)).result.output_token_ids[-1][-8:] == plain
     other = tuned(virtual, PromptTuningConfig(torch.randn_like(table) * 3)).result.output_token_ids[-1][-8:]
     assert other != plain
-    refused = tuned(virtual, PromptTuningConfig(table, input_token_extra_ids=[1] * len(virtual)))
-    assert refused.has_error() and "input_token_extra_ids" in refused.error_msg
     past = tuned(PROMPT + [VOCAB + 3], PromptTuningConfig(table))
     assert past.has_error() and "prompt_tuning_config" in past.error_msg
+
+
+def test_input_token_extra_ids_key_the_prefix_cache_per_virtual_token(executor):
+    """Same table: requests with the same extra ids on the virtual tokens share the block holding them, other extra
+    ids never do (the tokens stay the table's); extra ids of vocabulary tokens key nothing."""
+    table = torch.randn(3, 64, generator=torch.Generator().manual_seed(5))
+    ids = [VOCAB, VOCAB + 1, VOCAB + 2] + [(i * 11 + 4) % 200 + 3 for i in range(17)]  # 20 tokens: 1 full block
+
+    def tuned(extra_ids):
+        oc = OutputConfig(exclude_input_from_output=True, return_perf_metrics=True)
+        config = PromptTuningConfig(table, input_token_extra_ids=extra_ids)
+        request = Request(list(ids), 6, bad_words=NO_EOS, prompt_tuning_config=config, output_config=oc)
+        r = collect(executor, executor.enqueue_request(request))[-1]
+        assert not r.has_error(), r.error_msg
+        return r.result.output_token_ids[0], r.result.request_perf_metrics.kv_cache_metrics.num_reused_blocks
+
+    first, reused = tuned([7] * len(ids))
+    assert reused == 0
+    assert tuned([7] * len(ids)) == (first, 1)
+    assert tuned([8] * len(ids)) == (first, 0)  # other extra ids: computed again, the same table's tokens
+    assert tuned([7, 7, 7] + [99] * 17) == (first, 1)  # the vocabulary tokens' extra ids key nothing
+    for bad in ([7] * 3, [-1] * len(ids), ["a"] * len(ids)):
+        config = PromptTuningConfig(table, input_token_extra_ids=bad)
+        r = collect(executor, executor.enqueue_request(Request(list(ids), 2, prompt_tuning_config=config)))[-1]
+        assert r.has_error() and "input_token_extra_ids" in r.error_msg

@@ -22,7 +22,8 @@ Partial reuse (enable_partial_reuse, TensorRT-LLM's): after the whole blocks a p
 may match in part: a cached block with the same parent in the chain whose first k tokens equal the prompt's next k
 gives them too. With copy_on_partial_reuse its KV is copied into a fresh block (any number of requests may do so);
 without, the request takes the cached block itself when no one else uses it (it leaves the prefix cache: its later
-slots are overwritten). Requests with images take whole blocks only (their blocks are keyed by the images too).
+slots are overwritten). Requests whose blocks are keyed by more than their tokens (images, given positions, extra
+ids of virtual tokens) take whole blocks only, and their blocks are never partly reused.
 
 Lower KV tiers (petrel/kv_tiers, when the engine has them): an evicted cached block is listed for the engine to copy
 out, and a prefix lookup continues past the memory hit through tier_fetch; a tier hit gets a fresh block, published
@@ -64,6 +65,12 @@ def held_blocks(block_table: list[int]) -> list[int]:
     if FREED not in block_table:
         return block_table[:]
     return [b for b in block_table if b != FREED]  # a run after the sink blocks
+
+
+def _keyed_by_tokens_alone(request) -> bool:
+    """Whether a request's blocks are keyed by their tokens (and chain) alone: only those take part in partial
+    reuse, whose match compares tokens."""
+    return request.multi_modal is None and request.position_ids is None and request.token_extra_ids is None
 
 
 def _common_prefix(a, b) -> int:
@@ -353,7 +360,7 @@ class BlockManager:
             self.pending_loads[block] = loaded[g, i]
             self._publish(block, g, seq, i)
         seq.num_computed_tokens = hit * bs
-        if self.partial_reuse and seq.request.multi_modal is None:
+        if self.partial_reuse and _keyed_by_tokens_alone(seq.request):
             self._match_partial(seq, hit)
         # after a preemption the chain can run into the sequence's own output: report prompt tokens only
         seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
@@ -548,7 +555,7 @@ class BlockManager:
         self.hash_to_block[key] = block
         self.block_tokens[block] = tuple(seq.token_ids[i * bs : (i + 1) * bs])
         self._apply_retention(block, seq, i)
-        if self.partial_reuse:
+        if self.partial_reuse and _keyed_by_tokens_alone(seq.request):
             parent_key = _cache_key(group, seq.block_hashes[i - 1] if i else self._chain_root(seq))
             self.children.setdefault(parent_key, {})[block] = None
             self.block_parent[block] = parent_key

@@ -65,6 +65,9 @@ class EngineRequest:
     # the prompt tokens' rotary positions when given (Executor Request.position_ids; None: 0, 1, 2, ...); a later
     # token's goes on from the last prompt token's (position_of)
     position_ids: list[int] | None = None
+    # prompt tuning's input_token_extra_ids: per prompt token, what tells its virtual token's table apart (0 for a
+    # vocabulary token); they key the prefix cache per virtual token (TensorRT-LLM's unique tokens)
+    token_extra_ids: list[int] | None = None
     # dkv_cache_hint (petrel/kv_tiers/dkv_hint.py): chain hashes the shared KV store holds, and the prompt tokens
     # it holds from the start; plan_hinted_fetch keeps those in this request's own chain
     kv_hint_keys: tuple[bytes, ...] = ()
@@ -81,10 +84,15 @@ class EngineRequest:
 
     def block_key(self, block: int, block_size: int) -> bytes:
         """What keys the prefix cache's block `block` of this request besides its tokens (b"" for most requests):
-        its tokens' given positions (the KV depends on them)."""
-        if self.position_ids is None:
-            return b""
-        return b"|pos:" + repr(self.position_of(block * block_size, block_size)).encode()
+        its tokens' given positions (the KV depends on them), and its virtual tokens' extra ids."""
+        key = b""
+        if self.position_ids is not None:
+            key += b"|pos:" + repr(self.position_of(block * block_size, block_size)).encode()
+        if self.token_extra_ids is not None:
+            extra = self.token_extra_ids[block * block_size : (block + 1) * block_size]
+            if any(extra):
+                key += b"|extra:" + repr(extra).encode()
+        return key
 
     @property
     def lora_int_id(self) -> int:

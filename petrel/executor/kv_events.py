@@ -3,8 +3,9 @@ when KvCacheConfig.event_buffer_max_size > 0): what the prefix cache stored and 
 
 They are the events the gRPC worker streams (petrel/grpc/kv_events.py): the block manager's sink calls, in the
 engine loop, for the global-attention group's blocks. A block's hash is its chain hash's first 8 bytes as a signed
-big-endian int64 (the gRPC worker's rule too); its tokens are UniqueTokens (token_extra_id 0 unless the request gave
-input_token_extra_ids); its priority is its retention priority when it was stored. A run of stored blocks each
+big-endian int64 (the gRPC worker's rule too); its tokens are UniqueTokens of its token ids (token_extra_id 0: the
+extra ids of virtual tokens are in the chain hash, not in the events); its priority is its retention priority when
+it was stored. A run of stored blocks each
 chained on the one before becomes one KVCacheStoredData, as TensorRT-LLM sends it. A prefix-cache reset becomes one
 KVCacheRemovedData of every block stored and not yet removed.
 

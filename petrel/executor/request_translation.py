@@ -54,13 +54,29 @@ def speculation_and_prompt_tuning(request: Request) -> dict:
         extra["external_draft_tokens"] = list(drafts.tokens)
     tuning = request.prompt_tuning_config
     if tuning is not None:
-        if tuning.input_token_extra_ids is not None:
-            raise ValueError(
-                "prompt_tuning_config.input_token_extra_ids is not supported: petrel keys the prefix cache by the "
-                "embedding table itself"
-            )
         extra["prompt_embedding_table"] = tuning.embedding_table
     return extra
+
+
+def token_extra_ids_of(request: Request, vocab_size: int) -> list[int] | None:
+    """prompt_tuning_config.input_token_extra_ids, one per prompt token, kept for the virtual tokens (ids >=
+    vocab_size; 0 for the others, as they key nothing): None when none is set or every kept one is 0."""
+    tuning = request.prompt_tuning_config
+    given = None if tuning is None else tuning.input_token_extra_ids
+    if given is None:
+        return None
+    field = "prompt_tuning_config.input_token_extra_ids"
+    if isinstance(given, torch.Tensor):
+        given = given.tolist()
+    if not isinstance(given, (list, tuple)) or not all(
+        isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in given
+    ):
+        raise ValueError(f"{field} must be a list of integers >= 0, one per prompt token")
+    ids = request.input_token_ids
+    if len(given) != len(ids):
+        raise ValueError(f"{field} has {len(given)} ids for {len(ids)} prompt tokens; give one per token")
+    kept = [e if t >= vocab_size else 0 for t, e in zip(ids, given)]
+    return kept if any(kept) else None
 
 
 def configured_outputs(config: ExecutorConfig) -> set[str]:
@@ -307,6 +323,9 @@ def translate_request(
             options["lora_packed"] = packed  # loaded by the Executor before the request is queued
     if request.kv_cache_retention_config is not None:
         options["kv_retention"] = retention_of(request.kv_cache_retention_config)
+    extra_ids = token_extra_ids_of(request, vocab_size)
+    if extra_ids is not None:
+        options["token_extra_ids"] = extra_ids
     return params, options
 
 

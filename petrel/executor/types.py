@@ -73,8 +73,10 @@ class OutputConfig:
 @dataclass
 class PromptTuningConfig:
     """Prompt tuning: a prompt id >= the vocabulary size is a virtual token whose input embedding is row
-    (id - vocab_size) of `embedding_table` ([num_virtual_tokens, hidden]). The prefix cache is keyed by the table,
-    so `input_token_extra_ids` (TensorRT-LLM's way to tell tables apart) is not needed and is refused."""
+    (id - vocab_size) of `embedding_table` ([num_virtual_tokens, hidden]). The prefix cache is keyed by the table
+    (its digest), and, as TensorRT-LLM does, by `input_token_extra_ids` (one per prompt token; a virtual token's
+    (id, extra id) pair is its key, a vocabulary token's extra id is ignored): requests with the same table and
+    different extra ids never share the blocks holding those virtual tokens."""
 
     embedding_table: Any
     input_token_extra_ids: list[int] | None = None
