@@ -227,6 +227,11 @@ def test_kv_cache_config_and_configured_additional_outputs(tiny, tokenizer_dir):
             _engine_config(tiny, tokenizer_dir),
             ExecutorConfig(kv_cache_config=KvCacheConfig(free_gpu_memory_fraction=0.5)),
         )
+    with pytest.raises(ValueError, match="replicate"):
+        Executor(
+            _engine_config(tiny, tokenizer_dir),
+            ExecutorConfig(logits_post_processor_config=LogitsPostProcessorConfig(replicate="no")),
+        )
     with pytest.raises(ValueError, match="top_k_logits"):
         Executor(
             _engine_config(tiny, tokenizer_dir),

@@ -62,6 +62,8 @@ class Executor:
         engine_config = apply_kv_cache_config(self.config.kv_cache_config, engine_config)
         self._outputs_configured = configured_outputs(self.config)
         lpp = self.config.logits_post_processor_config or LogitsPostProcessorConfig()
+        if not isinstance(lpp.replicate, bool):
+            raise ValueError(f"logits_post_processor_config.replicate must be a bool, got {lpp.replicate!r}")
         self._post_processors = dict(lpp.processor_map)
         self._loras: dict[int, LoRARequest] = {}  # LoraConfig.task_id -> its adapter, from its first request
         self._packed_loras: dict[int, str] = {}  # task_id -> the digest of the packed tensors it was loaded from

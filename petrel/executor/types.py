@@ -317,8 +317,17 @@ class Response:
 
 @dataclass
 class LogitsPostProcessorConfig:
+    """Named logits post-processors (Request.logits_post_processor_name) and the batched one.
+
+    replicate: TensorRT-LLM runs the callbacks on every rank of the first tensor-parallel group unless it is False
+    (then on rank 0 only, the sampled tokens broadcast). petrel samples on rank 0 alone: the callbacks always run
+    there, once per step, and the other ranks take the tokens it sampled with the next step's forward plan. So
+    replicate=False is exactly TensorRT-LLM's; with replicate=True the tokens are what replicated (deterministic)
+    callbacks give, and no client state needs replicating."""
+
     processor_map: dict[str, LogitsPostProcessor] = field(default_factory=dict)
     processor_batched: LogitsPostProcessorBatched | None = None
+    replicate: bool = True
 
 
 @dataclass
