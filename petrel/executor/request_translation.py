@@ -16,15 +16,18 @@ from petrel.executor.types import ExecutorConfig, KvCacheConfig, KvCacheRetentio
 from petrel.lora import LoRARequest
 from petrel.sampling_params import ADDITIONAL_OUTPUTS, SamplingParams
 
-UNSUPPORTED_FIELDS = (
-    "encoder_input_token_ids",
-    "encoder_input_features",
-    "encoder_output_length",
-    "cross_attention_mask",
-    "eagle_config",
-    "skip_cross_attn_blocks",
-    "language_adapter_uid",
-)
+_ENCODER = "encoder-decoder models only: petrel's models are decoder-only (no encoder)"
+_CROSS = "cross-attention: petrel's models are decoder-only (they have no cross-attention)"
+# Request fields petrel refuses when set, and why
+UNSUPPORTED_FIELDS = {
+    "encoder_input_token_ids": _ENCODER,
+    "encoder_input_features": _ENCODER,
+    "encoder_output_length": _ENCODER,
+    "cross_attention_mask": _CROSS,
+    "skip_cross_attn_blocks": _CROSS,
+    "eagle_config": "EAGLE needs a model's EAGLE draft heads, which petrel does not load",
+    "language_adapter_uid": "language adapters belong to models built with them; petrel loads none",
+}
 # KvCacheConfig fields that become EngineConfig options (of the same name unless mapped here)
 KV_CACHE_ENGINE_OPTIONS = (
     "max_attention_window",
@@ -228,9 +231,9 @@ def translate_request(
         raise ValueError("input_token_ids is empty: at least one token is needed")
     if not isinstance(request.max_tokens, int) or request.max_tokens < 1:
         raise ValueError(f"max_tokens must be an integer >= 1, got {request.max_tokens!r}")
-    for name in UNSUPPORTED_FIELDS:
+    for name, why in UNSUPPORTED_FIELDS.items():
         if getattr(request, name) is not None:
-            raise ValueError(f"Request.{name} is not supported by petrel")
+            raise ValueError(f"Request.{name} is not supported: {why}")
     extra = speculation_and_prompt_tuning(request)
     sc, oc = request.sampling_config, request.output_config
     if oc.return_encoder_output:
