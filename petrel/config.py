@@ -194,6 +194,18 @@ class EngineConfig:
     kv_disk_tier_path: str | None = None
     kv_disk_tier_bytes: int = 8 * 1024**3
     kv_tier_fetch_timeout: float = 2.0
+    # attention windows on any model (TensorRT-LLM's KvCacheConfig, petrel/engine/attention_windows.py): one window
+    # per layer, the list repeated over the layers; and the first positions every windowed layer also sees
+    # (StreamingLLM's attention sinks). The blocks behind a window are given back
+    max_attention_window: list[int] | None = None
+    sink_token_length: int | None = None
+    # a lower KV tier takes an evicted block only if its retention priority (petrel/engine/kv_retention.py: 0..100,
+    # 35 by default) is at least this (TensorRT-LLM's secondary_offload_min_priority)
+    secondary_offload_min_priority: int = 35
+    # the block after a prefix hit may be reused in part: its first tokens from a cached block that shares them
+    # (petrel/engine/block_manager.py); copied into a fresh block, or (copy_on_partial_reuse False) taken over
+    enable_partial_reuse: bool = False
+    copy_on_partial_reuse: bool = True
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
@@ -249,6 +261,12 @@ class EngineConfig:
             raise ValueError(f"kv_transfer_timeout must be > 0 seconds, got {self.kv_transfer_timeout!r}")
         self._check_kv_transfer()
         self._check_kv_tiers()
+        from petrel.engine.attention_windows import check_window_options
+
+        check_window_options(self.max_attention_window, self.sink_token_length)
+        from petrel.engine.kv_retention import check_priority
+
+        check_priority(self.secondary_offload_min_priority, "secondary_offload_min_priority")
         from petrel.model.quantization import QUANTIZATION_METHODS
 
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:

@@ -13,6 +13,7 @@ from typing import Any
 from petrel.config import EngineConfig
 from petrel.disagg import DisaggregatedParams
 from petrel.disagg import requests as disagg
+from petrel.engine.kv_retention import make_retention
 from petrel.engine.llm_engine import LLMEngine
 from petrel.heap import freeze_startup_objects, thaw_frozen_objects
 from petrel.kv_tiers.dkv_hint import parse_dkv_cache_hint
@@ -92,6 +93,7 @@ class LLM:
         lora_request: LoRARequest | None = None,
         disaggregated_params: DisaggregatedParams | None = None,
         dkv_cache_hint: dict | None = None,
+        kv_cache_retention_config=None,
     ) -> RequestFuture:
         """Queue one request and return its future at once. `timeout` (seconds) ends it with finish_reason 'timeout'.
         `prompt` may be a TextGenerationRequest (its request_id, sampling_params and cache_salt are then used).
@@ -103,10 +105,18 @@ class LLM:
         Streaming beam search: an update after each step with the best n running beams, each whole (beams reorder
         and fork, so an output's tokens may change from one update to the next); the last update is the final beams.
         `dkv_cache_hint` ({"block_hashes": [hex, ...]} and/or {"num_cached_tokens": N}): blocks the shared KV store
-        holds (petrel/kv_tiers/dkv_hint.py); a TextGenerationRequest's own hint is used when it has one."""
-        return self._prepare(prompt, sampling_params, cache_salt, lora_request, disaggregated_params, dkv_cache_hint)(
-            streaming, timeout
-        )
+        holds (petrel/kv_tiers/dkv_hint.py); a TextGenerationRequest's own hint is used when it has one.
+        `kv_cache_retention_config` (TensorRT-LLM's KvCacheRetentionConfig, an object or a dict of its fields): the
+        eviction priorities of the request's cached KV blocks (petrel/engine/kv_retention.py)."""
+        return self._prepare(
+            prompt,
+            sampling_params,
+            cache_salt,
+            lora_request,
+            disaggregated_params,
+            dkv_cache_hint,
+            kv_cache_retention_config,
+        )(streaming, timeout)
 
     def _prepare(
         self,
@@ -116,6 +126,7 @@ class LLM:
         lora_request: LoRARequest | None = None,
         disaggregated_params: DisaggregatedParams | None = None,
         dkv_cache_hint: dict | None = None,
+        kv_cache_retention_config=None,
     ):
         """Tokenize and check one prompt now; return submit(streaming, timeout) -> RequestFuture that queues it."""
         request_id, multi_modal = None, None
@@ -154,6 +165,7 @@ class LLM:
         if dp is not None:
             disagg.check(dp, params, ids, self._engine, self.config)
         hint = parse_dkv_cache_hint(dkv_cache_hint)
+        retention = None if kv_cache_retention_config is None else make_retention(kv_cache_retention_config)
 
         def submit(streaming: bool, timeout: float | None) -> RequestFuture:
             arrival = _now() if request is None else _arrival(request.timestamp_ns)
@@ -179,6 +191,8 @@ class LLM:
                 options["multi_modal"] = multi_modal
             if hint is not None:
                 options["kv_hint_keys"], options["kv_hint_tokens"] = hint.block_keys, hint.num_cached_tokens
+            if retention is not None:
+                options["kv_retention"] = retention
             if streaming and params.use_beam_search:  # each step's best beams, whole
                 options["stream_beams"] = True
             self._add(future, ids, params, timeout, cache_salt, options, dp)
@@ -222,11 +236,12 @@ class LLM:
         lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
         disaggregated_params: DisaggregatedParams | Seq[DisaggregatedParams | None] | None = None,
         dkv_cache_hint: dict | Seq[dict | None] | None = None,
+        kv_cache_retention_config=None,
     ) -> RequestOutput | list[RequestOutput]:
         """Generate for one prompt (returns one RequestOutput) or many (a list, in input order). Every prompt is
         tokenized and checked before any is queued; if queueing one fails, those already queued are aborted.
         lora_request: one LoRA adapter for every prompt, or a list with one entry (or None) per prompt; the same for
-        disaggregated_params and dkv_cache_hint (see generate_async)."""
+        disaggregated_params, dkv_cache_hint and kv_cache_retention_config (see generate_async)."""
         single = isinstance(prompts, (str, dict, TextGenerationRequest)) or (
             isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts)
         )
@@ -235,9 +250,10 @@ class LLM:
         loras = _per_prompt(lora_request, "lora_request", len(batch))
         disaggs = _per_prompt(disaggregated_params, "disaggregated_params", len(batch))
         hints = _per_prompt(dkv_cache_hint, "dkv_cache_hint", len(batch))
+        retentions = _per_prompt(kv_cache_retention_config, "kv_cache_retention_config", len(batch))
         submits = [
-            self._prepare(p, params, cache_salt, lora, dp, hint)
-            for p, params, lora, dp, hint in zip(batch, params_list, loras, disaggs, hints)
+            self._prepare(p, params, cache_salt, lora, dp, hint, retention)
+            for p, params, lora, dp, hint, retention in zip(batch, params_list, loras, disaggs, hints, retentions)
         ]
         futures = []
         try:

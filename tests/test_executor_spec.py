@@ -217,12 +217,20 @@ def test_kv_cache_config_and_configured_additional_outputs(tiny, tokenizer_dir):
         executor_config=ExecutorConfig(kv_cache_config=KvCacheConfig(enable_block_reuse=True, max_tokens=48)),
     ) as ex:
         assert ex.engine.config.enable_prefix_caching is True and ex.engine.kv_cache_tokens == 48
-    with pytest.raises(ValueError, match="host_cache_size"):
-        Executor(_engine_config(tiny, tokenizer_dir), ExecutorConfig(kv_cache_config=KvCacheConfig(host_cache_size=1)))
+    with pytest.raises(ValueError, match="cross_kv_cache_fraction"):
+        Executor(
+            _engine_config(tiny, tokenizer_dir),
+            ExecutorConfig(kv_cache_config=KvCacheConfig(cross_kv_cache_fraction=0.5)),
+        )
     with pytest.raises(ValueError, match="free_gpu_memory_fraction"):
         Executor(
             _engine_config(tiny, tokenizer_dir),
             ExecutorConfig(kv_cache_config=KvCacheConfig(free_gpu_memory_fraction=0.5)),
+        )
+    with pytest.raises(ValueError, match="replicate"):
+        Executor(
+            _engine_config(tiny, tokenizer_dir),
+            ExecutorConfig(logits_post_processor_config=LogitsPostProcessorConfig(replicate="no")),
         )
     with pytest.raises(ValueError, match="top_k_logits"):
         Executor(
@@ -281,11 +289,11 @@ def test_post_processors_get_the_spec_arguments_and_beams_in_one_call(executor):
     "name, value",
     [
         ("lookahead_config", LookaheadDecodingConfig(4, 3, 4)),
-        ("mrope_config", object()),
+        ("mrope_config", object()),  # a text model has no M-RoPE
         ("encoder_input_token_ids", [1, 2]),
         ("multimodal_embedding", torch.zeros(2, 64)),
         ("multimodal_input", MultimodalInput([[1] * 8], [0], [1])),  # a text-only model takes no images
-        ("position_ids", [0, 1]),
+        ("position_ids", [0, 1]),  # one per prompt token
     ],
 )
 def test_unsupported_request_fields_are_refused_by_name(executor, name, value):
@@ -334,7 +342,30 @@ def test_prompt_tuning_config_virtual_tokens_take_table_rows(executor):
     assert tuned(virtual, PromptTuningConfig(table)).result.output_token_ids[-1][-8:] == plain
     other = tuned(virtual, PromptTuningConfig(torch.randn_like(table) * 3)).result.output_token_ids[-1][-8:]
     assert other != plain
-    refused = tuned(virtual, PromptTuningConfig(table, input_token_extra_ids=[1] * len(virtual)))
-    assert refused.has_error() and "input_token_extra_ids" in refused.error_msg
     past = tuned(PROMPT + [VOCAB + 3], PromptTuningConfig(table))
     assert past.has_error() and "prompt_tuning_config" in past.error_msg
+
+
+def test_input_token_extra_ids_key_the_prefix_cache_per_virtual_token(executor):
+    """Same table: requests with the same extra ids on the virtual tokens share the block holding them, other extra
+    ids never do (the tokens stay the table's); extra ids of vocabulary tokens key nothing."""
+    table = torch.randn(3, 64, generator=torch.Generator().manual_seed(5))
+    ids = [VOCAB, VOCAB + 1, VOCAB + 2] + [(i * 11 + 4) % 200 + 3 for i in range(17)]  # 20 tokens: 1 full block
+
+    def tuned(extra_ids):
+        oc = OutputConfig(exclude_input_from_output=True, return_perf_metrics=True)
+        config = PromptTuningConfig(table, input_token_extra_ids=extra_ids)
+        request = Request(list(ids), 6, bad_words=NO_EOS, prompt_tuning_config=config, output_config=oc)
+        r = collect(executor, executor.enqueue_request(request))[-1]
+        assert not r.has_error(), r.error_msg
+        return r.result.output_token_ids[0], r.result.request_perf_metrics.kv_cache_metrics.num_reused_blocks
+
+    first, reused = tuned([7] * len(ids))
+    assert reused == 0
+    assert tuned([7] * len(ids)) == (first, 1)
+    assert tuned([8] * len(ids)) == (first, 0)  # other extra ids: computed again, the same table's tokens
+    assert tuned([7, 7, 7] + [99] * 17) == (first, 1)  # the vocabulary tokens' extra ids key nothing
+    for bad in ([7] * 3, [-1] * len(ids), ["a"] * len(ids)):
+        config = PromptTuningConfig(table, input_token_extra_ids=bad)
+        r = collect(executor, executor.enqueue_request(Request(list(ids), 2, prompt_tuning_config=config)))[-1]
+        assert r.has_error() and "input_token_extra_ids" in r.error_msg

@@ -176,7 +176,8 @@ def test_non_streaming_sends_only_completes_and_prompt_logprobs(llm, worker):
     "change, field",
     [
         (lambda r: r.sampling_config.SetInParent() or setattr(r.sampling_config, "top_p_decay", 0.5), "top_p_decay"),
-        (lambda r: r.kv_cache_retention.SetInParent(), "kv_cache_retention"),
+        (lambda r: setattr(r.kv_cache_retention, "policy", "lru"), "kv_cache_retention.policy"),
+        (lambda r: setattr(r.kv_cache_retention, "config_json", '{"decode_retention_priority": 101}'), "priority"),
         (lambda r: r.lora_config.SetInParent(), "lora_config.task_id"),
         (lambda r: r.embedding_bias.extend([0.5] * 3), "embedding_bias"),
         (lambda r: setattr(r, "max_tokens", 0), "max_tokens"),
@@ -194,6 +195,29 @@ def test_what_petrel_cannot_honour_is_invalid_argument(llm, worker, change, fiel
         list(stub.Generate(req, timeout=WAIT))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details()
     assert llm.engine.num_unfinished_requests == 0
+
+
+def test_kv_cache_retention_sets_the_priorities_of_the_prompt_blocks(llm, worker):
+    """kv_cache_retention's config_json (TensorRT-LLM's KvCacheRetentionConfig fields) reaches the block manager:
+    the prompt's first two blocks cached at priority 90, the rest at the default."""
+    _, stub = worker
+    prompt = _tokens(16 * 3 + 1, 11)  # three full blocks of 16
+    config = '{"token_range_retention_configs": [{"token_start": 0, "token_end": 32, "priority": 90}]}'
+    req = request("keep", prompt, max_tokens=2, kv_cache_retention=pb.KvCacheRetentionConfig(config_json=config))
+    grpc_stream(stub, req)
+
+    def priorities(core):
+        bm = core.block_manager
+        return [bm.block_priority.get(bm.hash_to_block[h], 35) for h in _chain(bm, prompt)]
+
+    assert llm.engine.call(priorities) == [90, 90, 35]
+
+
+def _chain(bm, prompt) -> list[bytes]:
+    from petrel.engine.sequence import EngineRequest, Sequence
+
+    req = EngineRequest("chain", list(prompt), SamplingParams())
+    return bm.prompt_block_hashes(Sequence(req, 0, list(prompt), len(prompt)))
 
 
 def test_overload_is_resource_exhausted_and_embed_unimplemented(worker):

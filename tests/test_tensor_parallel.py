@@ -371,3 +371,54 @@ def test_ray_actors_give_the_same_tokens_and_a_dead_actor_shows(checkpoint):
         assert ray.util.placement_group_table(workers.pg)["state"] == "REMOVED"
     finally:
         ray.shutdown()
+
+
+# ----------------------------------------------------------------------------- Executor post-processors
+STEERED: list[tuple[int, str]] = []  # (process id, thread name) of each call of _steer
+
+
+def _steer(request_id, logits, beam_tokens, stream, client_id):
+    STEERED.append((os.getpid(), threading.current_thread().name))
+    logits[:, 100:120] += 4.0  # pulls the tokens towards 100..119
+
+
+def test_post_processors_run_on_rank_0_only_and_the_workers_take_its_tokens(checkpoint):
+    """LogitsPostProcessorConfig(replicate=False) at tensor_parallel_size=2: the callback runs in the engine process
+    (rank 0) once per step, and the worker continues from the tokens it steered: the same tokens as one process."""
+    from petrel.executor import Executor, ExecutorConfig, LogitsPostProcessorConfig, OutputConfig, Request
+
+    path = checkpoint(None, num_key_value_heads=2)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+
+    def run(ranks: int) -> tuple[list, list]:
+        config = EngineConfig.from_kwargs(
+            model=path, tokenizer=_tokenizer_dir(), tensor_parallel_size=ranks, kv_cache_memory=1 << 22
+        )
+        lpp = LogitsPostProcessorConfig({"steer": _steer}, replicate=False)
+        with Executor(config, ExecutorConfig(logits_post_processor_config=lpp)) as ex:
+            if ranks > 1:
+                assert len(ex.engine.core.runner.workers.procs) == ranks - 1
+            out = {}
+            for name in ("steer", None):
+                ids = [
+                    ex.enqueue_request(
+                        Request(
+                            p,
+                            8,
+                            end_id=255,
+                            logits_post_processor_name=name,
+                            output_config=OutputConfig(False, False, False, True),
+                        )
+                    )
+                    for p in prompts
+                ]
+                out[name] = [ex.await_responses(i, timeout=WAIT)[-1].result.output_token_ids[0] for i in ids]
+        return out["steer"], out[None]
+
+    STEERED.clear()
+    steered, plain = run(1)
+    assert steered != plain and sum(100 <= t < 120 for tokens in steered for t in tokens) > 8
+    STEERED.clear()
+    assert run(2) == (steered, plain)
+    assert len(STEERED) == 2 * 8 and {pid for pid, _ in STEERED} == {os.getpid()}  # rank 0, once per step
+    assert {name for _, name in STEERED} == {"petrel-engine"}

@@ -12,6 +12,7 @@ import torch
 
 from petrel.config import EngineConfig
 from petrel.distributed.group import join_group, leave_group, threads_per_rank
+from petrel.engine.attention_windows import apply_attention_windows
 from petrel.engine.kv_groups import kv_groups_for
 from petrel.engine.model_runner import ForwardPlan, ModelRunner, num_kv_blocks
 from petrel.model.loader import ModelSource, load_model
@@ -45,6 +46,7 @@ class Worker:
     def load(self) -> None:
         config, device = self.spec.config, self.spec.device
         model, cfg = load_model(self.spec.source, config.torch_dtype, device, tp=self.tp)
+        apply_attention_windows(model, cfg, config)  # as rank 0's engine does
         groups, _ = kv_groups_for(config, cfg)  # as rank 0's engine lays out its cache
         self.runner = ModelRunner(
             model,

@@ -1,18 +1,29 @@
 """Paged KV blocks: a pool with ref counts, a hash-chained prefix cache and LRU eviction. No torch here.
 
 A block is in exactly one state: free (no content worth keeping), used (ref count > 0), or cached
-(ref count 0 but its hash is kept, evictable least-recently-used first).
+(ref count 0 but its hash is kept, evictable least-recently-used first). Cached blocks have a retention priority
+(petrel/engine/kv_retention.py: a request's KvCacheRetentionConfig; the default otherwise): the lowest priority goes
+first, least recently used first among equals (petrel/engine/eviction.py).
 
 Sliding window: when every layer of the model attends to the same last W positions, a running sequence gives
 back each block that no future query can see (free_behind_window). Its block-table entry becomes FREED, so the
 table keeps its positional layout (position p lives in block_table[p // block_size]); the freed entries always
-form a prefix of the table, and free / fork / retain / prefix-cache publishing skip them.
+form a prefix of the table, and free / fork / retain / prefix-cache publishing skip them. With attention sinks
+(sink_tokens: every query also sees the first positions) a windowed table keeps its first sink blocks, and the
+freed entries form a run right after them instead.
 
 KV groups (petrel/engine/kv_groups.py): a model mixing sliding-window and global layers has one block table per
 group of layers (seq.block_tables; seq.block_table is group 0's), all drawing from this one pool. The tables keep
 the same positional layout; only a sliding group's table frees behind its window. Each allocation covers every
 group, and the prefix cache keys a block by (group, hash): a hit counts only as far as every group holds what its
 layers will read (a global group all blocks of the hit, a sliding group those its window still sees).
+
+Partial reuse (enable_partial_reuse, TensorRT-LLM's): after the whole blocks a prompt matches, the block after them
+may match in part: a cached block with the same parent in the chain whose first k tokens equal the prompt's next k
+gives them too. With copy_on_partial_reuse its KV is copied into a fresh block (any number of requests may do so);
+without, the request takes the cached block itself when no one else uses it (it leaves the prefix cache: its later
+slots are overwritten). Requests whose blocks are keyed by more than their tokens (images, given positions, extra
+ids of virtual tokens) take whole blocks only, and their blocks are never partly reused.
 
 Lower KV tiers (petrel/kv_tiers, when the engine has them): an evicted cached block is listed for the engine to copy
 out, and a prefix lookup continues past the memory hit through tier_fetch; a tier hit gets a fresh block, published
@@ -25,24 +36,52 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import heapq
+import itertools
 import json
-from collections import OrderedDict, deque
+import time
+from collections import deque
 from collections.abc import Callable
 
+from petrel.engine.eviction import EvictionQueue
+from petrel.engine.kv_retention import DEFAULT_PRIORITY
 from petrel.engine.sequence import Sequence
 
 FREED = -1  # a block-table entry whose block was given back behind the sliding window (never read unmasked)
 TIER = -2  # match_prefix: a prompt block that a lower KV tier holds (not in memory)
 
 
-def num_freed_blocks(block_table: list[int]) -> int:
-    """How many leading entries of a block table are FREED (they always form a prefix)."""
-    return bisect.bisect_left(block_table, True, key=lambda b: b != FREED)
+def num_freed_blocks(block_table: list[int], start: int = 0) -> int:
+    """How many entries of a block table from `start` on are FREED (they always form a run there: from 0, or from
+    the end of the sink blocks)."""
+    return bisect.bisect_left(block_table, True, lo=min(start, len(block_table)), key=lambda b: b != FREED) - min(
+        start, len(block_table)
+    )
 
 
 def held_blocks(block_table: list[int]) -> list[int]:
     """The blocks a table actually holds (FREED entries left out)."""
-    return block_table[num_freed_blocks(block_table) :]
+    if not block_table or block_table[0] == FREED:  # behind a window, from the start
+        return block_table[num_freed_blocks(block_table) :]
+    if FREED not in block_table:
+        return block_table[:]
+    return [b for b in block_table if b != FREED]  # a run after the sink blocks
+
+
+def _keyed_by_tokens_alone(request) -> bool:
+    """Whether a request's blocks are keyed by their tokens (and chain) alone: only those take part in partial
+    reuse, whose match compares tokens."""
+    return request.multi_modal is None and request.position_ids is None and request.token_extra_ids is None
+
+
+def _common_prefix(a, b) -> int:
+    """How many leading items a and b share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _cache_key(group: int, block_hash: bytes):
@@ -61,10 +100,12 @@ class BlockManager:
         watermark: float = 0.01,
         sliding_window: int | None = None,
         group_windows: list[int | None] | None = None,
+        sink_tokens: int = 0,
     ):
         """sliding_window: the window of every layer of the model (None: some layer sees all positions); with
         one, free_behind_window gives back the blocks behind it. group_windows: instead, one window per KV group
-        (a block table per group; see petrel/engine/kv_groups.py)."""
+        (a block table per group; see petrel/engine/kv_groups.py). sink_tokens: the first positions every query of
+        a windowed group also sees (attention sinks): their blocks are never given back."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one slot, got {num_blocks} x {block_size}")
         self.num_blocks = num_blocks
@@ -73,10 +114,26 @@ class BlockManager:
         self.hash_seed = hash_seed
         self.windows: list[int | None] = list(group_windows) if group_windows is not None else [sliding_window]
         self.num_groups = len(self.windows)
+        self.sink_blocks = -(-sink_tokens // block_size)  # a windowed table's first blocks, kept for the sinks
+        # partial reuse of the block after a prefix hit (see the module's doc); children: cached blocks by their
+        # parent's cache key, to find the candidates
+        self.partial_reuse = False
+        self.copy_on_partial_reuse = True
+        self.children: dict[object, dict[int, None]] = {}
+        self.block_parent: dict[int, object] = {}
+        self._copy_sources: list[int] = []  # blocks held until the runner has copied them (take_pending_copies)
         self.watermark_blocks = int(watermark * num_blocks)
         self.ref_counts = [0] * num_blocks
         self.free_blocks: deque[int] = deque(range(num_blocks))
-        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks, LRU first
+        self.evictable = EvictionQueue()  # cached blocks, in eviction order (lowest priority, then LRU, first)
+        # retention priorities of cached or used blocks other than the default, and when they run out
+        self.block_priority: dict[int, int] = {}
+        self._expiry: list[tuple[float, int, int]] = []  # (time, serial, block) heap of priorities that expire
+        self._expiry_serial: dict[int, int] = {}  # block -> the serial of its live expiry
+        self._serials = itertools.count()
+        self.clock: Callable[[], float] = time.monotonic
+        # a lower KV tier takes an evicted block only if its priority is at least this (secondary_offload_min_priority)
+        self.offload_min_priority = DEFAULT_PRIORITY
         self.hash_to_block: dict[bytes, int] = {}
         self.block_hash: dict[int, bytes] = {}
         self.block_tokens: dict[int, tuple[int, ...]] = {}
@@ -91,6 +148,7 @@ class BlockManager:
         # the step that reads it (both drained by the engine right after scheduling).
         self.tier_fetch: Callable[[int, bytes, tuple], object | None] | None = None
         self.pending_evictions: list[tuple[int, int, bytes, tuple]] = []
+        self.evicted_priorities: dict[tuple[int, bytes], int] = {}  # (group, hash) -> a non-default priority
         self.pending_loads: dict[int, object] = {}
         # a shared store (publish_computed): every block cache_computed_blocks publishes is listed in
         # pending_publishes (block, group, hash, tokens) for the runner to copy out to the store
@@ -159,7 +217,9 @@ class BlockManager:
             # the content hashes of the images whose rows the block holds: same tokens, other image, other block
             media = req.multi_modal.block_key(i, bs) if req.multi_modal is not None else b""
             seq.block_hashes.append(
-                hashlib.sha256(parent + repr(tokens).encode() + (b"|mm:" + media if media else b"")).digest()
+                hashlib.sha256(
+                    parent + repr(tokens).encode() + (b"|mm:" + media if media else b"") + req.block_key(i, bs)
+                ).digest()
             )
 
     # ------------------------------------------------------------------ allocation
@@ -168,12 +228,23 @@ class BlockManager:
             block = self.free_blocks.popleft()
             self.pending_loads.pop(block, None)
         else:
+            if self._expiry:
+                self._expire()
             block, _ = self.evictable.popitem(last=False)
+            priority = self._forget_priority(block)
+            self._forget_parent(block)
             h = self.block_hash.pop(block)
             tokens = self.block_tokens.pop(block, None)
-            if self.pending_loads.pop(block, None) is None and self.tier_fetch is not None and tokens is not None:
+            if (
+                self.pending_loads.pop(block, None) is None
+                and self.tier_fetch is not None
+                and tokens is not None
+                and priority >= self.offload_min_priority
+            ):
                 group, block_hash = h if isinstance(h, tuple) else (0, h)
                 self.pending_evictions.append((block, group, block_hash, tokens))  # its KV goes down a tier
+                if priority != DEFAULT_PRIORITY:  # the host tier orders what it keeps by it
+                    self.evicted_priorities[group, block_hash] = priority
             if self.hash_to_block.get(h) == block:
                 del self.hash_to_block[h]
                 if self.kv_event_sink is not None and isinstance(h, bytes):
@@ -185,9 +256,45 @@ class BlockManager:
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:
             if block in self.block_hash:
-                self.evictable[block] = None  # newest at the end
+                self.evictable.add(block, self.block_priority.get(block, DEFAULT_PRIORITY))  # newest of its priority
             else:
+                self._forget_priority(block)
                 self.free_blocks.append(block)
+
+    # ------------------------------------------------------------------ retention priorities
+    def set_priority(self, block: int, priority: int, duration: float | None = None) -> None:
+        """A cached (or used) block's retention priority, back to the default after `duration` seconds (None: for
+        good); a cached block moves to its new place in the eviction order."""
+        self._expiry_serial.pop(block, None)
+        if priority == DEFAULT_PRIORITY:
+            self.block_priority.pop(block, None)
+        else:
+            self.block_priority[block] = priority
+            if duration is not None:
+                serial = next(self._serials)
+                self._expiry_serial[block] = serial
+                heapq.heappush(self._expiry, (self.clock() + duration, serial, block))
+        if block in self.evictable:
+            self.evictable.add(block, priority)
+
+    def _expire(self) -> None:
+        """Priorities whose duration has passed go back to the default."""
+        now = self.clock()
+        while self._expiry and self._expiry[0][0] <= now:
+            _, serial, block = heapq.heappop(self._expiry)
+            if self._expiry_serial.get(block) == serial:
+                self.set_priority(block, DEFAULT_PRIORITY)
+
+    def _forget_priority(self, block: int) -> int:
+        """The block leaves the cache: its priority (returned) is forgotten."""
+        self._expiry_serial.pop(block, None)
+        return self.block_priority.pop(block, DEFAULT_PRIORITY)
+
+    def _apply_retention(self, block: int, seq: Sequence, i: int) -> None:
+        """Give the sequence's block i the priority its request's retention policy says (if it has one)."""
+        retention = seq.request.kv_retention
+        if retention is not None:
+            self.set_priority(block, *retention.block_priority(i, self.block_size, seq.num_prompt_tokens))
 
     def match_prefix(self, seq: Sequence) -> None:
         """On admission: take the longest chain of cached full blocks of the prompt (never all of it:
@@ -235,9 +342,11 @@ class BlockManager:
         whole = seq.request.context_only
         to_load = []  # (table, index, group, prompt block)
         for g, table in enumerate(tables):
-            first = 0 if whole else self._first_needed(g, hit)
-            table.extend([FREED] * first)
-            for i in range(first, hit):
+            needed = self._needed(g, hit, whole)
+            for i in range(hit):
+                if not needed(i):
+                    table.append(FREED)
+                    continue
                 block = cached(g, i)
                 if block == TIER:
                     to_load.append((table, len(table), g, i))
@@ -247,23 +356,96 @@ class BlockManager:
                     self.evictable.pop(block)
                 self.ref_counts[block] += 1
                 table.append(block)
+                self._apply_retention(block, seq, i)
         for table, index, g, i in to_load:  # fresh blocks for the tier hits, published at once
             block = self._take_block()
             table[index] = block
             self.pending_loads[block] = loaded[g, i]
             self._publish(block, g, seq, i)
         seq.num_computed_tokens = hit * bs
+        if self.partial_reuse and _keyed_by_tokens_alone(seq.request):
+            self._match_partial(seq, hit)
         # after a preemption the chain can run into the sequence's own output: report prompt tokens only
         seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
 
+    def _match_partial(self, seq: Sequence, hit: int) -> None:
+        """After a hit of `hit` whole blocks: the next block's first tokens from a cached block of the same parent
+        that holds them (the most of them; see the module's doc). Every group must have such a block."""
+        bs = self.block_size
+        start = hit * bs
+        limit = min(bs, seq.num_tokens - 1 - start)  # at least one token is left to compute
+        tables = self._tables(seq)
+        if limit <= 0 or len(tables[0]) != hit:
+            return
+        want = seq.token_ids[start : start + limit]
+        parent = seq.block_hashes[hit - 1] if hit else self._chain_root(seq)
+        picks, matched = [], limit
+        for g in range(self.num_groups):
+            best, best_k = None, 0
+            for block in self.children.get(_cache_key(g, parent), ()):
+                if not self.copy_on_partial_reuse and self.ref_counts[block]:
+                    continue  # taken over only when no one else uses it
+                k = _common_prefix(self.block_tokens[block], want)
+                if k > best_k:
+                    best, best_k = block, k
+            if best is None:
+                return
+            picks.append(best)
+            matched = min(matched, best_k)
+        if self.copy_on_partial_reuse:
+            for block in picks:  # held while fresh blocks are taken, so none of them is evicted for one
+                self._hold(block)
+            if len(picks) > self.num_free_blocks:
+                for block in picks:
+                    self._release(block)
+                return
+            for table, block in zip(tables, picks):
+                fresh = self._take_block()
+                self.pending_copies.append((block, fresh))
+                self._copy_sources.append(block)  # released once the runner has the copies
+                table.append(fresh)
+        else:
+            for table, block in zip(tables, picks):
+                self._hold(block)
+                self._uncache(block)  # its slots from `matched` on will be overwritten
+                table.append(block)
+        seq.num_computed_tokens = start + matched
+
+    def _hold(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            self.evictable.pop(block)
+        self.ref_counts[block] += 1
+
+    def _chain_root(self, seq: Sequence) -> bytes:
+        req = seq.request
+        return self.root_hash(req.cache_salt, req.lora_int_id, req.prompt_table_digest)
+
+    def _uncache(self, block: int) -> None:
+        """The block leaves the prefix cache (it stays with whoever holds it)."""
+        h = self.block_hash.pop(block, None)
+        self.block_tokens.pop(block, None)
+        self._forget_parent(block)
+        self._forget_priority(block)
+        if h is not None and self.hash_to_block.get(h) == block:
+            del self.hash_to_block[h]
+            if self.kv_event_sink is not None and isinstance(h, bytes):
+                self.kv_event_sink(("removed", h))
+
+    def _forget_parent(self, block: int) -> None:
+        parent = self.block_parent.pop(block, None)
+        if parent is not None:
+            siblings = self.children[parent]
+            del siblings[block]
+            if not siblings:
+                del self.children[parent]
+
     def _tier_blocks_wanted(self, seq: Sequence, hit: int, cached) -> int:
         whole = seq.request.context_only
-        return sum(
-            1
-            for g in range(self.num_groups)
-            for i in range((0 if whole else self._first_needed(g, hit)), hit)
-            if cached(g, i) == TIER
-        )
+        total = 0
+        for g in range(self.num_groups):
+            needed = self._needed(g, hit, whole)
+            total += sum(1 for i in range(hit) if needed(i) and cached(g, i) == TIER)
+        return total
 
     def _longest_hit(self, seq: Sequence, max_blocks: int, cached) -> int:
         """How many of the prompt's first blocks every group holds (cached(g, i) not None) as far as it reads."""
@@ -279,16 +461,26 @@ class BlockManager:
                     if self.windows[g] is None
                     else next((i for i in reversed(range(first, hit)) if cached(g, i) is None), None)
                 )
+                if missing is None and first > 0:  # the sink blocks, read by every query of a windowed group
+                    missing = next((i for i in range(min(self.sink_blocks, first)) if cached(g, i) is None), None)
                 if missing is not None:
                     hit, settled = missing, False
         return hit
 
     def _first_needed(self, group: int, num_blocks: int) -> int:
-        """The first block a group still reads once num_blocks full blocks are computed (0 without a window)."""
+        """The first block a group still reads once num_blocks full blocks are computed (0 without a window),
+        apart from the sink blocks before it (see _needed)."""
         window = self.windows[group]
         if window is None:
             return 0
         return max(0, min((num_blocks * self.block_size - window) // self.block_size, num_blocks))
+
+    def _needed(self, group: int, num_blocks: int, whole: bool = False):
+        """Whether the group reads block i once num_blocks full blocks are computed: every block from the first
+        its window sees, and the sink blocks (every block with `whole`: a context-only prompt is exported)."""
+        first = 0 if whole else self._first_needed(group, num_blocks)
+        sinks = self.sink_blocks if self.windows[group] is not None else 0
+        return lambda i: i >= first or i < sinks
 
     def free_behind_window(self, seq: Sequence) -> int:
         """Give back the sequence's blocks that every future query has behind its sliding window; returns how many.
@@ -307,7 +499,7 @@ class BlockManager:
             if window is None:
                 continue
             end = min((seq.num_computed_tokens - window) // self.block_size, len(table))
-            start = num_freed_blocks(table)
+            start = self.sink_blocks + num_freed_blocks(table, self.sink_blocks)  # the sink blocks stay
             for i in range(start, end):  # oldest first, so the oldest is evicted first
                 self._release(table[i])
                 table[i] = FREED
@@ -365,6 +557,11 @@ class BlockManager:
         self.block_hash[block] = key
         self.hash_to_block[key] = block
         self.block_tokens[block] = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+        self._apply_retention(block, seq, i)
+        if self.partial_reuse and _keyed_by_tokens_alone(seq.request):
+            parent_key = _cache_key(group, seq.block_hashes[i - 1] if i else self._chain_root(seq))
+            self.children.setdefault(parent_key, {})[block] = None
+            self.block_parent[block] = parent_key
         if group == 0 and self.kv_event_sink is not None:
             parent = seq.block_hashes[i - 1] if i else None
             self.kv_event_sink(("stored", key, parent, self.block_tokens[block]))
@@ -427,17 +624,26 @@ class BlockManager:
             self.block_tokens.pop(block, None)
             if h is not None and self.hash_to_block.get(h) == block:
                 del self.hash_to_block[h]
+            self._forget_parent(block)
             if self.ref_counts[block] == 0 and block in self.evictable:
                 del self.evictable[block]
+                self._forget_priority(block)
                 self.free_blocks.append(block)
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
+        """The copies for the runner to make before the step writes anything; the partial-reuse sources held for
+        them are let go (nothing can take them before the copies run)."""
         copies, self.pending_copies = self.pending_copies, []
+        sources, self._copy_sources = self._copy_sources, []
+        for block in sources:
+            self._release(block)
         return copies
 
     def reset_prefix_cache(self) -> None:
         for block in list(self.evictable):
             del self.evictable[block]
+            self._forget_priority(block)
+            self._forget_parent(block)
             self.free_blocks.append(block)
         self.hash_to_block.clear()
         if self.kv_event_sink is not None:

@@ -57,8 +57,15 @@ class EngineCore:
         num_blocks, bs = capacity.num_blocks, config.block_size
         windows = list(self.kv_groups.windows)
         self.block_manager = BlockManager(
-            num_blocks, bs, config.enable_prefix_caching, config.kv_cache_hash_seed, group_windows=windows
+            num_blocks,
+            bs,
+            config.enable_prefix_caching,
+            config.kv_cache_hash_seed,
+            group_windows=windows,
+            sink_tokens=self.kv_groups.sink_tokens,
         )
+        self.block_manager.partial_reuse = config.enable_partial_reuse and config.enable_prefix_caching
+        self.block_manager.copy_on_partial_reuse = config.copy_on_partial_reuse
         self.pinned = PinnedPrompts(self.block_manager, config.kv_transfer_timeout)  # context-only prompts' KV
         self.lora_manager = None
         if config.enable_lora:

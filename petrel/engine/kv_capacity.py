@@ -34,7 +34,7 @@ def plan_kv_cache(config: EngineConfig, model_config: ModelConfig) -> KVCapacity
         raise ValueError(
             f"max_model_len {model_len} exceeds the model's context length {model_config.max_position_embeddings}"
         )
-    held = max_tokens_held(groups.windows, num_blocks, bs, config.max_num_batched_tokens)
+    held = max_tokens_held(groups.windows, num_blocks, bs, config.max_num_batched_tokens, groups.sink_tokens)
     if held is not None and model_len > held:
         logger.warning("max_model_len %d lowered to %d: the KV cache holds no more", model_len, held)
         model_len = held
@@ -50,10 +50,14 @@ def kv_groups_of(config: EngineConfig, model_config: ModelConfig) -> KVGroups:
     return groups
 
 
-def max_tokens_held(windows, num_blocks: int, block_size: int, max_batched_tokens: int) -> int | None:
+def max_tokens_held(
+    windows, num_blocks: int, block_size: int, max_batched_tokens: int, sink_tokens: int = 0
+) -> int | None:
     """The longest sequence a cache of num_blocks holds alone (None: any length), given each KV group's window.
-    A sliding group holds about its window plus one step's tokens at most, whatever the sequence's length."""
-    per_window = [None if w is None else -(-(w + max_batched_tokens) // block_size) + 2 for w in windows]
+    A sliding group holds about its window plus one step's tokens at most (and its attention sinks' blocks),
+    whatever the sequence's length."""
+    sinks = -(-sink_tokens // block_size)
+    per_window = [None if w is None else -(-(w + max_batched_tokens) // block_size) + 2 + sinks for w in windows]
     if None not in per_window:
         return None if sum(per_window) <= num_blocks else num_blocks // len(windows) * block_size
 

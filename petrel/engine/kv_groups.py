@@ -31,6 +31,7 @@ class KVGroups:
     windows: tuple[int | None, ...]  # per group: its layers' sliding window (None: global)
     layers: tuple[tuple[int, ...], ...]  # per group: its layers, in model order
     layers_per_block: int  # cache tensors; a block id holds this many layers' KV
+    sink_tokens: int = 0  # the first positions a windowed group keeps (attention sinks: attention_windows.py)
 
     @property
     def num_groups(self) -> int:
@@ -44,15 +45,15 @@ class KVGroups:
         return self.layers[self.group_of(layer)].index(layer)
 
 
-def single_group(num_layers: int, window: int | None) -> KVGroups:
+def single_group(num_layers: int, window: int | None, sink_tokens: int = 0) -> KVGroups:
     """Every layer in one table (no window, a uniform window, or a model whose mixed windows are not split)."""
-    return KVGroups((window,), (tuple(range(num_layers)),), num_layers)
+    return KVGroups((window,), (tuple(range(num_layers)),), num_layers, sink_tokens if window is not None else 0)
 
 
-def split_by_window(windows: list[int | None], num_layers: int) -> KVGroups:
+def split_by_window(windows: list[int | None], num_layers: int, sink_tokens: int = 0) -> KVGroups:
     """The groups of a model with per-layer windows (empty: no window anywhere): global layers first."""
     if not windows or len(set(windows)) == 1:
-        return single_group(num_layers, windows[0] if windows else None)
+        return single_group(num_layers, windows[0] if windows else None, sink_tokens)
     kinds: dict[int | None, list[int]] = {}
     for kind in sorted(set(windows), key=lambda w: (w is not None, w or 0)):  # global first, then by window
         kinds[kind] = [layer for layer, w in enumerate(windows) if w == kind]
@@ -62,7 +63,7 @@ def split_by_window(windows: list[int | None], num_layers: int) -> KVGroups:
         for i in range(0, len(layers), size):
             group_windows.append(kind)
             group_layers.append(tuple(layers[i : i + size]))
-    return KVGroups(tuple(group_windows), tuple(group_layers), size)
+    return KVGroups(tuple(group_windows), tuple(group_layers), size, sink_tokens)
 
 
 def kv_groups_for(config, model_config) -> tuple[KVGroups, str | None]:
@@ -77,14 +78,16 @@ def kv_groups_for(config, model_config) -> tuple[KVGroups, str | None]:
         return single_group(layers, None), (
             "sliding-window layers, but a draft model shares the block tables: every KV block is kept"
         )
+    sinks = model_config.attention_sinks
+    kept = f", but for the attention sinks' blocks (the first {sinks} positions)" if sinks else ""
     window = model_config.uniform_sliding_window
     if window is not None:
         return single_group(
-            layers, window
-        ), f"sliding window {window} on every layer: KV blocks behind it are given back"
-    groups = split_by_window(windows, layers)
+            layers, window, sinks
+        ), f"sliding window {window} on every layer: KV blocks behind it are given back{kept}"
+    groups = split_by_window(windows, layers, sinks)
     return groups, (
         f"sliding-window layers mixed with global ones: {groups.num_groups} KV groups of "
         f"{groups.layers_per_block} layers (windows {list(groups.windows)}); the sliding groups give "
-        f"back blocks behind their window"
+        f"back blocks behind their window{kept}"
     )

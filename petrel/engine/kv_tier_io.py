@@ -54,6 +54,7 @@ def build_tier_io(config, runner, model, model_config, block_manager) -> KVTierI
     shared = store_from_config(config, namespace=f"petrel:kv:{fingerprint[:16]}")
     tiers = build_tiers(layout, config.kv_host_tier_bytes, config.kv_disk_tier_path, disk_bytes, shared)
     io = KVTierIO(runner, tiers, block_manager, config.kv_tier_fetch_timeout)
+    block_manager.offload_min_priority = config.secondary_offload_min_priority
     block_manager.tier_fetch = lambda group, block_hash, tokens: tiers.fetch(group, block_hash, tokens, slow=False)
     block_manager.publish_computed = shared is not None
     return io
@@ -86,13 +87,17 @@ class KVTierIO:
         for seq in [s for s in self.held if s.status is not SequenceStatus.WAITING]:  # admitted, or finished
             self.forget(seq)
         evictions, block_manager.pending_evictions = block_manager.pending_evictions, []
+        priorities, block_manager.evicted_priorities = block_manager.evicted_priorities, {}
         loads, block_manager.pending_loads = block_manager.pending_loads, {}
         publishes, block_manager.pending_publishes = block_manager.pending_publishes, []
         self.step_loaded, self.step_stored = len(loads), len(evictions)
         self.loaded_blocks += len(loads)
         if evictions or publishes:
             t0 = time.perf_counter()
-            self._copy_out(evictions, self.tiers.store)
+            self._copy_out(
+                evictions,
+                lambda group, h, tokens, kv: self.tiers.store(group, h, tokens, kv, priorities.get((group, h))),
+            )
             self._copy_out(publishes, self.tiers.publish)
             self.store_seconds += time.perf_counter() - t0
         if loads:

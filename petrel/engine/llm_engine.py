@@ -18,6 +18,7 @@ import torch
 from petrel.config import EngineConfig
 from petrel.distributed.group import threads_per_rank
 from petrel.distributed.runner import start_workers
+from petrel.engine.attention_windows import apply_attention_windows
 from petrel.engine.engine_core import EngineCore
 from petrel.engine.engine_output import EngineOutput
 from petrel.engine.grammar import GrammarCompiler
@@ -101,6 +102,7 @@ class LLMEngine:
             tp=workers.tp if workers is not None else SINGLE,
             float32_matmul_precision=config.float32_matmul_precision,
         )
+        apply_attention_windows(model, model_config, config)
         eos = set(model_config.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)

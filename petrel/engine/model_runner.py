@@ -36,16 +36,21 @@ class QuerySpan:
     embedding_table: torch.Tensor | None = None
     multi_modal: MultiModalInputs | None = None  # the prompt's images, whose rows take encoder outputs
     rope_inputs: MultiModalInputs | None = None  # the request's media, for multimodal rotary positions (M-RoPE)
+    given_positions: list[int] | None = None  # the tokens' rotary positions when the request gave them (else indices)
     # the tokens after the first are a tree of drafts (lookahead decoding): token k is the tree's node k, at cache
-    # slot start + k but position start + its depth, seeing the context and its own ancestors only
+    # slot start + k but position (the root's) + its depth, seeing the context and its own ancestors only
     tree: DraftTree | None = None
 
     @property
     def positions(self) -> list[int]:
-        """The tokens' positions: consecutive from start, or the root's and each draft node's (start + depth)."""
+        """The tokens' positions: the request's own (given_positions) or consecutive from start; for a draft tree,
+        the root's and each draft node's (the root's + its depth)."""
         if self.tree is None:
+            if self.given_positions is not None:
+                return self.given_positions
             return list(range(self.start, self.start + len(self.token_ids)))
-        return [self.start] + [self.start + d for d in self.tree.depths]
+        root = self.given_positions[0] if self.given_positions is not None else self.start
+        return [root] + [root + d for d in self.tree.depths]
 
     @staticmethod
     def of(seq: Sequence, token_ids: list[int], start: int) -> QuerySpan:
@@ -54,7 +59,10 @@ class QuerySpan:
         table = seq.params.prompt_embedding_table if in_prompt else None
         media = seq.request.multi_modal if in_prompt else None
         rope = seq.request.multi_modal
-        return QuerySpan(token_ids, start, tables[0], tables if len(tables) > 1 else None, table, media, rope)
+        positions = seq.request.position_of(start, len(token_ids))
+        return QuerySpan(
+            token_ids, start, tables[0], tables if len(tables) > 1 else None, table, media, rope, positions
+        )
 
 
 @dataclass
@@ -143,10 +151,32 @@ def _mrope_positions(span: QuerySpan) -> torch.Tensor:
     return deep[:, [0] + span.tree.depths]
 
 
-def _readable(block_table: list[int]) -> list[int]:
-    """The table with its FREED entries (blocks given back behind the sliding window, a prefix) pointing at block 0:
-    attention reads those columns masked at most (zero weight), so any valid block id will do."""
-    if block_table and block_table[0] == FREED:
+def given_rotary_rows(spans: list[QuerySpan], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(rows of the flat batch, their cos, their sin [rows, head_dim / 2]) for the prompt tokens whose rotary table a
+    request gave (Executor Request.mrope_config: MultiModalInputs.rope_cos_sin), or None when no span has any."""
+    rows, tables, row = [], [], 0
+    for span in spans:
+        table = getattr(span.rope_inputs, "rope_cos_sin", None)  # [prompt length, head_dim / 2, 2]
+        n = len(span.token_ids)
+        if table is not None and span.start < table.shape[0]:
+            k = min(n, table.shape[0] - span.start)
+            rows.append(torch.arange(row, row + k))
+            tables.append(table[span.start : span.start + k])
+        row += n
+    if not rows:
+        return None
+    given = torch.cat(tables).to(device)
+    return torch.cat(rows).to(device), given[..., 0], given[..., 1]
+
+
+def _readable(block_table: list[int], sink_blocks: int = 0) -> list[int]:
+    """The table with its FREED entries (blocks given back behind the sliding window: a prefix, or a run after the
+    sink_blocks kept for attention sinks) pointing at block 0: attention reads those columns masked at most (zero
+    weight), so any valid block id will do."""
+    if block_table and (
+        block_table[0] == FREED
+        or (sink_blocks and len(block_table) > sink_blocks and block_table[sink_blocks] == FREED)
+    ):
         return [max(b, 0) for b in block_table]
     return block_table
 
@@ -192,12 +222,14 @@ class ModelRunner:
             else DECODE_GROUP_SIZE
         )
         self.kv_groups = kv_groups or single_group(cfg.num_hidden_layers, None)
+        self.sink_blocks = -(-self.kv_groups.sink_tokens // block_size)
         kv_heads = local_kv_heads(cfg.num_key_value_heads, tp)  # this rank's slice of the cache
         plain = (
             tp.size == 1
             and self.kv_groups.num_groups == 1
             and lora_manager is None
             and not getattr(model, "uses_mrope", False)
+            and not self.kv_groups.sink_tokens  # attention sinks mask on the host: no graph holds them
         )
         graph_sizes = (cuda_graph_batch_sizes or []) if plain and graphs_supported(self.device) else []
         # layers_per_block tensors; the i-th layer of every group uses the i-th (at that group's block ids); with
@@ -266,7 +298,7 @@ class ModelRunner:
             end = start + n
             # new K/V never go to a FREED entry (a negative slot would fail index_copy_ loudly)
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            table = _readable(table)
+            table = _readable(table, self.sink_blocks)
             if n == 1:
                 assert not prefills, "single-token spans come first"
                 decode_tables.append(table)
@@ -333,6 +365,10 @@ class ModelRunner:
         extra = {}
         if parts:
             extra["input_embeds"] = (torch.cat([r for r, _ in parts]), torch.cat([e for _, e in parts]))
+        if any(getattr(span.rope_inputs, "rope_cos_sin", None) is not None for span in plan.spans):
+            rotary = given_rotary_rows(plan.spans, self.device)
+            if rotary is not None:
+                extra["rotary_rows"] = rotary
         hidden = self.model(input_ids, positions, self.kv_caches, meta, num_layers=plan.num_layers, **extra)
         rows = plan.logits_rows
         if not rows:
@@ -386,7 +422,7 @@ class ModelRunner:
             [s.token_ids[0] for s in spans],
             [s.start for s in spans],
             [s.block_table[s.start // bs] * bs + s.start % bs for s in spans],
-            [_readable(s.block_table) for s in spans],
+            [_readable(s.block_table, self.sink_blocks) for s in spans],
             [s.start + 1 for s in spans],
         )
 

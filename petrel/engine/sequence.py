@@ -20,6 +20,7 @@ from petrel.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from petrel.engine.beam_search import BeamSearch
     from petrel.engine.draft_tree import DraftTree
+    from petrel.engine.kv_retention import KvRetention
     from petrel.engine.lookahead import LookaheadState
     from petrel.multimodal.inputs import MultiModalInputs
     from petrel.outputs import KVFetchStats
@@ -62,11 +63,38 @@ class EngineRequest:
     first_gen_tokens: list[int] = field(default_factory=list)
     prompt_table_digest: str = ""  # params.prompt_embedding_table's digest, in the prefix cache's root hash
     multi_modal: MultiModalInputs | None = None  # the prompt's images (petrel/multimodal/inputs.py)
+    kv_retention: KvRetention | None = None  # its cached blocks' priorities (petrel/engine/kv_retention.py)
+    # the prompt tokens' rotary positions when given (Executor Request.position_ids; None: 0, 1, 2, ...); a later
+    # token's goes on from the last prompt token's (position_of)
+    position_ids: list[int] | None = None
+    # prompt tuning's input_token_extra_ids: per prompt token, what tells its virtual token's table apart (0 for a
+    # vocabulary token); they key the prefix cache per virtual token (TensorRT-LLM's unique tokens)
+    token_extra_ids: list[int] | None = None
     # dkv_cache_hint (petrel/kv_tiers/dkv_hint.py): chain hashes the shared KV store holds, and the prompt tokens
     # it holds from the start; plan_hinted_fetch keeps those in this request's own chain
     kv_hint_keys: tuple[bytes, ...] = ()
     kv_hint_tokens: int = 0
     kv_fetch: KVFetchStats | None = None  # its waits for KV blocks read from a slow tier (kv_tier_io.fetch_pending)
+
+    def position_of(self, start: int, n: int) -> list[int] | None:
+        """The rotary positions of tokens start .. start + n - 1 (None: their indices, the default)."""
+        given = self.position_ids
+        if given is None:
+            return None
+        p = len(given)
+        return [given[i] if i < p else given[-1] + i - p + 1 for i in range(start, start + n)]
+
+    def block_key(self, block: int, block_size: int) -> bytes:
+        """What keys the prefix cache's block `block` of this request besides its tokens (b"" for most requests):
+        its tokens' given positions (the KV depends on them), and its virtual tokens' extra ids."""
+        key = b""
+        if self.position_ids is not None:
+            key += b"|pos:" + repr(self.position_of(block * block_size, block_size)).encode()
+        if self.token_extra_ids is not None:
+            extra = self.token_extra_ids[block * block_size : (block + 1) * block_size]
+            if any(extra):
+                key += b"|extra:" + repr(extra).encode()
+        return key
 
     @property
     def lora_int_id(self) -> int:

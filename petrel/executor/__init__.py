@@ -1,6 +1,15 @@
 """The Executor API: token ids in, Responses out, with in-flight batching (TensorRT-LLM's executor, in Python)."""
 
 from petrel.executor.executor import Executor
+from petrel.executor.kv_events import (
+    KVCacheCreatedData,
+    KVCacheEvent,
+    KVCacheEventManager,
+    KVCacheRemovedData,
+    KVCacheStoredBlockData,
+    KVCacheStoredData,
+    UniqueToken,
+)
 from petrel.executor.types import (
     AdditionalModelOutput,
     AdditionalOutput,
@@ -12,9 +21,11 @@ from petrel.executor.types import (
     GuideType,
     KvCacheConfig,
     KvCacheMetrics,
+    KvCacheRetentionConfig,
     LogitsPostProcessorConfig,
     LookaheadDecodingConfig,
     LoraConfig,
+    MropeConfig,
     MultimodalInput,
     OutputConfig,
     PromptTuningConfig,
@@ -27,6 +38,7 @@ from petrel.executor.types import (
     Result,
     SamplingConfig,
     TimingMetrics,
+    TokenRangeRetentionConfig,
 )
 
 __all__ = [
@@ -51,9 +63,19 @@ __all__ = [
     "RequestStats",
     "KvCacheConfig",
     "KvCacheMetrics",
+    "KvCacheRetentionConfig",
+    "TokenRangeRetentionConfig",
     "LoraConfig",
     "MultimodalInput",
+    "MropeConfig",
     "RequestPerfMetrics",
     "RequestStatsPerIteration",
     "TimingMetrics",
+    "KVCacheEventManager",
+    "KVCacheEvent",
+    "KVCacheCreatedData",
+    "KVCacheStoredData",
+    "KVCacheStoredBlockData",
+    "KVCacheRemovedData",
+    "UniqueToken",
 ]

@@ -30,7 +30,10 @@ from petrel.engine.block_manager import held_blocks
 from petrel.engine.llm_engine import LLMEngine
 from petrel.engine.output_processor import RequestOutputProcessor
 from petrel.engine.output_queue import OutputQueue
+from petrel.executor.kv_events import KVCacheEventManager, attach_kv_events
 from petrel.executor.multimodal import multimodal_inputs
+from petrel.executor.packed_lora import adapter_from_packed
+from petrel.executor.positions import apply_mrope_config, position_ids_of
 from petrel.executor.request_translation import apply_kv_cache_config, configured_outputs, translate_request
 from petrel.executor.results import RequestState, responses_for
 from petrel.executor.speculation import apply_decoding_config
@@ -61,8 +64,11 @@ class Executor:
         engine_config = apply_decoding_config(self.config.decoding_config, engine_config)
         self._outputs_configured = configured_outputs(self.config)
         lpp = self.config.logits_post_processor_config or LogitsPostProcessorConfig()
+        if not isinstance(lpp.replicate, bool):
+            raise ValueError(f"logits_post_processor_config.replicate must be a bool, got {lpp.replicate!r}")
         self._post_processors = dict(lpp.processor_map)
         self._loras: dict[int, LoRARequest] = {}  # LoraConfig.task_id -> its adapter, from its first request
+        self._packed_loras: dict[int, str] = {}  # task_id -> the digest of the packed tensors it was loaded from
         self._request_stats: collections.deque = collections.deque(maxlen=self.config.request_stats_max_iterations)
         self._engine = LLMEngine(
             engine_config,
@@ -70,6 +76,11 @@ class Executor:
             stats_history=self.config.iter_stats_max_iterations,
         )
         self._engine.step_observer = self._record_request_stats
+        kv = self.config.kv_cache_config
+        self._kv_events = None  # KvCacheConfig.event_buffer_max_size > 0: the prefix cache's events
+        if kv is not None and kv.event_buffer_max_size:
+            size = kv.event_buffer_max_size
+            self._kv_events = self._engine.call(lambda core: attach_kv_events(core, size))
         self._ids = itertools.count(1)
         self._outputs = OutputQueue()  # (request state, raw EngineOutput), from the engine loop
         self._lock = threading.Lock()  # the consumer side: processing, _ready and _states
@@ -95,12 +106,17 @@ class Executor:
                 self._outputs_configured,
                 self._engine.model_config.vocab_size,
                 self._loras,
+                self._packed_loras,
             )
             ids = list(request.input_token_ids)
             engine = self._engine
             multi_modal = multimodal_inputs(request, engine.mm_processor, engine.model_config.hidden_size)
+            multi_modal = apply_mrope_config(request, multi_modal, engine.model_config)
             if multi_modal is not None:
                 options["multi_modal"] = multi_modal
+            positions = position_ids_of(request, engine.model_config)
+            if positions is not None:
+                options["position_ids"] = positions
             processor = RequestOutputProcessor(request_id, self._engine.tokenizer, ids, params)
             state = RequestState(request_id, request, params, processor, self._engine.config.block_size)
             with self._lock:
@@ -115,6 +131,9 @@ class Executor:
 
     def _add(self, request_id: int, ids: list[int], params, state: RequestState, request: Request, options: dict):
         lora = options.get("lora_request")
+        packed = options.pop("lora_packed", None)
+        if packed is not None:
+            self._load_packed_lora(lora, *packed)
         try:
             self._engine.add_request(
                 request_id,
@@ -130,6 +149,17 @@ class Executor:
             raise
         if lora is not None:
             self._loras.setdefault(lora.lora_int_id, lora)  # later requests of this task_id need no path
+            if packed is not None:
+                self._packed_loras.setdefault(lora.lora_int_id, packed[2])
+
+    def _load_packed_lora(self, lora: LoRARequest, weights, config, digest: str) -> None:
+        """A new task_id's packed tensors (TensorRT-LLM's layout, petrel/executor/packed_lora.py) into the engine's
+        adapter store, where PEFT directories go too."""
+        manager = self._engine.core.lora_manager
+        if manager is None:
+            raise ValueError("lora_config needs an engine started with enable_lora=True")
+        adapter = adapter_from_packed(lora, weights, config, self._engine.model_config, manager.max_rank)
+        manager.register(lora, adapter)
 
     def enqueue_requests(self, requests: list[Request]) -> list[int]:
         return [self.enqueue_request(r) for r in requests]
@@ -212,6 +242,11 @@ class Executor:
 
     def can_enqueue_requests(self) -> bool:
         return not self._shutdown
+
+    def get_kv_cache_event_manager(self) -> KVCacheEventManager | None:
+        """The KV cache's events (stored / removed blocks; petrel/executor/kv_events.py), or None unless
+        KvCacheConfig.event_buffer_max_size > 0."""
+        return self._kv_events
 
     # ------------------------------------------------------------------ stats
     def get_latest_iteration_stats(self) -> list:

@@ -110,6 +110,12 @@ def multimodal_inputs(request, processor, hidden_size: int) -> MultiModalInputs 
             "the hashes alone cannot stand for it"
         )
     table = _embedding(embedding, hidden_size)
+    video = getattr(processor, "video_token_id", None)
+    if video is not None and video in ids:
+        raise ValueError(
+            f"Request.multimodal_embedding: input_token_ids has video placeholder tokens (id {video}); given "
+            "embeddings stand for images only"
+        )
     rows = [i for i, t in enumerate(ids) if t == processor.image_token_id]
     if len(rows) != table.shape[0]:
         raise ValueError(

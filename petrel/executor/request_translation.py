@@ -10,28 +10,35 @@ import math
 import torch
 
 from petrel.config import EngineConfig
+from petrel.engine.kv_retention import KvRetention, make_retention
+from petrel.executor.packed_lora import packed_digest, packed_request
 from petrel.executor.speculation import speculation_fields
-from petrel.executor.types import ExecutorConfig, KvCacheConfig, LoraConfig, Request
+from petrel.executor.types import ExecutorConfig, KvCacheConfig, KvCacheRetentionConfig, LoraConfig, Request
 from petrel.lora import LoRARequest
 from petrel.sampling_params import ADDITIONAL_OUTPUTS, SamplingParams
 
-UNSUPPORTED_FIELDS = (
-    "position_ids",
-    "mrope_config",
-    "encoder_input_token_ids",
-    "encoder_input_features",
-    "encoder_output_length",
-    "cross_attention_mask",
-    "kv_cache_retention_config",
-    "eagle_config",
-    "skip_cross_attn_blocks",
-    "language_adapter_uid",
+_ENCODER = "encoder-decoder models only: petrel's models are decoder-only (no encoder)"
+_CROSS = "cross-attention: petrel's models are decoder-only (they have no cross-attention)"
+# Request fields petrel refuses when set, and why
+UNSUPPORTED_FIELDS = {
+    "encoder_input_token_ids": _ENCODER,
+    "encoder_input_features": _ENCODER,
+    "encoder_output_length": _ENCODER,
+    "cross_attention_mask": _CROSS,
+    "skip_cross_attn_blocks": _CROSS,
+    "eagle_config": "EAGLE needs a model's EAGLE draft heads, which petrel does not load",
+    "language_adapter_uid": "language adapters belong to models built with them; petrel loads none",
+}
+# KvCacheConfig fields that become EngineConfig options (of the same name unless mapped here)
+KV_CACHE_ENGINE_OPTIONS = (
+    "max_attention_window",
+    "sink_token_length",
+    "secondary_offload_min_priority",
+    "host_cache_size",
+    "enable_partial_reuse",
+    "copy_on_partial_reuse",
 )
-KV_CACHE_UNSUPPORTED = tuple(
-    f.name
-    for f in dataclasses.fields(KvCacheConfig)
-    if f.name not in ("enable_block_reuse", "max_tokens", "free_gpu_memory_fraction")
-)
+KV_CACHE_ENGINE_NAMES = {"host_cache_size": "kv_host_tier_bytes"}
 
 
 def speculation_and_prompt_tuning(request: Request, vocab_size: int) -> dict:
@@ -40,13 +47,29 @@ def speculation_and_prompt_tuning(request: Request, vocab_size: int) -> dict:
     extra = speculation_fields(request, vocab_size)
     tuning = request.prompt_tuning_config
     if tuning is not None:
-        if tuning.input_token_extra_ids is not None:
-            raise ValueError(
-                "prompt_tuning_config.input_token_extra_ids is not supported: petrel keys the prefix cache by the "
-                "embedding table itself"
-            )
         extra["prompt_embedding_table"] = tuning.embedding_table
     return extra
+
+
+def token_extra_ids_of(request: Request, vocab_size: int) -> list[int] | None:
+    """prompt_tuning_config.input_token_extra_ids, one per prompt token, kept for the virtual tokens (ids >=
+    vocab_size; 0 for the others, as they key nothing): None when none is set or every kept one is 0."""
+    tuning = request.prompt_tuning_config
+    given = None if tuning is None else tuning.input_token_extra_ids
+    if given is None:
+        return None
+    field = "prompt_tuning_config.input_token_extra_ids"
+    if isinstance(given, torch.Tensor):
+        given = given.tolist()
+    if not isinstance(given, (list, tuple)) or not all(
+        isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in given
+    ):
+        raise ValueError(f"{field} must be a list of integers >= 0, one per prompt token")
+    ids = request.input_token_ids
+    if len(given) != len(ids):
+        raise ValueError(f"{field} has {len(given)} ids for {len(ids)} prompt tokens; give one per token")
+    kept = [e if t >= vocab_size else 0 for t, e in zip(ids, given)]
+    return kept if any(kept) else None
 
 
 def configured_outputs(config: ExecutorConfig) -> set[str]:
@@ -65,10 +88,17 @@ def apply_kv_cache_config(kv: KvCacheConfig | None, engine_config: EngineConfig)
     max_tokens and/or free_gpu_memory_fraction (the smaller when both are set)."""
     if kv is None:
         return engine_config
-    unsupported = [name for name in KV_CACHE_UNSUPPORTED if getattr(kv, name) is not None]
-    if unsupported:
-        raise ValueError(f"kv_cache_config fields {unsupported} are not supported by petrel")
+    check_kv_cache_placement(kv, engine_config)
+    size = kv.event_buffer_max_size
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
+        raise ValueError(f"kv_cache_config.event_buffer_max_size must be an integer >= 0, got {size!r}")
     changes: dict = {"enable_prefix_caching": bool(kv.enable_block_reuse)}
+    for name in KV_CACHE_ENGINE_OPTIONS:
+        if getattr(kv, name) is not None:
+            value = getattr(kv, name)
+            if name == "max_attention_window" and isinstance(value, (int, tuple)) and not isinstance(value, bool):
+                value = [value] if isinstance(value, int) else list(value)  # older bindings took one window
+            changes[KV_CACHE_ENGINE_NAMES.get(name, name)] = value
     budgets = []
     if kv.max_tokens is not None:
         if not isinstance(kv.max_tokens, int) or kv.max_tokens < 1:
@@ -91,26 +121,64 @@ def apply_kv_cache_config(kv: KvCacheConfig | None, engine_config: EngineConfig)
         budgets.append(int(torch.cuda.mem_get_info(torch.device(engine_config.device))[0] * fraction))
     if budgets:
         changes["kv_cache_memory"] = min(budgets)
-    return dataclasses.replace(engine_config, **changes)
+    try:
+        return dataclasses.replace(engine_config, **changes)
+    except (TypeError, ValueError) as exc:  # a malformed window or sink count: named as the caller gave it
+        raise ValueError(f"kv_cache_config: {exc}") from None
 
 
-def lora_request_for(lora: LoraConfig, known: dict[int, LoRARequest]) -> LoRARequest:
-    """The adapter of a LoraConfig: a new task_id needs `path`; a known one may omit it."""
+def check_kv_cache_placement(kv: KvCacheConfig, engine_config: EngineConfig) -> None:
+    """The KvCacheConfig fields about where blocks live: what petrel does already is accepted, the rest refused
+    saying why."""
+    if kv.cross_kv_cache_fraction is not None:
+        raise ValueError(
+            "kv_cache_config.cross_kv_cache_fraction: petrel's models are decoder-only (no cross-attention KV cache)"
+        )
+    if kv.onboard_blocks is False:
+        raise ValueError(
+            "kv_cache_config.onboard_blocks=False: petrel attends only to blocks in its KV cache, so a block found "
+            "in a lower tier is always brought back (onboarded)"
+        )
+    if kv.use_uvm and not str(engine_config.device).startswith("cpu"):
+        raise ValueError(
+            "kv_cache_config.use_uvm: petrel allocates a CUDA KV cache in device memory (unified memory is not "
+            "supported); on the CPU the cache is host memory already"
+        )
+
+
+def lora_request_for(
+    lora: LoraConfig, known: dict[int, LoRARequest], packed_digests: dict[int, str]
+) -> tuple[LoRARequest, tuple | None]:
+    """The adapter of a LoraConfig, and (weights, config, digest) when its packed tensors must be loaded first. A new
+    task_id needs `path` (a PEFT directory) or packed `weights` and `config`; a known one may leave them out (given
+    again, they must be the ones it is cached with)."""
     if not isinstance(lora, LoraConfig):
         raise ValueError(f"lora_config must be an executor LoraConfig, got {type(lora).__name__}")
-    if lora.weights is not None or lora.config is not None:
-        raise ValueError("lora_config: packed weights/config tensors are not supported; give a PEFT adapter path")
     task = lora.task_id
     if not isinstance(task, int) or isinstance(task, bool) or task < 1:
         raise ValueError(f"lora_config.task_id must be an integer >= 1, got {task!r}")
+    packed = lora.weights is not None or lora.config is not None
+    if packed and lora.path is not None:
+        raise ValueError("lora_config: give either a PEFT adapter path or packed weights / config, not both")
     cached = known.get(task)
+    if packed:
+        if lora.weights is None or lora.config is None:
+            raise ValueError("lora_config: packed weights need their config, and a config its weights")
+        digest = packed_digest(lora.weights, lora.config)
+        if cached is not None:
+            if packed_digests.get(task) != digest:
+                raise ValueError(f"lora_config: task_id {task} is cached with another adapter")
+            return cached, None
+        return packed_request(task), (lora.weights, lora.config, digest)
     if lora.path is None:
         if cached is None:
-            raise ValueError(f"lora_config: task_id {task} is not cached; its first request must give a path")
-        return cached
+            raise ValueError(
+                f"lora_config: task_id {task} is not cached; its first request must give a path or packed weights"
+            )
+        return cached, None
     if cached is not None and cached.lora_path != str(lora.path):
-        raise ValueError(f"lora_config: task_id {task} is cached with another path ({cached.lora_path})")
-    return LoRARequest(f"task-{task}", task, str(lora.path))
+        raise ValueError(f"lora_config: task_id {task} is cached with another adapter ({cached.lora_path})")
+    return LoRARequest(f"task-{task}", task, str(lora.path)), None
 
 
 class _EmbeddingBias:
@@ -142,17 +210,20 @@ def translate_request(
     outputs_configured: set[str],
     vocab_size: int,
     loras: dict[int, LoRARequest],
+    packed_digests: dict[int, str] | None = None,
 ) -> tuple[SamplingParams, dict]:
-    """The request's SamplingParams and its engine request options (with 'timeout' and 'lora_request')."""
+    """The request's SamplingParams and its engine request options (with 'timeout' and 'lora_request'; and
+    'lora_packed', the Executor's to load, for a new task_id's packed LoRA tensors)."""
+    packed_digests = {} if packed_digests is None else packed_digests
     if not isinstance(request, Request):
         raise TypeError(f"enqueue_request takes an executor Request, got {type(request).__name__}")
     if not request.input_token_ids:
         raise ValueError("input_token_ids is empty: at least one token is needed")
     if not isinstance(request.max_tokens, int) or request.max_tokens < 1:
         raise ValueError(f"max_tokens must be an integer >= 1, got {request.max_tokens!r}")
-    for name in UNSUPPORTED_FIELDS:
+    for name, why in UNSUPPORTED_FIELDS.items():
         if getattr(request, name) is not None:
-            raise ValueError(f"Request.{name} is not supported by petrel")
+            raise ValueError(f"Request.{name} is not supported: {why}")
     extra = speculation_and_prompt_tuning(request, vocab_size)
     sc, oc = request.sampling_config, request.output_config
     if oc.return_encoder_output:
@@ -240,5 +311,26 @@ def translate_request(
             raise ValueError(f"allotted_time_ms must be > 0, got {ms!r}")
         options["timeout"] = ms / 1000.0
     if request.lora_config is not None:
-        options["lora_request"] = lora_request_for(request.lora_config, loras)
+        options["lora_request"], packed = lora_request_for(request.lora_config, loras, packed_digests)
+        if packed is not None:
+            options["lora_packed"] = packed  # loaded by the Executor before the request is queued
+    if request.kv_cache_retention_config is not None:
+        options["kv_retention"] = retention_of(request.kv_cache_retention_config)
+    extra_ids = token_extra_ids_of(request, vocab_size)
+    if extra_ids is not None:
+        options["token_extra_ids"] = extra_ids
     return params, options
+
+
+def retention_of(config) -> KvRetention:
+    """Request.kv_cache_retention_config as the engine's KvRetention (ValueError naming the field)."""
+    field = "kv_cache_retention_config"
+    if not isinstance(config, (KvCacheRetentionConfig, dict)):
+        raise ValueError(f"{field} must be a KvCacheRetentionConfig, got {type(config).__name__}")
+    mode = getattr(config, "transfer_mode", "DRAM")
+    if str(getattr(mode, "name", mode)).upper() != "DRAM" or getattr(config, "directory", None):
+        raise ValueError(
+            f"{field}.transfer_mode / directory: only DRAM (TensorRT-LLM's default; its other modes are debug "
+            "options) is supported"
+        )
+    return make_retention(config, field)

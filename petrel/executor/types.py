@@ -73,8 +73,10 @@ class OutputConfig:
 @dataclass
 class PromptTuningConfig:
     """Prompt tuning: a prompt id >= the vocabulary size is a virtual token whose input embedding is row
-    (id - vocab_size) of `embedding_table` ([num_virtual_tokens, hidden]). The prefix cache is keyed by the table,
-    so `input_token_extra_ids` (TensorRT-LLM's way to tell tables apart) is not needed and is refused."""
+    (id - vocab_size) of `embedding_table` ([num_virtual_tokens, hidden]). The prefix cache is keyed by the table
+    (its digest), and, as TensorRT-LLM does, by `input_token_extra_ids` (one per prompt token; a virtual token's
+    (id, extra id) pair is its key, a vocabulary token's extra id is ignored): requests with the same table and
+    different extra ids never share the blocks holding those virtual tokens."""
 
     embedding_table: Any
     input_token_extra_ids: list[int] | None = None
@@ -114,6 +116,19 @@ class ExternalDraftTokensConfig:
 
 
 @dataclass
+class MropeConfig:
+    """A Qwen2-VL request's multimodal rotary embedding, as TensorRT-LLM takes it: mrope_rotary_cos_sin holds, for each
+    prompt token in order (more rows, up to the model's context, may follow and are not read), the (cos, sin) pair of
+    each of the head's head_dim / 2 rotary frequencies at that token's temporal / height / width position (each
+    frequency from its M-RoPE section's stream), flattened (any shape of rows * head_dim values: [1, n], [rows,
+    head_dim] or [rows, head_dim / 2, 2]); a generated token at index i has all three positions i +
+    mrope_position_deltas (an int, or a one-element tensor). See petrel/executor/positions.py."""
+
+    mrope_rotary_cos_sin: Any
+    mrope_position_deltas: Any
+
+
+@dataclass
 class LookaheadDecodingConfig:
     """Lookahead (Jacobi) decoding's sizes, TensorRT-LLM's (W, N, G): the window of future positions iterated
     each step, the n-gram size (N - 1 drafts a candidate), the verification set (candidates verified a step).
@@ -138,15 +153,43 @@ class DecodingConfig:
 @dataclass
 class LoraConfig:
     """The LoRA adapter a request runs with, cached by task_id (TensorRT-LLM's behaviour): the first request with a
-    task_id gives `path`, later ones give only the task_id. The engine needs enable_lora=True.
+    task_id gives the adapter, later ones only the task_id. The engine needs enable_lora=True.
 
-    `path` is petrel's extension: a PEFT adapter directory (adapter_config.json + adapter_model.safetensors).
-    TensorRT-LLM's packed `weights` / `config` tensors are not supported (a ValueError)."""
+    The adapter: TensorRT-LLM's packed `weights` ([rows, width]: each row a module's flattened in then out weights)
+    and `config` ([rows, 3]: module id, layer, adapter size), see petrel/executor/packed_lora.py; or petrel's
+    extension `path`, a PEFT adapter directory (adapter_config.json + adapter_model.safetensors). Both go into the
+    engine's one adapter store."""
 
     task_id: int
     weights: Any = None
     config: Any = None
     path: str | None = None
+
+
+@dataclass
+class TokenRangeRetentionConfig:
+    """The retention priority (0..100; 35 is the default) of the cached blocks whose first token lies in the prompt
+    range [token_start, token_end) (token_end None: to the prompt's end), for duration_ms (milliseconds, or a
+    datetime.timedelta; None: for as long as the block stays cached)."""
+
+    token_start: int
+    token_end: int | None = None
+    priority: int = 35
+    duration_ms: Any = None
+
+
+@dataclass
+class KvCacheRetentionConfig:
+    """Which of a request's cached KV blocks are evicted last (TensorRT-LLM's retention policy; see
+    petrel/engine/kv_retention.py): token ranges of the prompt with priorities and durations, and the priority and
+    duration of the blocks of generated tokens. transfer_mode and directory are TensorRT-LLM's debug options:
+    only the default (DRAM, no directory) is accepted."""
+
+    token_range_retention_configs: list[TokenRangeRetentionConfig] = field(default_factory=list)
+    decode_retention_priority: int = 35
+    decode_duration_ms: Any = None
+    transfer_mode: str = "DRAM"
+    directory: str | None = None
 
 
 @dataclass
@@ -237,8 +280,10 @@ class Request:
     prompt_tuning_config: PromptTuningConfig | None = None  # virtual prompt tokens (ids >= vocab) -> table rows
     lookahead_config: LookaheadDecodingConfig | None = None  # this request's lookahead sizes (see the class)
     external_draft_tokens_config: ExternalDraftTokensConfig | None = None  # the caller's drafts, verified
-    position_ids: Any = None  # refused (a ValueError naming it), as are the fields below unless said otherwise
-    mrope_config: Any = None
+    # the prompt tokens' rotary positions (a text model's; one per token): later tokens go on from the last one
+    position_ids: list[int] | None = None
+    mrope_config: MropeConfig | None = None  # an M-RoPE model's rotary table and position delta (Qwen2-VL)
+    # the fields below are refused (a ValueError naming them) unless said otherwise
     # a vision-language model's image rows given as embeddings ([rows, hidden], one per image placeholder token of
     # input_token_ids, in order): the vision encoder is skipped (petrel/executor/multimodal.py)
     multimodal_embedding: Any = None
@@ -247,7 +292,7 @@ class Request:
     encoder_input_features: Any = None
     encoder_output_length: int | None = None
     cross_attention_mask: Any = None
-    kv_cache_retention_config: Any = None
+    kv_cache_retention_config: KvCacheRetentionConfig | None = None  # its cached blocks' eviction priorities
     eagle_config: Any = None
     skip_cross_attn_blocks: Any = None
     language_adapter_uid: int | None = None
@@ -291,15 +336,31 @@ class Response:
 
 @dataclass
 class LogitsPostProcessorConfig:
+    """Named logits post-processors (Request.logits_post_processor_name) and the batched one.
+
+    replicate: TensorRT-LLM runs the callbacks on every rank of the first tensor-parallel group unless it is False
+    (then on rank 0 only, the sampled tokens broadcast). petrel samples on rank 0 alone: the callbacks always run
+    there, once per step, and the other ranks take the tokens it sampled with the next step's forward plan. So
+    replicate=False is exactly TensorRT-LLM's; with replicate=True the tokens are what replicated (deterministic)
+    callbacks give, and no client state needs replicating."""
+
     processor_map: dict[str, LogitsPostProcessor] = field(default_factory=dict)
     processor_batched: LogitsPostProcessorBatched | None = None
+    replicate: bool = True
 
 
 @dataclass
 class KvCacheConfig:
     """The engine's KV cache. enable_block_reuse: prefix caching; max_tokens: the cache's size in tokens;
     free_gpu_memory_fraction: the fraction of free accelerator memory it takes (CUDA only; with max_tokens too, the
-    smaller). The other fields are TensorRT-LLM's and not supported: setting one is a ValueError naming it."""
+    smaller). max_attention_window (per layer, repeated over the layers) and sink_token_length: sliding-window
+    attention with attention sinks on any model (petrel/engine/attention_windows.py). host_cache_size: bytes of the
+    host-memory tier evicted blocks go to; secondary_offload_min_priority: the least retention priority it takes
+    (petrel/engine/kv_retention.py). enable_partial_reuse / copy_on_partial_reuse: reuse of a partly matching block
+    after a prefix hit (off unless set: petrel's default reuses whole blocks). event_buffer_max_size > 0: the events
+    of Executor.get_kv_cache_event_manager(). onboard_blocks (True: tier blocks come back into the cache) and
+    use_uvm (on the CPU, where the cache is host memory) take petrel's behaviour only; cross_kv_cache_fraction is for
+    encoder-decoder models (refused)."""
 
     enable_block_reuse: bool = True
     max_tokens: int | None = None

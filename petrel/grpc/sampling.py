@@ -7,8 +7,10 @@ refused at once, naming `bad`, where they used to be tokenized and de-duplicated
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
+from petrel.engine.kv_retention import make_retention
 from petrel.guided_decoding import GuidedDecodingLimits, GuidedDecodingParams
 from petrel.sampling_params import SamplingParams
 from petrel.serve.params import MAX_BAD_WORDS, MAX_STOP_STRINGS
@@ -24,7 +26,8 @@ UNSUPPORTED_SAMPLING = (
     "no_repeat_ngram_size",
 )
 # GenerateRequest fields petrel does not serve: refused when present
-UNSUPPORTED_REQUEST = ("prompt_tuning_config", "multimodal_input", "kv_cache_retention", "lookahead_config")
+UNSUPPORTED_REQUEST = ("prompt_tuning_config", "multimodal_input", "lookahead_config")
+RETENTION_POLICIES = ("", "priority")  # kv_cache_retention.policy: TensorRT-LLM's priority-based retention
 SAME_NAME = ("top_k", "top_p", "min_p", "temperature", "repetition_penalty", "presence_penalty", "frequency_penalty")
 # a request larger than this is prepared off the gRPC event loop (below it, a few ms of work: ~25k token ids)
 INLINE_BYTES = 64 * 1024
@@ -217,6 +220,23 @@ def _lora(req, limits: GenerateLimits):
     return limits.lora_by_id[lora.task_id]
 
 
+def _retention(retention) -> dict:
+    """kv_cache_retention: policy '' or 'priority', config_json TensorRT-LLM's KvCacheRetentionConfig fields as
+    JSON (token_range_retention_configs, decode_retention_priority, decode_duration_ms), checked by the engine."""
+    if retention.policy not in RETENTION_POLICIES:
+        raise ValueError(
+            f"kv_cache_retention.policy must be one of {list(RETENTION_POLICIES)}, got {retention.policy!r}"
+        )
+    try:
+        config = json.loads(retention.config_json or "{}")
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"kv_cache_retention.config_json is not JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError("kv_cache_retention.config_json must be a JSON object")
+    make_retention(config, "kv_cache_retention")  # malformed: INVALID_ARGUMENT before anything is queued
+    return config
+
+
 def generate_args(req, limits: GenerateLimits) -> GenerateArgs:
     """The prompt, SamplingParams and generate_async options a GenerateRequest asks for (ValueError naming the field
     petrel cannot honour). Token id lists lose their repeats (each id is looked up after every token)."""
@@ -243,6 +263,8 @@ def generate_args(req, limits: GenerateLimits) -> GenerateArgs:
     lora = _lora(req, limits)
     if lora is not None:
         options["lora_request"] = lora
+    if req.HasField("kv_cache_retention"):
+        options["kv_cache_retention_config"] = _retention(req.kv_cache_retention)
     params = SamplingParams(**kwargs)
     params.validate_for_model(limits.vocab_size)
     return GenerateArgs(ids, params, options)

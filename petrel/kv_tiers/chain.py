@@ -56,9 +56,10 @@ class TierChain:
         self.failed_gets = 0
         self.fetch_seconds = 0.0  # time spent finding, reading and checking blocks (either thread)
 
-    def store(self, group: int, block_hash: bytes, tokens, kv: torch.Tensor) -> None:
-        """Keep one evicted block's KV ([layers, 2, block_size, kv_heads, head_dim]) in the first local tier."""
-        if self.tiers and self._put(self.tiers[0], group, block_hash, tokens, kv):
+    def store(self, group: int, block_hash: bytes, tokens, kv: torch.Tensor, priority: int | None = None) -> None:
+        """Keep one evicted block's KV ([layers, 2, block_size, kv_heads, head_dim]) in the first local tier; the host
+        tier drops its lowest retention priority first when full (None: the default priority)."""
+        if self.tiers and self._put(self.tiers[0], group, block_hash, tokens, kv, priority):
             self.stored_blocks += 1
 
     def publish(self, group: int, block_hash: bytes, tokens, kv: torch.Tensor) -> None:
@@ -66,10 +67,16 @@ class TierChain:
         if self.shared is not None and self._put(self.shared, group, block_hash, tokens, kv):
             self.published_blocks += 1
 
-    def _put(self, tier: BlockStore, group: int, block_hash: bytes, tokens, kv: torch.Tensor) -> bool:
+    def _put(
+        self, tier: BlockStore, group: int, block_hash: bytes, tokens, kv: torch.Tensor, priority: int | None = None
+    ) -> bool:
         key = tier_key(group, block_hash)
         try:
-            tier.put(key, encode_block(self.layout, key, group, tokens, kv))
+            blob = encode_block(self.layout, key, group, tokens, kv)
+            if priority is not None and isinstance(tier, HostTier):
+                tier.put(key, blob, priority)
+            else:
+                tier.put(key, blob)
         except Exception as exc:  # noqa: BLE001 - a store that fails loses a block, never a step
             self.failed_puts += 1
             logger.warning("KV %s tier: storing block %s failed: %s", tier.name, key.hex()[:16], exc)

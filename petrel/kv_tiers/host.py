@@ -1,11 +1,14 @@
-"""The host-memory tier: blobs in a bounded LRU (an OrderedDict), the oldest spilled to the next tier when full."""
+"""The host-memory tier: blobs in a bounded store, the next to go spilled to the next tier when full: the lowest
+retention priority first (petrel/engine/kv_retention.py; blocks stored without one have the default), least
+recently used first among equals."""
 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Callable
 
+from petrel.engine.eviction import EvictionQueue
+from petrel.engine.kv_retention import DEFAULT_PRIORITY
 from petrel.kv_tiers.base import StoreStats
 
 
@@ -19,7 +22,8 @@ class HostTier:
             raise ValueError(f"host tier capacity must be a positive number of bytes, got {capacity_bytes!r}")
         self.capacity_bytes = capacity_bytes
         self.spill = spill
-        self._blobs: OrderedDict[bytes, bytes] = OrderedDict()  # least recently used first
+        self._blobs: dict[bytes, bytes] = {}
+        self._order = EvictionQueue()  # the keys, the next to go first
         self._bytes = 0
         self._stats = StoreStats()
         self._lock = threading.Lock()  # the engine loop and a scrape may use it at once
@@ -37,12 +41,12 @@ class HostTier:
             if blob is None:
                 self._stats.misses += 1
                 return None
-            self._blobs.move_to_end(key)
+            self._order.touch(key)
             self._stats.hits += 1
             self._stats.bytes_out += len(blob)
             return blob
 
-    def put(self, key: bytes, blob: bytes) -> None:
+    def put(self, key: bytes, blob: bytes, priority: int = DEFAULT_PRIORITY) -> None:
         spilled = []
         with self._lock:
             self._stats.puts += 1
@@ -51,12 +55,15 @@ class HostTier:
                 return
             old = self._blobs.pop(key, None)
             if old is not None:
+                self._order.pop(key)
                 self._bytes -= len(old)
             while self._bytes + len(blob) > self.capacity_bytes:
-                k, b = self._blobs.popitem(last=False)
+                k, _ = self._order.popitem(last=False)
+                b = self._blobs.pop(k)
                 self._bytes -= len(b)
                 spilled.append((k, b))
             self._blobs[key] = blob
+            self._order.add(key, priority)
             self._bytes += len(blob)
             self._stats.bytes_in += len(blob)
         if self.spill is not None:

@@ -21,6 +21,11 @@ A chunk may be a tree of speculative drafts (lookahead decoding): its tokens sit
 at consecutive positions, and each sees the context and its own ancestors only. Its explicit mask (and, under a
 window, its positions) take the PyTorch path: the C kernel leaves the chunk to it, and a CUDA step holding one runs
 whole in PyTorch instead of Triton.
+
+Attention sinks (StreamingLLM; petrel/engine/attention_windows.py): a windowed layer with S sinks also sees the
+first S positions, so the query at p sees keys 0 .. S-1 and p-W+1 .. p. The block manager keeps the sink blocks
+and gives back those between them and the window (their table entries point at block 0, as behind a window). The
+kernels know windows only: a layer with sinks runs the portable path, reading the sink blocks and the window's.
 """
 
 from __future__ import annotations
@@ -101,11 +106,15 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    sinks: int = 0,
 ) -> torch.Tensor:
     """q: [T, heads, d]; k, v: [T, kv_heads, d] for this step's tokens. Returns [T, heads, d].
 
-    sliding_window: when set, each query attends to its last `sliding_window` positions only (itself included).
+    sliding_window: when set, each query attends to its last `sliding_window` positions only (itself included);
+    sinks: and to the sequence's first `sinks` positions too (with a window only).
     """
+    if sinks and sliding_window is not None:
+        return _attention_with_sinks(q, k, v, kv_cache, meta, scale, sliding_window, sinks)
     if triton_attention.serves(q.device) and not any(c.tree_positions is not None for c in meta.prefills):
         return triton_attention.paged_attention(q, k, v, kv_cache, meta, scale, sliding_window)
     num_tokens, num_heads, head_dim = q.shape
@@ -171,6 +180,65 @@ def paged_attention(
             vp.transpose(0, 1).unsqueeze(0),
             attn_mask=mask,
             is_causal=causal,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[rows] = op.squeeze(0).transpose(0, 1)
+    return out
+
+
+def _attention_with_sinks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int,
+    sinks: int,
+) -> torch.Tensor:
+    """paged_attention for a windowed layer with attention sinks: each query reads the sink blocks and the blocks
+    from its window's first on, masked to keys < sinks or within the window (and causal)."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(key_cache.dtype))
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(value_cache.dtype))
+    block_size = key_cache.shape[1]
+    sink_blocks = -(-sinks // block_size)
+    device = q.device
+    out = torch.empty_like(q)
+
+    def columns(width: int, first_visible: int) -> torch.Tensor:
+        """The block columns to read: the sink blocks, then from the one holding first_visible on."""
+        first = max(sink_blocks, first_visible // block_size)
+        return torch.cat([torch.arange(min(sink_blocks, width)), torch.arange(min(first, width), width)]).to(device)
+
+    for g in meta.decode_groups:
+        width = g.block_tables.shape[1]
+        cols = columns(width, max(0, min(g.context_lens) - window))
+        k_pos = (cols.unsqueeze(1) * block_size + torch.arange(block_size, device=device)).reshape(1, -1)
+        lens = g.context_lens_t.unsqueeze(1)
+        mask = (k_pos < lens) & ((k_pos < sinks) | (k_pos >= lens - window))
+        out[g.start : g.end] = _decode_attention(
+            q[g.start : g.end], key_cache, value_cache, g.block_tables[:, cols], mask, scale
+        )
+    for chunk in meta.prefills:
+        rows = slice(chunk.start, chunk.start + chunk.num_tokens)
+        first_pos, length = chunk.first_pos, chunk.context_len
+        width = -(-length // block_size)
+        cols = columns(width, max(0, first_pos - window + 1))
+        table = chunk.block_table[:width][cols]
+        k_pos = (cols.unsqueeze(1) * block_size + torch.arange(block_size, device=device)).reshape(-1)
+        kp, vp = _gather(key_cache, value_cache, table, table.shape[0] * block_size, q.dtype)
+        keep = k_pos < length
+        kp, vp, k_pos = kp[keep], vp[keep], k_pos[keep]
+        q_pos = torch.arange(first_pos, length, device=device).unsqueeze(1)
+        mask = (k_pos <= q_pos) & ((k_pos < sinks) | (k_pos > q_pos - window))
+        op = F.scaled_dot_product_attention(
+            q[rows].transpose(0, 1).unsqueeze(0),
+            kp.transpose(0, 1).unsqueeze(0),
+            vp.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask,
             scale=scale,
             enable_gqa=True,
         )

@@ -43,6 +43,7 @@ class ModelConfig:
     qk_norm: bool = False  # RMS norm over each head of q and k, before rotary (Qwen3)
     mlp_bias: bool = False
     sliding_windows: list[int | None] = field(default_factory=list)  # per layer: keys a query sees, None = all
+    attention_sinks: int = 0  # the first positions every windowed layer also sees (petrel/engine/attention_windows.py)
     rope_local_theta: float | None = None  # rotary base of the sliding-window layers (Gemma 3); None = rope_theta
     query_pre_attn_scalar: float | None = None  # attention scale is this ** -0.5 (Gemma); None = head_dim
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap) (Gemma)

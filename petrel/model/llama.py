@@ -35,6 +35,7 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel = SINGLE):
         super().__init__()
         self.sliding_window = cfg.sliding_window(layer)
+        self.attention_sinks = cfg.attention_sinks if self.sliding_window is not None else 0  # StreamingLLM's sinks
         heads = AttentionHeads(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, tp)  # this rank's
         self.num_heads, self.num_kv_heads, self.head_dim = heads.num_heads, heads.num_kv_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
@@ -59,7 +60,9 @@ class LlamaAttention(nn.Module):
         if hasattr(self, "q_norm"):
             qk = torch.cat([self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])], dim=1)
         qk = RotaryEmbedding.rotate(qk, cos_sin)
-        out = paged_attention(qk[:, :heads], qk[:, heads:], v, kv_cache, meta, self.scale, self.sliding_window)
+        out = paged_attention(
+            qk[:, :heads], qk[:, heads:], v, kv_cache, meta, self.scale, self.sliding_window, self.attention_sinks
+        )
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -144,6 +147,7 @@ class LlamaDecoderLayer(nn.Module):
                     and attn.q_norm.eps == eps == attn.k_norm.eps
                 )
             )
+            and not self.self_attn.attention_sinks  # the kernels know windows, not sinks
             and type(self.input_layernorm) is RMSNorm
             and type(self.post_attention_layernorm) is RMSNorm
             and eps == self.post_attention_layernorm.eps
@@ -186,16 +190,23 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         num_layers: int | None = None,
         input_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+        rotary_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Flat batch in ([T] ids and positions), final hidden states out ([T, hidden]).
 
         num_layers: run only the first layers, then the final norm (early exit, for self-speculation).
         input_embeds: (rows, embeddings [len(rows), hidden]) that replace those rows' token embeddings (prompt
-        tuning's virtual tokens)."""
+        tuning's virtual tokens). rotary_rows: (rows, cos, sin [len(rows), head_dim / 2]) that replace those rows'
+        rotary angles (a request's given M-RoPE table)."""
         x = self.model.embed_tokens(input_ids)
         if input_embeds is not None:
             x[input_embeds[0]] = input_embeds[1].to(x.dtype)
         cos_sin = self.model.rotary.for_positions(positions, x.dtype)
+        if rotary_rows is not None:
+            rows, cos, sin = rotary_rows
+            cos_sin = tuple(t.clone() for t in cos_sin)
+            cos_sin[0][rows, 0] = torch.cat([cos, cos], dim=-1).to(x.dtype)  # rotate-half layout: [freqs, freqs]
+            cos_sin[1][rows, 0] = torch.cat([sin, sin], dim=-1).to(x.dtype)
         layers = self.model.layers if num_layers is None else self.model.layers[:num_layers]
         if (out := self._step_in_one_call(x, cos_sin, kv_caches, meta, layers)) is not None:
             return self.model.norm(out)

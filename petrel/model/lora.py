@@ -247,8 +247,9 @@ class LoRAManager:
         self.slots: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, least recently used first
         self.num_loads = 0
 
-    def register(self, request: LoRARequest) -> None:
-        """Load the adapter into the CPU cache (the caller's thread): ValueError for a bad one."""
+    def register(self, request: LoRARequest, adapter: LoRAAdapter | None = None) -> None:
+        """Load the adapter into the CPU cache (the caller's thread): ValueError for a bad one. `adapter`: one built
+        already (the Executor's packed tensors), kept under the request's id instead of reading its path."""
         with self._lock:
             known = self._cpu.get(request.lora_int_id)
         if known is not None:
@@ -258,7 +259,8 @@ class LoRAManager:
                     f"{known.request.lora_name!r} at {known.request.lora_path}"
                 )
             return
-        adapter = load_adapter(request, self.cfg, self.max_rank)
+        if adapter is None:
+            adapter = load_adapter(request, self.cfg, self.max_rank)
         with self._lock:
             self._cpu.setdefault(request.lora_int_id, adapter)
 

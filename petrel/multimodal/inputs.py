@@ -27,6 +27,10 @@ class MultiModalInputs:
     # and what a later token adds to its index (its three positions are index + delta)
     mrope_positions: torch.Tensor | None = None
     mrope_delta: int = 0
+    # a rotary table given with the request (Executor Request.mrope_config): each prompt token's (cos, sin) per
+    # frequency [prompt length, head_dim / 2, 2], used instead of its positions'; its digest keys every block
+    rope_cos_sin: torch.Tensor | None = None
+    rope_digest: bytes = b""
     _block_keys: dict = field(default_factory=dict, repr=False)
 
     def block_key(self, block: int, block_size: int) -> bytes:
@@ -38,7 +42,7 @@ class MultiModalInputs:
             for item in self.items:
                 for b in dict.fromkeys(p // block_size for p in item.positions):
                     keys[b] = keys.get(b, b"") + item.hash
-        return keys.get(block, b"")
+        return keys.get(block, b"") + self.rope_digest
 
     def overlaps(self, start: int, end: int):
         """(item, indices into its rows, prompt positions) of every item with placeholder rows in [start, end)."""

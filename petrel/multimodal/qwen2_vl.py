@@ -43,6 +43,9 @@ def _image_processor_class():
 
 class Qwen2VLProcessor:
     kinds = ("image", "video")
+    # an image is its placeholder rows given as embeddings (Executor), with the rotary table of its grid's positions
+    # (Request.mrope_config): the rows alone cannot tell them
+    takes_embeddings = True
 
     def __init__(self, path: str, tokenizer, config: dict):
         processor = _read_json(os.path.join(path, "processor_config.json"))
