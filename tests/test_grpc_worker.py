@@ -184,6 +184,13 @@ def test_non_streaming_sends_only_completes_and_prompt_logprobs(llm, worker):
         (lambda r: r.tokenized.input_token_ids.extend([10**6]), "input_token_ids"),
         (lambda r: r.output_config.SetInParent() or setattr(r.output_config, "return_perf_metrics", True), "perf"),
         (lambda r: r.bad_token_ids.extend(range(VOCAB)), "bad_token_ids"),  # the whole vocabulary: nothing to say
+        (lambda r: r.lookahead_config.SetInParent(), "lookahead_config"),  # sizes 0: no legal lookahead
+        (
+            lambda r: r.lookahead_config.CopyFrom(
+                pb.LookaheadConfig(max_window_size=2, max_ngram_size=2, max_verification_set_size=1)
+            ),
+            "lookahead_config",
+        ),  # no lookahead here
     ],
     ids=lambda v: v if isinstance(v, str) else "",
 )
@@ -195,6 +202,37 @@ def test_what_petrel_cannot_honour_is_invalid_argument(llm, worker, change, fiel
         list(stub.Generate(req, timeout=WAIT))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details()
     assert llm.engine.num_unfinished_requests == 0
+
+
+def test_lookahead_config_picks_the_requests_sizes_and_keeps_the_greedy_tokens(tiny, llm, worker):
+    """lookahead_config over gRPC: on an engine with lookahead decoding, a request's own sizes within its maximum;
+    greedy tokens equal plain decoding's, and drafts were verified."""
+    prompt = _tokens(7, 12)
+    _, stub = worker
+    plain = [r.complete.output_token_ids for r in stub.Generate(request("p", prompt, 24, streaming=False))]
+    spec = LLM(
+        tiny(2, False).path,
+        tokenizer=llm.config.tokenizer,
+        kv_cache_memory=1 << 20,
+        speculative_config={"method": "lookahead", "max_window_size": 4, "max_ngram_size": 3},
+    )
+    server = build_grpc_server(spec, "tiny").start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            la_stub = pb_grpc.TrtllmServiceStub(channel)
+            req = request(
+                "la",
+                prompt,
+                24,
+                streaming=False,
+                lookahead_config=pb.LookaheadConfig(max_window_size=3, max_ngram_size=3, max_verification_set_size=2),
+            )
+            got = [r.complete.output_token_ids for r in la_stub.Generate(req, timeout=WAIT)]
+        assert got == plain
+        assert spec.engine.call(lambda core: core.num_draft_tokens) > 0
+    finally:
+        server.stop()
+        spec.shutdown()
 
 
 def test_kv_cache_retention_sets_the_priorities_of_the_prompt_blocks(llm, worker):

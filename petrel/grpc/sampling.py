@@ -26,7 +26,7 @@ UNSUPPORTED_SAMPLING = (
     "no_repeat_ngram_size",
 )
 # GenerateRequest fields petrel does not serve: refused when present
-UNSUPPORTED_REQUEST = ("prompt_tuning_config", "multimodal_input", "lookahead_config")
+UNSUPPORTED_REQUEST = ("prompt_tuning_config", "multimodal_input")
 RETENTION_POLICIES = ("", "priority")  # kv_cache_retention.policy: TensorRT-LLM's priority-based retention
 SAME_NAME = ("top_k", "top_p", "min_p", "temperature", "repetition_penalty", "presence_penalty", "frequency_penalty")
 # a request larger than this is prepared off the gRPC event loop (below it, a few ms of work: ~25k token ids)
@@ -257,6 +257,9 @@ def generate_args(req, limits: GenerateLimits) -> GenerateArgs:
     )
     if req.HasField("guided_decoding"):
         kwargs["guided_decoding"] = guided_params(req.guided_decoding)
+    if req.HasField("lookahead_config"):  # this request's sizes, within the engine's lookahead maximum
+        la = req.lookahead_config
+        kwargs["lookahead_config"] = (la.max_window_size, la.max_ngram_size, la.max_verification_set_size)
     options: dict = {}
     if req.HasField("cache_salt_id"):
         options["cache_salt"] = str(req.cache_salt_id)
