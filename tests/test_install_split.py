@@ -90,7 +90,7 @@ def test_make_run_installs_no_extras_and_make_test_adds_them():
     run_recipe = re.search(r"^\$\(VENV\)/\.installed:.*?\n((?:\t.*\n)+)", makefile, flags=re.M).group(1)
     assert "pip install -q -e .\n" in run_recipe and "[" not in run_recipe.replace("[ ", "")
     test_recipe = re.search(r"^\$\(VENV\)/\.installed-test: \$\(VENV\)/\.installed\n((?:\t.*\n)+)", makefile, re.M)
-    assert "-e '.[test]'" in test_recipe.group(1)
+    assert "-e '.[test,docs]'" in test_recipe.group(1)
     assert re.search(r"^run: install$", makefile, flags=re.M)
     assert re.search(r"^test: install-test$", makefile, flags=re.M)
 
