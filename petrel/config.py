@@ -249,7 +249,7 @@ class EngineConfig:
         if self.device == "cpu" and self.dtype == "bfloat16" and size == 1:
             # bfloat16 weights (half the memory, half the bytes a decode step reads; unless another quantization
             # holds them) and KV cache with float32 activations, which petrel's CPU kernels take: torch's own
-            # bfloat16 CPU arithmetic ran W1 at 0.45x float32's speed (BENCHMARKS.md, 2026-12-03)
+            # bfloat16 CPU arithmetic ran W1 at 0.45x float32's speed (docs/benchmarks-history.md, 2026-12-03)
             self.dtype = "float32"
             if self.quantization in (None, "none"):
                 self.quantization = "bf16"
