@@ -37,9 +37,10 @@ run: install
 test: install-test
 	$(PY) -m pytest -q --durations=25 tests
 
-lint: install-test         # ruff: the lint rules and the formatting ([tool.ruff] in pyproject.toml)
+lint: install-test         # ruff: the lint rules and the formatting ([tool.ruff]); mypy over petrel/ ([tool.mypy])
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 # the documentation site (mkdocs.yml, docs/): `make docs` builds it and serves it at http://127.0.0.1:8001/ with live
 # reload; `make docs-build` builds it into site/ with --strict (a broken link, a missing page or an API name

@@ -16,6 +16,8 @@ import platform
 import re
 import subprocess
 import sys
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 # the distributions whose versions a report names (a missing one is reported as such)
 PACKAGES = (
@@ -43,9 +45,9 @@ SECRET_WORDS = ("SECRET", "KEY", "TOKEN", "PASSWORD", "URL")
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
 
 
-def package_versions(names=PACKAGES) -> dict[str, str | None]:
+def package_versions(names: Iterable[str] = PACKAGES) -> dict[str, str | None]:
     """{distribution: its installed version, or None where it is not installed}."""
-    versions = {}
+    versions: dict[str, str | None] = {}
     for name in names:
         try:
             versions[name] = importlib.metadata.version(name)
@@ -97,7 +99,7 @@ def _switch_off(variable: str) -> bool:
     return os.environ.get(variable, "1") == "0"
 
 
-def isa_paths(kernels_loaded: bool) -> list[dict]:
+def isa_paths(kernels_loaded: bool) -> list[dict[str, Any]]:
     """One entry per instruction-set extension petrel has a path for: {"isa", "cpu": the CPU's flags for it (from
     /proc/cpuinfo, as native reads them), "cpu_has", "petrel": what petrel runs on it here, "used": whether it
     does}. The path is decided by the same functions the kernels consult, so the report cannot disagree with them."""
@@ -172,7 +174,7 @@ def isa_paths(kernels_loaded: bool) -> list[dict]:
     return paths
 
 
-def petrel_variables(environ=None) -> dict[str, str]:
+def petrel_variables(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The PETREL_* environment variables, values hidden where the name may hold a credential."""
     environ = os.environ if environ is None else environ
     shown = {}
@@ -183,16 +185,17 @@ def petrel_variables(environ=None) -> dict[str, str]:
     return shown
 
 
-def gpu_info() -> dict:
+def gpu_info() -> dict[str, Any]:
     """torch's view of CUDA: whether it was built with it, and each visible device."""
     import torch
 
-    info = {"torch_cuda": torch.version.cuda, "available": False, "devices": []}
+    devices: list[dict[str, Any]] = []
+    info: dict[str, Any] = {"torch_cuda": torch.version.cuda, "available": False, "devices": devices}
     try:
         info["available"] = torch.cuda.is_available()
         for i in range(torch.cuda.device_count() if info["available"] else 0):
             p = torch.cuda.get_device_properties(i)
-            info["devices"].append(
+            devices.append(
                 {"name": p.name, "capability": f"{p.major}.{p.minor}", "memory_gib": round(p.total_memory / 2**30, 1)}
             )
     except Exception as exc:  # a broken driver: say so rather than fail the report
@@ -200,7 +203,7 @@ def gpu_info() -> dict:
     return info
 
 
-def collect() -> dict:
+def collect() -> dict[str, Any]:
     """Everything `petrel env` reports, as a JSON-ready dict."""
     import torch
 
@@ -209,6 +212,7 @@ def collect() -> dict:
 
     loaded, where = native.kernels_status()
     directory = os.path.dirname(os.path.abspath(petrel.__file__))
+    usable: int | None
     try:
         usable = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -240,11 +244,11 @@ def collect() -> dict:
     }
 
 
-def render(info: dict) -> str:
+def render(info: dict[str, Any]) -> str:
     """The plain-text report."""
     lines = ["petrel env: paste all of this into a bug report", ""]
 
-    def row(name: str, value) -> None:
+    def row(name: str, value: object) -> None:
         lines.append(f"{name:<24}{value}")
 
     p = info["petrel"]

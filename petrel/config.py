@@ -6,8 +6,12 @@ import functools
 import types
 import typing
 from dataclasses import asdict, dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 TORCH_DTYPES = {
     "float32": torch.float32,
@@ -55,7 +59,7 @@ class SpeculativeConfig:
     draft_num_layers: int | None = None  # 'self': None means a quarter of the target's layers
 
     @classmethod
-    def coerce(cls, value) -> SpeculativeConfig | None:
+    def coerce(cls, value: object) -> SpeculativeConfig | None:
         """A SpeculativeConfig from itself, a dict (the CLI's JSON) or None."""
         if value is None or isinstance(value, cls):
             return value
@@ -67,7 +71,7 @@ class SpeculativeConfig:
             return cls(**value)
         raise ValueError(f"speculative_config must be a SpeculativeConfig or a dict, got {type(value).__name__}")
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(
                 f"speculative_config.method must be one of {list(SPECULATIVE_METHODS)}, got {self.method!r}"
@@ -96,7 +100,7 @@ class SpeculativeConfig:
                 f"speculative_config.draft_num_layers must be a positive integer, got {self.draft_num_layers!r}"
             )
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -127,7 +131,7 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs for decode steps (petrel/engine/decode_graphs.py)
     cuda_graph_batch_sizes: list[int] | None = None  # decode batch sizes captured; None: 1, 2, 4, 8, 16, 32, ...
     num_threads: int | None = None  # torch intra-op threads (None: torch's default)
-    speculative_config: SpeculativeConfig | dict | None = None
+    speculative_config: SpeculativeConfig | dict[str, Any] | None = None
     enable_lora: bool = False  # LoRA adapter slots on the model's projections (LLM.generate(lora_request=...))
     max_loras: int = 4  # adapters resident at once; distinct adapters running at once at most
     max_lora_rank: int = 16  # largest adapter rank accepted
@@ -152,7 +156,7 @@ class EngineConfig:
     distributed_executor_backend: str = "mp"  # with tensor_parallel_size > 1: 'mp' (local processes) or 'ray'
     # vision-language models (petrel/multimodal): images / videos per prompt by kind (vLLM's limit_mm_per_prompt;
     # None: any number), the pixel budget of one image, and the bytes of encoder outputs kept for reuse (encoder cache)
-    limit_mm_per_prompt: dict | None = None
+    limit_mm_per_prompt: dict[str, int] | None = None
     max_image_pixels: int = 40_000_000
     encoder_cache_memory: int = 256 * 1024**2
     # lower KV tiers (petrel/kv_tiers): prefix-cache blocks evicted from the KV cache are kept in host memory (up
@@ -165,14 +169,14 @@ class EngineConfig:
     kv_tier_fetch_timeout: float = 2.0
 
     @classmethod
-    def from_kwargs(cls, **kwargs) -> EngineConfig:
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise TypeError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
         return cls(**kwargs)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_field_types(self)
         if self.device.split(":")[0] not in DEVICES or not _device_index_ok(self.device):
             raise ValueError(
@@ -347,21 +351,22 @@ class EngineConfig:
         return TORCH_DTYPES[self.kv_cache_dtype]
 
 
-def check_field_types(config) -> None:
+def check_field_types(config: DataclassInstance) -> None:
     """TypeError naming the first field whose value is not of its annotated type (an int is a float too; a bool
     is no int): `seed="abc"` or `enable_prefix_caching="no"` are refused, not carried into the engine."""
+    hints = _type_hints(type(config))
     for f in fields(config):
         value = getattr(config, f.name)
-        if not _matches(value, _type_hints(type(config))[f.name]):
-            raise TypeError(f"{f.name} must be {_describe(_type_hints(type(config))[f.name])}, got {value!r}")
+        if not _matches(value, hints[f.name]):
+            raise TypeError(f"{f.name} must be {_describe(hints[f.name])}, got {value!r}")
 
 
 @functools.cache
-def _type_hints(cls) -> dict:
+def _type_hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _matches(value, hint) -> bool:
+def _matches(value: object, hint: Any) -> bool:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
         return any(_matches(value, arg) for arg in args)
@@ -380,7 +385,7 @@ def _matches(value, hint) -> bool:
     return isinstance(value, origin or hint)
 
 
-def _describe(hint) -> str:
+def _describe(hint: Any) -> str:
     args = typing.get_args(hint)
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         return " or ".join(_describe(a) for a in args)
@@ -394,7 +399,7 @@ def _device_index_ok(device: str) -> bool:
     return not sep or (kind == "cuda" and index.isdigit())
 
 
-def parse_endpoint(endpoint, name: str) -> str:
+def parse_endpoint(endpoint: object, name: str) -> str:
     """The endpoint in the one form endpoints are compared in, "host:port" (host lower-case, port 1..65535);
     ValueError naming `name` otherwise."""
     host, sep, port = endpoint.rpartition(":") if isinstance(endpoint, str) else ("", "", "")

@@ -44,7 +44,10 @@ def held_blocks(block_table: list[int]) -> list[int]:
     return block_table[num_freed_blocks(block_table) :]
 
 
-def _cache_key(group: int, block_hash: bytes):
+CacheKey = bytes | tuple[int, bytes]  # a block's prefix-cache key (_cache_key)
+
+
+def _cache_key(group: int, block_hash: bytes) -> CacheKey:
     """A block's prefix-cache key: group 0's is the hash itself, another group's the pair (the same tokens have a
     block in every group, each holding its own layers' KV)."""
     return block_hash if group == 0 else (group, block_hash)
@@ -76,25 +79,25 @@ class BlockManager:
         self.ref_counts = [0] * num_blocks
         self.free_blocks: deque[int] = deque(range(num_blocks))
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks, LRU first
-        self.hash_to_block: dict[bytes, int] = {}
-        self.block_hash: dict[int, bytes] = {}
+        self.hash_to_block: dict[CacheKey, int] = {}
+        self.block_hash: dict[int, CacheKey] = {}
         self.block_tokens: dict[int, tuple[int, ...]] = {}
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write, for the runner
         # KV events (a gateway's cache-aware routing): called in the engine loop with ("stored", hash, parent hash
         # or None, token ids), ("removed", hash) or ("cleared",) for the global-attention group's blocks
-        self.kv_event_sink: Callable[[tuple], None] | None = None
+        self.kv_event_sink: Callable[[tuple[object, ...]], None] | None = None
         # lower KV tiers (petrel/kv_tiers), when the engine has them: tier_fetch(group, hash, tokens) returns a
         # checked block's KV (opaque here) or None. A cached block evicted for reuse is listed in
         # pending_evictions (block, group, hash, tokens) for the runner to copy out before anything writes it; a
         # block allocated for a tier hit has its KV in pending_loads (block -> KV) for the runner to write before
         # the step that reads it (both drained by the engine right after scheduling).
-        self.tier_fetch: Callable[[int, bytes, tuple], object | None] | None = None
-        self.pending_evictions: list[tuple[int, int, bytes, tuple]] = []
+        self.tier_fetch: Callable[[int, bytes, tuple[int, ...]], object | None] | None = None
+        self.pending_evictions: list[tuple[int, int, bytes, tuple[int, ...]]] = []
         self.pending_loads: dict[int, object] = {}
         # a shared store (publish_computed): every block cache_computed_blocks publishes is listed in
         # pending_publishes (block, group, hash, tokens) for the runner to copy out to the store
         self.publish_computed = False
-        self.pending_publishes: list[tuple[int, int, bytes, tuple]] = []
+        self.pending_publishes: list[tuple[int, int, bytes, tuple[int, ...]]] = []
 
     # ------------------------------------------------------------------ groups
     @property
@@ -236,6 +239,7 @@ class BlockManager:
             table.extend([FREED] * first)
             for i in range(first, hit):
                 block = cached(g, i)
+                assert block is not None  # _longest_hit: every group holds its blocks before `hit`
                 if block == TIER:
                     to_load.append((table, len(table), g, i))
                     table.append(FREED)  # filled below, once every memory hit is held
@@ -253,7 +257,7 @@ class BlockManager:
         # after a preemption the chain can run into the sequence's own output: report prompt tokens only
         seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
 
-    def _tier_blocks_wanted(self, seq: Sequence, hit: int, cached) -> int:
+    def _tier_blocks_wanted(self, seq: Sequence, hit: int, cached: Callable[[int, int], int | None]) -> int:
         whole = seq.request.context_only
         return sum(
             1
@@ -262,7 +266,7 @@ class BlockManager:
             if cached(g, i) == TIER
         )
 
-    def _longest_hit(self, seq: Sequence, max_blocks: int, cached) -> int:
+    def _longest_hit(self, seq: Sequence, max_blocks: int, cached: Callable[[int, int], int | None]) -> int:
         """How many of the prompt's first blocks every group holds (cached(g, i) not None) as far as it reads."""
         tables = self._tables(seq)
         whole = seq.request.context_only  # its prompt is exported whole: every group needs every block

@@ -10,7 +10,15 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    StringConstraints,
+    field_validator,
+    model_serializer,
+)
 
 from petrel.kv_tiers.dkv_hint import MAX_HINT_HASHES
 
@@ -24,7 +32,7 @@ class _Request(BaseModel):
 
     @field_validator("*", mode="before")
     @classmethod
-    def _no_lone_surrogates(cls, value):
+    def _no_lone_surrogates(cls, value: Any) -> Any:
         """JSON may escape half a UTF-16 pair (\\ud800): such a string is no text the tokenizer can encode."""
         _check_text(value)
         return value
@@ -33,7 +41,7 @@ class _Request(BaseModel):
 MAX_ITEMS = 2**18  # most items of any one list or object in a request: more than any context holds as token ids
 
 
-def _check_text(value) -> None:
+def _check_text(value: Any) -> None:
     """Every string in value, at any depth (a walk with its own stack: JSON nesting is no recursion limit here),
     and no list or object of more than MAX_ITEMS items (validating 2M token ids held the event loop for seconds)."""
     stack = [value]
@@ -61,8 +69,9 @@ class _Response(BaseModel):
     model_config = ConfigDict(protected_namespaces=())
     _omit_none: tuple[str, ...] = ()  # keys written only when set
 
+    # no return annotation: pydantic would take it for the responses' serialization schema (the OpenAPI document's)
     @model_serializer(mode="wrap")
-    def _drop_unset_optionals(self, handler):
+    def _drop_unset_optionals(self, handler: SerializerFunctionWrapHandler):  # type: ignore[no-untyped-def]
         data = handler(self)
         for key in self._omit_none:
             if data.get(key, 0) is None:
@@ -128,7 +137,7 @@ class SamplingExtras(_Request):
     disaggregated_params: DisaggregatedParamsField | None = None
     dkv_cache_hint: DkvCacheHintField | None = None
 
-    def dkv_hint(self) -> dict | None:
+    def dkv_hint(self) -> dict[str, Any] | None:
         """dkv_cache_hint as LLM.generate_async takes it."""
         return None if self.dkv_cache_hint is None else self.dkv_cache_hint.model_dump(exclude_none=True)
 
@@ -265,13 +274,13 @@ class FunctionDefinition(_Request):
 
     @field_validator("parameters")
     @classmethod
-    def _a_json_schema(cls, value):
+    def _a_json_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         if value is not None:
             check_json_schema(value)
         return value
 
 
-def check_json_schema(schema: dict) -> None:
+def check_json_schema(schema: dict[str, Any]) -> None:
     """ValueError unless `schema` is a well-formed JSON Schema (checked against its draft's metaschema): the tool
     prompt and the tool-call grammar read it, and `"properties": {"a": 5}` is no schema to read."""
     import jsonschema
