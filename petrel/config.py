@@ -146,7 +146,7 @@ class EngineConfig:
     kv_transfer_max_pinned: int = 64  # prefill: context_only prompts pinned (or prefilling to be) at once
     kv_transfer_max_pinned_share: float = 0.25  # prefill: the most of the KV cache's blocks they may hold
     kv_transfer_max_fetches: int = 4  # decode (petrel serve): KV fetches at once; more get 429
-    # the KV block store instances share (issue 26): a Redis / Valkey server's redis://, rediss:// or unix:// URL
+    # the KV block store instances share: a Redis / Valkey server's redis://, rediss:// or unix:// URL
     # (None: none); repr=False: the URL may hold a password
     kv_store_url: str | None = field(default=None, repr=False)
     # None/'none': weights dequantized to dtype; 'int8': int8 per row; 'gguf': GGUF blocks kept; 'bf16': bfloat16
