@@ -161,17 +161,42 @@ def isa_paths(kernels_loaded: bool) -> list[dict[str, Any]]:
         why = "needs the AVX-512 path, which is off (above)"
     add("AVX512_VNNI", ("avx512_vnni",), vnni, why)
 
-    amx_kernels = sorted(name for name in native.declarations() if "amx" in name.lower())
     amx_flags = ("amx_tile", "amx_bf16", "amx_int8")
-    if not amx_kernels:
-        why = "no AMX kernels in this build"
-    elif not all(native.cpu_has(flag) for flag in amx_flags):
-        why = "not on this CPU (kernels: " + ", ".join(amx_kernels) + ")"
-    else:
-        why = "kernels: " + ", ".join(amx_kernels) + (" (the C kernels did not load)" if not kernels_loaded else "")
-    amx = bool(amx_kernels) and kernels_loaded and all(native.cpu_has(flag) for flag in amx_flags)
+    amx, why = _amx_path()
     add("AMX", amx_flags, amx, why)
     return paths
+
+
+def _amx_path() -> tuple[bool, str]:
+    """(whether petrel runs products on AMX here, how or why not). Where petrel has an AMX path (petrel.model.amx:
+    prompt-sized bfloat16 products through oneDNN's tiles) its own rule decides; elsewhere, C kernels named for AMX in
+    kernels.h, if any."""
+    import importlib
+
+    from petrel.model import native
+
+    try:
+        amx = importlib.import_module("petrel.model.amx")
+    except ImportError:
+        amx = None
+    if amx is not None and hasattr(amx, "bf16_rows"):
+        try:
+            rows = int(amx.bf16_rows())
+        except ValueError as exc:  # a bad PETREL_AMX / PETREL_AMX_MIN_ROWS: say so, do not fail the report
+            return False, f"off: {exc}"
+        if rows:
+            return True, f"bfloat16 products of {rows} rows and more through oneDNN's AMX tiles"
+        if os.environ.get("PETREL_AMX", "1") == "0":
+            return False, "off (PETREL_AMX=0)"
+        if not native.cpu_has("amx_tile", "amx_bf16"):
+            return False, "not on this CPU: bfloat16 products on petrel's kernels"
+        return False, "this torch's oneDNN does not run bfloat16 products here"
+    kernels = sorted(name for name in native.declarations() if "amx" in name.lower())
+    if not kernels:
+        return False, "no AMX path in this build"
+    if not native.cpu_has("amx_tile", "amx_bf16", "amx_int8"):
+        return False, "not on this CPU (kernels: " + ", ".join(kernels) + ")"
+    return native.kernels_status()[0], "kernels: " + ", ".join(kernels)
 
 
 def petrel_variables(environ: Mapping[str, str] | None = None) -> dict[str, str]:
