@@ -51,7 +51,8 @@ docs: install-test
 docs-build: install-test
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
-stress: install-test        # minutes: 500 concurrent streams, a 2,000-request fault soak, slowloris, bombs (tests/stress)
+stress: install-test        # minutes: 500 concurrent streams, a 2,000-request fault soak, slowloris, bombs, gRPC huge lists,
+                            # slow image hosts (tests/stress)
 	$(PY) -m tests.stress.run
 
 bench: install-test

@@ -30,7 +30,7 @@ def speculative_config_json(text: str) -> dict:
 
 
 def dtype_arguments(p) -> None:
-    """--dtype and --kv-cache-dtype (generate, chat, serve)."""
+    """--dtype, --kv-cache-dtype and --float32-matmul-precision (generate, chat, serve)."""
     dtypes = ["auto", "float32", "bfloat16", "float16"]
     p.add_argument("--dtype", default="auto", choices=dtypes)
     p.add_argument(
@@ -39,11 +39,22 @@ def dtype_arguments(p) -> None:
         choices=dtypes,
         help="what the KV cache holds (auto: what --dtype asks for; on the CPU bfloat16 beside float32 arithmetic)",
     )
+    p.add_argument(
+        "--float32-matmul-precision",
+        default="highest",
+        choices=["highest", "medium"],
+        help="float32 weights' prompt-sized products: float32 (highest), or bfloat16 on AMX tiles where the CPU has "
+        "them (medium)",
+    )
 
 
 def dtype_options(args) -> dict:
     """The LLM / EngineConfig keywords of the options dtype_arguments added."""
-    return {"dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype}
+    return {
+        "dtype": args.dtype,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "float32_matmul_precision": args.float32_matmul_precision,
+    }
 
 
 def parallel_arguments(p) -> None:

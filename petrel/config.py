@@ -152,6 +152,9 @@ class EngineConfig:
     # None/'none': weights dequantized to dtype; 'int8': int8 per row; 'gguf': GGUF blocks kept; 'bf16': bfloat16
     # weights, float32 arithmetic (what dtype 'bfloat16' becomes on the CPU)
     quantization: str | None = None
+    # float32 weights' prompt-sized products on the CPU, named as torch's float32_matmul_precision: 'highest' float32;
+    # 'medium' in bfloat16 on AMX tiles where the CPU has them (petrel/model/amx.py; elsewhere float32 still)
+    float32_matmul_precision: str = "highest"
     tensor_parallel_size: int = 1  # ranks the model is split over (kv_cache_memory is per rank)
     distributed_executor_backend: str = "mp"  # with tensor_parallel_size > 1: 'mp' (local processes) or 'ray'
     # vision-language models (petrel/multimodal): images / videos per prompt by kind (vLLM's limit_mm_per_prompt;
@@ -225,6 +228,12 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(
                 f"quantization must be one of {list(QUANTIZATION_METHODS)} or None, got {self.quantization!r}"
+            )
+        from petrel.model.amx import PRECISIONS
+
+        if self.float32_matmul_precision not in PRECISIONS:
+            raise ValueError(
+                f"float32_matmul_precision must be one of {list(PRECISIONS)}, got {self.float32_matmul_precision!r}"
             )
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads!r}")

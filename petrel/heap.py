@@ -38,6 +38,15 @@ def release_free_memory() -> None:
         trim(0)
 
 
+def collect_and_release() -> None:
+    """A full garbage collection, then release_free_memory: memory that only reference cycles held (a refused
+    request's parsed body lives on in its exception's traceback cycle: 200,000 messages, four at a time, kept
+    +124 MiB of RSS until the next collection) is free before the heap is trimmed. Milliseconds once start-up's
+    objects are frozen (freeze_startup_objects), a few tenths of a second otherwise."""
+    gc.collect()
+    release_free_memory()
+
+
 def freeze_startup_objects() -> None:
     """Moves every object alive now (after start-up: the model, tokenizer, modules) out of the cyclic garbage
     collector's reach, after collecting what is already garbage. A full collection traversed them all (0.46 s in a

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -202,26 +202,54 @@ class SamplingParams:
         if self.top_p != 1.0 or self.top_k not in (0, 1) or self.min_p != 0.0:
             raise ValueError("top_p, top_k and min_p do not apply to beam search: leave them at their defaults")
 
-    def validate_for_model(self, vocab_size: int) -> None:
-        """The limits that depend on the model: token ids and counts of tokens within its vocabulary."""
+    def validate_for_model(self, vocab_size: int, eos_token_ids: Iterable[int] = ()) -> None:
+        """The limits that depend on the model: token ids and counts of tokens within its vocabulary, and some token
+        left to generate (_check_bans; eos_token_ids: the model's end-of-sequence tokens, when known)."""
         if self.top_k > vocab_size:
             raise ValueError(
                 f"top_k must be <= the vocabulary size ({vocab_size}), got {self.top_k} (0 or -1 keeps every token)"
             )
-        words = [t for w in (self.bad_words_token_ids or []) + (self.stop_token_sequences or []) for t in w]
+        # max() first: a pass in C over the ids (a bad word list may hold millions), Python only for a bad one
+        words = [
+            t
+            for w in (self.bad_words_token_ids or []) + (self.stop_token_sequences or [])
+            if max(w) >= vocab_size
+            for t in w
+        ]
         for name, ids in (
             ("external_draft_tokens", self.external_draft_tokens or []),
             ("stop_token_ids", self.stop_token_ids or []),
             ("logit_bias", list(self.logit_bias or {})),
             ("bad_words/stop words", words),
         ):
-            bad = [t for t in ids if t >= vocab_size]
+            bad = [t for t in ids if t >= vocab_size] if ids and max(ids) >= vocab_size else []
             if bad:
                 raise ValueError(f"{name} has token ids outside the vocabulary (size {vocab_size}): {bad[:5]}")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             if k is not None and k > vocab_size:
                 raise ValueError(f"{name} must be <= the vocabulary size ({vocab_size}), got {k}")
+        self._check_bans(vocab_size, eos_token_ids)
+
+    def _check_bans(self, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
+        """A request whose bans leave no token it could generate is refused (its ids are in the vocabulary by now).
+        Single-token bad words are banned at every step; until min_tokens is reached, the stop token ids and the
+        end-of-sequence tokens (unless ignore_eos) are banned too. Bans that only a grammar or a longer bad word
+        complete are found when they happen: the sequence then ends there (finish_reason 'stop'), see Sampler."""
+        banned = {w[0] for w in self.bad_words_token_ids or () if len(w) == 1}
+        if len(banned) >= vocab_size:
+            raise ValueError(
+                f"bad_words_token_ids ban every token of the vocabulary ({vocab_size} ids; bad_token_ids over gRPC, "
+                "bad_words in an executor Request): no token is left to generate"
+            )
+        if self.min_tokens > 0:
+            ends = set(self.stop_token_ids or ()) | (set() if self.ignore_eos else set(eos_token_ids))
+            if len(banned | {t for t in ends if t < vocab_size}) >= vocab_size:
+                raise ValueError(
+                    f"min_tokens ({self.min_tokens}) bans the stop token ids and end-of-sequence tokens until it is "
+                    f"reached, and with bad_words_token_ids that is every token of the vocabulary ({vocab_size} "
+                    "ids): no token is left to generate"
+                )
 
     @property
     def needs_penalties(self) -> bool:

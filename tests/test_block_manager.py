@@ -343,6 +343,11 @@ def test_hash_seed_isolation():
     toks = prompt(1, 9)
     assert BlockManager(4, BS, hash_seed="x").root_hash(None) != BlockManager(4, BS, hash_seed="y").root_hash(None)
     assert BlockManager(4, BS, hash_seed="x").root_hash("s") != BlockManager(4, BS, hash_seed="x").root_hash("t")
+    # a salt that spells another salt's adapter or prompt table is still another salt
+    bm = BlockManager(4, BS)
+    assert bm.root_hash("s:lora=1") != bm.root_hash("s", lora_int_id=1)
+    assert bm.root_hash("s:prompt_table=ab") != bm.root_hash("s", prompt_table="ab")
+    assert bm.root_hash("\ud800") != bm.root_hash(None)  # any string is a salt (a lone surrogate too)
 
     def hashes(seed):
         bm = BlockManager(16, BS, hash_seed=seed)

@@ -3,9 +3,13 @@ multi-byte character arrive split across tokens."""
 
 from __future__ import annotations
 
+import random
+import time
+
 import pytest
 
 from petrel.engine.detokenizer import IncrementalDetokenizer
+from petrel.engine.stop_strings import StopStringScanner
 
 
 class ByteTokenizer:
@@ -71,3 +75,50 @@ def test_no_stop_means_every_token_is_taken():
     detok = IncrementalDetokenizer(tok, [])
     assert detok.add_tokens(tok.encode("abc")) is None
     assert detok.num_tokens_added == 3
+
+
+def _first_stop(text: str, stops: list[str], new_from: int) -> tuple[int, str] | None:
+    """The match a stream stops at once text[new_from:] has arrived (the earliest start; the first listed on a tie),
+    searched for by brute force."""
+    best = None
+    for s in stops:
+        at = text.find(s, max(0, new_from - len(s) + 1))
+        if at != -1 and (best is None or at < best[0]):
+            best = (at, s)
+    return best
+
+
+def _held(text: str, stops: list[str]) -> int:
+    return max(
+        (n for s in stops for n in range(1, min(len(text), len(s) - 1) + 1) if s.startswith(text[-n:])), default=0
+    )
+
+
+def test_the_scanner_finds_what_a_brute_force_search_finds():
+    rng = random.Random(0)
+    for _ in range(2000):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 4))]
+        text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 30)))
+        scanner, fed, expected_match = StopStringScanner(stops), 0, None
+        while fed < len(text):
+            piece = text[fed : fed + rng.randint(1, 4)]
+            match = scanner.feed(piece)
+            expected_match = _first_stop(text[: fed + len(piece)], stops, fed)
+            fed += len(piece)
+            assert match == expected_match, (stops, text, fed)
+            if match is not None:
+                break
+            assert scanner.held() == _held(text[:fed], stops), (stops, text, fed)
+
+
+def test_a_stop_string_longer_than_the_text_costs_linear_time():
+    """64 stop strings of a million characters and 3,000 tokens that never start them: each token's search and
+    hold-back check took time growing with the text (the square of it in all: ~22 s here, 2-core EPYC, on the
+    caller's thread, which is a server's event loop); now each costs its own characters."""
+    tok = ByteTokenizer()
+    detok = IncrementalDetokenizer(tok, [], stop=["a" * 1_000_000 + "b"] * 64)
+    start = time.perf_counter()
+    for _ in range(3000):
+        assert detok.add_tokens([ord("b")]) is None
+        assert detok.release(finished=False) == "b"
+    assert time.perf_counter() - start < 3.0

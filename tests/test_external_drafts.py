@@ -60,6 +60,19 @@ def test_greedy_output_equals_the_plain_run_whatever_the_drafts(tiny, plain, met
             assert accepted == MAX_TOKENS - 2  # the first token (prefill) and each round's own token are sampled
 
 
+def test_a_drafted_sequence_reports_its_tokens_logprobs(tiny, plain):
+    """Alone in its batch, a sequence verifying drafts is sampled from its first row only: each token's logprob is
+    the plain run's (its neighbouring rows, the drafts' positions, once gave it the next token's id instead)."""
+    t = tiny(2, False)
+
+    def logprobs(params) -> list[float]:
+        outs, _ = run(make_core(t, tiny, None), [("a", _tokens(7, 301), params)])
+        return [lp for out in outs[("a", 0)] for lp in out.sampled_logprobs or []]
+
+    alone = logprobs(greedy())
+    assert logprobs(greedy(external_draft_tokens=plain["a"])) == pytest.approx(alone, abs=1e-4)
+
+
 def count_steps(core, prompt, params) -> tuple[list[int], int]:
     core.add_request(EngineRequest("x", prompt, params, eos_token_ids=(2,)))
     outs, stats = drain(core)

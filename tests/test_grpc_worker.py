@@ -19,7 +19,7 @@ pytest.importorskip("smg_grpc_proto", reason="the grpc extra is not installed (p
 from smg_grpc_proto import trtllm_service_pb2 as pb  # noqa: E402
 from smg_grpc_proto import trtllm_service_pb2_grpc as pb_grpc  # noqa: E402
 from smg_grpc_proto.generated import common_pb2 as cpb  # noqa: E402
-from tiny_llama import _tokens  # noqa: E402
+from tiny_llama import VOCAB, _tokens  # noqa: E402
 
 from petrel import LLM  # noqa: E402
 from petrel.grpc import build_grpc_server  # noqa: E402
@@ -182,6 +182,7 @@ def test_non_streaming_sends_only_completes_and_prompt_logprobs(llm, worker):
         (lambda r: setattr(r, "max_tokens", 0), "max_tokens"),
         (lambda r: r.tokenized.input_token_ids.extend([10**6]), "input_token_ids"),
         (lambda r: r.output_config.SetInParent() or setattr(r.output_config, "return_perf_metrics", True), "perf"),
+        (lambda r: r.bad_token_ids.extend(range(VOCAB)), "bad_token_ids"),  # the whole vocabulary: nothing to say
     ],
     ids=lambda v: v if isinstance(v, str) else "",
 )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -72,6 +74,16 @@ def test_bad_words_strings(llm):
     out = greedy(llm, PROMPT, 12, bad_words=[word])
     assert word not in out.text.split()
     assert out.token_ids[:1] == g.token_ids[:1] and out.token_ids != g.token_ids
+
+
+def test_many_bad_words_are_prepared_in_linear_time(llm):
+    """20,000 bad words (40,000 spellings to tokenize and de-duplicate) are ready in about a second; a list search
+    for each spelling made it ~10 s, on the caller's thread (a gRPC or HTTP event loop)."""
+    words = [f"zq{i}x" for i in range(20_000)]
+    t0 = time.monotonic()
+    out = greedy(llm, PROMPT, 2, bad_words=words)
+    seconds = time.monotonic() - t0
+    assert len(out.token_ids) == 2 and seconds < 4.0, f"{seconds:.1f} s"
 
 
 def test_text_generation_request_messages_equal_chat(llm):

@@ -196,6 +196,48 @@ def test_bad_params_name_the_field():
         SamplingParams(additional_model_outputs=["attention_maps"])
 
 
+def test_bans_that_leave_no_token_are_refused_naming_the_field(tiny):
+    """Bad words covering the whole vocabulary, or leaving only what min_tokens bans (the stop token ids, EOS):
+    a ValueError naming the field before the request is queued, never a request that emits banned tokens."""
+    t = tiny(2, False)
+    core, vocab, eos = make_core(t), t.cfg.vocab_size, (2,)
+    every = [[i] for i in range(vocab)]
+    with pytest.raises(ValueError, match="bad_words_token_ids ban every token"):
+        SamplingParams(bad_words_token_ids=every).validate_for_model(vocab)
+    with pytest.raises(ValueError, match="bad_words_token_ids ban every token"):
+        core.validate(_tokens(4, 1), SamplingParams(bad_words_token_ids=every + [[5, 6]]), eos)
+    all_but_ends = [[i] for i in range(vocab) if i not in (2, 7)]
+    with pytest.raises(ValueError, match="^min_tokens"):
+        core.validate(
+            _tokens(4, 1), SamplingParams(bad_words_token_ids=all_but_ends, stop_token_ids=[7], min_tokens=1), eos
+        )
+    # one token left to generate: served
+    core.validate(_tokens(4, 1), SamplingParams(bad_words_token_ids=all_but_ends, stop_token_ids=[7]), eos)
+    core.validate(_tokens(4, 1), SamplingParams(bad_words_token_ids=all_but_ends, min_tokens=1, ignore_eos=True), eos)
+    core.validate(_tokens(4, 1), SamplingParams(bad_words_token_ids=every[1:]), eos)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_sequence_whose_every_token_gets_banned_ends_there_without_one(tiny, temperature):
+    """Every token but a banned, and two-token bad words [a, x] for every x: once a is written nothing is left. The
+    sequence ends right after a ('stop', no banned token; it used to emit token 0 until max_tokens), greedy or
+    sampled, and the request beside it in the batch gets exactly its tokens alone."""
+    t = tiny(2, False)
+    vocab, a = t.cfg.vocab_size, 5
+    prompt, other = _tokens(7, 11), _tokens(6, 12)
+    words = [[x] for x in range(vocab) if x != a] + [[a, x] for x in range(vocab)]
+    trap = SamplingParams(temperature=temperature, seed=3, max_tokens=8, bad_words_token_ids=words)
+    alone = greedy(t, other)
+    core = make_core(t)
+    core.add_request(EngineRequest("trap", prompt, trap))
+    core.add_request(EngineRequest("other", other, SamplingParams(temperature=0.0, max_tokens=8)))
+    outs = drain(core)
+    trapped = outs[("trap", 0)]
+    assert tokens_of(trapped) == [a]
+    assert trapped[-1].finish_reason == "stop" and trapped[-1].new_token_ids == []
+    assert tokens_of(outs[("other", 0)]) == alone
+
+
 def test_a_failing_logits_processor_fails_only_its_request(tiny):
     t = tiny(2, False)
     prompts = [_tokens(6, 40), _tokens(9, 41)]

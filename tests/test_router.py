@@ -17,12 +17,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from fastapi import FastAPI
-from fastapi.responses import StreamingResponse
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from petrel.bench.processes import free_port as _free_port
 from petrel.bench.serve import start_server
-from petrel.route import Router, add_arguments, build_router_app
+from petrel.route import Router, add_arguments, build_disagg_app, build_router_app
 from petrel.serve.app import build_app
 from petrel.serve.errors import APIError
 from petrel.serve.server import BackgroundServer
@@ -124,6 +124,98 @@ def test_an_oversized_body_is_a_413_before_any_backend_is_asked(lone_router):
     assert r.json()["error"]["code"] == "request_too_large"
     r = httpx.post(f"{lone_router}/v1/completions", json={"prompt": "x" * 1000}, timeout=30, trust_env=False)
     assert r.status_code == 503  # under the limit: on to the (unreachable) backend
+
+
+def _echo_backend() -> BackgroundServer:
+    """A backend that answers each completion with the body it received (`echo`: the raw text), and refuses a
+    context_only request as a server that cannot split it does (400 naming disaggregated_params)."""
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    async def echo(request: Request):
+        raw = (await request.body()).decode()
+        if '"context_only"' in raw:
+            return JSONResponse({"error": {"message": "no split", "param": "disaggregated_params"}}, status_code=400)
+        return {"echo": raw}
+
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        app.add_api_route(path, echo, methods=["POST"])
+    return BackgroundServer(app)
+
+
+@pytest.fixture(scope="module")
+def echo_routers():
+    """{"route": a router over an echo backend, "disagg": a disaggregated router over two}."""
+    with _echo_backend() as one, _echo_backend() as two:
+        with (
+            BackgroundServer(build_router_app(Router([one.url]), health_interval=0.5)) as plain,
+            BackgroundServer(build_disagg_app(one.url, two.url, health_interval=0.5)) as split,
+        ):
+            yield {"route": plain.url, "disagg": split.url}
+
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+# any JSON value where a prompt or messages go is passed on as it came (the server judges it): (id, path, raw body)
+PASSED_ON = [
+    ("prompt_lone_surrogate", C, rb'{"prompt": "\ud800"}'),
+    ("prompt_list_lone_surrogate", C, rb'{"prompt": ["\udfff", "x"]}'),
+    ("chat_lone_surrogate", CHAT, rb'{"messages": [{"role": "user", "content": "a\ud800b"}]}'),
+    ("messages_a_lone_surrogate", CHAT, rb'{"messages": "\udbff"}'),
+    ("prompt_cache_key_lone_surrogate", C, rb'{"prompt": "hi", "prompt_cache_key": "\ud800"}'),
+    ("prompt_an_object", C, rb'{"prompt": {"a": ["\ud800", null, 1.5]}}'),
+    ("prompt_null", C, rb'{"prompt": null}'),
+    ("prompt_nan", C, rb'{"prompt": NaN}'),
+    ("prompt_lists_of_ids", C, rb'{"prompt": [[1, 2], [3]]}'),
+    ("prompt_list_of_null", C, rb'{"prompt": [null, "x"]}'),
+    ("messages_an_object", CHAT, rb'{"messages": {"role": "user"}}'),
+    ("no_prompt", C, rb'{"max_tokens": 1}'),
+]
+# JSON the router cannot read or a target_endpoint it cannot take: a 400 (id, raw body, the field it names or None)
+REFUSED = [
+    ("integer_of_5000_digits", b'{"prompt": ' + b"1" * 5000 + b"}", None),
+    ("arrays_nested_100k_deep", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None),
+    ("target_endpoint_lone_surrogate", rb'{"prompt": "hi", "target_endpoint": "\ud800"}', "target_endpoint"),
+    ("target_endpoint_list_lone_surrogate", rb'{"prompt": "hi", "target_endpoint": ["\ud800"]}', "target_endpoint"),
+]
+
+
+@pytest.mark.parametrize("front", ["route", "disagg"])
+@pytest.mark.parametrize("name,path,raw", PASSED_ON, ids=[c[0] for c in PASSED_ON])
+def test_any_json_where_a_prompt_goes_is_passed_on_as_it_came(echo_routers, front, name, path, raw):
+    r = httpx.post(
+        echo_routers[front] + path,
+        content=raw,
+        headers={"content-type": "application/json"},
+        timeout=30,
+        trust_env=False,
+    )
+    assert r.status_code == 200, f"{name}: {r.status_code} {r.text[:300]}"
+    received = r.json()["echo"]
+    # what the client sent (a lone surrogate still a lone surrogate, not its escape as text); NaN != NaN
+    assert json.loads(received) == json.loads(raw) or "NaN" in received, received
+
+
+@pytest.mark.parametrize(
+    "front,name,raw,param",
+    # target_endpoint is the plain router's own field (the disaggregated one passes it on)
+    [
+        pytest.param(front, *case, id=f"{front}-{case[0]}")
+        for case in REFUSED
+        for front in ("route", "disagg")
+        if front == "route" or case[2] is None
+    ],
+)
+def test_json_the_router_cannot_take_is_a_400_not_a_500(echo_routers, front, name, raw, param):
+    r = httpx.post(
+        echo_routers[front] + C, content=raw, headers={"content-type": "application/json"}, timeout=30, trust_env=False
+    )
+    assert r.status_code == 400, f"{name}: {r.status_code} {r.text[:300]}"
+    error = r.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+    assert (param or "JSON") in error["message"]
 
 
 # ------------------------------------------------------------------------------------ silent, slow and dying backends

@@ -4,13 +4,16 @@ the input is legitimate, a well-formed 200) in bounded time, never a 500, and th
 from __future__ import annotations
 
 import json
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
 from petrel.serve.app import build_app
 from petrel.serve.params import MAX_STOP_STRINGS
+from petrel.serve.protocol import MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_TOOLS
 from petrel.serve.server import BackgroundServer
 from tests.conftest import free_blocks
 
@@ -57,11 +60,17 @@ def raw(text: str) -> bytes:
     return text.encode("utf-8")
 
 
-C, CHAT = "/v1/completions", "/v1/chat/completions"
+C, CHAT, RESPONSES = "/v1/completions", "/v1/chat/completions", "/v1/responses"
 USER = [{"role": "user", "content": "Hi"}]
+OBJECT = {"type": "object"}
+
+
+def flat_tool(parameters) -> dict:
+    return {"type": "function", "name": "f", "parameters": parameters}
+
 
 # (id, path, body (dict: sent as JSON; bytes: sent as is), allowed statuses, the field the error names or a
-#  phrase its message contains (None: a 200 case))
+#  phrase its message contains, or both as a (field, phrase) pair (None: a 200 case))
 CASES = [
     ("invalid_utf8_bytes", C, b'{"prompt": "ab\xff\xfe\xc3(", "max_tokens": 2}', {400}, "JSON"),
     ("lone_surrogate_escape", C, raw('{"prompt": "x\\ud800y", "max_tokens": 2}'), {400}, "prompt"),
@@ -205,6 +214,63 @@ CASES = [
         {400},
         "tools",
     ),  # json.dumps writes the lone surrogate as a \\ud800 escape
+    (
+        "responses_tool_not_a_schema",
+        RESPONSES,
+        {"input": "Hi", "max_output_tokens": 2, "tools": [flat_tool({"type": "object", "properties": {"a": 5}})]},
+        {400},
+        "tools[0].parameters",
+    ),
+    (
+        "tools_past_limit",
+        CHAT,
+        {"messages": USER, "max_tokens": 2, "tools": [tool(OBJECT)] * (MAX_TOOLS + 1)},
+        {400},
+        "tools",
+    ),
+    (
+        "functions_past_limit",
+        CHAT,
+        {"messages": USER, "max_tokens": 2, "functions": [{"name": "f"}] * (MAX_TOOLS + 1)},
+        {400},
+        "functions",
+    ),
+    (
+        "messages_past_limit",
+        CHAT,
+        {"messages": USER * (MAX_MESSAGES + 1), "max_tokens": 2},
+        {400},
+        ("messages", f"at most {MAX_MESSAGES} are accepted"),
+    ),
+    (
+        "content_parts_past_limit",
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * (MAX_CONTENT_PARTS + 1)}]},
+        {400},
+        "messages",
+    ),
+    (
+        "responses_input_items_past_limit",
+        RESPONSES,
+        {"input": USER * (MAX_MESSAGES + 1)},
+        {400},
+        ("input", f"at most {MAX_MESSAGES} are accepted"),
+    ),
+    (
+        "responses_content_parts_past_limit",
+        RESPONSES,
+        {"input": [{"role": "user", "content": [{"type": "input_text", "text": "a"}] * (MAX_CONTENT_PARTS + 1)}]},
+        {400},
+        "input",
+    ),
+    (
+        "responses_tools_past_limit",
+        RESPONSES,
+        {"input": "Hi", "tools": [flat_tool(OBJECT)] * (MAX_TOOLS + 1)},
+        {400},
+        "tools",
+    ),
+    ("tokenize_messages_past_limit", "/tokenize", {"messages": USER * (MAX_MESSAGES + 1)}, {400}, "messages"),
     ("prompt_list_of_bools", C, {"prompt": [True, False], "max_tokens": 2}, {400}, "prompt"),
     ("max_tokens_true", C, {"prompt": "hi", "max_tokens": True}, {400}, "max_tokens"),
     ("n_as_string", C, {"prompt": "hi", "max_tokens": 1, "n": "2"}, {400}, "n"),
@@ -236,7 +302,10 @@ def test_hostile_input(server, name, path, body, statuses, names):
         return
     err = data["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
-    assert names in (err["param"] or "") or names.lower() in err["message"].lower(), f"{name}: {err}"
+    if isinstance(names, tuple):
+        assert err["param"] == names[0] and names[1] in err["message"], f"{name}: {err}"
+    else:
+        assert names in (err["param"] or "") or names.lower() in err["message"].lower(), f"{name}: {err}"
     assert "internal error" not in err["message"]
 
 
@@ -273,3 +342,88 @@ def test_the_server_keeps_serving_after_hostile_inputs(server, llm):
         time.sleep(0.1)
     assert llm.engine.num_unfinished_requests == 0
     assert free_blocks(llm) == server.baseline
+
+
+# ------------------------------------------------------------------------------------------ huge lists beside /health
+
+
+def health_latencies_during(url: str, path: str, body: dict) -> tuple[httpx.Response, float, list[float]]:
+    """POST `body` (encoded before the clock starts) while /health is asked every 50 ms on another connection:
+    (the answer, seconds it took, each /health's latency)."""
+    payload = json.dumps(body).encode()
+    latencies, done = [], threading.Event()
+
+    def poll():
+        with httpx.Client(timeout=60) as client:
+            while not done.is_set():
+                t0 = time.monotonic()
+                assert client.get(f"{url}/health").status_code == 200
+                latencies.append(time.monotonic() - t0)
+                done.wait(0.05)
+
+    with ThreadPoolExecutor(1) as pool:
+        poller = pool.submit(poll)
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        r = httpx.post(url + path, content=payload, headers={"content-type": "application/json"}, timeout=120)
+        took = time.monotonic() - t0
+        time.sleep(0.1)
+        done.set()
+        poller.result()
+    return r, took, latencies
+
+
+HUGE_LISTS = [
+    ("chat_50k_tools", CHAT, {"messages": USER, "max_tokens": 2, "tools": [tool(OBJECT)] * 50_000}, "tools"),
+    ("responses_50k_tools", RESPONSES, {"input": "Hi", "tools": [flat_tool(OBJECT)] * 50_000}, "tools"),
+    ("chat_200k_messages", CHAT, {"messages": USER * 200_000, "max_tokens": 2}, "messages"),
+    ("responses_200k_input_items", RESPONSES, {"input": USER * 200_000}, "input"),
+]
+
+
+@pytest.mark.parametrize("name,path,body,field", HUGE_LISTS, ids=[c[0] for c in HUGE_LISTS])
+def test_huge_lists_are_refused_naming_the_field_at_once_while_health_answers(server, name, path, body, field):
+    """Refused on the count, before any item is validated, rendered or checked against a metaschema (50,000 tools
+    held the event loop for 10-20 s; 200,000 messages took 9-13 s to refuse)."""
+    r, took, health = health_latencies_during(server.url, path, body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text[:500]
+    assert f"at most {MAX_TOOLS if 'tools' in name else MAX_MESSAGES}" in r.json()["error"]["message"]
+    assert took < 3.0, f"{name}: refused after {took:.1f} s"
+    assert max(health) < 1.0, f"{name}: /health took up to {max(health):.2f} s"
+
+
+def test_tool_schemas_within_the_limit_are_checked_off_the_event_loop(server):
+    """128 tools of 100 properties each: seconds of metaschema checks, which used to run inside the body's
+    validation on the event loop; now on a pool of their own, so /health answers throughout. (The prompt they
+    make is then too long for the context: a 400 naming messages.)"""
+    schema = {
+        "type": "object",
+        "properties": {f"p{i}": {"type": "string", "description": "a field"} for i in range(100)},
+        "required": ["p0"],
+    }
+    body = {"messages": USER, "max_tokens": 2, "tools": [tool(schema)] * MAX_TOOLS}
+    r, took, health = health_latencies_during(server.url, CHAT, body)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text[:500]
+    assert took > 0.5  # the checks ran: long enough that /health would have waited on the event loop
+    assert max(health) < 1.0, f"/health took up to {max(health):.2f} s while the schemas were checked ({took:.1f} s)"
+
+
+def test_cache_salt_isolates_responses_as_it_does_chat(server):
+    """/v1/responses takes cache_salt: the same input under another salt finds none of its prefix-cache blocks;
+    under the same salt it does."""
+    text = "Write one word about seabirds. " * 12
+
+    def cached(salt: str) -> int:
+        r = httpx.post(
+            f"{server.url}{RESPONSES}",
+            json={"input": text, "max_output_tokens": 1, "cache_salt": salt, "store": False},
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["input_tokens_details"]["cached_tokens"]
+
+    cached("tenant-a")
+    assert cached("tenant-a") > 0
+    assert cached("tenant-b") == 0
+    r = httpx.post(f"{server.url}{RESPONSES}", json={"input": text, "cache_salt": "x" * 513}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text

@@ -18,11 +18,12 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 
 import httpx
 import pytest
 
-from petrel.heap import freeze_startup_objects, thaw_frozen_objects
+from petrel.heap import can_release, freeze_startup_objects, thaw_frozen_objects
 from petrel.serve.app import build_app
 from petrel.serve.connections import (
     ConnectionGuard,
@@ -245,6 +246,40 @@ def test_memory_a_large_body_freed_is_handed_back_once_per_burst():
         assert trims == [0, 0]  # the burst's last one
 
     asyncio.run(requests())
+
+
+def test_the_trim_first_collects_the_cycles_a_refused_body_is_held_in():
+    """A refused request's parsed body stays reachable from its exception's traceback cycle until the collector
+    runs: the trim after a large body collects first, so that memory is free when it is handed back."""
+    if not can_release():
+        pytest.skip("no malloc_trim: no trim")
+
+    class Body:  # a parsed body caught in a cycle, as an exception's traceback holds it
+        pass
+
+    body = Body()
+    body.cycle = body
+    alive = weakref.ref(body)
+    del body
+
+    async def trim():
+        HeapTrimmer(interval=0.0).request()
+        assert await _eventually_async(lambda: alive() is None, timeout=5)
+
+    gc.disable()  # no collection but the trimmer's own
+    try:
+        asyncio.run(trim())
+    finally:
+        gc.enable()
+
+
+async def _eventually_async(condition, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
 
 
 def test_rss_comes_back_after_huge_refused_prompts(llm):

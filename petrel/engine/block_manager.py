@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import json
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
@@ -142,10 +143,12 @@ class BlockManager:
     def root_hash(self, cache_salt: str | None, lora_int_id: int = 0, prompt_table: str = "") -> bytes:
         """The chain's root: the hash seed, the request's cache salt, its LoRA adapter (0: none) and its prompt
         tuning table's digest ('': none), so that different adapters or tables never share KV blocks of the same
-        tokens."""
+        tokens. The salt is written JSON-quoted: a salt that spells another one's adapter (`x:lora=1`) is not that
+        salt with that adapter, and no salt keeps the hash it always had."""
+        salt = json.dumps(cache_salt) if cache_salt else ""
         lora = f":lora={lora_int_id}" if lora_int_id else ""
         table = f":prompt_table={prompt_table}" if prompt_table else ""
-        return hashlib.sha256(f"petrel:{self.hash_seed}:{cache_salt or ''}{lora}{table}".encode()).digest()
+        return hashlib.sha256(f"petrel:{self.hash_seed}:{salt}{lora}{table}".encode("utf-8", "surrogatepass")).digest()
 
     def _extend_hashes(self, seq: Sequence, num_full_blocks: int) -> None:
         bs = self.block_size

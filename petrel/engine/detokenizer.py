@@ -2,12 +2,15 @@
 
 Text is released only when it is final: an incomplete UTF-8 sequence (decoded as U+FFFD) waits for
 the next token, and a tail that could still grow into a stop string is held until it cannot. So the
-streamed pieces always concatenate to the non-streamed text.
+streamed pieces always concatenate to the non-streamed text. Stop strings are found by a StopStringScanner
+(petrel/engine/stop_strings.py), in time linear in the text.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from petrel.engine.stop_strings import StopStringScanner
 
 _CONTEXT_TOKENS = 6  # tokens of context decoded before the new ones, so word-initial spaces come out right
 
@@ -24,6 +27,7 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop or []
+        self._stops = StopStringScanner(self.stop) if self.stop else None
         self.include_stop = include_stop_str_in_output
         self.tokens = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
@@ -48,43 +52,22 @@ class IncrementalDetokenizer:
             full = self._decode(self.tokens[self.prefix_offset :])
             if full.endswith("\ufffd") or len(full) <= len(prefix):
                 continue  # an incomplete character, or nothing visible yet
-            before = len(self.text)
-            self.text += full[len(prefix) :]
+            piece = full[len(prefix) :]
+            self.text += piece
             self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
-            if self.stop and self._match_stop(before):
-                return self.stopped_by
+            if self._stops is not None and (match := self._stops.feed(piece)) is not None:
+                at, s = match
+                self.text = self.text[: at + len(s)] if self.include_stop else self.text[:at]
+                self.stopped_by = s
+                return s
         return None
-
-    def _match_stop(self, new_from: int) -> bool:
-        longest = max(len(s) for s in self.stop)
-        window_start = max(0, new_from - longest + 1)
-        best = None
-        for s in self.stop:
-            at = self.text.find(s, window_start)
-            if at != -1 and (best is None or at < best[0]):
-                best = (at, s)
-        if best is None:
-            return False
-        at, s = best
-        self.text = self.text[: at + len(s)] if self.include_stop else self.text[:at]
-        self.stopped_by = s
-        return True
 
     def release(self, finished: bool) -> str:
         """Text that is now final and not yet handed out."""
         end = len(self.text)
-        if not finished and self.stop and self.stopped_by is None:
-            end -= self._held_tail()
+        if not finished and self._stops is not None and self.stopped_by is None:
+            end -= self._stops.held()
         end = max(end, self.released)
         piece = self.text[self.released : end]
         self.released = end
         return piece
-
-    def _held_tail(self) -> int:
-        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
-        text = self.text
-        for n in range(min(len(text), max(len(s) for s in self.stop) - 1), 0, -1):
-            tail = text[-n:]
-            if any(s.startswith(tail) for s in self.stop):
-                return n
-        return 0

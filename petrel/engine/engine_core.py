@@ -7,6 +7,7 @@ builder), extra_outputs.py, kv_capacity.py, step_isolation.py, and disaggregated
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -32,6 +33,8 @@ from petrel.engine.speculative import Speculator
 from petrel.engine.step_isolation import isolated
 from petrel.engine.stop import check_stop
 from petrel.model.config import ModelConfig
+
+logger = logging.getLogger("petrel")
 
 IDLE_FETCH_WAIT_S = 0.005  # a step with nothing to run waits this long at most for a KV tier fetch (then polls again)
 
@@ -101,10 +104,15 @@ class EngineCore:
         self.num_accepted_tokens = 0
 
     # ------------------------------------------------------------------ requests
-    def validate(self, prompt_token_ids: list[int], params) -> None:
+    def validate(self, prompt_token_ids: list[int], params, eos_token_ids=()) -> None:
         """Raise ValueError for a request the engine could not serve (called before it is queued)."""
         check_request(
-            prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len, self.model_config.hidden_size
+            prompt_token_ids,
+            params,
+            self.model_config.vocab_size,
+            self.max_model_len,
+            self.model_config.hidden_size,
+            eos_token_ids,
         )
         if params.prompt_embedding_table is not None:
             check_prompt_tuning_engine(self.runner.model, self.config.speculative_config)
@@ -247,6 +255,8 @@ class EngineCore:
             logits = step_logits.sample_logits
             if rows != list(range(len(rows))):
                 logits = logits[torch.tensor(rows)]
+            elif logits.shape[0] != len(rows):  # the rows after these are drafts' positions, verified later
+                logits = logits[: len(rows)]  # a view: one row per sequence, as the sampler reads them
             drafts = [
                 s.spec.draft_token_ids[position] if position < len(s.spec.draft_token_ids) else None for s in seqs
             ]
@@ -264,8 +274,12 @@ class EngineCore:
                     seq.beam.candidates = (result.beam_candidates[i], result.beam_logp.get(i), extras[i])
                     beam_requests[seq.request.request_id] = seq.request
                     continue
-                args = (seq, token, lp, sampled, extras[i], now)
-                out = isolated(failed, seq.request.request_id, self._append_token, *args)
+                if i in result.no_token_left:
+                    args = (seq, now)
+                    out = isolated(failed, seq.request.request_id, self._end_with_no_token_left, *args)
+                else:
+                    args = (seq, token, lp, sampled, extras[i], now)
+                    out = isolated(failed, seq.request.request_id, self._append_token, *args)
                 if out is None:
                     continue
                 merged[seq] = merge_outputs(merged[seq], out) if seq in merged else out
@@ -322,6 +336,16 @@ class EngineCore:
             self._end(seq, finish_reason, stop_reason)
             self._mark_finished(req, seq.index)
         return out
+
+    def _end_with_no_token_left(self, seq: Sequence, now: float) -> EngineOutput:
+        """Every token is banned for `seq` at this step (its grammar allows only an end min_tokens bans, a longer
+        bad word or the grammar bans the rest): nothing can follow, so it ends here ('stop') without a token,
+        rather than with a banned one. Bans that leave nothing from the start are refused before (SamplingParams).
+        """
+        logger.info("request %r: every token is banned at this step; ending it", seq.request.request_id)
+        self._end(seq, "stop")
+        self._mark_finished(seq.request, seq.index)
+        return build_output(seq.request, seq.index, [], now, seq=seq, finish_reason="stop")
 
     # ------------------------------------------------------------------ ends
     def _end(self, seq: Sequence, finish_reason: str, stop_reason=None) -> None:

@@ -5,7 +5,7 @@ found back as a command (finish_sequence)."""
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import logging
 import queue
 import threading
@@ -99,6 +99,7 @@ class LLMEngine:
             config.device,
             config.quantization,
             tp=workers.tp if workers is not None else SINGLE,
+            float32_matmul_precision=config.float32_matmul_precision,
         )
         eos = set(model_config.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
@@ -117,7 +118,13 @@ class LLMEngine:
             draft_quantization = (
                 None if config.quantization == "gguf" and draft_source.kind != "gguf" else config.quantization
             )
-            draft = load_model(draft_source, config.torch_dtype, config.device, draft_quantization)
+            draft = load_model(
+                draft_source,
+                config.torch_dtype,
+                config.device,
+                draft_quantization,
+                float32_matmul_precision=config.float32_matmul_precision,
+            )
             if draft[1].vocab_size != model_config.vocab_size:
                 raise ValueError(
                     f"the draft model's vocabulary ({draft[1].vocab_size} tokens) differs from the "
@@ -159,13 +166,12 @@ class LLMEngine:
         request_options: EngineRequest fields the executor sets (client_id, logits_post_processor,
         use_batched_post_processor, priority)."""
         self._raise_if_closed()
-        if params.bad_words:
-            params = dataclasses.replace(
-                params, bad_words_token_ids=params.bad_words_token_ids + self._bad_word_ids(params.bad_words)
-            )
+        if params.bad_words:  # a copy: the caller's params stay as given (the tokenizer's ids need no revalidation)
+            params = copy.copy(params)
+            params.bad_words_token_ids = params.bad_words_token_ids + self._bad_word_ids(params.bad_words)
         if request_options.get("use_batched_post_processor") and self.core.sampler.batched_post_processor is None:
             raise ValueError("logits_post_processor_name asks for the batched post-processor, but none is configured")
-        self.core.validate(prompt_token_ids, params)
+        self.core.validate(prompt_token_ids, params, self.eos_token_ids)
         lora_request = request_options.get("lora_request")
         if lora_request is not None:
             from petrel.lora import LoRARequest
@@ -214,12 +220,16 @@ class LLMEngine:
             return self._grammar_compiler
 
     def _bad_word_ids(self, words: list[str]) -> list[list[int]]:
-        """Each bad word as it would be tokenized alone and after a space (both spellings are banned)."""
+        """Each bad word as it would be tokenized alone and after a space (both spellings are banned), once each,
+        in order. Duplicates are found in a set: a membership test on the list made 16,000 words take seconds."""
+        seen: set[tuple[int, ...]] = set()
         ids = []
         for word in words:
             for text in (word, " " + word.lstrip()):
                 tokens = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-                if tokens and tokens not in ids:
+                key = tuple(tokens)
+                if tokens and key not in seen:
+                    seen.add(key)
                     ids.append(tokens)
         return ids
 

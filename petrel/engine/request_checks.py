@@ -11,9 +11,11 @@ def check_request(
     vocab_size: int,
     max_model_len: int,
     hidden_size: int | None = None,
+    eos_token_ids=(),
 ) -> None:
     """The prompt is non-empty, inside the vocabulary (or its prompt_embedding_table's virtual ids) and shorter than
-    the context; the sampling parameters fit the model (SamplingParams.validate_for_model)."""
+    the context; the sampling parameters fit the model (SamplingParams.validate_for_model, with its end-of-sequence
+    tokens)."""
     if not prompt_token_ids:
         raise ValueError("prompt is empty: at least one token is needed")
     if params.prompt_embedding_table is None:
@@ -29,4 +31,4 @@ def check_request(
             f"prompt is {len(prompt_token_ids)} tokens, the model's context is "
             f"{max_model_len}: max is {max_model_len - 1}"
         )
-    params.validate_for_model(vocab_size)
+    params.validate_for_model(vocab_size, eos_token_ids)

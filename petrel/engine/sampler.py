@@ -41,6 +41,8 @@ class SampleResult:
     beam_candidates: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
     beam_logp: dict[int, torch.Tensor] = field(default_factory=dict)
     errors: dict[int, str] = field(default_factory=dict)  # rows whose request failed (a processor raised)
+    # rows whose every token was banned (bad words, min_tokens, a grammar): their token_ids entry is no token
+    no_token_left: set[int] = field(default_factory=set)
     # per row, the chosen token's logprob under the processed distribution (None for beam rows): what
     # cumulative_logprob sums, whether or not logprobs were asked for
     sampled_logprobs: list[float | None] = field(default_factory=list)
@@ -159,6 +161,8 @@ class Sampler:
                 continue
             result.token_ids[i], result.logprobs[i] = row.token_ids[0], row.logprobs[0]
             result.sampled_logprobs[i] = row.sampled_logprobs[0]
+            if row.no_token_left:
+                result.no_token_left.add(i)
             if 0 in row.beam_candidates:
                 result.beam_candidates[i] = row.beam_candidates[0]
             if 0 in row.beam_logp:
@@ -170,11 +174,18 @@ class Sampler:
         chosen again row by row from the same input, so what this does to it must come out the same done twice:
         bans (-inf for bad words, min_tokens and grammars) go into the input itself, but where a row adds to its
         logits (bias, penalties) the whole step works on a copy; the random rows' temperature / top-k / top-p /
-        min-p make a new tensor of their own."""
+        min-p make a new tensor of their own. A row whose every token is banned is in result.no_token_left: what was
+        drawn for it is no token (_no_token_left)."""
         params = [s.params for s in seqs]
         n = len(seqs)
         guided = {i: seq.grammar for i, seq in enumerate(seqs) if seq.grammar is not None}
         min_tokens = [i for i, (seq, p) in enumerate(zip(seqs, params)) if seq.num_output_tokens < p.min_tokens]
+        # rows whose bans might leave no token: checked once the bans are in
+        bannable = sorted(
+            i
+            for i in {*guided, *min_tokens, *(i for i, p in enumerate(params) if p.bad_words_token_ids)}
+            if not params[i].use_beam_search
+        )
         if any(p.logit_bias or p.needs_penalties for p in params):
             logits = self._scratch("logits", logits).copy_(logits)
         for i, p in enumerate(params):
@@ -194,6 +205,7 @@ class Sampler:
             logits[banned_rows, banned_ids] = float("-inf")
         if guided:
             apply_grammar_masks(logits, guided)
+        no_token_left = _no_token_left(logits, bannable) if bannable else None
 
         beams = [i for i, p in enumerate(params) if p.use_beam_search]
         random_rows = [i for i, p in enumerate(params) if not (p.greedy or p.use_beam_search)]
@@ -235,10 +247,14 @@ class Sampler:
         to_host = tokens.double()
         if plain:
             to_host = torch.cat([to_host, (sampled_lp if len(plain) == n else sampled_lp[plain]).double()])
+        if no_token_left is not None:
+            to_host = torch.cat([to_host, no_token_left.double()])
         values = to_host.tolist()
         result = SampleResult([int(t) for t in values[:n]], [None] * n, sampled_logprobs=[None] * n)
-        for i, value in zip(plain, values[n:]):
+        for i, value in zip(plain, values[n : n + len(plain)]):
             result.sampled_logprobs[i] = value
+        if no_token_left is not None:
+            result.no_token_left = {i for i, dead in zip(bannable, values[n + len(plain) :]) if dead}
         if beams:
             self._beam_candidates(logits, beams, params, result)
         if wanted:
@@ -348,6 +364,14 @@ class Sampler:
 
 _BLOCK = 256  # tokens per block of the two-level searches below
 _SCRATCH_MAX_ELEMENTS = 1 << 23  # 32 MB of float32 a kept intermediate at most (64 rows x 49,152 ids: 12 MB)
+
+
+def _no_token_left(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """Which of `rows` have every token banned (-inf): no token may be taken from them (the argmax of such a row is
+    token 0, which was emitted again and again; a draw from it is NaN). The logits are left as they are, the step
+    computes as usual and the caller discards what these rows drew. The flags stay on the logits' device (read
+    with the tokens, in one transfer)."""
+    return torch.isneginf(logits.index_select(0, torch.tensor(rows, device=logits.device))).all(dim=1)
 
 
 def _greedy_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

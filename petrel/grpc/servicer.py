@@ -11,7 +11,7 @@ from smg_grpc_proto import trtllm_service_pb2_grpc as pb_grpc
 from smg_grpc_proto.generated import common_pb2
 
 from petrel.grpc.responses import ResponseBuilder
-from petrel.grpc.sampling import generate_args
+from petrel.grpc.sampling import check_sizes, generate_args, prepares_slowly
 from petrel.grpc.worker import WorkerBase
 from petrel.serve import worker_info
 
@@ -74,7 +74,8 @@ class TrtllmServicer(WorkerBase, pb_grpc.TrtllmServiceServicer):
         return pb.AbortResponse(success=True, message="aborted")
 
     async def Generate(self, request, context):
+        await self.check_sizes(check_sizes, request, context)
         builder = ResponseBuilder(request.request_id, request.streaming, request.include_stop_token_in_output)
         make_args = functools.partial(generate_args, request, self.limits)
-        async for response in self.run(request.request_id, make_args, builder, context):
+        async for response in self.run(request.request_id, make_args, builder, context, prepares_slowly(request)):
             yield response

@@ -7,7 +7,17 @@ from __future__ import annotations
 import json
 
 from petrel.disagg import DisaggregatedParams
-from petrel.grpc.sampling import GenerateArgs, GenerateLimits, check_prompt
+from petrel.grpc.sampling import (
+    INLINE_BYTES,
+    MAX_GUIDE_CHARS,
+    GenerateArgs,
+    GenerateLimits,
+    check_count,
+    check_logprobs,
+    check_most,
+    check_prompt,
+    check_prompt_length,
+)
 from petrel.guided_decoding import GuidedDecodingParams
 from petrel.sampling_params import SamplingParams
 
@@ -43,7 +53,35 @@ def _disaggregated(req, role: str | None) -> DisaggregatedParams | None:
     return None
 
 
+def check_sizes(req, limits: GenerateLimits) -> None:
+    """Every list the request carries against its limit (the HTTP server's), from the lists' lengths alone: a
+    ValueError naming the first field past its limit."""
+    if req.WhichOneof("input") == "tokenized":
+        check_prompt_length("tokenized.input_ids", len(req.tokenized.input_ids), limits)
+    sp = req.sampling_params
+    check_count("sampling_params.stop", len(sp.stop), limits.max_stop, "strings")
+    check_count("sampling_params.stop_token_ids", len(sp.stop_token_ids), limits.max_ids, "token ids")
+    check_count("sampling_params.logit_bias", len(sp.logit_bias), limits.max_ids, "entries")
+    kind = sp.WhichOneof("constraint")
+    if kind == "choice":
+        check_count("sampling_params.choice.choices", len(sp.choice.choices), limits.max_ids, "strings")
+    elif kind in ("json_schema", "regex", "grammar", "structural_tag"):
+        check_count(f"sampling_params.{kind}", len(getattr(sp, kind)), MAX_GUIDE_CHARS, "characters")
+    check_most("sampling_params.n", sp.n, limits.max_n)
+    for name in ("logprobs", "prompt_logprobs"):
+        if sp.HasField(name):
+            check_logprobs(f"sampling_params.{name}", getattr(sp, name), limits)
+
+
+def prepares_slowly(req) -> bool:
+    """Preparing the request may take long (it is large): done off the event loop."""
+    return req.ByteSize() > INLINE_BYTES
+
+
 def vllm_generate_args(req, limits: GenerateLimits, role: str | None = None) -> GenerateArgs:
+    """The prompt, SamplingParams and generate_async options a vLLM GenerateRequest asks for (ValueError naming the
+    field petrel cannot honour); stop token ids lose their repeats."""
+    check_sizes(req, limits)
     if req.WhichOneof("input") != "tokenized":
         raise ValueError("tokenized: petrel's gRPC worker takes token ids (the gateway tokenizes)")
     if req.HasField("mm_inputs") or req.extra_mm_inputs or req.HasField("media_refs"):
@@ -54,10 +92,8 @@ def vllm_generate_args(req, limits: GenerateLimits, role: str | None = None) -> 
     if sp.HasField("truncate_prompt_tokens"):
         raise ValueError("sampling_params.truncate_prompt_tokens is not supported by petrel")
     ids = list(req.tokenized.input_ids)
-    max_tokens = check_prompt(ids, sp.max_tokens if sp.HasField("max_tokens") else None, limits)
+    max_tokens = check_prompt(ids, sp.max_tokens if sp.HasField("max_tokens") else None, limits, "tokenized.input_ids")
     n = sp.n or 1
-    if n > limits.max_n:
-        raise ValueError(f"sampling_params.n is {n}; this server allows at most {limits.max_n}")
     kwargs: dict = {name: getattr(sp, name) for name in SAME_NAME}
     kwargs["top_p"] = sp.top_p or 1.0
     kwargs["repetition_penalty"] = sp.repetition_penalty or 1.0
@@ -66,7 +102,7 @@ def vllm_generate_args(req, limits: GenerateLimits, role: str | None = None) -> 
         max_tokens=max_tokens,
         top_k=sp.top_k,
         stop=list(sp.stop),
-        stop_token_ids=list(sp.stop_token_ids),
+        stop_token_ids=list(dict.fromkeys(sp.stop_token_ids)),
         ignore_eos=sp.ignore_eos,
         skip_special_tokens=sp.skip_special_tokens,
         include_stop_str_in_output=sp.include_stop_str_in_output,

@@ -17,7 +17,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 import petrel
 from petrel.grpc.vllm_responses import VllmResponseBuilder
-from petrel.grpc.vllm_sampling import vllm_generate_args
+from petrel.grpc.vllm_sampling import check_sizes, prepares_slowly, vllm_generate_args
 from petrel.grpc.worker import WorkerBase
 from petrel.serve import worker_info
 
@@ -107,10 +107,11 @@ class VllmServicer(WorkerBase, vpb_grpc.VllmEngineServicer):
         return vpb.AbortResponse()
 
     async def Generate(self, request, context):
+        await self.check_sizes(check_sizes, request, context)
         sp = request.sampling_params
         builder = VllmResponseBuilder(
             request.request_id, request.stream, sp.HasField("logprobs"), self.llm.kv_transfer_endpoint
         )
         make_args = functools.partial(self._args, request)
-        async for response in self.run(request.request_id, make_args, builder, context):
+        async for response in self.run(request.request_id, make_args, builder, context, prepares_slowly(request)):
             yield response

@@ -379,11 +379,15 @@ class LayerParts(NamedTuple):
     def max_rows(self) -> int:
         """The most rows its products take in one call: any number where each product runs one kernel at every
         count of rows (weights in panels, or integer products from a few rows on), else the few-row kernels' limit
-        (quantized ones': dequantized tiles above a few rows)."""
+        (quantized ones': dequantized tiles above a few rows); and fewer than the rows from which a weight's
+        products go to oneDNN (QuantizedWeight.tiles, AMX CPUs: petrel.model.amx), which the C call cannot reach."""
         if all(isinstance(w, QuantizedWeight) and (w.panels or w.integer_rows) for w in self.weights):
-            return sys.maxsize
-        quantized = any(isinstance(w, QuantizedWeight) for w in self.weights)
-        return QUANT_GEMM_MAX_ROWS if quantized else GEMV_MAX_ROWS
+            limit = sys.maxsize
+        else:
+            quantized = any(isinstance(w, QuantizedWeight) for w in self.weights)
+            limit = QUANT_GEMM_MAX_ROWS if quantized else GEMV_MAX_ROWS
+        tiled = [w.tiles.min_rows for w in self.weights if isinstance(w, QuantizedWeight) and w.tiles is not None]
+        return min(limit, min(tiled) - 1) if tiled else limit
 
     def fits(self, rows: int) -> bool:
         """Whether the kernels take this layer for a step of `rows` rows (its weights apart: see describe)."""

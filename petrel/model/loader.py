@@ -372,14 +372,21 @@ class _ReadingFiles:
 
 
 def load_model(
-    source: ModelSource, dtype: torch.dtype, device: str, quantization: str | None = None, tp: TensorParallel = SINGLE
+    source: ModelSource,
+    dtype: torch.dtype,
+    device: str,
+    quantization: str | None = None,
+    tp: TensorParallel = SINGLE,
+    float32_matmul_precision: str = "highest",
 ) -> tuple[torch.nn.Module, ModelConfig]:
     """quantization (petrel.model.quantization): None or 'none', 'int8' or 'bf16' (any checkpoint), 'gguf' (GGUF
     files).
     tp: with tensor parallelism, this rank's shard of the model (each checkpoint tensor is read whole and the rank
     keeps its slice; quantization stays 'none').
     A float32 model on the CPU (quantization 'none', one rank) holds its projections, head and embedding packed in
-    panels wherever the kernels run (quantization.hold_f32_panels; PETREL_F32_PANELS=0 keeps rows)."""
+    panels wherever the kernels run (quantization.hold_f32_panels; PETREL_F32_PANELS=0 keeps rows).
+    On the CPU, projections whose prompt-sized products go to oneDNN (AMX CPUs; float32 weights with
+    float32_matmul_precision 'medium') are packed for it here (amx.pack_model)."""
     quantization = quantization or "none"
     if quantization == "gguf" and source.kind != "gguf":
         raise ValueError(
@@ -420,7 +427,12 @@ def load_model(
             _return_freed_memory()
     if quantization != "none":
         _return_freed_memory()
-    return model.to(device=device, dtype=dtype).eval(), cfg
+    model = model.to(device=device, dtype=dtype).eval()
+    if device == "cpu":
+        from petrel.model.amx import pack_model
+
+        pack_model(model, float32_matmul_precision)
+    return model, cfg
 
 
 def _return_freed_memory() -> None:

@@ -74,6 +74,15 @@ def cpu_has(*flags: str) -> bool:
     return set(flags) <= _cpu_flags()
 
 
+AMX_FLAGS = {"bf16": ("amx_tile", "amx_bf16"), "int8": ("amx_tile", "amx_int8")}  # Xeons from Sapphire Rapids on
+
+
+def cpu_has_amx(kind: str) -> bool:
+    """Whether the CPU has AMX's tiles and their `kind` products ("bf16" or "int8"), by /proc/cpuinfo's flags (the
+    kernel lists them only where it supports the tile state). petrel.model.amx decides what runs there."""
+    return cpu_has(*AMX_FLAGS[kind])
+
+
 _C_TYPES = {
     "int": ctypes.c_int,
     "int32_t": ctypes.c_int32,

@@ -57,7 +57,11 @@ class QuantizedWeight(nn.Module):
     instead as pack_panels lays them out for panels.c's bf16_panels_product.
     bits 32 (panels only): float32 weights themselves packed by pack_panels for panels.c's f32_panels_product (a
     float32 model's weights wherever the kernels run: hold_f32_panels).
-    A module so that .to(device) moves it; its buffers keep their dtypes through model.to(dtype)."""
+    A module so that .to(device) moves it; its buffers keep their dtypes through model.to(dtype).
+    tiles: a copy packed at load for oneDNN's products of prompt-sized x (petrel.model.amx.Tiles, AMX CPUs), or None;
+    copies and pickles leave it out (oneDNN's packed tensors have no storage to copy) and run petrel's kernels."""
+
+    tiles = None
 
     def __init__(
         self,
@@ -76,6 +80,11 @@ class QuantizedWeight(nn.Module):
         self.register_buffer("codes", codes)
         self.register_buffer("scale", scale)
         self.register_buffer("mins", mins)
+
+    def __getstate__(self):
+        state = dict(super().__getstate__())
+        state.pop("tiles", None)
+        return state
 
     def _apply(self, fn, recurse=True):
         for name, buf in self._buffers.items():
@@ -214,6 +223,8 @@ class QuantizedWeight(nn.Module):
         """x [M, in] -> x @ W^T, float32 [M, out]."""
         out_features, in_features = self.shape
         x = x.to(torch.float32).contiguous()
+        if self.tiles is not None and x.shape[0] >= self.tiles.min_rows:  # oneDNN's (AMX CPUs: petrel.model.amx)
+            return self.tiles(x)
         if self.bits == 32:
             out = gemm_kernels.f32_panels_product(x, self.codes, out_features)
             return out if out is not None else x @ self.dequantize().t()
@@ -391,7 +402,8 @@ def hold_f32_panels(model: nn.Module) -> None:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of a model's parameters and quantized weights, each tensor counted once (tied ones too)."""
+    """Bytes of a model's parameters and quantized weights (their oneDNN copies too), each tensor counted once (tied
+    ones too)."""
     seen, total = set(), 0
     for tensor in [
         *model.parameters(),
@@ -401,4 +413,5 @@ def weight_bytes(model: nn.Module) -> int:
         if tensor is not None and tensor.data_ptr() not in seen:
             seen.add(tensor.data_ptr())
             total += tensor.numel() * tensor.element_size()
-    return total
+    tiles = {id(m.tiles): m.tiles for m in model.modules() if isinstance(m, QuantizedWeight) and m.tiles is not None}
+    return total + sum(t.nbytes for t in tiles.values())

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import hashlib
 import io
+import re
 import warnings
 
 DEFAULT_MAX_IMAGE_PIXELS = 40_000_000  # width x height of one image (a 12 MP photo is well inside)
 DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024  # one encoded image
+_OBJECT_REPR = re.compile(r"\s*<[\w.]+ object at 0x[0-9a-fA-F]+>")  # Pillow names its file by repr
 _MODES = {"1", "L", "LA", "P", "PA", "RGB", "RGBA", "RGBX", "CMYK", "YCbCr", "I", "I;16", "F"}  # convertible to RGB
 
 
@@ -25,14 +27,16 @@ def load_image(value, name: str, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS, max
                 warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the pixel budget is checked below
                 image = Image.open(io.BytesIO(bytes(value)))
         except Image.DecompressionBombError as exc:
-            raise ValueError(f"{name}: the image is over the pixel budget ({exc})") from None
-        except (UnidentifiedImageError, OSError, ValueError) as exc:
-            raise ValueError(f"{name}: not a decodable image ({exc})") from None
+            raise ValueError(f"{name}: the image is over the pixel budget ({error_text(exc)})") from None
+        except UnidentifiedImageError:
+            raise ValueError(f"{name}: not a decodable image (no image format Pillow reads)") from None
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{name}: not a decodable image ({error_text(exc)})") from None
         _check_size(image, name, max_pixels)  # from the header, before the pixels are decoded
         try:
             image.load()
         except (OSError, ValueError, Image.DecompressionBombError) as exc:
-            raise ValueError(f"{name}: the image could not be decoded ({exc})") from None
+            raise ValueError(f"{name}: the image could not be decoded ({error_text(exc)})") from None
     elif isinstance(value, Image.Image):
         image = value
     else:
@@ -41,6 +45,11 @@ def load_image(value, name: str, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS, max
     if image.mode not in _MODES:
         raise ValueError(f"{name}: image mode {image.mode!r} is not supported (supported: {', '.join(sorted(_MODES))})")
     return image
+
+
+def error_text(exc: Exception) -> str:
+    """A decoder's message without object reprs (`<_io.BytesIO object at 0x7f...>`: a heap address)."""
+    return _OBJECT_REPR.sub("", str(exc))
 
 
 def _check_size(image, name: str, max_pixels: int) -> None:

@@ -9,7 +9,7 @@ import io
 import math
 from dataclasses import dataclass
 
-from petrel.multimodal.media import DEFAULT_MAX_IMAGE_PIXELS, load_image
+from petrel.multimodal.media import DEFAULT_MAX_IMAGE_PIXELS, error_text, load_image
 
 DEFAULT_MAX_VIDEO_BYTES = 200 * 1024 * 1024  # one encoded video
 DEFAULT_MAX_FRAMES = 768  # sampled frames of one video (transformers' Qwen2-VL default)
@@ -123,7 +123,7 @@ def _decode(data: bytes, name, fps, temporal_patch, max_frames, max_pixels, max_
     except _Refused:
         raise
     except Exception as exc:  # PyAV's errors (av.error.*) and malformed streams
-        raise ValueError(f"{name}: not a decodable video ({type(exc).__name__}: {exc})") from None
+        raise ValueError(f"{name}: not a decodable video ({type(exc).__name__}: {error_text(exc)})") from None
     if not frames:
         raise ValueError(f"{name}: the video has no frames")
     if len({f.size for f in frames}) > 1:

@@ -16,6 +16,7 @@ passes on to both.
 
 from __future__ import annotations
 
+import json
 import logging
 
 import httpx
@@ -53,8 +54,12 @@ def build_disagg_app(
         client: httpx.AsyncClient = state["client"]
         backend.in_flight += 1
         try:
+            # json.dumps' ASCII form: a lone surrogate the client escaped stays escaped (httpx's `json=` writes it
+            # raw and fails to encode it), NaN goes on for the server to refuse
+            payload = json.dumps(body).encode()
+            headers = {**headers, "content-type": "application/json"}
             upstream = await client.send(
-                client.build_request("POST", backend.url + path, json=body, headers=headers), stream=stream
+                client.build_request("POST", backend.url + path, content=payload, headers=headers), stream=stream
             )
         except httpx.HTTPError as exc:
             backend.in_flight -= 1

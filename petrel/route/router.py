@@ -100,7 +100,7 @@ class Router:
                     param="target_endpoint",
                 )
             return [chosen] + [b for b in healthy if b is not chosen]
-        key = prefix[: self.prefix_chars].encode()
+        key = prefix[: self.prefix_chars].encode("utf-8", "surrogatepass")  # JSON may hold a lone surrogate
         ranked = sorted(healthy, key=lambda b: hashlib.sha256(b.url.encode() + b"\0" + key).digest(), reverse=True)
         if ranked:
             least = min(b.in_flight for b in ranked)
@@ -298,9 +298,11 @@ def build_router_app(
 
 
 async def json_body(request: Request) -> dict:
+    """The request's JSON object; anything else is a 400 (an integer of more digits than Python converts, arrays
+    nested past the recursion limit: JSON the router cannot read, answered as such, not as a 500)."""
     try:
         body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # JSONDecodeError is a ValueError
         raise APIError("the request body is not valid JSON", 400) from None
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object", 400)
@@ -328,8 +330,9 @@ def target_endpoint(body: dict, headers) -> str | None:
 
 
 def _shown(value) -> str:
-    """A client's value for an error message, JSON-quoted and cut short."""
-    text = json.dumps(value, ensure_ascii=False) if not isinstance(value, str) else repr(value)
+    """A client's value for an error message, quoted and cut short; escaped where it is no text the answer's UTF-8
+    can hold (a lone surrogate: repr escapes it in a string, JSON's ASCII form anywhere else)."""
+    text = json.dumps(value) if not isinstance(value, str) else repr(value)
     return text if len(text) <= 120 else text[:117] + "..."
 
 

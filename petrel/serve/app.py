@@ -19,9 +19,10 @@ from petrel.serve.chat_template import ChatTemplate, conversation_chars, message
 from petrel.serve.completions import create_completion
 from petrel.serve.embeddings import add_embedding_routes
 from petrel.serve.errors import ERROR_RESPONSES, APIError, install_error_handlers
-from petrel.serve.limits import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
+from petrel.serve.limits import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit, HeapTrimmer
 from petrel.serve.logprobs import TokenText
 from petrel.serve.media import MediaLimits, image_parts
+from petrel.serve.media_fetch import FetchOptions, MediaFetcher
 from petrel.serve.metrics import ServerMetrics
 from petrel.serve.params import ServerLimits, check_prompt_chars
 from petrel.serve.protocol import (
@@ -126,6 +127,7 @@ def build_app(
     trust_special_tokens: bool = False,
     embedding_pooling: str = "last",
     allow_remote_media: bool = True,
+    media_fetch: FetchOptions | None = None,
 ) -> FastAPI:
     """An app serving `llm` (a petrel.LLM). `chat_template` is Jinja source overriding the model's.
     lora_modules: served name -> PEFT LoRA adapter directory (the engine needs enable_lora); a request's `model`
@@ -135,7 +137,9 @@ def build_app(
     trust_special_tokens: special-token strings in chat messages act as control tokens (only for trusted clients:
     by default they are text, so no message can forge another turn).
     embedding_pooling: how /v1/embeddings pools a prompt's final hidden states, 'last' (token) or 'mean'.
-    allow_remote_media: fetch http(s) image URLs in chat messages (data: URLs are always taken)."""
+    allow_remote_media: fetch http(s) image URLs in chat messages (data: URLs are always taken).
+    media_fetch: where and how long those fetches may go (default: public addresses only, 10 s per URL, 30 s per
+    request, 4 requests fetching at once; see petrel/serve/media_fetch.py)."""
     name = served_model_name or getattr(llm.config, "model", None) or DEFAULT_MODEL_NAME
     core = llm.engine.core
     limits = ServerLimits(
@@ -157,6 +161,8 @@ def build_app(
         health_timeout=health_timeout,
         max_pending=None if max_queue_len is None else llm.config.max_num_seqs + max_queue_len,
         media=_media_limits(llm, allow_remote_media),
+        media_fetcher=MediaFetcher(media_fetch),
+        trimmer=HeapTrimmer(),
     )
     llm.engine.events.listen(state.metrics)  # every request on this engine, whatever its front, counts on /metrics
 
@@ -175,7 +181,7 @@ def build_app(
     )
     app.state.petrel = state
     install_error_handlers(app)
-    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes, body_timeout=body_timeout)
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes, body_timeout=body_timeout, trimmer=state.trimmer)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
     extra = APIRouter(dependencies=[Depends(check_key)])
 

@@ -15,7 +15,7 @@ from petrel.serve.completions import api_finish_reason
 from petrel.serve.errors import APIError, from_value_error
 from petrel.serve.guided import Guided, compile_guided, guided_from_request, guided_value_error
 from petrel.serve.logprobs import chat_logprobs
-from petrel.serve.media import image_parts, load_images, load_videos
+from petrel.serve.media import holds_much_memory, load_media
 from petrel.serve.openai_fields import check_modalities, with_legacy_functions
 from petrel.serve.params import build_sampling_params, check_prompt_chars, check_prompt_length, resolve_max_tokens
 from petrel.serve.protocol import (
@@ -114,6 +114,7 @@ async def create_chat_completion(state: ServeState, req: ChatCompletionRequest, 
     lora_request = state.check_model(req.model)
     _check_unsupported(req)
     check_modalities(req)
+    await state.check_schemas(req)
     req, legacy = with_legacy_functions(req)
     dp = disagg.from_request(req, 1)
     guided = guided_from_request(req)
@@ -137,11 +138,8 @@ async def create_chat_completion(state: ServeState, req: ChatCompletionRequest, 
     )
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if plan.parse else None
     check_prompt_chars(conversation_chars(messages, tools), state.limits, "messages")
-    parts = image_parts(req.messages)
-    images = await state.run_blocking(load_images, parts, state.media) if parts else []
-    video_parts = image_parts(req.messages, "video_url")
     processor = getattr(state.llm.engine, "mm_processor", None)
-    videos = await state.run_blocking(load_videos, video_parts, state.media, processor) if video_parts else []
+    images, videos = await load_media(state, req.messages, processor)
     prompt_text, ids = await state.run_blocking(
         template.prompt,
         messages,
@@ -153,11 +151,14 @@ async def create_chat_completion(state: ServeState, req: ChatCompletionRequest, 
     )
     multi_modal = None
     if images or videos:  # the engine's processor expands each placeholder the template wrote into the media's tokens
-        media = (images, videos) if videos else (images,)
         try:
-            ids, multi_modal = await state.run_blocking(processor.process, ids, *media)
+            ids, multi_modal = await state.run_media(processor.process, ids, images, *([videos] if videos else []))
         except ValueError as exc:
             raise APIError(str(exc), 400, param="messages") from None
+        finally:  # the decoded pixels go now (the engine keeps the processed tiles), and the heap gives them back
+            trim, images, videos = holds_much_memory(images, videos), None, None
+            if trim:
+                state.trimmer.request(state.media_pool)
     check_prompt_length(len(ids), state.limits, "messages")
     plan.in_reasoning = plan.reasoning and prompt_opens_reasoning(prompt_text)
     param = (

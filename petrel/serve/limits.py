@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from petrel.heap import can_release, release_free_memory
+from petrel.heap import can_release, collect_and_release
 from petrel.serve.errors import APIError
 
 DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
@@ -16,29 +16,32 @@ TRIM_AFTER_BYTES = 1024 * 1024  # a body this large makes its request free enoug
 
 class HeapTrimmer:
     """Hands the heap's free memory back to the OS (glibc's malloc_trim) on a worker thread, at most once per
-    `interval` seconds: requests in a burst share one trim, run after the last of them.
+    `interval` seconds: requests in a burst share one trim, run after the last of them. The garbage collector runs
+    first (heap.collect_and_release), so what a refused body's exception still held is handed back too.
 
     Why: glibc keeps what a large request frees. Once a 10 MB buffer has been freed its mmap threshold rises, so
     later ones come from the heap, which shrinks only from its top: nine 10 MB prompts (refused with a 400) left
     the server's RSS 560 MiB higher for good; a trim gives it all back (900 -> 1461 -> 914 MiB)."""
 
     def __init__(self, release=None, interval: float = 1.0):
-        self.release = (release_free_memory if can_release() else None) if release is None else release
+        self.release = (collect_and_release if can_release() else None) if release is None else release
         self.interval = interval
         self._last = float("-inf")
         self._scheduled = False
 
-    def request(self) -> None:
-        """A trim soon: after the current task step (so the caller's frame and its buffers are gone first)."""
+    def request(self, executor=None) -> None:
+        """A trim soon: after the current task step (so the caller's frame and its buffers are gone first), on
+        `executor` (None: the loop's default). A pool of one thread that held the buffers runs it after that
+        thread has dropped the last job's arguments and result."""
         if self.release is None or self._scheduled:
             return
         loop = asyncio.get_running_loop()
         self._scheduled = True
-        loop.call_later(max(0.0, self._last + self.interval - loop.time()), self._run, loop)
+        loop.call_later(max(0.0, self._last + self.interval - loop.time()), self._run, loop, executor)
 
-    def _run(self, loop) -> None:
+    def _run(self, loop, executor=None) -> None:
         self._scheduled, self._last = False, loop.time()
-        loop.run_in_executor(None, self.release)
+        loop.run_in_executor(executor, self.release)
 
 
 class BodySizeLimit:

@@ -8,6 +8,7 @@ from petrel.sampling_params import SamplingParams
 from petrel.serve.errors import APIError, from_value_error
 
 MAX_STOP_STRINGS = 64  # most stop strings per request: each one is searched for after every token
+MAX_BAD_WORDS = 64  # most bad-word strings per request (gRPC `bad`): each is tokenized twice, checked every step
 
 
 @dataclass

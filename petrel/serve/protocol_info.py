@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
-from petrel.serve.protocol import ChatMessage, _Request, _Response
+from petrel.serve.protocol import ChatMessage, _Request, _Response, check_messages
 
 
 class ModelCard(_Response):
@@ -31,6 +31,12 @@ class TokenizeRequest(_Request):
     messages: list[ChatMessage] | None = Field(None, description="a conversation, run through the chat template")
     add_special_tokens: bool = Field(True, description="for prompt: let the tokenizer add its special tokens")
     add_generation_prompt: bool = True
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _bounded_messages(cls, value):
+        check_messages(value)
+        return value
 
 
 class TokenizeResponse(_Response):

@@ -8,12 +8,13 @@ chat tools, `text.format` to `response_format`, and refuses (400, naming the fie
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from pydantic import ValidationError
 
 from petrel.serve.errors import APIError
-from petrel.serve.protocol import ChatCompletionRequest
+from petrel.serve.protocol import MAX_MESSAGES, ChatCompletionRequest
 from petrel.serve.responses_protocol import ResponsesRequest
 
 # refused when set to anything but these values (None: refused whenever given)
@@ -180,11 +181,15 @@ _RENAMES = {
 }
 
 
+_CHAT_TOOL = re.compile(r"\btools\.(\d+)\.function\.")  # a chat tool's field -> the flat Responses tool's
+
+
 def rename_error(exc: APIError) -> APIError:
-    message = exc.message
+    message = _CHAT_TOOL.sub(r"tools[\1].", exc.message)
     for chat, ours in _RENAMES.items():
         message = message.replace(chat, ours)
     param = _RENAMES.get(exc.param, exc.param) if exc.param else exc.param
+    param = _CHAT_TOOL.sub(r"tools[\1].", param) if param else param
     return APIError(message, exc.status, param=param, code=exc.code, type=exc.type)
 
 
@@ -194,6 +199,13 @@ def chat_request(req: ResponsesRequest, history: list[dict], stream: bool) -> Ch
     if req.instructions is not None:
         messages.insert(0, {"role": "system", "content": req.instructions})
     messages += input_messages(req.input)
+    if len(messages) > MAX_MESSAGES:  # the input alone was counted; with previous_response_id's conversation:
+        raise APIError(
+            f"input: with the conversation of previous_response_id this is {len(messages)} messages; at most "
+            f"{MAX_MESSAGES} are accepted",
+            400,
+            param="input",
+        )
     body: dict[str, Any] = {
         "model": req.model,
         "messages": messages,
@@ -205,6 +217,7 @@ def chat_request(req: ResponsesRequest, history: list[dict], stream: bool) -> Ch
         "top_p": req.top_p,
         "response_format": response_format(req.text),
         "stream": stream,
+        "cache_salt": req.cache_salt,
     }
     if stream:
         body["stream_options"] = {"include_usage": True}

@@ -10,9 +10,9 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
-from petrel.serve.protocol import _Request, _Response
+from petrel.serve.protocol import MAX_MESSAGES, MAX_TOOLS, _Request, _Response, check_count, check_messages
 
 
 class ResponseTextConfig(_Request):
@@ -29,10 +29,13 @@ class ResponseStreamOptions(_Request):
 class ResponsesRequest(_Request):
     model: str | None = Field(None, description="the served model name (optional: there is one model)")
     input: str | list[dict[str, Any]] = Field(
-        description="text, or input items: messages, function_call and function_call_output items"
+        description=f"text, or input items (at most {MAX_MESSAGES}): messages, function_call and "
+        "function_call_output items"
     )
     instructions: str | None = Field(None, description="a system message before the input (not carried over)")
-    tools: list[dict[str, Any]] | None = Field(None, description="function tools: {type: function, name, ...}")
+    tools: list[dict[str, Any]] | None = Field(
+        None, description=f"function tools (at most {MAX_TOOLS}): {{type: function, name, ...}}"
+    )
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     max_output_tokens: int | None = Field(None, ge=1)
@@ -52,6 +55,10 @@ class ResponsesRequest(_Request):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
+    # petrel's (and vLLM's) extra, as in chat
+    cache_salt: str | None = Field(
+        None, max_length=512, description="requests with different salts never share prefix-cache blocks"
+    )
     # refused when set (a 400 naming the field): petrel cannot honour them
     background: bool | None = None
     reasoning: dict[str, Any] | None = None
@@ -61,6 +68,18 @@ class ResponsesRequest(_Request):
     prompt: dict[str, Any] | None = None
     context_management: list[dict[str, Any]] | dict[str, Any] | None = None
     prompt_cache_options: dict[str, Any] | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _bounded_input(cls, value):
+        check_messages(value, "input", "input items")
+        return value
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _bounded_tools(cls, value):
+        check_count(value, MAX_TOOLS, "tools", "tools")
+        return value
 
 
 class OutputText(_Response):

@@ -36,6 +36,12 @@ from petrel.serve.connections import (
     raise_open_file_limit,
 )
 from petrel.serve.limits import DEFAULT_BODY_TIMEOUT
+from petrel.serve.media_fetch import (
+    DEFAULT_FETCH_TIMEOUT,
+    DEFAULT_MAX_FETCHES,
+    DEFAULT_REQUEST_FETCH_TIMEOUT,
+    FetchOptions,
+)
 
 # A server's step budget: a burst of requests gets its first tokens a few prompts at a time instead of a 2048-token
 # step at a time. W3 (16 streams, the peers' serve client then): 2048 -> 512 tokens moved TTFT p50 4.94 -> 2.10 s,
@@ -56,8 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument(
         "--api-key",
         default=os.environ.get("PETREL_API_KEY"),
-        help="require `Authorization: Bearer KEY` on /v1, /tokenize and /detokenize "
-        "(default: $PETREL_API_KEY, else none)",
+        help="require `Authorization: Bearer KEY` on /v1, /tokenize and /detokenize, and on every gRPC call "
+        "but HealthCheck (default: $PETREL_API_KEY, else none)",
     )
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: the model's)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template (file or text) overriding the model's")
@@ -107,7 +113,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="also serve the TensorRT-LLM gRPC worker service (trtllm.TrtllmService, what the smg gateway "
-        "drives: `smg launch --worker-urls grpc://HOST:PORT`) on this port, over the same engine "
+        "drives: `smg launch --worker-urls grpc://HOST:PORT`) on this port, over the same engine, at --host, "
+        "without TLS; with --api-key every call but HealthCheck needs metadata `authorization: Bearer KEY` "
         "(needs `pip install petrel[grpc]`)",
     )
     p.add_argument(
@@ -166,6 +173,39 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--no-remote-media",
         action="store_true",
         help="refuse http(s) image URLs in chat messages (data: URLs are always taken)",
+    )
+    p.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        default=None,
+        metavar="HOST",
+        help="fetch image / video URLs only from these host names (each redirect's too; default: any public host)",
+    )
+    p.add_argument(
+        "--allow-private-media",
+        action="store_true",
+        help="let image / video URLs reach loopback, private, link-local and other non-public addresses (by "
+        "default a URL whose host resolves to one is refused)",
+    )
+    p.add_argument(
+        "--media-fetch-timeout",
+        type=float,
+        default=DEFAULT_FETCH_TIMEOUT,
+        help=f"seconds one image / video URL may take, connection to last byte, redirects included (default "
+        f"{DEFAULT_FETCH_TIMEOUT:g})",
+    )
+    p.add_argument(
+        "--media-request-timeout",
+        type=float,
+        default=DEFAULT_REQUEST_FETCH_TIMEOUT,
+        help=f"seconds all the image / video URLs of one request may take (default {DEFAULT_REQUEST_FETCH_TIMEOUT:g})",
+    )
+    p.add_argument(
+        "--max-media-fetches",
+        type=int,
+        default=DEFAULT_MAX_FETCHES,
+        help=f"requests fetching image / video URLs at once, on a pool of their own; more get 429 (default "
+        f"{DEFAULT_MAX_FETCHES})",
     )
     d = p.add_argument_group("disaggregated serving (off unless --kv-transfer-role is given)")
     d.add_argument(
@@ -265,6 +305,26 @@ def engine_options(args) -> dict:
     return options
 
 
+def media_fetch_options(args) -> FetchOptions:
+    """--allowed-media-domains, --allow-private-media, --media-fetch-timeout, --media-request-timeout,
+    --max-media-fetches as FetchOptions; ValueError naming the flag for a bad value."""
+    for flag, value in (
+        ("--media-fetch-timeout", args.media_fetch_timeout),
+        ("--media-request-timeout", args.media_request_timeout),
+    ):
+        if not value > 0:
+            raise ValueError(f"{flag} must be positive, got {value:g}")
+    if args.max_media_fetches < 1:
+        raise ValueError(f"--max-media-fetches must be at least 1, got {args.max_media_fetches}")
+    return FetchOptions(
+        allow_private=args.allow_private_media,
+        allowed_domains=frozenset(args.allowed_media_domains) if args.allowed_media_domains else None,
+        timeout=args.media_fetch_timeout,
+        request_timeout=args.media_request_timeout,
+        max_concurrent=args.max_media_fetches,
+    )
+
+
 def lora_modules(args) -> dict[str, str]:
     """--lora-modules NAME=PATH ... as {name: path}; ValueError for a malformed one or without --enable-lora."""
     modules = {}
@@ -289,6 +349,7 @@ def run(args) -> int:
     file_limit = raise_open_file_limit()
     guard = ConnectionGuard(args.header_timeout, args.max_connections or default_max_connections(file_limit))
     loras = lora_modules(args)
+    media_fetch = media_fetch_options(args)
     with ThreadPoolExecutor(1, thread_name_prefix="petrel-load") as pool:
         loading = pool.submit(LLM, args.model, **engine_options(args))
         try:  # FastAPI and the app's modules import while the model loads (most of loading frees the GIL)
@@ -314,6 +375,7 @@ def run(args) -> int:
             body_timeout=args.body_timeout or None,
             embedding_pooling=args.embedding_pooling,
             allow_remote_media=not args.no_remote_media,
+            media_fetch=media_fetch,
         )
         config = guarded_config(
             app, guard, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
@@ -336,8 +398,8 @@ def run(args) -> int:
 
 
 def start_grpc(llm, state, chat_template: str | None, args):
-    """The gRPC worker beside the HTTP server (--grpc-port), with the HTTP server's model name, LoRA adapters and
-    queue limit; None without --grpc-port."""
+    """The gRPC worker beside the HTTP server (--grpc-port), with the HTTP server's host, API key, request size
+    limit, model name, LoRA adapters and queue limit; None without --grpc-port."""
     if args.grpc_port is None:
         return None
     from petrel.grpc import build_grpc_server
@@ -348,6 +410,8 @@ def start_grpc(llm, state, chat_template: str | None, args):
         args.host,
         args.grpc_port,
         service=args.grpc_service,
+        api_key=args.api_key,
+        max_request_bytes=args.max_request_bytes,
         max_pending=state.max_pending,
         max_n=args.max_n,
         chat_template=chat_template,

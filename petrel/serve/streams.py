@@ -17,12 +17,16 @@ from fastapi import Request
 from petrel.outputs import OutputChunk
 from petrel.serve.chat_template import ChatTemplate
 from petrel.serve.errors import APIError
+from petrel.serve.limits import HeapTrimmer
 from petrel.serve.logprobs import TokenText
 from petrel.serve.media import MediaLimits
+from petrel.serve.media_fetch import MediaFetcher
 from petrel.serve.metrics import ServerMetrics
 from petrel.serve.params import ServerLimits
+from petrel.serve.tool_schemas import check_tool_schemas, has_tool_schemas
 
 TOKENIZE_THREADS = 2
+SCHEMA_THREADS = 2  # tool schemas checked against their metaschema (tool_schemas.py)
 
 
 @dataclass
@@ -41,14 +45,38 @@ class ServeState:
         default_factory=dict
     )  # served name -> petrel.LoRARequest (`petrel serve --lora-modules`)
     media: MediaLimits = field(default_factory=MediaLimits)  # image_url parts (petrel/serve/media.py)
+    media_fetcher: MediaFetcher = field(default_factory=MediaFetcher)  # their http(s) URLs, on a pool of its own
+    trimmer: HeapTrimmer = field(default_factory=HeapTrimmer)  # hands memory a large request freed back to the OS
     # rendering and tokenizing prompts: off the event loop, and off the default executor that /health uses
     tokenize_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="petrel-tokenize")
     )
 
+    # checking tool schemas (slow for big ones): off the event loop, and off the tokenize pool every prompt needs
+    schema_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(SCHEMA_THREADS, thread_name_prefix="petrel-schemas")
+    )
+
+    # decoding and processing images and videos: one thread of its own, so a 36-megapixel decode holds no prompt
+    # behind it, and the memory it frees stays in one malloc arena (what a heap trim cannot hand back is the top
+    # of each arena that held it: up to 64 MiB per thread that decoded a large image)
+    media_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="petrel-media")
+    )
+
     async def run_blocking(self, fn, *args):
         """fn(*args) on the tokenize pool (CPU work that would otherwise stall every other client)."""
         return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, *args)
+
+    async def check_schemas(self, req) -> None:
+        """The chat request's tool schemas checked against their metaschema on the schema pool (APIError naming
+        the first bad one); nothing to wait for without tools."""
+        if has_tool_schemas(req):
+            await asyncio.get_running_loop().run_in_executor(self.schema_pool, check_tool_schemas, req)
+
+    async def run_media(self, fn, *args):
+        """fn(*args) on the media pool (decoding and processing images and videos)."""
+        return await asyncio.get_running_loop().run_in_executor(self.media_pool, fn, *args)
 
     def check_capacity(self, num_new: int = 1) -> None:
         """Refuse new work with 429 rather than queue without bound. Counts sequences (a request with n=8 is 8):

@@ -1,6 +1,6 @@
 """Stress runs against `petrel serve` started as a subprocess with its default limits (not part of pytest).
 
-    PYTHONPATH=. python -m tests.stress.run [overload] [soak] [slowloris] [bombs] [--requests N] ...
+    PYTHONPATH=. python -m tests.stress.run [overload] [soak] [slowloris] [bombs] [grpc_lists] [lists] [slow_media]
 
 overload: N concurrent streaming completions (default 500, max_tokens 8) from one loopback async httpx client.
     Reports accepted (200) / rejected (429) / other, p50/p99 time to first token of the accepted ones, the
@@ -19,6 +19,22 @@ bombs: one after another, a few requests each (4 at a time): huge prompts (10 MB
     that never answers, from the server's own HTTP port, from a closed port; a flood of context_only requests).
     Each must be refused (4xx) within --bomb-deadline seconds, /health p99 must stay under 1 s meanwhile, and
     the RSS must come back within 10% afterwards.
+grpc_lists: the server also serves gRPC (--grpc-port); attackers send Generate requests with huge lists (100,000
+    bad strings, 100,000 stop strings, 300,000 stop token ids: each refused INVALID_ARGUMENT within --bomb-deadline)
+    and 64 bad words of 60 kB (within the limits: served) beside a healthy gRPC client (HealthCheck, GetModelInfo,
+    a 4-token Generate), whose latencies are reported alone and under the attack; HealthCheck and GetModelInfo
+    p99 must stay under 1 s (tests/stress/grpc_lists.py).
+lists: request lists past their limits, 4 at a time, 3 times each: 50,000 function tools (chat and Responses),
+    200,000 messages, 200,000 Responses input items; each must be a 400 within --bomb-deadline seconds. Then 128
+    tools of 100 properties each (within the limit: seconds of schema checks each, then refused for the prompt
+    they make) must be refused within 120 s. /health p99 must stay under 1 s throughout, the RSS come back within
+    10%.
+slow_media: its own server, on a tiny random-weight vision model (built in a temporary directory) with
+    --allow-private-media, and two local image hosts that answer 200 and then trickle one byte every 0.5 s.
+    Two clients ask, over and over for --media-seconds, for chats with an image from one host each, while a
+    third sends text-only chats one after another. Reports the text chats' latency before and during the
+    attack (p50 / p99 / max) and how long the image requests took; the text chats' p99 must stay under 1 s and
+    each image request must be answered by --media-fetch-timeout + 2 s.
 Prints one JSON object with the figures; exits 1 when a check fails.
 """
 
@@ -40,6 +56,9 @@ from collections import Counter, deque
 
 import httpx
 import psutil
+
+from tests.stress.grpc_lists import available as grpc_available
+from tests.stress.grpc_lists import grpc_lists, grpc_lists_failures
 
 PROMPTS = [
     "The capital of France is",
@@ -696,6 +715,151 @@ async def bombs(server: Server, repeat: int, concurrency: int, deadline: float, 
     return out
 
 
+# ------------------------------------------------------------------------------------------------ lists
+
+
+def _list_bombs() -> dict[str, list[tuple[str, str, bytes]]]:
+    """Each group: (label, path, JSON body) requests. huge_lists are past their limits (refused on the count);
+    tools_within_limit are at the limit with big schemas (checked off the event loop, then too long a prompt)."""
+
+    def body(**fields) -> bytes:
+        return json.dumps(fields).encode()
+
+    def tool(parameters) -> dict:
+        return {"type": "function", "function": {"name": "f", "parameters": parameters}}
+
+    user, chat, responses = [{"role": "user", "content": "Hi"}], "/v1/chat/completions", "/v1/responses"
+    flat_tool = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+    big = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "a field"} for i in range(100)}}
+    return {
+        "huge_lists": [
+            ("chat_50k_tools", chat, body(messages=user, max_tokens=2, tools=[tool({"type": "object"})] * 50_000)),
+            ("responses_50k_tools", responses, body(input="Hi", tools=[flat_tool] * 50_000)),
+            ("chat_200k_messages", chat, body(messages=user * 200_000, max_tokens=2)),
+            ("responses_200k_input_items", responses, body(input=user * 200_000)),
+        ],
+        "tools_within_limit": [
+            ("chat_128_tools_of_100_properties", chat, body(messages=user, max_tokens=2, tools=[tool(big)] * 128))
+        ],
+    }
+
+
+TOOLS_WITHIN_LIMIT_DEADLINE = 120.0  # seconds: 4 requests of seconds of schema checks share the schema pool
+
+
+async def lists(server: Server, repeat: int, concurrency: int, deadline: float) -> dict:
+    out = {}
+    for name, requests in _list_bombs().items():
+        limit = deadline if name == "huge_lists" else TOOLS_WITHIN_LIMIT_DEADLINE
+        out[name] = {**await bomb(server, requests, repeat, concurrency, limit), "deadline_s": limit}
+        print(json.dumps({f"lists.{name}": out[name]}), flush=True)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ slow media
+
+
+async def _trickle_host() -> tuple[asyncio.AbstractServer, int]:
+    """An image host that answers 200, then sends one byte every 0.5 s until the fetcher hangs up."""
+
+    async def serve(reader, writer):
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: image/png\r\n\r\n")
+            while True:
+                writer.write(b"\x89")
+                await writer.drain()
+                await asyncio.sleep(0.5)
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.CancelledError):
+            pass  # the fetcher hung up, or the run is over
+        finally:
+            writer.close()
+
+    srv = await asyncio.start_server(serve, "127.0.0.1", 0)
+    return srv, srv.sockets[0].getsockname()[1]
+
+
+async def _timed_chat(client, base: str, content) -> tuple[float, object]:
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 4}
+    t0 = time.perf_counter()
+    try:
+        status = (await client.post(f"{base}/v1/chat/completions", json=body)).status_code
+    except httpx.HTTPError as exc:
+        status = type(exc).__name__
+    return time.perf_counter() - t0, status
+
+
+def _latencies(samples: list) -> dict:
+    ok = [lat for lat, status in samples if status == 200]
+    return {
+        "samples": len(samples),
+        "failed": len(samples) - len(ok),
+        "p50_s": round(pct(ok, 50), 3) if ok else None,
+        "p99_s": round(pct(ok, 99), 3) if ok else None,
+        "max_s": round(max(ok), 3) if ok else None,
+    }
+
+
+async def slow_media(server_args: list, seconds: float, fetch_timeout: float) -> dict:
+    import tempfile
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/: the tiny models
+    from tiny_vlm import build_tiny_idefics3
+
+    with tempfile.TemporaryDirectory(prefix="petrel-stress-vlm-") as path:
+        build_tiny_idefics3(path)
+        server = Server(
+            ["--model", path, "--allow-private-media", "--media-fetch-timeout", str(fetch_timeout), *server_args]
+        )
+        hosts = [await _trickle_host() for _ in range(2)]
+        try:
+            async with httpx.AsyncClient(timeout=httpx.Timeout(fetch_timeout * 4 + 30)) as client:
+                before = [await _timed_chat(client, server.base, "Hello") for _ in range(10)]
+                stop, images, during = asyncio.Event(), [], []
+
+                async def attacker(port: int):
+                    url = f"http://127.0.0.1:{port}/cat.png"
+                    while not stop.is_set():
+                        images.append(await _timed_chat(client, server.base, [
+                            {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What?"}
+                        ]))  # fmt: skip
+
+                attackers = [asyncio.create_task(attacker(port)) for _, port in hosts]
+                await asyncio.sleep(1.0)  # both image requests under way
+                t_end = time.monotonic() + seconds
+                while time.monotonic() < t_end:
+                    during.append(await _timed_chat(client, server.base, "Hello"))
+                    await asyncio.sleep(0.2)
+                stop.set()
+                await asyncio.gather(*attackers)
+        finally:
+            for srv, _ in hosts:
+                srv.close()
+            exit_code = server.stop()
+    statuses = Counter(str(status) for _, status in images)
+    return {
+        "seconds": seconds,
+        "media_fetch_timeout_s": fetch_timeout,
+        "text_chat_before": _latencies(before),
+        "text_chat_during": _latencies(during),
+        "image_requests": len(images),
+        "image_statuses": dict(statuses),
+        "image_max_s": round(max(lat for lat, _ in images), 2) if images else None,
+        "server_exit_code": exit_code,
+    }
+
+
+def slow_media_failures(r: dict) -> list[str]:
+    failures, during = [], r["text_chat_during"]
+    if during["failed"] or during["p99_s"] is None or during["p99_s"] >= 1.0:
+        failures.append(f"slow_media: text chat p99 {during['p99_s']} s beside slow image hosts ({during})")
+    if r["image_max_s"] is None or r["image_max_s"] > r["media_fetch_timeout_s"] + 2.0:
+        failures.append(f"slow_media: an image request took {r['image_max_s']} s")
+    if set(r["image_statuses"]) - {"400"}:
+        failures.append(f"slow_media: image requests answered {r['image_statuses']} (400 expected)")
+    return failures
+
+
 def slowloris_failures(r: dict, header_timeout: float) -> list[str]:
     failures = []
     if r["health_p99_s"] is None or r["health_p99_s"] >= 1.0:
@@ -710,27 +874,28 @@ def slowloris_failures(r: dict, header_timeout: float) -> list[str]:
     return failures
 
 
-def bombs_failures(report: dict, deadline: float) -> list[str]:
+def bombs_failures(report: dict, deadline: float, run: str = "bombs") -> list[str]:
     failures, four_xx = [], {str(s) for s in range(400, 500)}
-    for name, r in report.items():
+    for group, r in report.items():
+        name, limit = f"{run}.{group}", r.get("deadline_s", deadline)  # a group may have a deadline of its own
         if not r["all_refused_fast"]:
             missed = {
                 label: [v["statuses"], v["max_s"]]
                 for label, v in r["by_request"].items()
-                if set(v["statuses"]) - four_xx or v["max_s"] >= deadline
+                if set(v["statuses"]) - four_xx or v["max_s"] >= limit
             }
             failures.append(
-                f"bombs.{name}: {r['requests'] - r['refused_fast']} of {r['requests']} requests not "
-                f"refused with a 4xx within {deadline} s: {json.dumps(missed)}"
+                f"{name}: {r['requests'] - r['refused_fast']} of {r['requests']} requests not "
+                f"refused with a 4xx within {limit} s: {json.dumps(missed)}"
             )
         if r["health_p99_s"] is None or r["health_p99_s"] >= 1.0:
-            failures.append(f"bombs.{name}: /health p99 {r['health_p99_s']} s (>= 1 s or over 1% failed)")
+            failures.append(f"{name}: /health p99 {r['health_p99_s']} s (>= 1 s or over 1% failed)")
         if not r["rss_recovered"]:
-            failures.append(f"bombs.{name}: RSS {r['rss_after_mib']} MiB after vs {r['rss_before_mib']} MiB before")
+            failures.append(f"{name}: RSS {r['rss_after_mib']} MiB after vs {r['rss_before_mib']} MiB before")
     return failures
 
 
-RUNS = ("overload", "soak", "slowloris", "bombs")
+RUNS = ("overload", "soak", "slowloris", "bombs", "grpc_lists", "lists", "slow_media")
 
 
 def main(argv=None) -> int:
@@ -753,12 +918,21 @@ def main(argv=None) -> int:
     p.add_argument("--bomb-concurrency", type=int, default=4, help="bombs: requests at once")
     p.add_argument("--bomb-deadline", type=float, default=2.0, help="bombs: seconds a refusal may take")
     p.add_argument("--context-only-flood", type=int, default=200, help="bombs: context_only requests sent")
+    p.add_argument("--grpc-seconds", type=float, default=30.0, help="grpc_lists: how long the attack lasts")
+    p.add_argument("--grpc-attackers", type=int, default=2, help="grpc_lists: attacking processes")
+    p.add_argument("--media-seconds", type=float, default=20.0, help="slow_media: how long the attack lasts")
+    p.add_argument(
+        "--media-fetch-timeout", type=float, default=10.0, help="slow_media: the server's --media-fetch-timeout"
+    )
     p.add_argument("--server-arg", action="append", default=[], help="passed to `petrel serve` (repeatable)")
     args = p.parse_args(argv)
-    args.runs = args.runs or list(RUNS)
+    args.runs = args.runs or [run for run in RUNS if run != "grpc_lists" or grpc_available()]
     if set(args.runs) - set(RUNS):
         p.error(f"unknown run(s): {sorted(set(args.runs) - set(RUNS))}")
-    server = Server(args.server_arg)
+    grpc_port = free_port() if "grpc_lists" in args.runs else None
+    own_server = set(args.runs) - {"slow_media"}  # slow_media starts its own
+    server_args = args.server_arg + ([] if grpc_port is None else ["--grpc-port", str(grpc_port)])
+    server = Server(server_args) if own_server else None
     report, failures = {}, []
     try:
         if "overload" in args.runs:
@@ -793,8 +967,24 @@ def main(argv=None) -> int:
                 bombs(server, args.bomb_repeat, args.bomb_concurrency, args.bomb_deadline, args.context_only_flood)
             )
             failures += bombs_failures(b, args.bomb_deadline)
+        if "grpc_lists" in args.runs:
+            g = report["grpc_lists"] = grpc_lists(grpc_port, args.grpc_seconds, args.grpc_attackers, pct)
+            print(json.dumps({"grpc_lists": g}), flush=True)
+            failures += grpc_lists_failures(g, args.bomb_deadline)
+        if "lists" in args.runs:
+            li = report["lists"] = asyncio.run(
+                lists(server, args.bomb_repeat, args.bomb_concurrency, args.bomb_deadline)
+            )
+            failures += bombs_failures(li, args.bomb_deadline, "lists")
+        if "slow_media" in args.runs:
+            m = report["slow_media"] = asyncio.run(
+                slow_media(args.server_arg, args.media_seconds, args.media_fetch_timeout)
+            )
+            print(json.dumps({"slow_media": m}), flush=True)
+            failures += slow_media_failures(m)
     finally:
-        report["server_exit_code"] = server.stop()
+        if server is not None:
+            report["server_exit_code"] = server.stop()
     report["failures"] = failures
     print(json.dumps(report, indent=1))
     return 1 if failures else 0
