@@ -184,8 +184,10 @@ def _amx_path() -> tuple[bool, str]:
             rows = int(amx.bf16_rows())
         except ValueError as exc:  # a bad PETREL_AMX / PETREL_AMX_MIN_ROWS: say so, do not fail the report
             return False, f"off: {exc}"
-        if rows:
+        if rows and native.cpu_has("amx_tile", "amx_bf16"):
             return True, f"bfloat16 products of {rows} rows and more through oneDNN's AMX tiles"
+        if rows:  # PETREL_AMX=force on a CPU without the tiles
+            return False, f"forced (PETREL_AMX=force): {rows}+ rows through oneDNN's AVX-512 bfloat16 kernels, no tiles"
         if os.environ.get("PETREL_AMX", "1") == "0":
             return False, "off (PETREL_AMX=0)"
         if not native.cpu_has("amx_tile", "amx_bf16"):

@@ -121,3 +121,14 @@ def test_help_lists_env(petrel_env, capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "env" in capsys.readouterr().out
+
+
+def test_the_amx_switch_is_reported_by_name(monkeypatch):
+    pytest.importorskip("petrel.model.amx")
+    monkeypatch.setenv("PETREL_AMX", "0")
+    path = _path({"isa_paths": collect_env.isa_paths(kernels_loaded=True)}, "AMX")
+    assert path["used"] is False and "PETREL_AMX=0" in path["petrel"]
+    monkeypatch.setenv("PETREL_AMX", "force")
+    monkeypatch.setattr(native, "_cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f"}))
+    path = _path({"isa_paths": collect_env.isa_paths(kernels_loaded=True)}, "AMX")
+    assert path["used"] is False and "no tiles" in path["petrel"]
