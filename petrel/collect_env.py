@@ -116,7 +116,7 @@ def isa_paths(kernels_loaded: bool) -> list[dict[str, Any]]:
 
     avx2 = native.cpu_has_avx2_fma() and kernels_loaded
     if avx2:
-        why = "petrel's C kernels (float32 and bfloat16 products, paged attention, quantized products)"
+        why = "its C kernels (float32 and bfloat16 products, paged attention, quantized products)"
     elif not native.cpu_has("avx2", "fma"):
         why = "not on this CPU: the same layers run in torch"
     elif not kernels_loaded:
@@ -288,10 +288,11 @@ def render(info: dict[str, Any]) -> str:
     lines += ["", "packages"]
     for name, version in info["packages"].items():
         row(f"  {name}", version or "not installed")
-    lines += ["", "instruction sets: whether the CPU has it (its /proc/cpuinfo flags); whether petrel uses it: how"]
+    lines += ["", "instruction sets: whether the CPU has it (its /proc/cpuinfo flags), and what petrel runs with it"]
     for path in info["isa_paths"]:
         flags = " ".join(f"{flag}={'yes' if has else 'no'}" for flag, has in path["cpu"].items())
-        row(f"  {path['isa']}", f"cpu {flags}; petrel {'uses it' if path['used'] else 'does not'}: {path['petrel']}")
+        use = f"petrel: {path['petrel']}" if path["used"] else f"petrel: unused ({path['petrel']})"
+        row(f"  {path['isa']}", f"cpu {flags}; {use}")
     k = info["kernels"]
     lines.append("")
     row("C kernels", f"loaded from {k['where']}" if k["loaded"] else f"not loaded: {k['why_not']}")
