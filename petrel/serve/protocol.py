@@ -15,8 +15,8 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
-    ValidationInfo,
     StringConstraints,
+    ValidationInfo,
     field_validator,
     model_serializer,
 )
