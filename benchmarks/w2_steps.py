@@ -1,7 +1,7 @@
 """Where W2's time goes, step by step: W2 (64 prompts of 64..512 tokens, 128 new tokens each, greedy) through
 `LLM.generate`, with every model-runner step timed and sorted into decode-only steps and steps that carry prefill
 chunks (with the decodes running alongside them), and inside the steps the time of the decoder stack's one C call, the
-LM head, the sampler and the step's inputs. The figures behind "where the time goes" in BENCHMARKS.md.
+LM head, the sampler and the step's inputs. The figures behind "where the time goes" in docs/benchmarks-history.md.
 
     python benchmarks/w2_steps.py [--max-num-batched-tokens 2048] [--kv-cache-memory-gib 4] [--dtype bfloat16]
                                   [--quantization int8] [--model FILE.gguf]

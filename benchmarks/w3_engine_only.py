@@ -1,5 +1,6 @@
 """W3's work straight on the engine, no HTTP: the W2 prompts as 16 concurrent streaming generate_async calls,
-128 tokens each, EOS ignored, greedy. Shows what `petrel serve` adds on top of the engine (see BENCHMARKS.md).
+128 tokens each, EOS ignored, greedy. Shows what `petrel serve` adds on top of the engine (see
+docs/benchmarks-history.md).
 
     python benchmarks/w3_engine_only.py
 """

@@ -1,4 +1,5 @@
-"""W3 against `petrel serve`: the same as `petrel bench serve` (kept so the commands in BENCHMARKS.md still run)."""
+"""W3 against `petrel serve`: the same as `petrel bench serve` (kept so the commands in docs/benchmarks-history.md
+still run)."""
 
 import sys
 

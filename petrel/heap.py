@@ -11,10 +11,12 @@ import ctypes
 import ctypes.util
 import functools
 import gc
+from collections.abc import Callable
+from typing import Any
 
 
 @functools.cache
-def _malloc_trim():
+def _malloc_trim() -> Callable[..., Any] | None:
     """glibc's malloc_trim, or None (another C library)."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

@@ -16,7 +16,7 @@ class LoRARequest:
     lora_int_id: int
     lora_path: str
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not isinstance(self.lora_int_id, int) or isinstance(self.lora_int_id, bool) or self.lora_int_id < 1:
             raise ValueError(f"lora_request.lora_int_id must be an integer >= 1, got {self.lora_int_id!r}")
         if not isinstance(self.lora_path, str) or not self.lora_path:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any, NoReturn
 
 from petrel.guided_decoding import GuidedDecodingParams
 
@@ -48,7 +49,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     return_perf_metrics: bool = False
-    logits_processors: list[Callable] | None = field(default=None, repr=False)
+    logits_processors: list[Callable[..., Any]] | None = field(default=None, repr=False)
     bad_words: list[str] | None = None  # strings never generated (tokenized by the LLM front)
     bad_words_token_ids: list[list[int]] | None = None  # token sequences whose last token is banned after the rest
     stop_token_sequences: list[list[int]] | None = None  # multi-token stop words (ids)
@@ -77,7 +78,7 @@ class SamplingParams:
     # prompt tuning: a [num_virtual_tokens, hidden] tensor; prompt ids >= vocab_size take row (id - vocab_size)
     prompt_embedding_table: object = field(default=None, repr=False, compare=False)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -111,7 +112,7 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     def validate(self) -> None:
-        def bad(name, why):
+        def bad(name: str, why: str) -> NoReturn:
             raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
 
         for name in _FLOAT_FIELDS:
@@ -146,17 +147,17 @@ class SamplingParams:
             bad("prompt_logprobs", "must be an integer >= 0")
         if self.seed is not None and not _is_int(self.seed):
             bad("seed", "must be an integer")
-        if any(not isinstance(s, str) or not s for s in self.stop):
+        if any(not isinstance(s, str) or not s for s in self.stop or ()):
             bad("stop", "must be non-empty strings")
-        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids or ()):
             bad("stop_token_ids", "must be non-negative integers")
         for name in ("bad_words_token_ids", "stop_token_sequences"):
             for w in getattr(self, name):
                 if not w or any(not _is_int(t) or t < 0 for t in w):
                     raise ValueError(f"{name} must be non-empty lists of token ids (ints >= 0), got {w!r}")
-        if any(not isinstance(w, str) or not w for w in self.bad_words):
+        if any(not isinstance(w, str) or not w for w in self.bad_words or ()):
             bad("bad_words", "must be non-empty strings")
-        unknown = [o for o in self.additional_model_outputs if o not in ADDITIONAL_OUTPUTS]
+        unknown = [o for o in self.additional_model_outputs or () if o not in ADDITIONAL_OUTPUTS]
         if unknown:
             raise ValueError(
                 f"additional_model_outputs has unknown names {unknown}; available: {list(ADDITIONAL_OUTPUTS)}"
@@ -175,7 +176,7 @@ class SamplingParams:
                 if isinstance(bias, bool) or not isinstance(bias, numbers.Real) or not -100.0 <= bias <= 100.0:
                     raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {tok}")
 
-    def _validate_speculation_and_prompt_tuning(self, bad) -> None:
+    def _validate_speculation_and_prompt_tuning(self, bad: Callable[[str, str], NoReturn]) -> None:
         drafts = self.external_draft_tokens
         if drafts is not None:
             if any(not _is_int(t) or t < 0 for t in drafts):
@@ -200,7 +201,7 @@ class SamplingParams:
             if self.prompt_logprobs is not None:
                 bad("prompt_logprobs", "cannot score virtual prompt tokens (prompt_embedding_table is set)")
 
-    def _validate_beam_search(self, bad) -> None:
+    def _validate_beam_search(self, bad: Callable[[str, str], NoReturn]) -> None:
         width = self.num_beams
         if not _is_int(width) or width < 1:
             bad("beam_width", "must be an integer >= 1")
@@ -219,7 +220,7 @@ class SamplingParams:
         if self.top_p != 1.0 or self.top_k not in (0, 1) or self.min_p != 0.0:
             raise ValueError("top_p, top_k and min_p do not apply to beam search: leave them at their defaults")
 
-    def validate_for_model(self, vocab_size: int, eos_token_ids=()) -> None:
+    def validate_for_model(self, vocab_size: int, eos_token_ids: Iterable[int] = ()) -> None:
         """The limits that depend on the model: token ids and counts of tokens within its vocabulary, and some token
         left to generate (_check_bans; eos_token_ids: the model's end-of-sequence tokens, when known)."""
         if self.top_k > vocab_size:
@@ -227,10 +228,15 @@ class SamplingParams:
                 f"top_k must be <= the vocabulary size ({vocab_size}), got {self.top_k} (0 or -1 keeps every token)"
             )
         # max() first: a pass in C over the ids (a bad word list may hold millions), Python only for a bad one
-        words = [t for w in self.bad_words_token_ids + self.stop_token_sequences if max(w) >= vocab_size for t in w]
+        words = [
+            t
+            for w in (self.bad_words_token_ids or []) + (self.stop_token_sequences or [])
+            if max(w) >= vocab_size
+            for t in w
+        ]
         for name, ids in (
             ("external_draft_tokens", self.external_draft_tokens or []),
-            ("stop_token_ids", self.stop_token_ids),
+            ("stop_token_ids", self.stop_token_ids or []),
             ("logit_bias", list(self.logit_bias or {})),
             ("bad_words/stop words", words),
         ):
@@ -249,19 +255,19 @@ class SamplingParams:
                 raise ValueError(f"{name} must be <= the vocabulary size ({vocab_size}), got {k}")
         self._check_bans(vocab_size, eos_token_ids)
 
-    def _check_bans(self, vocab_size: int, eos_token_ids) -> None:
+    def _check_bans(self, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
         """A request whose bans leave no token it could generate is refused (its ids are in the vocabulary by now).
         Single-token bad words are banned at every step; until min_tokens is reached, the stop token ids and the
         end-of-sequence tokens (unless ignore_eos) are banned too. Bans that only a grammar or a longer bad word
         complete are found when they happen: the sequence then ends there (finish_reason 'stop'), see Sampler."""
-        banned = {w[0] for w in self.bad_words_token_ids if len(w) == 1}
+        banned = {w[0] for w in self.bad_words_token_ids or () if len(w) == 1}
         if len(banned) >= vocab_size:
             raise ValueError(
                 f"bad_words_token_ids ban every token of the vocabulary ({vocab_size} ids; bad_token_ids over gRPC, "
                 "bad_words in an executor Request): no token is left to generate"
             )
         if self.min_tokens > 0:
-            ends = set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids))
+            ends = set(self.stop_token_ids or ()) | (set() if self.ignore_eos else set(eos_token_ids))
             if len(banned | {t for t in ends if t < vocab_size}) >= vocab_size:
                 raise ValueError(
                     f"min_tokens ({self.min_tokens}) bans the stop token ids and end-of-sequence tokens until it is "
@@ -274,7 +280,7 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
-def _is_int(value) -> bool:
+def _is_int(value: object) -> bool:
     """An integer, not a bool (True is an int to Python, not a count or a token id to a request)."""
     return isinstance(value, int) and not isinstance(value, bool)
 

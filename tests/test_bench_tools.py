@@ -1,6 +1,6 @@
-"""The benchmark tools of issue 28: the 1B builder (at a tiny scale of the same code), W6's prompts and plan,
-the contention helper, and `petrel bench compare`'s --model / --gguf / --contention / w6 handling (the peers
-themselves are not installed here: the command lines built for them are checked)."""
+"""The benchmark tools behind the Performance page's tables: the 1B builder (at a tiny scale of the same code), W6's
+prompts and plan, the contention helper, and `petrel bench compare`'s --model / --gguf / --contention / w6 handling
+(the peers themselves are not installed here: the command lines built for them are checked)."""
 
 import importlib.util
 import json

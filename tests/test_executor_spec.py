@@ -1,4 +1,5 @@
-"""The Executor's Request and ExecutorConfig fields from the executor spec (issue 22), on the tiny random Llama:
+"""The Executor's Request and ExecutorConfig fields from the executor spec (TensorRT-LLM's Executor API), on the tiny
+random Llama:
 embedding_bias, allotted_time_ms, lora_config, OutputConfig's full signature with perf metrics,
 ExecutorConfig.additional_model_outputs and kv_cache_config, per-iteration request stats, the spec's logits
 post-processor signatures (beams in one call), and the spec fields petrel refuses."""

@@ -1,4 +1,4 @@
-"""Asynchronous KV tier fetches (petrel/kv_tiers/fetch_worker.py, issue 26): a request whose blocks are on disk or in
+"""Asynchronous KV tier fetches (petrel/kv_tiers/fetch_worker.py): a request whose blocks are on disk or in
 the shared store waits for the fetch worker to read them while the batch runs on; its tokens equal recomputation
 and its perf metrics carry the wait. A fetch past its deadline admits the request to recompute; an aborted fetch
 leaves nothing behind. The store here is a dict whose reads wait on a gate the test opens (a slow network)."""

@@ -1,4 +1,4 @@
-"""Multi-LoRA (issue 10): PEFT adapters on the tiny random Llama, checked against peft's merged model in transformers.
+"""Multi-LoRA: PEFT adapters on the tiny random Llama, checked against peft's merged model in transformers.
 
 Adapters target q/k/v/o/gate/up/down (mapped onto petrel's fused qkv_proj and gate_up_proj slices) with random
 non-zero lora_B, so each adapter changes the outputs."""

@@ -8,6 +8,8 @@ streamed pieces always concatenate to the non-streamed text. Stop strings are fo
 
 from __future__ import annotations
 
+from typing import Any
+
 from petrel.engine.stop_strings import StopStringScanner
 
 _CONTEXT_TOKENS = 6  # tokens of context decoded before the new ones, so word-initial spaces come out right
@@ -16,12 +18,12 @@ _CONTEXT_TOKENS = 6  # tokens of context decoded before the new ones, so word-in
 class IncrementalDetokenizer:
     def __init__(
         self,
-        tokenizer,
+        tokenizer: Any,  # a transformers tokenizer: decode(ids, skip_special_tokens=...) -> str
         prompt_token_ids: list[int],
         skip_special_tokens: bool = True,
         stop: list[str] | None = None,
         include_stop_str_in_output: bool = False,
-    ):
+    ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop or []
@@ -36,7 +38,8 @@ class IncrementalDetokenizer:
         self.num_tokens_added = 0  # of the last add_tokens call: how many were taken (fewer when a stop matched)
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        text: str = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return text
 
     def add_tokens(self, token_ids: list[int]) -> str | None:
         """Append new tokens; returns the stop string if one now matches (the text is then cut, and the

@@ -24,6 +24,11 @@ time, which strands memory on whichever side the workload needs less.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from petrel.config import EngineConfig
+    from petrel.model.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -66,14 +71,14 @@ def split_by_window(windows: list[int | None], num_layers: int, sink_tokens: int
     return KVGroups(tuple(group_windows), tuple(group_layers), size, sink_tokens)
 
 
-def kv_groups_for(config, model_config) -> tuple[KVGroups, str | None]:
+def kv_groups_for(config: EngineConfig, model_config: ModelConfig) -> tuple[KVGroups, str | None]:
     """How an engine (EngineConfig) lays out a model's KV (ModelConfig), and a line saying so for the log. Every
     tensor-parallel rank calls this with the same arguments, so all ranks index their caches alike."""
     layers, windows = model_config.num_hidden_layers, model_config.sliding_windows
     if not any(w is not None for w in windows):
         return single_group(layers, None), None
-    spec = config.speculative_config
-    if spec is not None and spec.method == "draft_model":
+    spec = config.speculative_config  # a SpeculativeConfig once EngineConfig is made (never the dict it may take)
+    if spec is not None and not isinstance(spec, dict) and spec.method == "draft_model":
         # the draft model reads the same block tables, from its own (lagging) position, maybe without a window
         return single_group(layers, None), (
             "sliding-window layers, but a draft model shares the block tables: every KV block is kept"

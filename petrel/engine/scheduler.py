@@ -40,7 +40,7 @@ class ScheduledBatch:
     def put_decodes_first(self) -> None:
         """Single-token queries (decodes) first, by context length, so the runner's decode groups pad little."""
 
-        def key(i):
+        def key(i: int) -> tuple[bool, int]:
             decode = self.num_new_tokens[i] == 1
             return not decode, self.seqs[i].num_computed_tokens if decode else 0
 

@@ -12,7 +12,7 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from petrel.lora import LoRARequest
 from petrel.sampling_params import SamplingParams
@@ -48,7 +48,7 @@ class EngineRequest:
     client_id: int | None = None
     priority: float = 0.5  # 0..1; higher is admitted first among waiting requests
     # executor logits post-processor: fn(request_id, logits [beam_width, vocab], beam_tokens, stream, client_id)
-    logits_post_processor: Callable | None = None
+    logits_post_processor: Callable[..., object] | None = None
     use_batched_post_processor: bool = False  # the engine's batched post-processor applies to this request
     seqs: list[Sequence] = field(default_factory=list)
     beam_search: BeamSearch | None = None  # set when params.use_beam_search
@@ -128,18 +128,18 @@ class BeamState:
     """Beam search: a beam's score and what it waits with until every beam of its request has its candidates."""
 
     cum_logprob: float = 0.0  # sum of the output tokens' logprobs
-    token_logprobs: list = field(default_factory=list)  # what the sampler recorded per output token
+    token_logprobs: list[object] = field(default_factory=list)  # what the sampler recorded per output token
     # (best next (token, logprob) pairs, the logprob row, the extra outputs of this row), or None: being computed
-    candidates: tuple | None = None
+    candidates: tuple[object, ...] | None = None
 
 
 @dataclass
 class ExtraOutputs:
     """What a request asked of the model besides tokens, gathered as the sequence runs."""
 
-    prompt_logprobs: list = field(default_factory=list)  # TokenLogprobs of prompt positions 1..
-    context: dict[str, list] = field(default_factory=dict)  # 'logits' / 'hidden_states' -> the prompt's row chunks
-    generation: dict[str, list] = field(default_factory=dict)  # same, one row per output token
+    prompt_logprobs: list[object] = field(default_factory=list)  # TokenLogprobs of prompt positions 1..
+    context: dict[str, list[Any]] = field(default_factory=dict)  # 'logits' / 'hidden_states' -> the prompt's row chunks
+    generation: dict[str, list[Any]] = field(default_factory=dict)  # same, one row per output token
 
     @property
     def num_context_rows(self) -> int:

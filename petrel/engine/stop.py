@@ -18,7 +18,7 @@ logger = logging.getLogger("petrel")
 @dataclass(frozen=True)
 class Stop:
     finish_reason: str  # 'stop' | 'length'
-    stop_reason: int | tuple | None = None  # the stop token, the stop token sequence, or None
+    stop_reason: int | tuple[int, ...] | None = None  # the stop token, the stop token sequence, or None
 
 
 def check_stop(seq: Sequence, token: int, max_model_len: int, grammar_accepted: bool | None = None) -> Stop | None:
@@ -33,13 +33,14 @@ def check_stop(seq: Sequence, token: int, max_model_len: int, grammar_accepted: 
     if grammar_accepted is False:
         logger.warning("request %r: token %d is outside its grammar; ending it", req.request_id, token)
         return Stop("stop")
-    is_stop_token = token in p.stop_token_ids or token in req.eos_token_ids
-    if grammar_accepted and seq.grammar.is_terminated():
+    stop_token_ids = p.stop_token_ids or ()  # a list once SamplingParams is made
+    is_stop_token = token in stop_token_ids or token in req.eos_token_ids
+    if grammar_accepted and seq.grammar is not None and seq.grammar.is_terminated():
         return Stop("stop", token if is_stop_token else None)
-    if token in p.stop_token_ids or (token in req.eos_token_ids and not p.ignore_eos):
+    if token in stop_token_ids or (token in req.eos_token_ids and not p.ignore_eos):
         return Stop("stop", token)
     num_output = seq.num_output_tokens + 1
-    for word in p.stop_token_sequences:
+    for word in p.stop_token_sequences or ():
         if (
             num_output >= len(word)
             and word[-1] == token

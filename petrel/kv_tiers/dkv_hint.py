@@ -1,5 +1,5 @@
 """`dkv_cache_hint`: which of a request's KV blocks the shared store already holds, so the engine fetches them before
-prefill instead of recomputing them (MAX's distributed-KV hint, issue 26).
+prefill instead of recomputing them (MAX's distributed-KV hint).
 
 The hint is a JSON object with one or both of:
   "block_hashes": ["<64 hex digits>", ...]   chain hashes (sha256) of blocks the store holds: the keys the engine

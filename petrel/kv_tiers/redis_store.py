@@ -1,4 +1,4 @@
-"""RedisBlockStore: the KV block store that instances share, on a Redis or Valkey server (issue 26).
+"""RedisBlockStore: the KV block store that instances share, on a Redis or Valkey server.
 
 Blobs are opaque here (the block codec makes and checks them); a key is a block's chain hash, stored under
 `<namespace>:<hex>`. put() only queues: one background thread writes, within a bound on queued puts and bytes, so

@@ -199,7 +199,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
 
 def prefill_gemm_is_petrels() -> bool:
     """Whether products of more than Linear.SMALL_BATCH rows run petrel's GEMM (gemm) or torch's: petrel's unless
-    PETREL_GEMM=torch. Measured (benchmarks/where_time_goes.py gemm, Zen 4, 2 threads, BENCHMARKS.md 2026-12-02):
+    PETREL_GEMM=torch. Measured (benchmarks/where_time_goes.py gemm, Zen 4, 2 threads, docs/benchmarks-history.md,
+    2026-12-02):
     at the default model's shapes 1.1-1.3x torch's; at a Llama-1B's, since K is sliced and W packed a chunk at a
     time (gemm_driver.h), 1.1-1.4x (before: 0.50-0.75x, when torch's took these products on AVX-512 CPUs); on AVX2
     CPUs level with torch's or ahead."""

@@ -177,6 +177,14 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     return lib, where
 
 
+def kernels_status() -> tuple[bool, str]:
+    """(whether petrel's C kernels load here, where the library came from or why they cannot run): what load()
+    finds, read without raising under PETREL_REQUIRE_KERNELS=1 and whatever the callers' switches say (`petrel env`
+    reports it)."""
+    lib, where = _library()
+    return lib is not None, where
+
+
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}  # by switch
 

@@ -10,7 +10,16 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    StringConstraints,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+)
 
 from petrel.kv_tiers.dkv_hint import MAX_HINT_HASHES
 
@@ -24,7 +33,7 @@ class _Request(BaseModel):
 
     @field_validator("*", mode="before")
     @classmethod
-    def _no_lone_surrogates(cls, value):
+    def _no_lone_surrogates(cls, value: Any) -> Any:
         """JSON may escape half a UTF-16 pair (\\ud800): such a string is no text the tokenizer can encode."""
         _check_text(value)
         return value
@@ -41,13 +50,13 @@ MAX_MESSAGES = 2048  # chat messages, or Responses input items, per request: Ope
 MAX_CONTENT_PARTS = 2048  # content parts in all of a request's messages (or input items) together
 
 
-def check_count(value, limit: int, field: str, what: str) -> None:
+def check_count(value: Any, limit: int, field: str, what: str) -> None:
     """ValueError when `value` (the request's JSON, not yet validated) is a list of more than `limit` items."""
     if isinstance(value, list) and len(value) > limit:
         raise ValueError(f"{field} has {len(value)} {what}; at most {limit} are accepted")
 
 
-def check_messages(value, field: str = "messages", what: str = "messages") -> None:
+def check_messages(value: Any, field: str = "messages", what: str = "messages") -> None:
     """At most MAX_MESSAGES messages (input items) holding at most MAX_CONTENT_PARTS content parts together,
     counted on the request's JSON before any message is validated."""
     check_count(value, MAX_MESSAGES, field, what)
@@ -65,7 +74,7 @@ def check_messages(value, field: str = "messages", what: str = "messages") -> No
                 )
 
 
-def _check_text(value) -> None:
+def _check_text(value: Any) -> None:
     """Every string in value, at any depth (a walk with its own stack: JSON nesting is no recursion limit here),
     and no list or object of more than MAX_ITEMS items (validating 2M token ids held the event loop for seconds)."""
     stack = [value]
@@ -93,8 +102,9 @@ class _Response(BaseModel):
     model_config = ConfigDict(protected_namespaces=())
     _omit_none: tuple[str, ...] = ()  # keys written only when set
 
+    # no return annotation: pydantic would take it for the responses' serialization schema (the OpenAPI document's)
     @model_serializer(mode="wrap")
-    def _drop_unset_optionals(self, handler):
+    def _drop_unset_optionals(self, handler: SerializerFunctionWrapHandler):  # type: ignore[no-untyped-def]
         data = handler(self)
         for key in self._omit_none:
             if data.get(key, 0) is None:
@@ -160,7 +170,7 @@ class SamplingExtras(_Request):
     disaggregated_params: DisaggregatedParamsField | None = None
     dkv_cache_hint: DkvCacheHintField | None = None
 
-    def dkv_hint(self) -> dict | None:
+    def dkv_hint(self) -> dict[str, Any] | None:
         """dkv_cache_hint as LLM.generate_async takes it."""
         return None if self.dkv_cache_hint is None else self.dkv_cache_hint.model_dump(exclude_none=True)
 
@@ -400,14 +410,15 @@ class ChatCompletionRequest(SamplingExtras, OpenAIClientFields):
 
     @field_validator("messages", mode="before")
     @classmethod
-    def _bounded_messages(cls, value):
+    def _bounded_messages(cls, value: Any) -> Any:
         check_messages(value)
         return value
 
     @field_validator("tools", "functions", mode="before")
     @classmethod
-    def _bounded_tools(cls, value, info):
-        check_count(value, MAX_TOOLS, info.field_name, info.field_name)
+    def _bounded_tools(cls, value: Any, info: ValidationInfo) -> Any:
+        field = info.field_name or "tools"  # a field validator always has its field's name
+        check_count(value, MAX_TOOLS, field, field)
         return value
 
 
