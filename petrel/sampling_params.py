@@ -68,7 +68,7 @@ class SamplingParams:
     external_draft_tokens: list[int] | None = None
     # the logits each external draft token was drawn from ([len(external_draft_tokens), vocab]): a sampled request
     # verifies them by speculative sampling (petrel/engine/draft_acceptance.py); greedy ones ignore them
-    external_draft_logits: object = field(default=None, repr=False, compare=False)
+    external_draft_logits: Any = field(default=None, repr=False, compare=False)  # a float32 tensor once validated
     # with external_draft_logits: accept a draft when p / q reaches this constant (0, 1] instead of a uniform draw
     # (TensorRT-LLM's acceptance_threshold; the output is then no longer distributed exactly as the target)
     external_draft_acceptance_threshold: float | None = None
@@ -285,9 +285,9 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _lookahead_sizes(value) -> tuple:
+def _lookahead_sizes(value: object) -> Any:
     """(window, ngram, verification set) from a 3-sequence or a lookahead config object (TensorRT-LLM's
-    LookaheadDecodingConfig, or petrel.executor's); checked in validate."""
+    LookaheadDecodingConfig, or petrel.executor's); anything else as it came. Unchecked (Any): validate checks it."""
     names = ("max_window_size", "max_ngram_size", "max_verification_set_size")
     if all(hasattr(value, name) for name in names):
         return tuple(getattr(value, name) for name in names)

@@ -41,14 +41,22 @@ import itertools
 import json
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from petrel.engine.eviction import EvictionQueue
 from petrel.engine.kv_retention import DEFAULT_PRIORITY
-from petrel.engine.sequence import Sequence
+from petrel.engine.sequence import EngineRequest, Sequence
 
 FREED = -1  # a block-table entry whose block was given back behind the sliding window (never read unmasked)
 TIER = -2  # match_prefix: a prompt block that a lower KV tier holds (not in memory)
+
+# A block's prefix-cache key: group 0's is its chain hash, another group's (group, hash) (see _cache_key)
+CacheKey = bytes | tuple[int, bytes]
+# KV events for the sink: ("stored", hash, parent hash or None, token ids), ("removed", hash) or ("cleared",)
+KvEvent = tuple[Any, ...]
+# a prompt block's lookup, cached(group, block index): the group's block for it, TIER, or None (see match_prefix)
+CachedLookup = Callable[[int, int], int | None]
 
 
 def num_freed_blocks(block_table: list[int], start: int = 0) -> int:
@@ -68,13 +76,13 @@ def held_blocks(block_table: list[int]) -> list[int]:
     return [b for b in block_table if b != FREED]  # a run after the sink blocks
 
 
-def _keyed_by_tokens_alone(request) -> bool:
+def _keyed_by_tokens_alone(request: EngineRequest) -> bool:
     """Whether a request's blocks are keyed by their tokens (and chain) alone: only those take part in partial
     reuse, whose match compares tokens."""
     return request.multi_modal is None and request.position_ids is None and request.token_extra_ids is None
 
 
-def _common_prefix(a, b) -> int:
+def _common_prefix(a: Iterable[int], b: Iterable[int]) -> int:
     """How many leading items a and b share."""
     n = 0
     for x, y in zip(a, b):
@@ -84,7 +92,7 @@ def _common_prefix(a, b) -> int:
     return n
 
 
-def _cache_key(group: int, block_hash: bytes):
+def _cache_key(group: int, block_hash: bytes) -> CacheKey:
     """A block's prefix-cache key: group 0's is the hash itself, another group's the pair (the same tokens have a
     block in every group, each holding its own layers' KV)."""
     return block_hash if group == 0 else (group, block_hash)
@@ -119,13 +127,14 @@ class BlockManager:
         # parent's cache key, to find the candidates
         self.partial_reuse = False
         self.copy_on_partial_reuse = True
-        self.children: dict[object, dict[int, None]] = {}
-        self.block_parent: dict[int, object] = {}
+        self.children: dict[CacheKey, dict[int, None]] = {}
+        self.block_parent: dict[int, CacheKey] = {}
         self._copy_sources: list[int] = []  # blocks held until the runner has copied them (take_pending_copies)
         self.watermark_blocks = int(watermark * num_blocks)
         self.ref_counts = [0] * num_blocks
         self.free_blocks: deque[int] = deque(range(num_blocks))
-        self.evictable = EvictionQueue()  # cached blocks, in eviction order (lowest priority, then LRU, first)
+        # cached blocks, in eviction order (lowest priority, then LRU, first)
+        self.evictable: EvictionQueue[int] = EvictionQueue()
         # retention priorities of cached or used blocks other than the default, and when they run out
         self.block_priority: dict[int, int] = {}
         self._expiry: list[tuple[float, int, int]] = []  # (time, serial, block) heap of priorities that expire
@@ -134,26 +143,26 @@ class BlockManager:
         self.clock: Callable[[], float] = time.monotonic
         # a lower KV tier takes an evicted block only if its priority is at least this (secondary_offload_min_priority)
         self.offload_min_priority = DEFAULT_PRIORITY
-        self.hash_to_block: dict[bytes, int] = {}
-        self.block_hash: dict[int, bytes] = {}
+        self.hash_to_block: dict[CacheKey, int] = {}
+        self.block_hash: dict[int, CacheKey] = {}
         self.block_tokens: dict[int, tuple[int, ...]] = {}
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write, for the runner
         # KV events (a gateway's cache-aware routing): called in the engine loop with ("stored", hash, parent hash
         # or None, token ids), ("removed", hash) or ("cleared",) for the global-attention group's blocks
-        self.kv_event_sink: Callable[[tuple], None] | None = None
+        self.kv_event_sink: Callable[[KvEvent], None] | None = None
         # lower KV tiers (petrel/kv_tiers), when the engine has them: tier_fetch(group, hash, tokens) returns a
         # checked block's KV (opaque here) or None. A cached block evicted for reuse is listed in
         # pending_evictions (block, group, hash, tokens) for the runner to copy out before anything writes it; a
         # block allocated for a tier hit has its KV in pending_loads (block -> KV) for the runner to write before
         # the step that reads it (both drained by the engine right after scheduling).
-        self.tier_fetch: Callable[[int, bytes, tuple], object | None] | None = None
-        self.pending_evictions: list[tuple[int, int, bytes, tuple]] = []
+        self.tier_fetch: Callable[[int, bytes, tuple[int, ...]], object | None] | None = None
+        self.pending_evictions: list[tuple[int, int, bytes, tuple[int, ...]]] = []
         self.evicted_priorities: dict[tuple[int, bytes], int] = {}  # (group, hash) -> a non-default priority
         self.pending_loads: dict[int, object] = {}
         # a shared store (publish_computed): every block cache_computed_blocks publishes is listed in
         # pending_publishes (block, group, hash, tokens) for the runner to copy out to the store
         self.publish_computed = False
-        self.pending_publishes: list[tuple[int, int, bytes, tuple]] = []
+        self.pending_publishes: list[tuple[int, int, bytes, tuple[int, ...]]] = []
 
     # ------------------------------------------------------------------ groups
     @property
@@ -348,6 +357,7 @@ class BlockManager:
                     table.append(FREED)
                     continue
                 block = cached(g, i)
+                assert block is not None, "_longest_hit keeps only blocks every group holds"
                 if block == TIER:
                     to_load.append((table, len(table), g, i))
                     table.append(FREED)  # filled below, once every memory hit is held
@@ -439,7 +449,7 @@ class BlockManager:
             if not siblings:
                 del self.children[parent]
 
-    def _tier_blocks_wanted(self, seq: Sequence, hit: int, cached) -> int:
+    def _tier_blocks_wanted(self, seq: Sequence, hit: int, cached: CachedLookup) -> int:
         whole = seq.request.context_only
         total = 0
         for g in range(self.num_groups):
@@ -447,7 +457,7 @@ class BlockManager:
             total += sum(1 for i in range(hit) if needed(i) and cached(g, i) == TIER)
         return total
 
-    def _longest_hit(self, seq: Sequence, max_blocks: int, cached) -> int:
+    def _longest_hit(self, seq: Sequence, max_blocks: int, cached: CachedLookup) -> int:
         """How many of the prompt's first blocks every group holds (cached(g, i) not None) as far as it reads."""
         tables = self._tables(seq)
         whole = seq.request.context_only  # its prompt is exported whole: every group needs every block
@@ -475,7 +485,7 @@ class BlockManager:
             return 0
         return max(0, min((num_blocks * self.block_size - window) // self.block_size, num_blocks))
 
-    def _needed(self, group: int, num_blocks: int, whole: bool = False):
+    def _needed(self, group: int, num_blocks: int, whole: bool = False) -> Callable[[int], bool]:
         """Whether the group reads block i once num_blocks full blocks are computed: every block from the first
         its window sees, and the sink blocks (every block with `whole`: a context-only prompt is exported)."""
         first = 0 if whole else self._first_needed(group, num_blocks)

@@ -46,9 +46,10 @@ class DraftTree:
     def _shared_prefix(self, path: list[int]) -> int:
         node = 0
         for i, token in enumerate(path):
-            node = self.children[node].get(token)
-            if node is None:
+            child = self.children[node].get(token)
+            if child is None:
                 return i
+            node = child
         return len(path)
 
     def ancestors(self, node: int) -> list[int]:

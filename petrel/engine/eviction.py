@@ -9,38 +9,41 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator
+from typing import Generic, TypeVar
+
+K = TypeVar("K", bound=Hashable)
 
 
-class EvictionQueue:
-    def __init__(self):
-        self._buckets: dict[int, OrderedDict] = {}  # priority -> keys, least recently added first
-        self._priority: dict[Hashable, int] = {}  # key -> its bucket
+class EvictionQueue(Generic[K]):
+    def __init__(self) -> None:
+        self._buckets: dict[int, OrderedDict[K, None]] = {}  # priority -> keys, least recently added first
+        self._priority: dict[K, int] = {}  # key -> its bucket
 
     def __len__(self) -> int:
         return len(self._priority)
 
-    def __contains__(self, key) -> bool:
+    def __contains__(self, key: object) -> bool:
         return key in self._priority
 
-    def __iter__(self) -> Iterator:
+    def __iter__(self) -> Iterator[K]:
         """Keys in eviction order."""
         for priority in sorted(self._buckets):
             yield from list(self._buckets[priority])
 
-    def priority_of(self, key) -> int | None:
+    def priority_of(self, key: K) -> int | None:
         return self._priority.get(key)
 
-    def add(self, key, priority: int) -> None:
+    def add(self, key: K, priority: int) -> None:
         """Queue a key (or move it) to the back of its priority's line: the last of them to go."""
         self.pop(key, None)
         self._priority[key] = priority
         self._buckets.setdefault(priority, OrderedDict())[key] = None
 
-    def touch(self, key) -> None:
+    def touch(self, key: K) -> None:
         """The key was used: the last of its priority to go."""
         self._buckets[self._priority[key]].move_to_end(key)
 
-    def pop(self, key, default=KeyError):
+    def pop(self, key: K, default: object = KeyError) -> object:
         priority = self._priority.pop(key, None)
         if priority is None:
             if default is KeyError:
@@ -52,10 +55,10 @@ class EvictionQueue:
             del self._buckets[priority]
         return None
 
-    def __delitem__(self, key) -> None:
+    def __delitem__(self, key: K) -> None:
         self.pop(key)
 
-    def popitem(self, last: bool = False):
+    def popitem(self, last: bool = False) -> tuple[K, None]:
         """The next key to evict (last=True: the one that would go last), as (key, None) like OrderedDict's."""
         if not self._priority:
             raise KeyError("popitem(): the queue is empty")
@@ -66,7 +69,7 @@ class EvictionQueue:
         del self._priority[key]
         return key, None
 
-    def peek(self):
+    def peek(self) -> K | None:
         """The next key to evict, left in place (None when empty)."""
         if not self._priority:
             return None

@@ -19,6 +19,7 @@ from petrel.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from petrel.engine.beam_search import BeamSearch
+    from petrel.engine.draft_acceptance import DraftWithProbs
     from petrel.engine.draft_tree import DraftTree
     from petrel.engine.kv_retention import KvRetention
     from petrel.engine.lookahead import LookaheadState
@@ -115,7 +116,7 @@ class SpeculativeState:
     # this step's drafts as a tree (lookahead decoding; draft_token_ids holds its nodes' tokens), None: a chain
     draft_tree: DraftTree | None = None
     accepted_nodes: list[int] = field(default_factory=list)  # the draft nodes accepted this step, in order
-    draft_dists: list | None = None  # the caller's drafts with their distributions (DraftWithProbs), when given
+    draft_dists: list[DraftWithProbs] | None = None  # the caller's drafts with their distributions, when given
     lookahead: LookaheadState | None = None  # lookahead decoding's window and n-gram pool (petrel/engine/lookahead.py)
     num_draft_computed: int = 0  # positions whose K/V a draft model holds
     num_verify_rounds: int = 0  # steps that verified drafts, so far

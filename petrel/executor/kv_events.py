@@ -116,13 +116,16 @@ class KVCacheEventManager:
                 unique = [UniqueToken(t) for t in tokens]
                 block = KVCacheStoredBlockData(block_hash_int64(digest), unique, None, 0, priority)
                 if last_stored is not None and parent == last_stored[0]:
-                    last_stored[1].append(block)
+                    blocks = last_stored[1]
+                    blocks.append(block)
                 else:
-                    data = KVCacheStoredData(None if parent is None else block_hash_int64(parent), [block])
-                    out.append(KVCacheEvent(event_id, data, self.window_size))
-                last_stored = (digest, out[-1].data.blocks)
+                    blocks = [block]
+                    stored = KVCacheStoredData(None if parent is None else block_hash_int64(parent), blocks)
+                    out.append(KVCacheEvent(event_id, stored, self.window_size))
+                last_stored = (digest, blocks)
                 continue
             last_stored = None
+            data: KVCacheCreatedData | KVCacheRemovedData
             if kind == "created":
                 data = KVCacheCreatedData(list(event[1]))
             elif kind == "removed":

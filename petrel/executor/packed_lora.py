@@ -54,7 +54,7 @@ def packed_digest(weights, config) -> str:
     return h.hexdigest()
 
 
-def _matrix(value, name: str, columns: int | None = None) -> torch.Tensor:
+def _matrix(value, name: str, columns: tuple[int, ...] | None = None) -> torch.Tensor:
     try:
         t = torch.as_tensor(value).detach().cpu()
     except (TypeError, ValueError, RuntimeError) as exc:

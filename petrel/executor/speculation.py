@@ -81,10 +81,11 @@ def apply_decoding_config(decoding: DecodingConfig | None, engine_config: Engine
             "decoding_config.lookahead_decoding_config must be a LookaheadDecodingConfig, got "
             f"{type(lookahead).__name__}"
         )
-    if engine_config.speculative_config is not None:
+    existing = SpeculativeConfig.coerce(engine_config.speculative_config)
+    if existing is not None:
         raise ValueError(
             "decoding_config.lookahead_decoding_config: the engine already has a speculative_config "
-            f"(method {SpeculativeConfig.coerce(engine_config.speculative_config).method!r})"
+            f"(method {existing.method!r})"
         )
     try:
         spec = SpeculativeConfig.coerce(lookahead)

@@ -23,7 +23,7 @@ class HostTier:
         self.capacity_bytes = capacity_bytes
         self.spill = spill
         self._blobs: dict[bytes, bytes] = {}
-        self._order = EvictionQueue()  # the keys, the next to go first
+        self._order: EvictionQueue[bytes] = EvictionQueue()  # the keys, the next to go first
         self._bytes = 0
         self._stats = StoreStats()
         self._lock = threading.Lock()  # the engine loop and a scrape may use it at once
