@@ -299,10 +299,10 @@ def _lookahead_sizes(value: object) -> Any:
 def _check_draft_logits(params: SamplingParams) -> None:
     """external_draft_logits: a floating-point [len(external_draft_tokens), vocab] tensor of finite values or -inf
     (at least one finite a row), kept as float32 on the CPU; the threshold needs it and lies in (0, 1]."""
-    from petrel.engine.draft_acceptance import checked_draft_logits
-
     logits, threshold = params.external_draft_logits, params.external_draft_acceptance_threshold
     if logits is not None:
+        from petrel.engine.draft_acceptance import checked_draft_logits  # torch: only where logits are given
+
         if params.external_draft_tokens is None:
             raise ValueError("external_draft_logits needs external_draft_tokens (one row of logits per draft token)")
         logits = checked_draft_logits(logits, len(params.external_draft_tokens), "external_draft_logits")

@@ -77,10 +77,10 @@ def test_sdk_fields_are_accepted_and_change_nothing(http):
     assert plain and chat(http, **SDK_FIELDS)["choices"][0]["message"]["content"] == plain
 
 
-def test_the_accepted_and_ignored_list_is_the_code_and_the_readme():
+def test_the_accepted_and_ignored_list_is_the_code_and_the_docs():
     assert set(ACCEPTED_AND_IGNORED) <= set(OpenAIClientFields.model_fields)
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
-    section = readme[readme.index("**Accepted and ignored.**") :].split("\n\n")[0]
+    page = (Path(__file__).resolve().parent.parent / "docs" / "serving" / "index.md").read_text(encoding="utf-8")
+    section = page[page.index("**Accepted and ignored.**") :].split("\n\n")[0]
     assert sorted(re.findall(r"`(\w+)`", section.split(":")[1].split(".")[0])) == sorted(ACCEPTED_AND_IGNORED)
 
 
