@@ -239,6 +239,7 @@ def step_metadata(spans, block_size):
         block_size=block_size,
         device=torch.device("cpu"),
         decode_group_size=2,
+        sink_blocks=0,  # no attention sinks
         _tensor=lambda data, dtype=torch.long: torch.tensor(data, dtype=dtype),
     )
     return ModelRunner._metadata(runner, spans, lambda span: span.block_table)

@@ -20,6 +20,7 @@ MOE_ARCHITECTURES = {
     "MixtralForCausalLM": "num_local_experts",
     "Qwen2MoeForCausalLM": "num_experts",
     "Qwen3MoeForCausalLM": "num_experts",
+    "GptOssForCausalLM": "num_local_experts",
 }
 
 
@@ -44,6 +45,9 @@ class ModelConfig:
     mlp_bias: bool = False
     sliding_windows: list[int | None] = field(default_factory=list)  # per layer: keys a query sees, None = all
     attention_sinks: int = 0  # the first positions every windowed layer also sees (petrel/engine/attention_windows.py)
+    # a learned logit per query head that joins each softmax over the keys and is dropped from the output, so a head
+    # may attend to nothing (gpt-oss's "sinks"; not attention_sinks above, StreamingLLM's kept first positions)
+    sink_logits: bool = False
     rope_local_theta: float | None = None  # rotary base of the sliding-window layers (Gemma 3); None = rope_theta
     query_pre_attn_scalar: float | None = None  # attention scale is this ** -0.5 (Gemma); None = head_dim
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap) (Gemma)
@@ -61,6 +65,16 @@ class ModelConfig:
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
     dense_layers: list[int] = field(default_factory=list)
+    # gpt-oss's experts: a bias on the router's logits; routing "softmax_topk" (a softmax over every expert, then the
+    # top k) or "topk_softmax" (the top k logits, then a softmax over those k); biases on each expert's gate/up and
+    # down products; the activation "silu" (silu(gate) * up) or "swiglu_clamped" ((clamp(up, -limit, limit) + 1) *
+    # g * sigmoid(swiglu_alpha * g), g = min(gate, swiglu_limit))
+    router_bias: bool = False
+    routing: str = "softmax_topk"
+    expert_bias: bool = False
+    expert_activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     # a vision-language model's whole Hugging Face config (the fields above are its text_config's); None: text only
     multimodal_config: dict | None = field(default=None, repr=False)
 
@@ -100,6 +114,7 @@ class ModelConfig:
             raise ValueError(f"partial rotary embedding (partial_rotary_factor {partial}) is not supported")
         moe = _hf_moe(architecture, cfg) if architecture in MOE_ARCHITECTURES else {}
         moe_qkv_bias = moe.pop("qkv_bias", False)
+        gpt_oss = architecture == "GptOssForCausalLM"
         return cls(
             architecture=architecture,
             vocab_size=cfg["vocab_size"],
@@ -114,12 +129,13 @@ class ModelConfig:
             rope_theta=rope_theta or 10000.0,
             rope_scaling=rope_scaling,
             tie_word_embeddings=cfg.get("tie_word_embeddings", gemma),  # Gemma's config default is tied
-            attention_bias=cfg.get("attention_bias", False),
+            attention_bias=cfg.get("attention_bias", gpt_oss),  # gpt-oss's config default is True
             # Qwen2 always has them (the config does not say); Qwen2-MoE's config says (qkv_bias, default true)
             qkv_bias=architecture == "Qwen2ForCausalLM" or qwen_vl or moe_qkv_bias,
             qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"),
             mlp_bias=cfg.get("mlp_bias", False),
             sliding_windows=_gemma3_sliding_windows(cfg) if gemma else _sliding_windows(cfg),
+            sink_logits=gpt_oss,
             rope_local_theta=local_theta,
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256) if gemma else None,
             final_logit_softcapping=cfg.get("final_logit_softcapping") if gemma else None,
@@ -259,6 +275,20 @@ def _hf_moe(architecture: str, cfg: dict) -> dict:
     if act != "silu":
         raise ValueError(f"{architecture}: hidden_act {act!r} is not supported (supported: silu)")
     layers = cfg["num_hidden_layers"]
+    if (
+        architecture == "GptOssForCausalLM"
+    ):  # every layer sparse, experts intermediate_size wide (petrel/model/gpt_oss.py)
+        return dict(
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=cfg["intermediate_size"],
+            router_bias=True,
+            routing="topk_softmax",
+            expert_bias=True,
+            expert_activation="swiglu_clamped",
+            swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+            swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+        )
     if architecture == "MixtralForCausalLM":  # every layer sparse, its experts intermediate_size wide, renormalised
         return dict(
             num_experts=experts,
