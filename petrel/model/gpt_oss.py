@@ -13,7 +13,12 @@ petrel's mixture-of-experts decoder (petrel/model/moe.py, on Llama's layers) wit
 Checkpoints: transformers' layout, every expert of a layer stacked as x @ W multiplies them (gate_up_proj [E, H, 2I]
 with gate and up columns interleaved, gate_up_proj_bias [E, 2I] likewise, down_proj [E, I, H], down_proj_bias
 [E, H]), turned here into petrel's rows with gate before up; the router is `mlp.router`, the sink logits
-`self_attn.sinks`.
+`self_attn.sinks`. The published checkpoints hold the experts in MXFP4 instead (quantization_config quant_method
+mxfp4): gate_up_proj_blocks [E, 2I, H/32, 16] and gate_up_proj_scales [E, 2I, H/32] (rows interleaved gate/up), the
+same for down_proj ([E, H, I/32, ...]); each byte holds elements 2j (low nibble) and 2j + 1 (high) of its block,
+each scale is an E8M0 exponent. They are kept in MXFP4 (QuantizedWeight.mxfp4, one per expert and matrix: the
+nibbles re-paired as GGUF pairs them, j and 16 + j), multiplied by quant_kernels.c with each block widened on the
+fly. GGUF files (llama.cpp's gpt-oss layout) load through petrel/model/loader.py.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from petrel.model.llama import LlamaModel
 from petrel.model.moe import MoeDecoderLayer, MoeForCausalLM
 from petrel.model.parallel import SINGLE, ParallelLMHead, TensorParallel
 
+# the MXFP4 experts of a layer: blocks or scales
+_MXFP4 = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)_(blocks|scales)$")
 # every expert's tensors of a layer, in transformers' layout (x @ W: inputs first)
 _EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj|gate_up_proj_bias|down_proj_bias)$")
 # the experts' biases under petrel's names (loaded by moe.Experts): whole, or gate and up apart
@@ -40,6 +47,32 @@ def gate_then_up(t: torch.Tensor, dim: int) -> torch.Tensor:
     """Interleaved gate/up entries (gate 0, up 0, gate 1, ...) along `dim` as petrel holds them: every gate, then
     every up."""
     return torch.cat([t.unflatten(dim, (-1, 2)).select(dim + 1, p) for p in (0, 1)], dim)
+
+
+def gguf_pairs(blocks: torch.Tensor) -> torch.Tensor:
+    """MXFP4 blocks [..., 16] bytes with elements 2j, 2j + 1 in byte j (low nibble first: the checkpoints' order) as
+    GGUF and petrel's 4-bit codes hold them: elements j and 16 + j in byte j."""
+    elements = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2)  # [..., 32] in order
+    return elements[..., :16] | (elements[..., 16:] << 4)
+
+
+def mxfp4_experts(base: str, kind: str, blocks: torch.Tensor, scales: torch.Tensor) -> Iterator[tuple[str, object]]:
+    """A layer's MXFP4 experts of one kind (gate_up_proj or down_proj: blocks [E, rows, K/32, 16], scales [E, rows,
+    K/32]) as one QuantizedWeight per expert and matrix, named as the per-expert checkpoints name them (gate and up
+    apart, rows de-interleaved)."""
+    from petrel.model.quantization import QuantizedWeight
+
+    if blocks.dim() != 4 or blocks.shape[-1] != 16 or tuple(scales.shape) != tuple(blocks.shape[:3]):
+        raise ValueError(
+            f"{base}.{kind}_blocks {tuple(blocks.shape)} and _scales {tuple(scales.shape)} are not MXFP4 experts"
+        )
+    codes, exponents = gguf_pairs(blocks.to(torch.uint8)), scales.to(torch.uint8)
+    for e in range(codes.shape[0]):
+        if kind == "down_proj":
+            yield f"{base}.{e}.down_proj.weight", QuantizedWeight.mxfp4(codes[e], exponents[e])
+            continue
+        for part, name in ((0, "gate_proj"), (1, "up_proj")):
+            yield f"{base}.{e}.{name}.weight", QuantizedWeight.mxfp4(codes[e, part::2], exponents[e, part::2])
 
 
 class GptOssDecoderLayer(MoeDecoderLayer):
@@ -68,7 +101,15 @@ class GptOssForCausalLM(MoeForCausalLM):
         """The checkpoint's tensors under petrel's names and layouts: the sink logits of this rank's heads, the
         router as `mlp.gate`, the experts' stacks transposed to rows with gate before up."""
         cfg = self.config
+        mxfp4: dict[tuple[str, str], dict[str, torch.Tensor]] = {}  # (experts, kind) -> blocks and scales so far
         for name, tensor in weights:
+            if (m := _MXFP4.match(name)) is not None:
+                held = mxfp4.setdefault((m.group(1), m.group(2)), {})
+                held[m.group(3)] = tensor
+                if len(held) == 2:
+                    del mxfp4[(m.group(1), m.group(2))]
+                    yield from mxfp4_experts(m.group(1), m.group(2), held["blocks"], held["scales"])
+                continue
             if name.endswith(".self_attn.sinks"):
                 if tuple(tensor.shape) != (cfg.num_attention_heads,):
                     raise ValueError(
@@ -92,6 +133,8 @@ class GptOssForCausalLM(MoeForCausalLM):
                 yield f"{base}.gate_up_bias", gate_then_up(tensor, 1)
             else:
                 yield f"{base}.down_bias", tensor
+        for base, kind in mxfp4:
+            raise ValueError(f"checkpoint has {base}.{kind}_blocks or _scales without the other")
 
     def checkpoint_target(self, name: str) -> tuple[str, object]:
         """The experts' biases into their layer's Experts (piece (None, part): every expert's, gate and up together

@@ -14,7 +14,8 @@
 /* A projection's weight [N][K] (dense_kernels.Weight mirrors it, field for field): float32 rows (bits 32, data
  * only), bfloat16 rows (bits 16, data only: products of the weights widened to float32, or from integer_rows
  * rows, if not 0, of x rounded to bfloat16 too: bf16_pairs_product), or quant_kernels.c's codes (bits 4 or 8)
- * with their float32 scale and min per group of 2^gshift (mins may be NULL); integer_rows: from this many rows
+ * with their float32 scale and min per group of 2^gshift (mins may be NULL; 4-bit codes without mins are MXFP4,
+ * their scale one E8M0 byte a group of 32: quant_kernels.c); integer_rows: from this many rows
  * of x its products run in integers with integer_isa's kernel (int8_gemm.c for 8-bit codes with one scale a row
  * and no mins, gshift >= 62; group_gemm.c for groups), 0 never. panels (bits 32 or 16), if not 0: the weights
  * packed in panels of 32 columns, not rows (panels.c): float32 ones multiplied by f32_panels_product with the blocks

@@ -40,7 +40,9 @@
 static weight rows_from(const weight *w, int64_t K, int64_t n0) {
     weight s = *w;
     s.data = (const char *)w->data + n0 * K * w->bits / 8;
-    if (w->scale) {
+    if (w->scale && w->bits == 4 && !w->mins) {   /* MXFP4: a byte a group (kernels.h) */
+        s.scale = (const float *)((const uint8_t *)w->scale + n0 * (K / 32));
+    } else if (w->scale) {
         const int64_t groups = w->gshift >= 62 ? 1 : K >> w->gshift;
         s.scale = w->scale + n0 * groups;
         if (w->mins) s.mins = w->mins + n0 * groups;

@@ -160,12 +160,13 @@ class Experts(nn.Module):
         expected = rows if expert is not None else (self.num_experts, *rows)
         if tuple(tensor.shape) != expected:
             raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
+        split = self.tp.size > 1 and not getattr(self.tp, "expert_parallel", False)
+        if isinstance(tensor, QuantizedWeight) and split:  # each rank keeps its columns of the dequantized matrix
+            tensor = tensor.dequantize()
         if isinstance(tensor, QuantizedWeight):  # one expert's matrix, kept as it is until every piece is in
             if expert is None:
                 raise ValueError(f"weight {name!r}: quantized experts load one expert at a time")
             if self.local(expert) is not None:
-                if self.tp.size > 1 and not getattr(self.tp, "expert_parallel", False):
-                    raise ValueError(f"weight {name!r}: quantized weights cannot be split over tensor-parallel ranks")
                 self._quantized[(kind, self.local(expert), part)] = tensor
             return keys
         stacked = tensor if expert is not None else None
