@@ -18,7 +18,7 @@ Writes, under --out:
 
 --family gpt-oss (defaults: gpt-oss-20b's shapes scaled down the same way: 12 layers, hidden 1024, 16 query heads and
 4 KV heads of 64, layers sliding (window 128) and full in turn, 32 experts of 1024 with the top 4 routed, learned
-sink logits, biases: 1.35 B parameters, 0.24 B read per token) writes its fp32/ directory as the published
+sink logits, biases: 1.34 B parameters, 0.23 B read per token) writes its fp32/ directory as the published
 checkpoints are, experts in MXFP4 (*_blocks, *_scales; the model's float experts replaced by what those blocks hold,
 so fp32/ and the GGUF are the same model), and moe-mxfp4.gguf as llama.cpp's converter lays out a gpt-oss (experts
 MXFP4 with gate and up apart, their biases, attn_sinks, post_attention_norm; the other matrices float32).
