@@ -1,10 +1,11 @@
-"""A Qwen3-MoE-shaped mixture-of-experts model with random weights, for benchmarks (speed does not depend on the
-values), and the GGUF writer for petrel's three MoE families.
+"""A Qwen3-MoE-shaped or gpt-oss-shaped mixture-of-experts model with random weights, for benchmarks (speed does not
+depend on the values), and the GGUF writer for petrel's MoE families.
 
     python benchmarks/make_moe.py --out ~/petrel-peers/models/moe                  # the default shapes, below
     python benchmarks/make_moe.py --out DIR --gguf-type q4_k --no-bf16              # experts in Q4_K blocks
     python benchmarks/make_moe.py --out /tmp/tiny --layers 2 --hidden 64 --heads 4 --kv-heads 2 --head-dim 16 \\
         --experts 8 --top-k 2 --moe-intermediate 32                                 # the same builder, tiny
+    python benchmarks/make_moe.py --family gpt-oss --out DIR                        # gpt-oss-shaped, MXFP4 experts
 
 Writes, under --out:
   fp32/               a Hugging Face directory (config.json, model.safetensors in float32 with one tensor per
@@ -14,6 +15,13 @@ Writes, under --out:
                       the matrices and expert stacks in that type, by the gguf package's quantizer; q4_k: expert
                       stacks and matrices of 256-multiple widths in Q4_K blocks, by quantize_q4_k here, the
                       others in Q8_0), the router and norms float32 as the converter keeps them
+
+--family gpt-oss (defaults: gpt-oss-20b's shapes scaled down the same way: 12 layers, hidden 1024, 16 query heads and
+4 KV heads of 64, layers sliding (window 128) and full in turn, 32 experts of 1024 with the top 4 routed, learned
+sink logits, biases: 1.34 B parameters, 0.23 B read per token) writes its fp32/ directory as the published
+checkpoints are, experts in MXFP4 (*_blocks, *_scales; the model's float experts replaced by what those blocks hold,
+so fp32/ and the GGUF are the same model), and moe-mxfp4.gguf as llama.cpp's converter lays out a gpt-oss (experts
+MXFP4 with gate and up apart, their biases, attn_sinks, post_attention_norm; the other matrices float32).
 
 The default shapes are Qwen3-30B-A3B's scaled down to fit this machine (24 layers, hidden 1024, 16 query heads and
 4 KV heads of 64, 64 experts of 256 with the top 8 routed, per-head q/k norms, untied head), with the default
@@ -43,8 +51,14 @@ GGUF_TYPES = {  # --gguf-type -> the file type llama.cpp records
     "bf16": "MOSTLY_BF16",
     "q8_0": "MOSTLY_Q8_0",
     "q4_k": "MOSTLY_Q4_K_M",
+    "mxfp4": "MOSTLY_MXFP4_MOE",  # experts MXFP4 (gpt-oss), the rest float32
 }
-GGUF_ARCH = {"Qwen3MoeForCausalLM": "qwen3moe", "Qwen2MoeForCausalLM": "qwen2moe", "MixtralForCausalLM": "llama"}
+GGUF_ARCH = {
+    "Qwen3MoeForCausalLM": "qwen3moe",
+    "Qwen2MoeForCausalLM": "qwen2moe",
+    "MixtralForCausalLM": "llama",
+    "GptOssForCausalLM": "gpt-oss",
+}
 GGUF_NAMES = {  # Hugging Face name inside model.layers.N. (Mixtral's block_sparse_moe is mlp here) -> llama.cpp's
     "input_layernorm": "attn_norm",
     "self_attn.q_proj": "attn_q",
@@ -65,34 +79,52 @@ GGUF_NAMES = {  # Hugging Face name inside model.layers.N. (Mixtral's block_spar
     "mlp.shared_expert.up_proj": "ffn_up_shexp",
     "mlp.shared_expert.down_proj": "ffn_down_shexp",
     "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "mlp.router": "ffn_gate_inp",  # gpt-oss's router (with a bias)
+    "self_attn.sinks": "attn_sinks",
 }
+GPT_OSS_NAMES = {**GGUF_NAMES, "post_attention_layernorm": "post_attention_norm"}
 FLOAT32_KEPT = ("ffn_gate_inp", "ffn_gate_inp_shexp")  # routers: the converter keeps them float32
+
+
+# per family: the default shapes (see the module's docstring) and GGUF type
+FAMILY_DEFAULTS = {
+    "qwen3-moe": dict(layers=24, experts=64, top_k=8, moe_intermediate=256, gguf_type="f32"),
+    "gpt-oss": dict(layers=12, experts=32, top_k=4, moe_intermediate=1024, gguf_type="mxfp4"),
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="output directory (created)")
-    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--family", default="qwen3-moe", choices=["qwen3-moe", "gpt-oss"])
+    p.add_argument("--layers", type=int)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--moe-intermediate", type=int, default=256)
+    p.add_argument("--experts", type=int)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--moe-intermediate", type=int)
+    p.add_argument("--window", type=int, default=128, help="gpt-oss: the sliding layers' window (default 128)")
     p.add_argument("--context", type=int, default=32768, help="max_position_embeddings (default 32768)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--std", type=float, default=0.02, help="std of the random weights (default 0.02)")
-    p.add_argument("--gguf-type", default="f32", choices=[*GGUF_TYPES])
+    p.add_argument("--gguf-type", choices=[*GGUF_TYPES], help="default f32 (gpt-oss: mxfp4)")
     p.add_argument("--no-bf16", action="store_true", help="skip the bf16 directory")
     p.add_argument("--no-gguf", action="store_true", help="skip the GGUF")
     args = p.parse_args(argv)
+    defaults = FAMILY_DEFAULTS[args.family]
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if args.heads % args.kv_heads or args.head_dim % 2 or not 1 <= args.top_k <= args.experts:
         p.error("--heads must split into --kv-heads groups, --head-dim be even, --top-k be 1..--experts")
     return args
 
 
 def build_model(args, tokenizer):
+    if args.family == "gpt-oss":
+        return build_gpt_oss(args, tokenizer)
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -119,6 +151,101 @@ def build_model(args, tokenizer):
     )
     torch.manual_seed(args.seed)
     return Qwen3MoeForCausalLM(config).float().eval()  # transformers' init: normal(0, initializer_range)
+
+
+def build_gpt_oss(args, tokenizer):
+    import torch
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    config = GptOssConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=args.hidden,
+        intermediate_size=args.moe_intermediate,
+        num_local_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        sliding_window=args.window,
+        max_position_embeddings=args.context,
+        rope_parameters={  # gpt-oss's YaRN, over an original context scaled as the window is
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": max(args.context // 32, 1),
+            "rope_theta": 150000.0,
+        },
+        rms_norm_eps=1e-5,
+        initializer_range=args.std,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(args.seed)
+    model = GptOssForCausalLM(config).float().eval()
+    with torch.no_grad():  # transformers zeroes the experts' biases: random ones, so that they matter
+        for layer in model.model.layers:
+            for bias in (layer.mlp.experts.gate_up_proj_bias, layer.mlp.experts.down_proj_bias):
+                bias.normal_(0.0, args.std)
+    return model
+
+
+def mxfp4(stack: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float32 [..., cols] (cols a multiple of 32) as GGUF MXFP4 blocks [..., cols / 32 * 17] uint8 (the gguf
+    package's quantizer: per 32 values an E8M0 exponent byte, then 16 bytes of E2M1 codes, elements j and 16 + j in
+    byte j), and the float32 values those blocks hold."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    blocks = quantize(np.ascontiguousarray(stack, dtype=np.float32), gguf.GGMLQuantizationType.MXFP4)
+    values = dequantize(blocks, gguf.GGMLQuantizationType.MXFP4).reshape(stack.shape)
+    return blocks, np.asarray(values, dtype=np.float32)
+
+
+def checkpoint_pairs(codes: np.ndarray) -> np.ndarray:
+    """MXFP4 codes [..., 16] as GGUF pairs them (elements j, 16 + j in byte j) -> as the published checkpoints do
+    (elements 2j, 2j + 1 in byte j, the first in the low nibble)."""
+    elements = np.concatenate([codes & 0x0F, codes >> 4], axis=-1)  # [..., 32] in order
+    return (elements[..., 0::2] | (elements[..., 1::2] << 4)).astype(np.uint8)
+
+
+def gpt_oss_to_mxfp4(model) -> dict:
+    """Each layer's experts of a transformers gpt-oss rounded to MXFP4 in place (the model then holds exactly what the
+    blocks hold) and returned as the published checkpoints store them: {name: tensor} with gate_up_proj_blocks
+    [E, 2I, H/32, 16] and _scales [E, 2I, H/32] (rows interleaved gate/up, as gate_up_proj's columns), down_proj's
+    [E, H, I/32, 16] and [E, H, I/32], for every other tensor its own."""
+    import torch
+
+    out = {}
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if not name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
+                out[name] = tensor.detach().clone().contiguous()
+                continue
+            rows = tensor.detach().float().transpose(1, 2).contiguous().numpy()  # [E, out, in]
+            blocks, values = mxfp4(rows)
+            blocks = blocks.reshape(*rows.shape[:2], rows.shape[2] // 32, 17)
+            out[f"{name}_blocks"] = torch.from_numpy(checkpoint_pairs(blocks[..., 1:]))
+            out[f"{name}_scales"] = torch.from_numpy(np.ascontiguousarray(blocks[..., 0]))
+            model.get_parameter(name).copy_(torch.from_numpy(values).transpose(1, 2))
+    return out
+
+
+def save_gpt_oss_mxfp4(model, path: str) -> None:
+    """model (its experts rounded to MXFP4 in place) saved as a published gpt-oss checkpoint: config.json with
+    quantization_config quant_method mxfp4, model.safetensors with the experts' blocks and scales, the rest float32."""
+    from safetensors.torch import save_file
+
+    tensors = gpt_oss_to_mxfp4(model)
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    config = {**model.config.to_dict(), "architectures": ["GptOssForCausalLM"]}
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["router", "lm_head"]}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
 
 
 def quantize_q4_k(data: np.ndarray) -> np.ndarray:
@@ -171,9 +298,11 @@ def permute_for_llamacpp(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def gguf_tensors(model):
     """(llama.cpp name, float32 array) of a transformers MoE model as the converter writes it: each layer's experts
-    stacked [E, rows, cols] (gate and up apart), Mixtral's q/k rows permuted."""
+    stacked [E, rows, cols] (gate and up apart), Mixtral's q/k rows permuted; gpt-oss's experts transposed from x @ W
+    to rows, their interleaved gate and up rows (and biases) apart."""
     cfg = model.config
     arch = GGUF_ARCH[type(model).__name__]
+    names = GPT_OSS_NAMES if arch == "gpt-oss" else GGUF_NAMES
     tied = cfg.tie_word_embeddings
     for name, tensor in model.state_dict().items():
         data = tensor.detach().float().numpy()
@@ -189,6 +318,22 @@ def gguf_tensors(model):
             continue
         _, _, layer, *rest = name.split(".")
         kind, suffix = ".".join(rest[:-1]), rest[-1]
+        if arch == "gpt-oss" and kind == "mlp.experts":  # [E, H, 2I] and [E, I, H] as x @ W multiplies them
+            if suffix == "gate_up_proj":
+                rows = data.transpose(0, 2, 1)
+                yield f"blk.{layer}.ffn_gate_exps.weight", np.ascontiguousarray(rows[:, 0::2])
+                yield f"blk.{layer}.ffn_up_exps.weight", np.ascontiguousarray(rows[:, 1::2])
+            elif suffix == "gate_up_proj_bias":
+                yield f"blk.{layer}.ffn_gate_exps.bias", np.ascontiguousarray(data[:, 0::2])
+                yield f"blk.{layer}.ffn_up_exps.bias", np.ascontiguousarray(data[:, 1::2])
+            elif suffix == "down_proj":
+                yield f"blk.{layer}.ffn_down_exps.weight", np.ascontiguousarray(data.transpose(0, 2, 1))
+            else:
+                yield f"blk.{layer}.ffn_down_exps.bias", data
+            continue
+        if kind == "self_attn" and suffix == "sinks":
+            yield f"blk.{layer}.attn_sinks.weight", data
+            continue
         if suffix == "gate_up_proj":  # transformers 5 holds each layer's experts fused: [E, 2I, H]
             inter = data.shape[1] // 2
             yield f"blk.{layer}.ffn_gate_exps.weight", np.ascontiguousarray(data[:, :inter])
@@ -201,7 +346,7 @@ def gguf_tensors(model):
             data = permute_for_llamacpp(data, cfg.num_attention_heads)
         elif arch == "llama" and kind == "self_attn.k_proj":
             data = permute_for_llamacpp(data, cfg.num_key_value_heads)
-        yield f"blk.{layer}.{GGUF_NAMES[kind]}.{suffix}", data
+        yield f"blk.{layer}.{names[kind]}.{suffix}", data
 
 
 def write_gguf(model, path: str, gguf_type: str = "f32", source_gguf: str | None = None) -> None:
@@ -229,10 +374,18 @@ def write_gguf(model, path: str, gguf_type: str = "f32", source_gguf: str | None
     w.add_vocab_size(cfg.vocab_size)
     w.add_expert_count(getattr(cfg, "num_experts", None) or cfg.num_local_experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
-    if arch != "llama":
+    if arch == "gpt-oss":
+        w.add_expert_feed_forward_length(cfg.intermediate_size)
+    elif arch != "llama":
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if getattr(cfg, "shared_expert_intermediate_size", 0):
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if arch == "gpt-oss":
+        rope = cfg.rope_parameters
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     w.add_file_type(gguf.LlamaFileType[GGUF_TYPES[gguf_type]])
     if source_gguf is not None:
         copy_tokenizer_metadata(w, source_gguf)
@@ -242,8 +395,14 @@ def write_gguf(model, path: str, gguf_type: str = "f32", source_gguf: str | None
         w.add_bos_token_id(cfg.bos_token_id if cfg.bos_token_id is not None else 1)
         w.add_eos_token_id(cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else 2)
     for name, data in gguf_tensors(model):
-        kept = data.ndim < 2 or name.split(".")[-2] in FLOAT32_KEPT
-        if kept or gguf_type == "f32":
+        kept = data.ndim < 2 or name.split(".")[-2] in FLOAT32_KEPT or name.endswith(".bias")
+        if (
+            gguf_type == "mxfp4"
+            and name.split(".")[-2] in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+            and not kept
+        ):
+            w.add_tensor(name, mxfp4(data)[0], raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+        elif kept or gguf_type in ("f32", "mxfp4"):
             w.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
         elif gguf_type == "q4_k" and data.shape[-1] % 256 == 0:
             w.add_tensor(name, quantize_q4_k(data), raw_dtype=gguf.GGMLQuantizationType.Q4_K)
@@ -262,7 +421,8 @@ def active_parameters(model) -> int:
     cfg = model.config
     total = sum(p.numel() for p in model.parameters())
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
-    unused = experts * (1 - cfg.num_experts_per_tok / cfg.num_experts)
+    count = getattr(cfg, "num_experts", None) or cfg.num_local_experts
+    unused = experts * (1 - cfg.num_experts_per_tok / count)
     return int(total - unused - model.model.embed_tokens.weight.numel())
 
 
@@ -287,7 +447,13 @@ def main(argv=None) -> int:
         path = os.path.join(args.out, f"moe-{args.gguf_type}.gguf")
         write_gguf(model, path, args.gguf_type, source.path)
         print(f"wrote {path}")
+    if args.family == "gpt-oss":  # the published layout: experts in MXFP4 (the GGUF above holds the same blocks)
+        save_gpt_oss_mxfp4(model, os.path.join(args.out, "fp32"))
+        tokenizer.save_pretrained(os.path.join(args.out, "fp32"))
+        print(f"wrote {os.path.join(args.out, 'fp32')}")
     for sub, dtype in (("fp32", torch.float32), *(() if args.no_bf16 else (("bf16", torch.bfloat16),))):
+        if args.family == "gpt-oss":
+            break
         model.to(dtype).save_pretrained(os.path.join(args.out, sub), safe_serialization=True)
         tokenizer.save_pretrained(os.path.join(args.out, sub))
         print(f"wrote {os.path.join(args.out, sub)}")

@@ -111,9 +111,12 @@ def test_python_call_sites_match_the_header():
 
 
 def test_layer_structs_match_the_header():
-    """The mixture-of-experts layer and the layer extras decode_layer(s) take, field for field."""
-    types = {"int64_t": ctypes.c_int64, "weight": dense_kernels.Weight}
-    for name, mirror in (("moe_layer", dense_kernels.MoeLayer), ("layer_extras", dense_kernels.LayerExtras)):
+    """The mixture-of-experts layer (its experts' activation too) and the layer extras decode_layer(s) take, field
+    for field."""
+    types = {"int64_t": ctypes.c_int64, "weight": dense_kernels.Weight, "float": ctypes.c_float}
+    types["moe_act"] = dense_kernels.MoeAct
+    mirrors = (("moe_act", dense_kernels.MoeAct), ("moe_layer", dense_kernels.MoeLayer))
+    for name, mirror in (*mirrors, ("layer_extras", dense_kernels.LayerExtras)):
         body = re.search(r"typedef\s+struct\s*\{([^{}]*)\}\s*" + name + r"\s*;", _read("kernels.h")).group(1)
         fields = [
             (m.group(3), ctypes.c_void_p if m.group(2) else types[m.group(1)])
@@ -221,7 +224,7 @@ def test_failed_scratch_allocation_is_reported():
         )
         == oom
     )
-    assert lib.moe_experts(None, huge, 64, 32, 8, None, None, 0, 4, None, None, None, 1) == oom
+    assert lib.moe_experts(None, huge, 64, 32, 8, None, None, 0, 4, None, None, None, None, 1) == oom
     # ... and the wrappers raise instead of returning an unwritten output
     failing = SimpleNamespace(quant_gemv=lambda *args: oom, quant_gemm=lambda *args: oom)
     x, codes, scale = torch.randn(2, 64), torch.zeros(16, 2, 16, dtype=torch.uint8), torch.ones(16, 2)

@@ -29,6 +29,9 @@ def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.nda
     rng = np.random.default_rng(seed)
     n = rows * cols // elems
     blocks = rng.integers(0, 256, (n, size), dtype=np.uint8)
+    if type_name == "MXFP4":  # an E8M0 exponent byte, scales 2^-10 .. 2^-4 (random bytes reach 2^128)
+        blocks[:, 0] = rng.integers(117, 124, n)
+        return blocks.reshape(rows, -1)
     for offset in F16_FIELDS.get(type_name, (0,)):
         blocks[:, offset : offset + 2] = rng.uniform(1e-3, 2e-2, (n, 1)).astype(np.float16).view(np.uint8)
     return blocks.reshape(rows, -1)

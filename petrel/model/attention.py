@@ -26,6 +26,12 @@ Attention sinks (StreamingLLM; petrel/engine/attention_windows.py): a windowed l
 first S positions, so the query at p sees keys 0 .. S-1 and p-W+1 .. p. The block manager keeps the sink blocks
 and gives back those between them and the window (their table entries point at block 0, as behind a window). The
 kernels know windows only: a layer with sinks runs the portable path, reading the sink blocks and the window's.
+
+Sink logits (gpt-oss; not the sinks above): each query head has a learned logit that joins its softmax as one more
+score with no value, and is dropped from the output, so the weights of the keys are exp(s_j) / (sum_k exp(s_k) +
+exp(sink)) and sum to less than 1. Every path here takes them (sink_logits [heads], float32): the C kernels and the
+Triton kernels add exp(sink - max) to the softmax's sum once its running max is known, the PyTorch path computes
+the softmax with the extra column. They go with windows and with StreamingLLM's sinks alike.
 """
 
 from __future__ import annotations
@@ -107,16 +113,18 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     sinks: int = 0,
+    sink_logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, heads, d]; k, v: [T, kv_heads, d] for this step's tokens. Returns [T, heads, d].
 
     sliding_window: when set, each query attends to its last `sliding_window` positions only (itself included);
-    sinks: and to the sequence's first `sinks` positions too (with a window only).
+    sinks: and to the sequence's first `sinks` positions too (with a window only). sink_logits: [heads], each
+    head's learned logit in its softmax (see the module's docstring), or None.
     """
     if sinks and sliding_window is not None:
-        return _attention_with_sinks(q, k, v, kv_cache, meta, scale, sliding_window, sinks)
+        return _attention_with_sinks(q, k, v, kv_cache, meta, scale, sliding_window, sinks, sink_logits)
     if triton_attention.serves(q.device) and not any(c.tree_positions is not None for c in meta.prefills):
-        return triton_attention.paged_attention(q, k, v, kv_cache, meta, scale, sliding_window)
+        return triton_attention.paged_attention(q, k, v, kv_cache, meta, scale, sliding_window, sink_logits)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     key_cache, value_cache = kv_cache[0], kv_cache[1]
@@ -130,7 +138,14 @@ def paged_attention(
     out = torch.empty_like(q)
     for g in meta.decode_groups:
         fast = dense_kernels.decode_attention(
-            q[g.start : g.end], key_cache, value_cache, g.block_tables, g.context_lens_t, scale, sliding_window
+            q[g.start : g.end],
+            key_cache,
+            value_cache,
+            g.block_tables,
+            g.context_lens_t,
+            scale,
+            sliding_window,
+            sink_logits,
         )
         if fast is not None:
             out[g.start : g.end] = fast
@@ -138,14 +153,16 @@ def paged_attention(
         tables, mask = g.block_tables, g.mask
         if sliding_window is not None and max(g.context_lens) > sliding_window:
             tables, mask = _windowed_decode_span(g, sliding_window, block_size)
-        out[g.start : g.end] = _decode_attention(q[g.start : g.end], key_cache, value_cache, tables, mask, scale)
+        out[g.start : g.end] = _decode_attention(
+            q[g.start : g.end], key_cache, value_cache, tables, mask, scale, sink_logits
+        )
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)
         first_pos = chunk.first_pos
         fast = None
         if chunk.tree_positions is None:
             fast = dense_kernels.prefill_attention(
-                q[rows], key_cache, value_cache, chunk.block_table, first_pos, scale, sliding_window
+                q[rows], key_cache, value_cache, chunk.block_table, first_pos, scale, sliding_window, sink_logits
             )
         if fast is not None:
             out[rows] = fast
@@ -174,17 +191,37 @@ def paged_attention(
         else:
             kp, vp = _gather(key_cache, value_cache, chunk.block_table, chunk.context_len, q.dtype)
             mask, causal = chunk.mask, chunk.mask is None
-        op = F.scaled_dot_product_attention(
+        op = _sdpa(
             q[rows].transpose(0, 1).unsqueeze(0),
             kp.transpose(0, 1).unsqueeze(0),
             vp.transpose(0, 1).unsqueeze(0),
-            attn_mask=mask,
-            is_causal=causal,
-            scale=scale,
-            enable_gqa=True,
+            mask,
+            causal,
+            scale,
+            sink_logits,
         )
         out[rows] = op.squeeze(0).transpose(0, 1)
     return out
+
+
+def _sdpa(q, k, v, mask: torch.Tensor | None, causal: bool, scale: float, sink_logits: torch.Tensor | None):
+    """scaled_dot_product_attention of queries [B, heads, n, d] over keys and values [B, kv_heads, L, d] (query head
+    h reads KV head h / (heads / kv_heads)), mask broadcast to [B, heads, n, L] (True: seen) or causal (the last n
+    of the L positions). With sink_logits [heads], each head's logit joins its softmax as a column with no value
+    (the softmax computed here in float32, its sink column then dropped)."""
+    if sink_logits is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = (q @ k.transpose(-1, -2)).float() * scale
+    if causal:
+        n, length = scores.shape[-2:]
+        mask = torch.ones(n, length, dtype=torch.bool, device=q.device).tril(length - n)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sinks = sink_logits.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    weights = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]
+    return weights.to(v.dtype) @ v
 
 
 def _attention_with_sinks(
@@ -196,9 +233,11 @@ def _attention_with_sinks(
     scale: float,
     window: int,
     sinks: int,
+    sink_logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """paged_attention for a windowed layer with attention sinks: each query reads the sink blocks and the blocks
-    from its window's first on, masked to keys < sinks or within the window (and causal)."""
+    from its window's first on, masked to keys < sinks or within the window (and causal); sink_logits as
+    paged_attention's."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(key_cache.dtype))
@@ -220,7 +259,7 @@ def _attention_with_sinks(
         lens = g.context_lens_t.unsqueeze(1)
         mask = (k_pos < lens) & ((k_pos < sinks) | (k_pos >= lens - window))
         out[g.start : g.end] = _decode_attention(
-            q[g.start : g.end], key_cache, value_cache, g.block_tables[:, cols], mask, scale
+            q[g.start : g.end], key_cache, value_cache, g.block_tables[:, cols], mask, scale, sink_logits
         )
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)
@@ -234,13 +273,14 @@ def _attention_with_sinks(
         kp, vp, k_pos = kp[keep], vp[keep], k_pos[keep]
         q_pos = torch.arange(first_pos, length, device=device).unsqueeze(1)
         mask = (k_pos <= q_pos) & ((k_pos < sinks) | (k_pos > q_pos - window))
-        op = F.scaled_dot_product_attention(
+        op = _sdpa(
             q[rows].transpose(0, 1).unsqueeze(0),
             kp.transpose(0, 1).unsqueeze(0),
             vp.transpose(0, 1).unsqueeze(0),
-            attn_mask=mask,
-            scale=scale,
-            enable_gqa=True,
+            mask,
+            False,
+            scale,
+            sink_logits,
         )
         out[rows] = op.squeeze(0).transpose(0, 1)
     return out
@@ -277,8 +317,10 @@ def _decode_attention(
     block_tables: torch.Tensor,
     mask: torch.Tensor,
     scale: float,
+    sink_logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One query token per sequence against its paged context, in one fused attention call.
+    """One query token per sequence against its paged context, in one fused attention call (sink_logits: see
+    paged_attention).
 
     Each sequence's blocks are gathered whole (a copy of contiguous rows, no per-element indexing) into
     [num_seqs, context, kv_heads, head_dim] and handed to scaled_dot_product_attention as a strided
@@ -292,7 +334,5 @@ def _decode_attention(
     keys = key_cache.index_select(0, flat_tables).to(q.dtype).view(num_seqs, -1, num_kv_heads, head_dim)
     values = value_cache.index_select(0, flat_tables).to(q.dtype).view(num_seqs, -1, num_kv_heads, head_dim)
     keys, values = keys.transpose(1, 2), values.transpose(1, 2)
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), keys, values, attn_mask=mask.view(num_seqs, 1, 1, -1), scale=scale, enable_gqa=True
-    )
+    out = _sdpa(q.unsqueeze(2), keys, values, mask.view(num_seqs, 1, 1, -1), False, scale, sink_logits)
     return out.squeeze(2)

@@ -12,14 +12,17 @@ GGUF_ARCHITECTURES = {
     "gemma3": "Gemma3ForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
 }
 GGUF_GATING_SOFTMAX = 1  # llama.cpp's expert_gating_func values: 1 softmax, 2 sigmoid, 3 softmax over the top-k
+GGUF_GATING_SOFTMAX_TOPK = 3
 
 # mixture-of-experts families (petrel/model/moe.py) -> the config key of their expert count
 MOE_ARCHITECTURES = {
     "MixtralForCausalLM": "num_local_experts",
     "Qwen2MoeForCausalLM": "num_experts",
     "Qwen3MoeForCausalLM": "num_experts",
+    "GptOssForCausalLM": "num_local_experts",
 }
 
 
@@ -44,6 +47,9 @@ class ModelConfig:
     mlp_bias: bool = False
     sliding_windows: list[int | None] = field(default_factory=list)  # per layer: keys a query sees, None = all
     attention_sinks: int = 0  # the first positions every windowed layer also sees (petrel/engine/attention_windows.py)
+    # a learned logit per query head that joins each softmax over the keys and is dropped from the output, so a head
+    # may attend to nothing (gpt-oss's "sinks"; not attention_sinks above, StreamingLLM's kept first positions)
+    sink_logits: bool = False
     rope_local_theta: float | None = None  # rotary base of the sliding-window layers (Gemma 3); None = rope_theta
     query_pre_attn_scalar: float | None = None  # attention scale is this ** -0.5 (Gemma); None = head_dim
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap) (Gemma)
@@ -61,6 +67,16 @@ class ModelConfig:
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
     dense_layers: list[int] = field(default_factory=list)
+    # gpt-oss's experts: a bias on the router's logits; routing "softmax_topk" (a softmax over every expert, then the
+    # top k) or "topk_softmax" (the top k logits, then a softmax over those k); biases on each expert's gate/up and
+    # down products; the activation "silu" (silu(gate) * up) or "swiglu_clamped" ((clamp(up, -limit, limit) + 1) *
+    # g * sigmoid(swiglu_alpha * g), g = min(gate, swiglu_limit))
+    router_bias: bool = False
+    routing: str = "softmax_topk"
+    expert_bias: bool = False
+    expert_activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     # a vision-language model's whole Hugging Face config (the fields above are its text_config's); None: text only
     multimodal_config: dict | None = field(default=None, repr=False)
 
@@ -100,6 +116,7 @@ class ModelConfig:
             raise ValueError(f"partial rotary embedding (partial_rotary_factor {partial}) is not supported")
         moe = _hf_moe(architecture, cfg) if architecture in MOE_ARCHITECTURES else {}
         moe_qkv_bias = moe.pop("qkv_bias", False)
+        gpt_oss = architecture == "GptOssForCausalLM"
         return cls(
             architecture=architecture,
             vocab_size=cfg["vocab_size"],
@@ -114,12 +131,13 @@ class ModelConfig:
             rope_theta=rope_theta or 10000.0,
             rope_scaling=rope_scaling,
             tie_word_embeddings=cfg.get("tie_word_embeddings", gemma),  # Gemma's config default is tied
-            attention_bias=cfg.get("attention_bias", False),
+            attention_bias=cfg.get("attention_bias", gpt_oss),  # gpt-oss's config default is True
             # Qwen2 always has them (the config does not say); Qwen2-MoE's config says (qkv_bias, default true)
             qkv_bias=architecture == "Qwen2ForCausalLM" or qwen_vl or moe_qkv_bias,
             qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"),
             mlp_bias=cfg.get("mlp_bias", False),
             sliding_windows=_gemma3_sliding_windows(cfg) if gemma else _sliding_windows(cfg),
+            sink_logits=gpt_oss,
             rope_local_theta=local_theta,
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256) if gemma else None,
             final_logit_softcapping=cfg.get("final_logit_softcapping") if gemma else None,
@@ -160,9 +178,19 @@ class ModelConfig:
 
         heads = get("attention.head_count")
         hidden = get("embedding_length")
+        gpt_oss = arch == "gpt-oss"
         scaling = None
         if get("rope.scaling.type") == "linear":
             scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
+        if get("rope.scaling.type") == "yarn":
+            scaling = {
+                "rope_type": "yarn",
+                "factor": get("rope.scaling.factor"),
+                "original_max_position_embeddings": get("rope.scaling.original_context_length"),
+                "beta_fast": get("rope.scaling.yarn_beta_fast") or 32.0,
+                "beta_slow": get("rope.scaling.yarn_beta_slow") or 1.0,
+                "truncate": not gpt_oss,  # gpt-oss's own YaRN keeps the ramp's bounds fractional
+            }
         eos = meta.get("tokenizer.ggml.eos_token_id")
         architecture = GGUF_ARCHITECTURES[arch]
         if arch == "llama" and get("expert_count"):  # llama.cpp writes Mixtral as a llama with experts
@@ -177,6 +205,8 @@ class ModelConfig:
                 f"attention logit soft-capping (attn_logit_softcapping {get('attn_logit_softcapping')}) "
                 f"is not supported"
             )
+        if gpt_oss:  # llama.cpp's rule for gpt-oss: the even layers slide, the odd ones see everything
+            windows = [get("attention.sliding_window") if i % 2 == 0 else None for i in range(layers)]
         if gemma:  # every 6th layer global unless the file says otherwise (llama.cpp's default for gemma3)
             pattern = get("attention.sliding_window_pattern", 6)
             window = get("attention.sliding_window")
@@ -200,6 +230,8 @@ class ModelConfig:
             rope_theta=get("rope.freq_base", 10000.0),
             rope_scaling=scaling,
             tie_word_embeddings=not has_output_tensor,
+            attention_bias=gpt_oss,
+            sink_logits=gpt_oss,
             qkv_bias=architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"),  # load_model_config checks
             qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_windows=windows,
@@ -223,22 +255,27 @@ def _gguf_moe(arch: str, architecture: str, get) -> dict:
         raise ValueError(f"GGUF {arch}.expert_count {experts!r} is not a positive number of experts")
     if not isinstance(top_k, int) or not 1 <= top_k <= experts:
         raise ValueError(f"GGUF {arch}.expert_used_count {top_k!r} must be between 1 and expert_count ({experts})")
-    gating = get("expert_gating_func", GGUF_GATING_SOFTMAX)
-    if gating != GGUF_GATING_SOFTMAX:
-        raise ValueError(f"GGUF {arch}.expert_gating_func {gating!r} is not supported (supported: 1, softmax)")
+    gpt_oss = architecture == "GptOssForCausalLM"
+    gating = get("expert_gating_func", GGUF_GATING_SOFTMAX_TOPK if gpt_oss else GGUF_GATING_SOFTMAX)
+    if gating != (GGUF_GATING_SOFTMAX_TOPK if gpt_oss else GGUF_GATING_SOFTMAX):
+        supported = "3, softmax over the top k" if gpt_oss else "1, softmax"
+        raise ValueError(f"GGUF {arch}.expert_gating_func {gating!r} is not supported (supported: {supported})")
     shared_count = get("expert_shared_count", 1 if get("expert_shared_feed_forward_length") else 0)
     if shared_count not in (0, 1):
         raise ValueError(f"GGUF {arch}.expert_shared_count {shared_count!r} is not supported (supported: 0 or 1)")
     for key in ("expert_weights_scale", "expert_group_count"):
         if get(key) not in (None, 0, 1, 1.0):
             raise ValueError(f"GGUF {arch}.{key} {get(key)!r} is not supported")
-    return dict(
+    out = dict(
         num_experts=experts,
         num_experts_per_tok=top_k,
         moe_intermediate_size=get("expert_feed_forward_length") or get("feed_forward_length"),
         norm_topk_prob=bool(get("expert_weights_norm", architecture != "Qwen2MoeForCausalLM")),
         shared_expert_intermediate_size=(get("expert_shared_feed_forward_length") or 0) if shared_count else 0,
     )
+    if gpt_oss:  # what llama.cpp's gpt-oss graph does, whatever the metadata says (alpha 1.702, limit 7)
+        out.update(router_bias=True, routing="topk_softmax", expert_bias=True, expert_activation="swiglu_clamped")
+    return out
 
 
 def _hf_moe(architecture: str, cfg: dict) -> dict:
@@ -259,6 +296,20 @@ def _hf_moe(architecture: str, cfg: dict) -> dict:
     if act != "silu":
         raise ValueError(f"{architecture}: hidden_act {act!r} is not supported (supported: silu)")
     layers = cfg["num_hidden_layers"]
+    if (
+        architecture == "GptOssForCausalLM"
+    ):  # every layer sparse, experts intermediate_size wide (petrel/model/gpt_oss.py)
+        return dict(
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=cfg["intermediate_size"],
+            router_bias=True,
+            routing="topk_softmax",
+            expert_bias=True,
+            expert_activation="swiglu_clamped",
+            swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+            swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+        )
     if architecture == "MixtralForCausalLM":  # every layer sparse, its experts intermediate_size wide, renormalised
         return dict(
             num_experts=experts,

@@ -17,7 +17,9 @@
  *      score is the exponent its weight needs), then the values, each value row loaded once for up to three query
  *      heads. With the keys and values in cache this runs ~1.6x the rate of the kernel before it (one value row
  *      load per query head, 2^x by way of e^x), which leaves the memory more of each step's time.
- *   4. The caches hold float32 or bfloat16 (kv_bf16: half the bytes to read; each value widened exactly as it is
+ *   4. Sink logits (gpt-oss's; sinks NULL: none): a head's learned logit joins its softmax as one more score with
+ *      no value, added to the denominator once the running max is known (sink_scale), or in the merge of the parts.
+ *   5. The caches hold float32 or bfloat16 (kv_bf16: half the bytes to read; each value widened exactly as it is
  *      loaded, or, kind 2, multiplied as it is by AVX512_BF16's dpbf16). One body serves every kind: the functions
  *      below take the kind as a constant (always inlined), so each kind gets its own loops. */
 #include <immintrin.h>
@@ -42,6 +44,17 @@
 #define MIN_PART_KEYS 256     /* the fewest keys of a part of a context */
 
 #define INLINE static inline __attribute__((always_inline))
+#define LOG2E 1.44269504088896341f
+
+/* What a running softmax's unnormalized output (max m and sum l of its weights, base 2) is multiplied by to be the
+ * attention's output when a sink logit s (base 2; -inf: none) joins the softmax: 2^(m - M) / (l 2^(m - M) + 2^(s -
+ * M)), M the larger of m and s; 0 where nothing is visible and no sink either */
+static inline float sink_scale(float m, float l, float s) {
+    const float top = m > s ? m : s;
+    if (top == -INFINITY) return 0.f;
+    const float keys = exp2f(m - top), sum = l * keys + exp2f(s - top);
+    return sum > 0.f ? keys / sum : 0.f;
+}
 
 /* where element i of a cache holding float32, or (bf16) bfloat16, values lies */
 INLINE const char *kv_at(const void *base, int64_t i, const int bf16) {
@@ -75,7 +88,7 @@ static inline void prefetch_lines(span_prefetch *p, int lines) {
 typedef struct {
     const float *q; int64_t q_stride; const void *key_cache, *value_cache; int kv_bf16;
     const int64_t *tables; int64_t max_blocks;
-    const int64_t *context_lens; int64_t H, KVH, D, bs, window; float scale; float *out;
+    const int64_t *context_lens; int64_t H, KVH, D, bs, window; float scale; const float *sinks; float *out;
     int64_t heads, parts, items;  /* work items: a sequence's context in `parts` parts x its KV heads `heads` at a
                                    * time (all of them, or one) */
     float *partial;         /* parts > 1: [S][parts][H][D + 2], each part's unnormalized output, its max and its sum */
@@ -366,7 +379,7 @@ INLINE void decode_item(decode_args *a, int64_t item, const int bf16) {
     if (a->parts == 1) {
         float *out = a->out + (s * H + h0) * D;
         for (int64_t h = 0; h < nkh * G; h++) {
-            const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+            const float inv = sink_scale(m[h], l[h], a->sinks ? a->sinks[h0 + h] * LOG2E : -INFINITY);
             for (int64_t d = 0; d < D; d++) out[h * D + d] = acc[h * D + d] * inv;
         }
         return;
@@ -397,10 +410,12 @@ static void merge_parts(const decode_args *a, int64_t S) {
     for (int64_t s = 0; s < S; s++)
         for (int64_t h = 0; h < H; h++) {
             const float *first = a->partial + s * P * stride + h * (D + 2);
-            float mx = -INFINITY, sum = 0.f, *out = a->out + (s * H + h) * D;
+            const float sink = a->sinks ? a->sinks[h] * LOG2E : -INFINITY;
+            float mx = sink, sum = 0.f, *out = a->out + (s * H + h) * D;
             for (int64_t p = 0; p < P; p++) mx = first[p * stride + D] > mx ? first[p * stride + D] : mx;
             for (int64_t d = 0; d < D; d++) out[d] = 0.f;
             if (mx == -INFINITY) continue;
+            sum = exp2f(sink - mx);   /* the sink logit's weight (0 without one) */
             for (int64_t p = 0; p < P; p++) {
                 const float *part = first + p * stride, w = exp2f(part[D] - mx);
                 sum += part[D + 1] * w;
@@ -417,11 +432,12 @@ static void merge_parts(const decode_args *a, int64_t S) {
  * softmax weights rounded to bfloat16, where D is a multiple of 32, callers check the CPU has AVX512_BF16, BW and
  * VL);
  * tables [S][max_blocks]; context_lens [S]. Query head h uses KV head h / (H / KVH). With window > 0 a row sees
- * its last `window` positions only. D a multiple of 8, H * D <= MAX_HD, H / KVH <= MAX_G, bs <= MAX_BS. */
+ * its last `window` positions only. sinks [H] (or NULL): each head's sink logit (see 4. above). D a multiple of 8,
+ * H * D <= MAX_HD, H / KVH <= MAX_G, bs <= MAX_BS. */
 void paged_decode_attention(const float *q, int64_t q_stride, const void *key_cache, const void *value_cache,
                             int kv_bf16, const int64_t *tables, int64_t max_blocks, const int64_t *context_lens,
                             int64_t S, int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t window,
-                            float scale, float *out, int nthreads) {
+                            float scale, const float *sinks, float *out, int nthreads) {
     const int64_t wanted = ITEMS_PER_THREAD * nthreads;
     int64_t heads = KVH, parts = 1;
     if (kv_bf16 == 2 && D % 32) kv_bf16 = 1;   /* dpbf16's loops take 32 dimensions at a time */
@@ -438,7 +454,7 @@ void paged_decode_attention(const float *q, int64_t q_stride, const void *key_ca
     float *partial = NULL;
     if (parts > 1 && !(partial = malloc(sizeof(float) * S * parts * H * (D + 2)))) parts = 1;
     decode_args a = {q, q_stride, key_cache, value_cache, kv_bf16, tables, max_blocks, context_lens, H, KVH, D, bs,
-                     window, scale, out, heads, parts, S * parts * (KVH / heads), partial, 0};
+                     window, scale, sinks, out, heads, parts, S * parts * (KVH / heads), partial, 0};
     parallel_run(decode_part, &a, nthreads);
     if (parts > 1) merge_parts(&a, S);
     free(partial);

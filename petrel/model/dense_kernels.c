@@ -217,6 +217,20 @@ static void cache_rows(const void *args, int64_t t0, int64_t t1) {
     }
 }
 
+typedef struct { float *y; int64_t N; const float *bias; } bias_args;
+
+static void bias_rows(const void *args, int64_t t0, int64_t t1) {
+    const bias_args *a = args;
+    for (int64_t t = t0; t < t1; t++)
+        for (int64_t i = 0; i < a->N; i++) a->y[t * a->N + i] += a->bias[i];
+}
+
+/* y[t] += bias for T rows of N floats */
+static void add_bias(float *y, int64_t T, int64_t N, const float *bias, int nthreads) {
+    bias_args a = {y, N, bias};
+    for_rows(bias_rows, &a, T, T * N, nthreads);
+}
+
 /* the new keys and values of T rows (k, v: `row` floats each, k_stride / v_stride floats apart) into the cache
  * slots slots[t], as float32 or (bf16) bfloat16 rounded to nearest even */
 static void write_cache(const float *k, int64_t k_stride, const float *v, int64_t v_stride, int64_t T, int64_t row,
@@ -300,22 +314,25 @@ static int layer_step(const float *x, float *x_out, int64_t T, int64_t H, const 
     pool_enter();
     float *qkv = h + T * H, *qk = qkv + T * QKV, *attn = qk + T * QK;
     float *gate_up = qkv, *act = gate_up + T * 2 * I, *y = qkv + T * shared_floats(I, NH, KVH, D);
+    const float *sinks = extras ? extras->sink_logits : NULL;
     rms_norm(x, T, H, H, norm1, eps, h, nthreads);
     if ((status = weight_product(h, T, H, w_qkv, qkv, QKV, nthreads))) goto done;
+    if (extras && extras->qkv_bias) add_bias(qkv, T, QKV, extras->qkv_bias, nthreads);
     if (extras && extras->q_norm) head_norm(qkv, T, NH, D, QKV, extras->q_norm, eps, nthreads);
     if (extras && extras->k_norm) head_norm(qkv + NH * D, T, KVH, D, QKV, extras->k_norm, eps, nthreads);
     rotary(qkv, T, NH + KVH, D, QKV, cos_t, sin_t, qk, nthreads);
     write_cache(qk + NH * D, QK, qkv + QK, QKV, T, ROW, slots, key_cache, value_cache, kv_bf16, nthreads);
     if (decodes)
         paged_decode_attention(qk, QK, key_cache, value_cache, kv_bf16, tables, max_blocks, context_lens, decodes, NH,
-                               KVH, D, bs, window, scale, attn, nthreads);
+                               KVH, D, bs, window, scale, sinks, attn, nthreads);
     for (int64_t i = 0; i < n_chunks; i++) {
         const prompt_chunk *c = &chunks[i];
         paged_prefill_attention(qk + c->first_row * QK, QK, key_cache, value_cache, kv_bf16, c->table,
-                                chunk_rows(chunks, n_chunks, i, T), c->p0, NH, KVH, D, bs, window, scale,
+                                chunk_rows(chunks, n_chunks, i, T), c->p0, NH, KVH, D, bs, window, scale, sinks,
                                 attn + c->first_row * NH * D, workspace, avx512, nthreads);
     }
     if ((status = weight_product(attn, T, NH * D, w_o, y, H, nthreads))) goto done;
+    if (extras && extras->o_bias) add_bias(y, T, H, extras->o_bias, nthreads);
     add(x, y, x_out, T, H, nthreads);
     rms_norm(x_out, T, H, H, norm2, eps, h, nthreads);
     if (extras && extras->moe) {   /* a mixture of experts instead of the dense MLP */
@@ -345,7 +362,8 @@ done:
  * heads each); cos, sin [T][D]; slots [T] the cache slot of each row's new K/V; the caches hold float32, or
  * bfloat16 when kv_bf16 (the new K/V rounded to nearest even, as torch rounds); tables, context_lens: the decode
  * rows' (paged_decode_attention's); kv_bf16 the cache's kind for both attention kernels, avx512 the prompt chunks'
- * (paged_prefill_attention's). extras (or NULL): q/k norms after the qkv product (Qwen3), and a mixture of experts
+ * (paged_prefill_attention's). extras (or NULL): q/k norms after the qkv product (Qwen3), biases after the qkv and o
+ * products and the attention's sink logits (gpt-oss), and a mixture of experts
  * (moe.c's moe_mlp) in place of the dense MLP (whose weights and I it then leaves unread).
  * Returns 0, or KERNEL_OUT_OF_MEMORY when scratch memory (its own or a quantized product's) could not be had. */
 int decode_layer(const float *x, float *x_out, int64_t T, int64_t H, const float *norm1, const float *norm2,

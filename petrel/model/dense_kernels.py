@@ -45,6 +45,20 @@ class Weight(ctypes.Structure):
     ]
 
 
+class MoeAct(ctypes.Structure):
+    """The experts' biases (pointers to float32 [local experts, 2I] and [local experts, H], or None) and activation
+    (swiglu 1: gpt-oss's clamped SwiGLU with alpha and limit; 0: SiLU-and-multiply), as moe.c takes them (kernels.h's
+    moe_act, field for field)."""
+
+    _fields_ = [
+        ("gate_up_bias", _P),
+        ("down_bias", _P),
+        ("swiglu", ctypes.c_int64),
+        ("alpha", ctypes.c_float),
+        ("limit", ctypes.c_float),
+    ]
+
+
 class MoeLayer(ctypes.Structure):
     """A mixture of experts in place of a layer's dense MLP, as decode_layer(s) take it (kernels.h's moe_layer, field
     for field): the float32 router, this rank's experts' Weight arrays, the int64 tokens-per-expert counter it adds
@@ -65,14 +79,25 @@ class MoeLayer(ctypes.Structure):
         ("shared_down", Weight),
         ("shared_gate", Weight),
         ("shared_inter", ctypes.c_int64),
+        ("router_bias", _P),
+        ("topk_softmax", ctypes.c_int64),
+        ("act", MoeAct),
     ]
 
 
 class LayerExtras(ctypes.Structure):
     """What a layer holds beyond a plain Llama layer, as decode_layer(s) take it (kernels.h's layer_extras): per-head
-    q and k norm weights (or None), a MoeLayer (or None)."""
+    q and k norm weights, a MoeLayer, the qkv and o products' biases, the attention's sink logits (each None if
+    none)."""
 
-    _fields_ = [("q_norm", _P), ("k_norm", _P), ("moe", _P)]
+    _fields_ = [
+        ("q_norm", _P),
+        ("k_norm", _P),
+        ("moe", _P),
+        ("qkv_bias", _P),
+        ("o_bias", _P),
+        ("sink_logits", _P),
+    ]
 
 
 class MoeParts(NamedTuple):
@@ -227,15 +252,18 @@ def decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None,
+    sink_logits: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """One query per sequence against its paged context. q [S, heads, d]; key/value_cache [blocks, block_size,
-    kv_heads, d]; block_tables [S, width] int64; context_lens [S] int64 (this step's token included). Returns
-    [S, heads, d], or None. A bfloat16 cache where bfloat16 products round x goes through dpbf16 with q and the
-    softmax weights rounded to bfloat16 too (_bf16_cache_kind), as prefill_attention's."""
+    kv_heads, d]; block_tables [S, width] int64; context_lens [S] int64 (this step's token included); sink_logits
+    [heads] float32, each head's logit joining its softmax (or None). Returns [S, heads, d], or None. A bfloat16
+    cache where bfloat16 products round x goes through dpbf16 with q and the softmax weights rounded to bfloat16
+    too (_bf16_cache_kind), as prefill_attention's."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     if (
         not _attention_fits(num_heads, num_kv_heads, head_dim, block_size, block_tables, context_lens)
+        or not _sinks_fit(sink_logits, num_heads)
         or not _is_cpu_f32(q)
         or (kv_bf16 := _kv_bf16(key_cache, value_cache)) is None
         or (lib := library()) is None
@@ -261,10 +289,18 @@ def decode_attention(
         block_size,
         sliding_window or 0,
         scale,
+        None if sink_logits is None else sink_logits.data_ptr(),
         out.data_ptr(),
         torch.get_num_threads(),
     )
     return out
+
+
+def _sinks_fit(sink_logits: torch.Tensor | None, num_heads: int) -> bool:
+    """No sink logits, or a contiguous CPU float32 [num_heads] of them."""
+    return sink_logits is None or (
+        _is_cpu_f32(sink_logits) and sink_logits.is_contiguous() and tuple(sink_logits.shape) == (num_heads,)
+    )
 
 
 def prefill_attention(
@@ -275,18 +311,21 @@ def prefill_attention(
     first_pos: int,
     scale: float,
     sliding_window: int | None,
+    sink_logits: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """A prompt chunk's queries against every key they see (causal; windowed when sliding_window is set), read
     from the paged cache, which already holds the chunk's own keys and values. q [n, heads, d] at positions
     first_pos .. first_pos+n-1; key/value_cache [blocks, block_size, kv_heads, d]; block_table [>= blocks of the
-    context] int64. Returns [n, heads, d], or None. A bfloat16 cache where bfloat16 products round x goes through
-    dpbf16 with q and the softmax weights rounded to bfloat16 too (_bf16_cache_kind)."""
+    context] int64; sink_logits as decode_attention's. Returns [n, heads, d], or None. A bfloat16 cache where
+    bfloat16 products round x goes through dpbf16 with q and the softmax weights rounded to bfloat16 too
+    (_bf16_cache_kind)."""
     n, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     if (
         head_dim % 16
         or head_dim > _MAX_PREFILL_HEAD_DIM
         or num_heads % num_kv_heads
+        or not _sinks_fit(sink_logits, num_heads)
         or block_table.dtype != torch.int64
         or not _is_cpu_f32(q)
         or (kv_bf16 := _kv_bf16(key_cache, value_cache)) is None
@@ -314,6 +353,7 @@ def prefill_attention(
         block_size,
         window,
         scale,
+        None if sink_logits is None else sink_logits.data_ptr(),
         out.data_ptr(),
         workspace.data_ptr(),
         int(native.cpu_has_avx512()),
@@ -407,7 +447,8 @@ class LayerParts(NamedTuple):
     weights (float32 tensors or QuantizedWeights): qkv [(NH + 2 KVH) D, hidden], o [hidden, NH D], gate_up [2 I,
     hidden], down [hidden, I] (None, None with moe); heads (NH, KVH, D); the attention's scale and sliding window;
     qk_norms: the per-head q and k RMS norm weights [D] (Qwen3), or None; moe: a mixture of experts (MoeParts) in
-    place of the dense MLP, or None."""
+    place of the dense MLP, or None; biases: the qkv and o products' (each a tensor or None), or None; sink_logits:
+    the attention's [NH] (gpt-oss's), or None."""
 
     norms: tuple[torch.Tensor, torch.Tensor]
     eps: float
@@ -417,6 +458,14 @@ class LayerParts(NamedTuple):
     sliding_window: int | None
     qk_norms: tuple[torch.Tensor, torch.Tensor] | None = None
     moe: MoeParts | None = None
+    biases: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
+    sink_logits: torch.Tensor | None = None
+
+    def _vectors(self) -> tuple:
+        """The float32 vectors the kernels read in place: norms, q/k norms, biases, sink logits."""
+        return (*self.norms, *(self.qk_norms or ()), *(b for b in self.biases or () if b is not None)) + (
+            (self.sink_logits,) if self.sink_logits is not None else ()
+        )
 
     @property
     def max_rows(self) -> int:
@@ -441,7 +490,7 @@ class LayerParts(NamedTuple):
     def fits(self, rows: int) -> bool:
         """Whether the kernels take this layer for a step of `rows` rows (its weights apart: see describe)."""
         head_dim = self.heads[2]
-        norms = (*self.norms, *(self.qk_norms or ()))
+        norms = self._vectors()
         return (
             rows <= self.max_rows
             and self.weights[0].shape[1] % 16 == 0
@@ -453,10 +502,18 @@ class LayerParts(NamedTuple):
 
     def extras(self) -> LayerExtras | None:
         """The layer's LayerExtras for the kernels (None for a plain Llama layer)."""
-        if self.qk_norms is None and self.moe is None:
+        if self.qk_norms is None and self.moe is None and self.biases is None and self.sink_logits is None:
             return None
         q_norm, k_norm = (t.data_ptr() for t in self.qk_norms) if self.qk_norms is not None else (None, None)
-        return LayerExtras(q_norm, k_norm, ctypes.addressof(self.moe.layer) if self.moe is not None else None)
+        qkv_bias, o_bias = (None if b is None else b.data_ptr() for b in self.biases or (None, None))
+        return LayerExtras(
+            q_norm,
+            k_norm,
+            ctypes.addressof(self.moe.layer) if self.moe is not None else None,
+            qkv_bias,
+            o_bias,
+            None if self.sink_logits is None else self.sink_logits.data_ptr(),
+        )
 
 
 def describe_layer(parts: LayerParts) -> list[Weight] | None:

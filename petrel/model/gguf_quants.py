@@ -6,7 +6,9 @@ Each reader takes a tensor's raw blocks ([rows, bytes per row] uint8, as GGUFInd
       element 16 + i in the high nibble (Q4_0/Q4_1 store exactly this; Q4_K is repacked); groups of 32.
   8 bits (Q8_0, Q5_0, Q5_1, Q5_K: groups of 32; Q6_K: groups of 16): codes [rows, K] int8.
 scale and mins: float32 [rows, groups]; mins None where the format has no offset. The products d * sub-scale of the
-K-quants are taken in float32, as the dequantized reference takes them.
+K-quants are taken in float32, as the dequantized reference takes them. MXFP4 is no affine code: its 4-bit codes
+(already in that nibble order) keep their E2M1 values and its scale stays the E8M0 byte of each block, uint8 [rows,
+groups], mins None (QuantizedWeight.mxfp4; quant_kernels.c).
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ def _fifth_bits(qh: np.ndarray) -> np.ndarray:
     """Q5_0/Q5_1's 32 high bits (a little-endian uint32 per block) -> [blocks, 32] of 0/16."""
     bits = np.unpackbits(qh, axis=-1, bitorder="little")  # bit j of the uint32 is element j's
     return bits.astype(np.uint8) << 4
+
+
+def _mxfp4(b):
+    return b[:, 1:], b[:, :1], None  # the E8M0 exponent byte, then 16 bytes of codes
 
 
 def _q8_0(b):
@@ -112,6 +118,7 @@ READERS = {
     "Q4_K": (_q4_k, QK_K, 144, 4, 5),
     "Q5_K": (_q5_k, QK_K, 176, 8, 5),
     "Q6_K": (_q6_k, QK_K, 210, 8, 4),
+    "MXFP4": (_mxfp4, QK, 17, 4, 5),
 }
 
 
@@ -122,6 +129,7 @@ def read_blocks(type_name: str, raw: np.ndarray, rows: int, cols: int):
     codes, scale, mins = reader(blocks)
     groups = cols >> gshift
     codes = codes.reshape(rows, cols // 32, 16) if bits == 4 else codes.reshape(rows, cols)
-    scale = np.ascontiguousarray(scale, dtype=np.float32).reshape(rows, groups)
+    scale_type = np.uint8 if type_name == "MXFP4" else np.float32
+    scale = np.ascontiguousarray(scale, dtype=scale_type).reshape(rows, groups)
     mins = None if mins is None else np.ascontiguousarray(mins, dtype=np.float32).reshape(rows, groups)
     return np.ascontiguousarray(codes), scale, mins, bits, gshift

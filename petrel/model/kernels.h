@@ -14,7 +14,8 @@
 /* A projection's weight [N][K] (dense_kernels.Weight mirrors it, field for field): float32 rows (bits 32, data
  * only), bfloat16 rows (bits 16, data only: products of the weights widened to float32, or from integer_rows
  * rows, if not 0, of x rounded to bfloat16 too: bf16_pairs_product), or quant_kernels.c's codes (bits 4 or 8)
- * with their float32 scale and min per group of 2^gshift (mins may be NULL); integer_rows: from this many rows
+ * with their float32 scale and min per group of 2^gshift (mins may be NULL; 4-bit codes without mins are MXFP4,
+ * their scale one E8M0 byte a group of 32: quant_kernels.c); integer_rows: from this many rows
  * of x its products run in integers with integer_isa's kernel (int8_gemm.c for 8-bit codes with one scale a row
  * and no mins, gshift >= 62; group_gemm.c for groups), 0 never. panels (bits 32 or 16), if not 0: the weights
  * packed in panels of 32 columns, not rows (panels.c): float32 ones multiplied by f32_panels_product with the blocks
@@ -41,7 +42,7 @@ void f32_tile_product(const float *x, int64_t M, int64_t K, const float *tile, i
 void paged_decode_attention(const float *q, int64_t q_stride, const void *key_cache, const void *value_cache,
                             int kv_bf16, const int64_t *tables, int64_t max_blocks, const int64_t *context_lens,
                             int64_t S, int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t window,
-                            float scale, float *out, int nthreads);
+                            float scale, const float *sinks, float *out, int nthreads);
 void rms_norm(const float *x, int64_t T, int64_t H, int64_t stride, const float *w, float eps, float *out,
               int nthreads);
 void rotary(const float *x, int64_t T, int64_t heads, int64_t D, int64_t stride, const float *cos_t,
@@ -56,12 +57,25 @@ typedef struct {
     const int64_t *table;
     int64_t p0;
 } prompt_chunk;
+/* What the experts of a mixture do beyond SiLU-and-multiply between unbiased products (dense_kernels.MoeAct mirrors
+ * it): gate_up_bias [local experts][2 inter] added after the gate/up product, down_bias [local experts][H] after
+ * the down product (NULL: none); swiglu 1: gpt-oss's clamped SwiGLU (clamp(up, -limit, limit) + 1) * g *
+ * sigmoid(alpha g), g = min(gate, limit), instead of silu(gate) * up */
+typedef struct {
+    const float *gate_up_bias;
+    const float *down_bias;
+    int64_t swiglu;
+    float alpha;
+    float limit;
+} moe_act;
 /* A mixture of experts in place of a layer's dense MLP (dense_kernels.MoeLayer mirrors it, field for field): a
  * float32 router [experts][H] whose softmax's top_k experts each row takes (their probabilities renormalised to sum
  * 1 if renormalize), this rank's experts first .. first + num_local - 1 with weights gate_up[e] [2 inter][H] and
  * down[e] [H][inter] (moe.c's moe_experts), tokens routed added to routed[expert] (int64, or NULL); with
  * shared_inter > 0 a shared expert every row takes (shared_gate_up [2 shared_inter][H], shared_down [H][shared_inter])
- * scaled by sigmoid(shared_gate . x) (shared_gate [1][H]) */
+ * scaled by sigmoid(shared_gate . x) (shared_gate [1][H]); router_bias [experts] (or NULL) added to the router's
+ * logits, topk_softmax 1 for the top_k logits and then a softmax over those k (gpt-oss), act the experts' biases and
+ * activation (moe_act) */
 typedef struct {
     const float *router;
     const weight *gate_up;
@@ -77,14 +91,22 @@ typedef struct {
     weight shared_down;
     weight shared_gate;
     int64_t shared_inter;
+    const float *router_bias;
+    int64_t topk_softmax;
+    moe_act act;
 } moe_layer;
 /* What a layer holds beyond a plain Llama layer (dense_kernels.LayerExtras mirrors it): RMS norms over each head of q
- * and of k before rotary, with the layer's eps (q_norm, k_norm [D], or NULL: Qwen3's), and a mixture of experts
- * instead of the dense MLP (moe, or NULL) */
+ * and of k before rotary, with the layer's eps (q_norm, k_norm [D], or NULL: Qwen3's), a mixture of experts
+ * instead of the dense MLP (moe, or NULL), biases added after the qkv product ([(NH + 2 KVH) D]) and the o product
+ * ([H]), and each query head's sink logit in its attention softmax (sink_logits [NH]: gpt-oss's), each NULL if
+ * none */
 typedef struct {
     const float *q_norm;
     const float *k_norm;
     const moe_layer *moe;
+    const float *qkv_bias;
+    const float *o_bias;
+    const float *sink_logits;
 } layer_extras;
 int decode_layer(const float *x, float *x_out, int64_t T, int64_t H, const float *norm1, const float *norm2,
                  float eps, const weight *w_qkv, const weight *w_o, const weight *w_gate_up, const weight *w_down,
@@ -105,8 +127,8 @@ int decode_layers(int64_t L, const float *x, float *x_out, int64_t T, int64_t H,
 int64_t prefill_attention_workspace(int64_t n, int64_t p0, int64_t window, int64_t KVH, int64_t D);
 void paged_prefill_attention(const float *q, int64_t q_stride, const void *key_cache, const void *value_cache,
                              int kv_bf16, const int64_t *table, int64_t n, int64_t p0, int64_t H, int64_t KVH,
-                             int64_t D, int64_t bs, int64_t window, float scale, float *out, float *workspace,
-                             int avx512, int nthreads);
+                             int64_t D, int64_t bs, int64_t window, float scale, const float *sinks, float *out,
+                             float *workspace, int avx512, int nthreads);
 
 /* gemm_avx512.c */
 int64_t f32_gemm_workspace(int64_t K, int64_t N, int nthreads);
@@ -153,10 +175,11 @@ int group_gemm(int bits, const float *x, int64_t M, int64_t K, const void *codes
                const float *mins, int gshift, float *y, int64_t N, int nthreads, int isa);
 
 /* moe.c: a mixture-of-experts layer's experts over a step's rows (ids, route_weights [T][k]; this rank's experts
- * first .. first + E - 1, their weights gate_up[E] [2I][H] and down[E] [H][I]) */
+ * first .. first + E - 1, their weights gate_up[E] [2I][H] and down[E] [H][I]; act their biases and activation, or
+ * NULL for none and SiLU) */
 int moe_experts(const float *x, int64_t T, int64_t H, int64_t I, int64_t k, const int64_t *ids,
                 const float *route_weights, int64_t first, int64_t E, const weight *gate_up, const weight *down,
-                float *out, int nthreads);
+                const moe_act *act, float *out, int nthreads);
 
 /* greedy_rows.c */
 void greedy_rows(const float *x, int64_t rows, int64_t vocab, int64_t stride, int64_t *tokens, float *logprobs,

@@ -75,7 +75,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """Inverse frequencies of rotary embedding, with Llama 3 or linear scaling when configured."""
+    """Inverse frequencies of rotary embedding, with Llama 3, linear or YaRN scaling when configured."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if not scaling:
         return inv_freq
@@ -98,9 +98,48 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) 
         if divisors.shape != inv_freq.shape:
             raise ValueError(f"rope_freqs has {divisors.numel()} values; head_dim {head_dim} needs {inv_freq.numel()}")
         return inv_freq / divisors
+    if kind == "yarn":
+        return _yarn_frequencies(inv_freq, head_dim, theta, scaling)
     if kind in (None, "default"):
         return inv_freq
-    raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: linear, llama3)")
+    raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: linear, llama3, yarn)")
+
+
+def _yarn_frequencies(inv_freq: torch.Tensor, head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071): frequencies that turn fewer than beta_slow times over the original context are
+    interpolated (divided by factor), those that turn more than beta_fast times kept, a linear ramp between (over
+    the dimensions, floored and ceiled to whole ones when `truncate`)."""
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dimension(rotations: float) -> float:  # the dimension whose frequency turns `rotations` times
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension(fast), dimension(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    kept = 1 - ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / factor * (1 - kept) + inv_freq * kept
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """What YaRN multiplies cos and sin by (its attention_factor, else 0.1 ln(factor) + 1, or with mscale and
+    mscale_all_dim the ratio of those two terms); 1 for every other scaling."""
+    if not scaling or scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(factor: float, m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    factor = scaling["factor"]
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"])
+    return mscale(factor)
 
 
 class RotaryEmbedding(nn.Module):
@@ -112,8 +151,9 @@ class RotaryEmbedding(nn.Module):
         t = torch.arange(max_positions, dtype=torch.float64)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos().float(), persistent=False)
-        self.register_buffer("sin", emb.sin().float(), persistent=False)
+        factor = rope_attention_factor(scaling)  # YaRN's: the tables carry it, so every kernel applies it
+        self.register_buffer("cos", (emb.cos() * factor).float(), persistent=False)
+        self.register_buffer("sin", (emb.sin() * factor).float(), persistent=False)
 
     def for_positions(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) of a step's positions, [T, 1, head_dim] each: computed once per forward, used by every layer."""

@@ -50,6 +50,11 @@ class LlamaAttention(nn.Module):
             self.q_norm = self.norm_class(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = self.norm_class(self.head_dim, cfg.rms_norm_eps)
         self.scale = (cfg.query_pre_attn_scalar or self.head_dim) ** -0.5
+        self.sink_logits = None  # [heads] of this rank: a learned logit per head in each softmax (gpt-oss)
+        if cfg.sink_logits:
+            group = cfg.num_attention_heads // cfg.num_key_value_heads
+            self.head_range = (heads.kv_start * group, heads.kv_stop * group)  # this rank's of the checkpoint's
+            self.sink_logits = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False)
 
     def forward(self, x, cos_sin, kv_cache, meta: AttentionMetadata):
         qkv = self.qkv_proj(x)
@@ -61,7 +66,15 @@ class LlamaAttention(nn.Module):
             qk = torch.cat([self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])], dim=1)
         qk = RotaryEmbedding.rotate(qk, cos_sin)
         out = paged_attention(
-            qk[:, :heads], qk[:, heads:], v, kv_cache, meta, self.scale, self.sliding_window, self.attention_sinks
+            qk[:, :heads],
+            qk[:, heads:],
+            v,
+            kv_cache,
+            meta,
+            self.scale,
+            self.sliding_window,
+            self.attention_sinks,
+            self.sink_logits,
         )
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -123,6 +136,7 @@ class LlamaDecoderLayer(nn.Module):
             return None
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         weights = tuple(m.qweight if type(m) is QuantizedLinear else m.weight for m in projections)
+        biases = (attn.qkv_proj.bias, attn.o_proj.bias)
         return dense_kernels.LayerParts(
             (norm1.weight, norm2.weight),
             norm1.eps,
@@ -131,14 +145,22 @@ class LlamaDecoderLayer(nn.Module):
             attn.scale,
             attn.sliding_window,
             (attn.q_norm.weight, attn.k_norm.weight) if hasattr(attn, "q_norm") else None,
+            biases=biases if any(b is not None for b in biases) else None,
+            sink_logits=attn.sink_logits,
         )
+
+    # whether the one-call kernels take this layer's q/k/v and o biases (LayerParts.biases; gpt-oss's layers: its
+    # tests check the kernels' path against the modules'); other layers with biases run their modules
+    attention_biases_in_kernels = False
 
     def _is_plain(self, projections) -> bool:
         dense_kinds = (ColumnParallelLinear, RowParallelLinear, ColumnParallelLinear, RowParallelLinear)
         attn, eps = self.self_attn, self.input_layernorm.eps
+        attention_biases = projections[:2] if self.attention_biases_in_kernels else ()
         return (
             all(type(m) in (kind, QuantizedLinear) for m, kind in zip(projections, dense_kinds))
-            and all(getattr(m, "tp", SINGLE).size == 1 and m.bias is None for m in projections)
+            and all(getattr(m, "tp", SINGLE).size == 1 for m in projections)
+            and all(m.bias is None for m in projections if m not in attention_biases)
             and (  # q/k norms (Qwen3): RMS norms with the layer's eps
                 not hasattr(attn, "q_norm")
                 or (
@@ -147,7 +169,7 @@ class LlamaDecoderLayer(nn.Module):
                     and attn.q_norm.eps == eps == attn.k_norm.eps
                 )
             )
-            and not self.self_attn.attention_sinks  # the kernels know windows, not sinks
+            and not self.self_attn.attention_sinks  # the kernels know windows and sink logits, not these sinks
             and type(self.input_layernorm) is RMSNorm
             and type(self.post_attention_layernorm) is RMSNorm
             and eps == self.post_attention_layernorm.eps

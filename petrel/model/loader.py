@@ -122,6 +122,14 @@ _GGUF_NAMES = {
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# gpt-oss: the norm before the MLP is llama.cpp's post_attention_norm; the sink logits; each layer's experts' biases
+# every expert's stacked [E, rows] (named as petrel's Experts take them: petrel/model/gpt_oss.py)
+_GGUF_NAMES_GPT_OSS = {
+    **_GGUF_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_sinks": "self_attn.sinks",
+}
+_GGUF_EXPERT_BIASES = {"ffn_gate_exps": "gate_bias", "ffn_up_exps": "up_bias", "ffn_down_exps": "down_bias"}
 # Gemma 3's four norms per layer: llama.cpp's ffn_norm is the norm before the MLP, and two more follow
 _GGUF_NAMES_GEMMA3 = {
     **_GGUF_NAMES,
@@ -270,17 +278,27 @@ def gguf_weights(reader, cfg: ModelConfig, keep_quantized: bool = False) -> Iter
     # so is Mixtral)
     permuted = cfg.architecture in ("LlamaForCausalLM", "Idefics3ForConditionalGeneration", "MixtralForCausalLM")
     gemma = cfg.architecture == "Gemma3ForCausalLM"
-    names = _GGUF_NAMES_GEMMA3 if gemma else _GGUF_NAMES
+    gpt_oss = cfg.architecture == "GptOssForCausalLM"
+    names = _GGUF_NAMES_GEMMA3 if gemma else _GGUF_NAMES_GPT_OSS if gpt_oss else _GGUF_NAMES
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue
         parts = t.name.split(".")
+        if parts[0] == "blk" and len(parts) == 3:  # a tensor named without its suffix (attn_sinks)
+            parts.append("weight")
         if parts[0] == "blk":
             name = f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
         else:
             name = f"{names[parts[0]]}.{parts[1]}"
+        if gpt_oss and parts[0] == "blk" and parts[2] == "attn_sinks":  # [heads], named as the checkpoints name them
+            yield name.removesuffix(".weight"), torch.from_numpy(np.array(t.data, dtype=np.float32))
+            continue
+        if parts[0] == "blk" and parts[2] in _GGUF_EXPERTS and parts[3] == "bias":  # [E, rows]
+            data = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(-1, int(t.shape[0]))
+            yield f"model.layers.{parts[1]}.mlp.experts.{_GGUF_EXPERT_BIASES[parts[2]]}", torch.from_numpy(data)
+            continue
         if parts[0] == "blk" and parts[2] in _GGUF_EXPERTS:  # [E, rows, cols]: every expert's matrix of a layer
-            yield from _gguf_experts(t, name.removesuffix(".weight"), keep_quantized)
+            yield from _gguf_experts(t, name.removesuffix(".weight"), keep_quantized, per_expert=gpt_oss)
             continue
         if parts[0] == "blk" and parts[2] == "ffn_gate_inp_shexp" and len(t.shape) == 1:
             data = dequantize(t.data, t.tensor_type).reshape(1, -1)  # stored as a vector: the gate's one row
@@ -313,26 +331,36 @@ def gguf_weights(reader, cfg: ModelConfig, keep_quantized: bool = False) -> Iter
 _GGUF_EXPERTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 
-def _gguf_experts(t, stacked: str, keep_quantized: bool) -> Iterator[tuple[str, object]]:
+def _gguf_experts(t, stacked: str, keep_quantized: bool, per_expert: bool = False) -> Iterator[tuple[str, object]]:
     """A layer's experts' matrices of one kind (llama.cpp's ffn_{gate,up,down}_exps, [E, rows, cols]): with
     keep_quantized and blocks petrel multiplies natively, one QuantizedWeight per expert (named as the published
     per-expert tensors are: mlp.experts.E.gate_proj.weight); otherwise the float32 stack [E, rows, cols] under
-    the stacked name (mlp.experts.gate_proj), each expert's blocks dequantized as a 2-D tensor's are."""
+    the stacked name (mlp.experts.gate_proj), each expert's blocks dequantized as a 2-D tensor's are, or with
+    per_expert (gpt-oss, whose checkpoints' stacks are laid out otherwise) each expert's [rows, cols] under its own
+    name. MXFP4 blocks (gpt-oss's) stay MXFP4 whatever keep_quantized says."""
     from gguf.quants import dequantize
 
     from petrel.model.gguf_quants import READERS
     from petrel.model.quantization import QuantizedWeight
 
     experts, rows, cols = (int(d) for d in reversed(t.shape))
+    keep_quantized = keep_quantized or t.tensor_type.name == "MXFP4"  # gpt-oss's experts: MXFP4 whatever the option
     if t.tensor_type.name not in READERS:
-        data = dequantize(t.data, t.tensor_type).reshape(experts, rows, cols)
-        yield stacked, torch.from_numpy(np.array(data, dtype=np.float32))
+        data = torch.from_numpy(
+            np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(experts, rows, cols)
+        )
+        if per_expert:
+            base, _, kind = stacked.rpartition(".")
+            for e in range(experts):
+                yield f"{base}.{e}.{kind}.weight", data[e]
+            return
+        yield stacked, data
         return
     weights = [QuantizedWeight.from_gguf(t.tensor_type.name, t.data[e], rows, cols) for e in range(experts)]
-    if keep_quantized:
-        base, _, kind = stacked.rpartition(".")
+    base, _, kind = stacked.rpartition(".")
+    if keep_quantized or per_expert:
         for e, weight in enumerate(weights):
-            yield f"{base}.{e}.{kind}.weight", weight
+            yield f"{base}.{e}.{kind}.weight", weight if keep_quantized else weight.dequantize()
         return
     yield stacked, torch.stack([w.dequantize() for w in weights])
 

@@ -12,8 +12,8 @@
  *      threads given contiguous runs of units of equal cost (a unit costs its expert's rows plus WEIGHT_COST, what
  *      streaming its weights costs beside them), so a decode step with few tokens has each thread stream whole
  *      runs of columns of a few experts: each used expert's weights are read once and no unused expert's at all;
- *   4. SiLU-and-multiply over all the rows;
- *   5. down: the same split over the down weights;
+ *   4. SiLU-and-multiply over all the rows (or gpt-oss's clamped SwiGLU; each expert's gate/up bias added first);
+ *   5. down: the same split over the down weights (each expert's down bias added after);
  *   6. each token's output row: its picks' rows scaled by their routing weights and summed (pick order), written
  *      once (no scatter races, no zeroing pass).
  * A unit's products run on its thread alone (weight_product with one thread); a run of columns that is not a whole
@@ -40,7 +40,9 @@
 static weight rows_from(const weight *w, int64_t K, int64_t n0) {
     weight s = *w;
     s.data = (const char *)w->data + n0 * K * w->bits / 8;
-    if (w->scale) {
+    if (w->scale && w->bits == 4 && !w->mins) {   /* MXFP4: a byte a group (kernels.h) */
+        s.scale = (const float *)((const uint8_t *)w->scale + n0 * (K / 32));
+    } else if (w->scale) {
         const int64_t groups = w->gshift >= 62 ? 1 : K >> w->gshift;
         s.scale = w->scale + n0 * groups;
         if (w->mins) s.mins = w->mins + n0 * groups;
@@ -115,6 +117,49 @@ static int run_phase(const float *in, int64_t K, float *out, int64_t N, const we
     return a.status;
 }
 
+typedef struct { float *y; int64_t N; const float *bias; const int64_t *offsets; int64_t E; } expert_bias_args;
+
+/* rows r0 .. r1 (in expert order) += their expert's bias */
+static void expert_bias_rows(const void *args, int64_t r0, int64_t r1) {
+    const expert_bias_args *a = args;
+    int64_t e = 0;
+    for (int64_t r = r0; r < r1; r++) {
+        while (a->offsets[e + 1] <= r) e++;
+        const float *b = a->bias + e * a->N;
+        float *y = a->y + r * a->N;
+        for (int64_t i = 0; i < a->N; i++) y[i] += b[i];
+    }
+}
+
+/* y [R][N] (rows grouped by expert: offsets) += bias[e] [N] of each row's expert e */
+static void add_expert_bias(float *y, int64_t R, int64_t N, const float *bias, const int64_t *offsets, int64_t E,
+                            int nthreads) {
+    expert_bias_args a = {y, N, bias, offsets, E};
+    for_rows(expert_bias_rows, &a, R, R * N, nthreads);
+}
+
+typedef struct { const float *x; int64_t I; float alpha, limit; float *out; } swiglu_args;
+
+static void swiglu_rows(const void *args, int64_t t0, int64_t t1) {
+    const swiglu_args *a = args;
+    for (int64_t t = t0; t < t1; t++) {
+        const float *gate = a->x + t * 2 * a->I, *up = gate + a->I;
+        float *o = a->out + t * a->I;
+        for (int64_t i = 0; i < a->I; i++) {
+            const float g = gate[i] < a->limit ? gate[i] : a->limit;
+            const float u = up[i] < -a->limit ? -a->limit : up[i] > a->limit ? a->limit : up[i];
+            o[i] = (u + 1.f) * (g / (1.f + expf(-a->alpha * g)));
+        }
+    }
+}
+
+/* gpt-oss's clamped SwiGLU: out [T][I] = (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit),
+ * of x [T][2I] (gate, then up) */
+static void swiglu_clamped(const float *x, int64_t T, int64_t I, float alpha, float limit, float *out, int nthreads) {
+    swiglu_args a = {x, I, alpha, limit, out};
+    for_rows(swiglu_rows, &a, T, T * I * 8, nthreads);
+}
+
 typedef struct { const float *x; int64_t H; const int64_t *token; float *xs; } gather_args;
 
 static void gather_rows(const void *args, int64_t r0, int64_t r1) {
@@ -150,10 +195,12 @@ static void combine_rows(const void *args, int64_t t0, int64_t t1) {
 /* The layer's experts over T rows of x [T][H] (see the top of this file): out [T][H] = for each token the sum over
  * its picks on this rank's experts (first .. first + E - 1) of route_weights * down(silu(gate) * up)(x); ids [T][k]
  * int64, route_weights [T][k]; gate_up[e], down[e] the local experts' weights [2I][H] and [H][I]; I a multiple of
- * 8. Returns 0, or KERNEL_OUT_OF_MEMORY (out then holds nothing meaningful). */
+ * 8. With act (kernels.h's moe_act) the activation and the biases: gate_up_bias[e] [2I] and down_bias[e] [H] after
+ * the products (NULL: none), the clamped SwiGLU with act->swiglu. Returns 0, or KERNEL_OUT_OF_MEMORY (out then
+ * holds nothing meaningful). */
 int moe_experts(const float *x, int64_t T, int64_t H, int64_t I, int64_t k, const int64_t *ids,
                 const float *route_weights, int64_t first, int64_t E, const weight *gate_up, const weight *down,
-                float *out, int nthreads) {
+                const moe_act *act, float *out, int nthreads) {
     const int64_t picks = T * k;
     int64_t *const offsets = calloc(2 * E + 1, sizeof(int64_t)), *const next = offsets + E + 1;
     int64_t *const slot = malloc(sizeof(int64_t) * (2 * picks + 1)), *const token = slot + picks;
@@ -180,7 +227,7 @@ int moe_experts(const float *x, int64_t T, int64_t H, int64_t I, int64_t k, cons
     float *const buffer = R ? malloc(sizeof(float) * (R * H + R * 2 * I + R * I + nthreads * per_thread)) : NULL;
     int status = buffer || !R ? 0 : KERNEL_OUT_OF_MEMORY;
     if (status == 0) {
-        float *const xs = buffer, *const hs = xs + R * H, *const act = hs + R * 2 * I, *const scratch = act + R * I;
+        float *const xs = buffer, *const hs = xs + R * H, *const acts = hs + R * 2 * I, *const scratch = acts + R * I;
         float *const ys = xs;   /* the down products' rows reuse the gathered rows' room */
         pool_enter();
         if (R) {
@@ -188,8 +235,12 @@ int moe_experts(const float *x, int64_t T, int64_t H, int64_t I, int64_t k, cons
             for_rows(gather_rows, &g, R, R * H, nthreads);   /* 2 */
             status = run_phase(xs, H, hs, 2 * I, gate_up, offsets, E, scratch, per_thread, nthreads);   /* 3 */
             if (status == 0) {
-                silu_and_mul(hs, R, I, act, nthreads);   /* 4 */
-                status = run_phase(act, I, ys, H, down, offsets, E, scratch, per_thread, nthreads);   /* 5 */
+                if (act && act->gate_up_bias) add_expert_bias(hs, R, 2 * I, act->gate_up_bias, offsets, E, nthreads);
+                if (act && act->swiglu) swiglu_clamped(hs, R, I, act->alpha, act->limit, acts, nthreads);   /* 4 */
+                else silu_and_mul(hs, R, I, acts, nthreads);
+                status = run_phase(acts, I, ys, H, down, offsets, E, scratch, per_thread, nthreads);   /* 5 */
+                if (status == 0 && act && act->down_bias)
+                    add_expert_bias(ys, R, H, act->down_bias, offsets, E, nthreads);
             }
         }
         if (status == 0) {
@@ -205,11 +256,28 @@ int moe_experts(const float *x, int64_t T, int64_t H, int64_t I, int64_t k, cons
 }
 
 /* Each row's top_k experts by softmax probability (ties: the lower number first) and their routing weights,
- * renormalised to sum 1 if asked: logits [T][E] in, ids and weights [T][k] out */
-static void route_rows(const float *logits, int64_t T, int64_t E, int64_t k, int renormalize, int64_t *ids,
-                       float *weights, float *probs) {
+ * renormalised to sum 1 if asked; with topk_softmax (gpt-oss) the top_k logits, then a softmax over those k: logits
+ * [T][E] in, ids and weights [T][k] out */
+static void route_rows(const float *logits, int64_t T, int64_t E, int64_t k, int renormalize, int topk_softmax,
+                       int64_t *ids, float *weights, float *probs) {
     for (int64_t t = 0; t < T; t++) {
         const float *l = logits + t * E;
+        if (topk_softmax) {
+            for (int64_t e = 0; e < E; e++) probs[e] = l[e];
+            for (int64_t j = 0; j < k; j++) {
+                int64_t best = -1;
+                for (int64_t e = 0; e < E; e++)
+                    if (probs[e] == probs[e] && probs[e] != -INFINITY && (best < 0 || probs[e] > probs[best])) best = e;
+                if (best < 0) best = j % E;   /* NaN logits (the output is NaN anyway) */
+                ids[t * k + j] = best;
+                weights[t * k + j] = probs[best];
+                probs[best] = -INFINITY;   /* taken */
+            }
+            float top = weights[t * k], sum = 0.f;   /* the first pick has the largest logit */
+            for (int64_t j = 0; j < k; j++) sum += weights[t * k + j] = expf(weights[t * k + j] - top);
+            for (int64_t j = 0; j < k; j++) weights[t * k + j] /= sum;
+            continue;
+        }
         float top = l[0], sum = 0.f;
         for (int64_t e = 1; e < E; e++) top = l[e] > top ? l[e] : top;
         for (int64_t e = 0; e < E; e++) sum += probs[e] = expf(l[e] - top);
@@ -252,11 +320,14 @@ int moe_mlp(const float *h, int64_t T, int64_t H, const moe_layer *m, float *y, 
     const weight router = {m->router, NULL, NULL, 32, 0, 0, 0, 0};   /* float32 rows */
     int status = weight_product(h, T, H, &router, logits, E, nthreads);
     if (status == 0) {
-        route_rows(logits, T, E, k, (int)m->renormalize, ids, weights, probs);
+        if (m->router_bias)
+            for (int64_t t = 0; t < T; t++)
+                for (int64_t e = 0; e < E; e++) logits[t * E + e] += m->router_bias[e];
+        route_rows(logits, T, E, k, (int)m->renormalize, (int)m->topk_softmax, ids, weights, probs);
         if (m->routed)
             for (int64_t i = 0; i < T * k; i++) m->routed[ids[i]]++;
-        status = moe_experts(h, T, H, m->inter, k, ids, weights, m->first, m->num_local, m->gate_up, m->down, y,
-                             nthreads);
+        status = moe_experts(h, T, H, m->inter, k, ids, weights, m->first, m->num_local, m->gate_up, m->down, &m->act,
+                             y, nthreads);
     }
     if (status == 0 && SI) {   /* the shared expert, scaled by its gate */
         float *const gate_up = weights + T * k, *const act = gate_up + T * 2 * SI, *const shared = act + T * SI;

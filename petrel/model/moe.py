@@ -1,4 +1,5 @@
-"""Mixture-of-experts decoders over a flat token batch: Mixtral, Qwen2-MoE and Qwen3-MoE.
+"""Mixture-of-experts decoders over a flat token batch: Mixtral, Qwen2-MoE and Qwen3-MoE (and gpt-oss's layers:
+petrel/model/gpt_oss.py).
 
 Each is petrel's Llama decoder (petrel/model/llama.py; Qwen2-MoE with bias on q, k, v, Qwen3-MoE with per-head q/k
 norms) whose sparse layers replace the MLP by a SparseMoeBlock, the one MoE layer all three use:
@@ -9,6 +10,9 @@ norms) whose sparse layers replace the MLP by a SparseMoeBlock, the one MoE laye
            gate/up product, SiLU-and-multiply and down product over its rows, and each result scaled by its routing
            weight and added back into its token's row (Experts);
   shared   Qwen2-MoE only: a dense MLP every token takes, scaled by sigmoid(shared_expert_gate(x)).
+gpt-oss's variant (ModelConfig's router_bias, routing, expert_bias, expert_activation): a bias on the router's
+logits, the top-k logits taken first and a softmax over those k, a bias after each expert's gate/up and down
+products, and the clamped SwiGLU in place of SiLU-and-multiply.
 Qwen2-MoE's dense layers (mlp_only_layers, decoder_sparse_step) keep Llama's MLP.
 
 Checkpoints: the published layout with one tensor per expert and projection (Mixtral's block_sparse_moe.experts.E.w1
@@ -42,20 +46,30 @@ from petrel.model.quantization import QuantizedLinear
 
 
 class Router(nn.Module):
-    """The router's weight [experts, hidden], float32 through model.to(dtype): routing (softmax and top-k, discrete
-    choices) is computed in float32 whatever the rest of the model holds."""
+    """The router's weight [experts, hidden] (and bias [experts], gpt-oss's), float32 through model.to(dtype): routing
+    (softmax and top-k, discrete choices) is computed in float32 whatever the rest of the model holds. routing:
+    "softmax_topk" (a softmax over every expert, then the top k) or "topk_softmax" (the top k logits, then a softmax
+    over those k: gpt-oss)."""
 
-    def __init__(self, num_experts: int, hidden_size: int):
+    def __init__(self, num_experts: int, hidden_size: int, bias: bool = False, routing: str = "softmax_topk"):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False) if bias else None
+        self.routing = routing
 
     def _apply(self, fn, recurse=True):
         self.weight = nn.Parameter(fn(self.weight.data).to(torch.float32), requires_grad=False)
+        if self.bias is not None:
+            self.bias = nn.Parameter(fn(self.bias.data).to(torch.float32), requires_grad=False)
         return self
 
     def route(self, x: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(expert ids [T, top_k] int64, routing weights [T, top_k] float32) of each row of x [T, hidden]."""
-        probs = torch.softmax(F.linear(x.float(), self.weight), dim=-1)
+        logits = F.linear(x.float(), self.weight, self.bias)
+        if self.routing == "topk_softmax":
+            top, ids = torch.topk(logits, top_k, dim=-1)
+            return ids, torch.softmax(top, dim=-1)
+        probs = torch.softmax(logits, dim=-1)
         weights, ids = torch.topk(probs, top_k, dim=-1)
         if renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -68,13 +82,28 @@ class Experts(nn.Module):
     experts, E / ranks of them, from `first`).
 
     After loading, the weights may be held per expert as QuantizedWeights (`held`, a list of [gate_up, down] pairs;
-    the dense parameters then go): a GGUF's quantized blocks, or what quantization.hold_f32_panels, hold_bf16 and
-    quantize_int8 make of each expert's matrices (hold_experts)."""
+    the dense parameters then go): a GGUF's quantized blocks, a checkpoint's MXFP4 blocks, or what
+    quantization.hold_f32_panels, hold_bf16 and quantize_int8 make of each expert's matrices (hold_experts).
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TensorParallel = SINGLE):
+    bias (gpt-oss): gate_up_bias [E, 2I] (this rank's columns, as gate_up_proj's rows) added after the gate/up
+    product, down_bias [E, H] after the down product (kept by one rank only where the ranks split I: their partial
+    sums are added up). activation: "silu" (silu(gate) * up) or "swiglu_clamped" (ModelConfig's)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        tp: TensorParallel = SINGLE,
+        bias: bool = False,
+        activation: str = "silu",
+        alpha: float = 1.702,
+        limit: float = 7.0,
+    ):
         super().__init__()
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.tp = tp
+        self.activation, self.alpha, self.limit = activation, alpha, limit
         if getattr(tp, "expert_parallel", False):
             self.first, last = partition(num_experts, tp.size, tp.rank)
             self.columns = (0, intermediate_size)
@@ -85,6 +114,10 @@ class Experts(nn.Module):
         inter = self.columns[1] - self.columns[0]
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_local, 2 * inter, hidden_size), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(self.num_local, hidden_size, inter), requires_grad=False)
+        self.gate_up_bias = self.down_bias = None
+        if bias:
+            self.gate_up_bias = nn.Parameter(torch.zeros(self.num_local, 2 * inter), requires_grad=False)
+            self.down_bias = nn.Parameter(torch.zeros(self.num_local, hidden_size), requires_grad=False)
         self.held: nn.ModuleList | None = None
         self._quantized: dict = {}  # (kind, local expert, part) -> QuantizedWeight, while loading
 
@@ -101,8 +134,9 @@ class Experts(nn.Module):
     # ---------------------------------------------------------------- loading
 
     def piece_keys(self, kind: str) -> list[str]:
-        """What a full load of parameter `kind` consists of: every expert's gate and up, or every expert's down."""
-        if kind == "gate_up_proj":
+        """What a full load of parameter `kind` consists of: every expert's gate and up (their matrices or biases), or
+        every expert's down."""
+        if kind in ("gate_up_proj", "gate_up_bias"):
             return [f"{e}.{p}" for e in range(self.num_experts) for p in (0, 1)]
         return [str(e) for e in range(self.num_experts)]
 
@@ -114,19 +148,25 @@ class Experts(nn.Module):
 
         expert, part = piece
         experts = range(self.num_experts) if expert is None else [expert]
-        parts = ([0, 1] if part is None else [part]) if kind == "gate_up_proj" else [None]
+        parts = ([0, 1] if part is None else [part]) if kind in ("gate_up_proj", "gate_up_bias") else [None]
         keys = [f"{e}.{p}" if p is not None else str(e) for e in experts for p in parts]
         inter, hidden = self.intermediate_size, self.hidden_size
-        rows = (inter * len(parts), hidden) if kind == "gate_up_proj" else (hidden, inter)
+        rows = {
+            "gate_up_proj": (inter * len(parts), hidden),
+            "down_proj": (hidden, inter),
+            "gate_up_bias": (inter * len(parts),),
+            "down_bias": (hidden,),
+        }[kind]
         expected = rows if expert is not None else (self.num_experts, *rows)
         if tuple(tensor.shape) != expected:
             raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
+        split = self.tp.size > 1 and not getattr(self.tp, "expert_parallel", False)
+        if isinstance(tensor, QuantizedWeight) and split:  # each rank keeps its columns of the dequantized matrix
+            tensor = tensor.dequantize()
         if isinstance(tensor, QuantizedWeight):  # one expert's matrix, kept as it is until every piece is in
             if expert is None:
                 raise ValueError(f"weight {name!r}: quantized experts load one expert at a time")
             if self.local(expert) is not None:
-                if self.tp.size > 1 and not getattr(self.tp, "expert_parallel", False):
-                    raise ValueError(f"weight {name!r}: quantized weights cannot be split over tensor-parallel ranks")
                 self._quantized[(kind, self.local(expert), part)] = tensor
             return keys
         stacked = tensor if expert is not None else None
@@ -149,9 +189,14 @@ class Experts(nn.Module):
         if kind == "down_proj":
             self.down_proj.data[local].copy_(matrix[:, c0:c1])
             return
+        if kind == "down_bias":  # added once: by the first rank where the ranks' partial sums are added up
+            split = self.tp.size > 1 and not getattr(self.tp, "expert_parallel", False)
+            self.down_bias.data[local].copy_(matrix if not split or self.tp.rank == 0 else torch.zeros_like(matrix))
+            return
+        target = self.gate_up_proj if kind == "gate_up_proj" else self.gate_up_bias
         width = c1 - c0
         for p, rows in zip([0, 1] if part is None else [part], matrix.split(inter) if part is None else [matrix]):
-            self.gate_up_proj.data[local, p * width : (p + 1) * width].copy_(rows[c0:c1])
+            target.data[local, p * width : (p + 1) * width].copy_(rows[c0:c1])
 
     def finish_loading(self) -> None:
         """After every tensor is in: quantized experts held as they came (each expert's gate and up fused), where
@@ -229,12 +274,25 @@ class Experts(nn.Module):
         return torch.zeros_like(x).index_add_(0, tokens, ys)
 
     def expert(self, local: int, x: torch.Tensor) -> torch.Tensor:
-        """One local expert over its rows: down(silu(gate(x)) * up(x)), in x's dtype."""
+        """One local expert over its rows: down(silu(gate(x)) * up(x)) (or the clamped SwiGLU, and the biases), in x's
+        dtype."""
         gate_up, down = self.expert_weights(local)
         h = gate_up.matmul(x) if not isinstance(gate_up, torch.Tensor) else x @ gate_up.t()
-        act = silu_and_mul(h.contiguous())
+        if self.gate_up_bias is not None:
+            h = h + self.gate_up_bias[local].to(h.dtype)
+        act = self.activate(h.contiguous())
         y = down.matmul(act) if not isinstance(down, torch.Tensor) else act.to(x.dtype) @ down.t()
+        if self.down_bias is not None:
+            y = y + self.down_bias[local].to(y.dtype)
         return y.to(x.dtype)
+
+    def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[rows, 2I] gate then up -> [rows, I]: silu(gate) * up, or the clamped SwiGLU (gpt-oss's)."""
+        if self.activation == "silu":
+            return silu_and_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
 class SparseMoeBlock(nn.Module):
@@ -245,8 +303,17 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.gate = Router(cfg.num_experts, cfg.hidden_size)
-        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, tp)
+        self.gate = Router(cfg.num_experts, cfg.hidden_size, cfg.router_bias, cfg.routing)
+        self.experts = Experts(
+            cfg.num_experts,
+            cfg.hidden_size,
+            cfg.moe_intermediate_size,
+            tp,
+            cfg.expert_bias,
+            cfg.expert_activation,
+            cfg.swiglu_alpha,
+            cfg.swiglu_limit,
+        )
         self.tp = tp
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = LlamaMLP(replace(cfg, intermediate_size=cfg.shared_expert_intermediate_size), tp)
@@ -278,16 +345,26 @@ class SparseMoeBlock(nn.Module):
             if hasattr(self, "shared_expert")
             else ()
         )
-        key = (moe_kernels.Described.key(self.experts), self.routed.data_ptr(), self.gate.weight.data_ptr(), shared)
+        biases = [b for b in (self.gate.bias, self.experts.gate_up_bias, self.experts.down_bias) if b is not None]
+        key = (
+            moe_kernels.enabled(),  # PETREL_MOE_KERNEL=0: the experts in torch, decode steps too
+            moe_kernels.Described.key(self.experts),
+            self.routed.data_ptr(),
+            self.gate.weight.data_ptr(),
+            shared,
+            tuple((b.data_ptr(), b.dtype) for b in biases),
+        )
         cached = self.__dict__.get("_kernel_parts")
         if cached is None or cached[0] != key:
             cached = self.__dict__["_kernel_parts"] = (key, self._build_kernel_parts(shared))
         return cached[1]
 
     def _build_kernel_parts(self, shared: tuple) -> dense_kernels.MoeParts | None:
-        experts, router = self.experts, self.gate.weight
+        experts, router, router_bias = self.experts, self.gate.weight, self.gate.bias
         if (
-            self.tp.size > 1
+            (router_bias is not None and not (router_bias.is_cpu and router_bias.dtype is torch.float32))
+            or (act := moe_kernels.activation(experts)) is None
+            or self.tp.size > 1
             or not (router.is_cpu and router.dtype is torch.float32 and router.is_contiguous())
             or not self.routed.is_cpu
             or experts.local_intermediate % 16
@@ -318,9 +395,13 @@ class SparseMoeBlock(nn.Module):
             experts.local_intermediate,
             *(shared_described or [dense_kernels.Weight()] * 3),
             inter,
+            None if router_bias is None else router_bias.data_ptr(),
+            int(self.gate.routing == "topk_softmax"),
+            act,
         )
         max_rows = min(described.max_rows, moe_kernels.max_rows(shared_weights) if shared else sys.maxsize)
-        return dense_kernels.MoeParts(layer, (described, router, self.routed, *shared_weights), max_rows)
+        keep = (described, router, router_bias, experts.gate_up_bias, experts.down_bias, self.routed, *shared_weights)
+        return dense_kernels.MoeParts(layer, keep, max_rows)
 
 
 class MoeDecoderLayer(LlamaDecoderLayer):

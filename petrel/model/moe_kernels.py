@@ -7,6 +7,7 @@ kernels here, PETREL_MOE_KERNEL=0); petrel/model/moe.py's torch loop then comput
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 
@@ -31,6 +32,21 @@ def max_rows(weights) -> int:
         return sys.maxsize
     quantized = any(isinstance(w, QuantizedWeight) for w in weights)
     return QUANT_GEMM_MAX_ROWS if quantized else GEMV_MAX_ROWS
+
+
+def activation(module) -> dense_kernels.MoeAct | None:
+    """The experts' biases and activation (an Experts module's) as moe.c takes them, or None where it cannot: biases
+    not contiguous CPU float32 (the MoeAct points into them: the module keeps them alive)."""
+    biases = [b for b in (module.gate_up_bias, module.down_bias) if b is not None]
+    if not all(b.is_cpu and b.dtype is torch.float32 and b.is_contiguous() for b in biases):
+        return None
+    return dense_kernels.MoeAct(
+        None if module.gate_up_bias is None else module.gate_up_bias.data_ptr(),
+        None if module.down_bias is None else module.down_bias.data_ptr(),
+        int(module.activation == "swiglu_clamped"),
+        module.alpha,
+        module.limit,
+    )
 
 
 class Described:
@@ -70,6 +86,7 @@ def experts(module, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -
     inter = module.local_intermediate
     if (
         not enabled()
+        or (act := activation(module)) is None
         or x.dtype is not torch.float32
         or not x.is_cpu
         or hidden % 16
@@ -101,6 +118,7 @@ def experts(module, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -
         module.num_local,
         described.gate_up,
         described.down,
+        ctypes.byref(act),
         out.data_ptr(),
         torch.get_num_threads(),
     ):

@@ -22,6 +22,8 @@
  *      already the exponent of 2 its weight needs (no multiply a score), and 2^x for x <= 0 is a clamp, a round
  *      and a degree-6 polynomial, masked keys (-inf) giving exactly 0 with no separate mask pass. Before this,
  *      the softmax (scale, max, exp, mask) took ~25% of the kernel's time at 8k-token prompts.
+ *   4. Sink logits (gpt-oss's; sinks NULL: none): each head's learned logit joins the softmax of its rows as one
+ *      more score with no value, added to the denominator at the end (sink_scale), once each row's max is known.
  * torch's CPU flash attention runs these head_dim-64 shapes at ~70 GFLOP/s on two cores; this at 2-2.3 times that. */
 #include <immintrin.h>
 #include <math.h>
@@ -33,6 +35,14 @@
 #include "prefill_attention.h"
 #include "simd.h"
 #include "thread_pool.h"
+
+/* See decode_attention.c's: what a row's running output is multiplied by, the sink logit s (base 2) joining */
+static inline float sink_scale(float m, float l, float s) {
+    const float top = m > s ? m : s;
+    if (top == -INFINITY) return 0.f;
+    const float keys = exp2f(m - top), sum = l * keys + exp2f(s - top);
+    return sum > 0.f ? keys / sum : 0.f;
+}
 
 /* keys and values lo .. p0+n-1 out of their blocks into the panels; the padding up to L as zeros */
 static void pack_part(void *args, int t, int T) {
@@ -158,6 +168,7 @@ static void prefill_part(void *args, int part, int parts) {
                 rg->q[r] = rg->qs[r];
                 rg->out[r] = a->out + (i * a->H + h) * D;
                 rg->pos[r] = a->p0 + i;
+                rg->sink[r] = a->sinks ? a->sinks[h] * 1.44269504088896341f : -INFINITY;
                 rg->m[r] = -INFINITY;
                 rg->l[r] = 0.f;
                 memset(rg->o[r], 0, sizeof(float) * D);
@@ -179,7 +190,7 @@ static void prefill_part(void *args, int part, int parts) {
         }
         for (int gi = 0; gi < ng; gi++)
             for (int r = 0; r < groups[gi].nr; r++) {
-                const float inv = groups[gi].l[r] > 0.f ? 1.f / groups[gi].l[r] : 0.f;
+                const float inv = sink_scale(groups[gi].m[r], groups[gi].l[r], groups[gi].sink[r]);
                 for (int64_t d = 0; d < D; d++) groups[gi].out[r][d] = groups[gi].o[r][d] * inv;
             }
     }
@@ -204,15 +215,16 @@ int64_t prefill_attention_workspace(int64_t n, int64_t p0, int64_t window, int64
  * queries and weights rounded to bfloat16, where the caller has checked the CPU has AVX512_BF16) holding positions
  * 0 .. p0+n-1 (this chunk's too)
  * through `table`; D a multiple of 16
- * up to MAX_D; window 0 for none; workspace of prefill_attention_workspace(n, p0, window, KVH, D) floats;
+ * up to MAX_D; window 0 for none; sinks [H] (or NULL): each head's sink logit (4. above); workspace of
+ * prefill_attention_workspace(n, p0, window, KVH, D) floats;
  * avx512: the inner step of prefill_attention_avx512.c (only where native.cpu_has_avx512 says so), else AVX2's */
 void paged_prefill_attention(const float *q, int64_t q_stride, const void *key_cache, const void *value_cache,
                              int kv_bf16, const int64_t *table, int64_t n, int64_t p0, int64_t H, int64_t KVH,
-                             int64_t D, int64_t bs, int64_t window, float scale, float *out, float *workspace,
-                             int avx512, int nthreads) {
+                             int64_t D, int64_t bs, int64_t window, float scale, const float *sinks, float *out,
+                             float *workspace, int avx512, int nthreads) {
     const int64_t lo = first_key(p0, window), L = packed_keys(n, p0, window);
     prefill_args a = {q, q_stride, key_cache, value_cache, kv_bf16, table, n, p0, H, KVH, D, bs, window, lo, L, scale,
-                      out, workspace, workspace + KVH * D * L, (n * (H / KVH) + ROWS * GROUPS - 1) / (ROWS * GROUPS), 0,
+                      sinks, out, workspace, workspace + KVH * D * L, (n * (H / KVH) + ROWS * GROUPS - 1) / (ROWS * GROUPS), 0,
                       kv_bf16 == 2 ? attend_keys_pairs : avx512 ? attend_keys_avx512 : attend_keys_avx2};
     parallel_run(pack_part, &a, nthreads);
     parallel_run(prefill_part, &a, nthreads);

@@ -18,6 +18,7 @@ typedef struct {
     float *out[ROWS];
     int64_t pos[ROWS];
     float m[ROWS], l[ROWS];
+    float sink[ROWS];                         /* the rows' heads' sink logits times log2(e) (-inf: none) */
     int nr;                                   /* rows of the chunk in the group (the rest repeat its last row) */
 } row_group;
 
@@ -29,7 +30,8 @@ typedef void (*attend_fn)(const prefill_args *a, row_group *rg, int64_t kb, int6
 struct prefill_args {
     const float *q; int64_t q_stride; const void *key_cache, *value_cache; int kv_bf16; const int64_t *table;
     int64_t n, p0, H, KVH, D, bs, window, lo, L;     /* keys lo .. lo+L-1 packed (L a multiple of 16) */
-    float scale; float *out, *kt, *v;                /* kt [KVH][L/16][D][16], v [KVH][L][D] */
+    float scale; const float *sinks;                 /* sinks [H] or NULL: each head's sink logit */
+    float *out, *kt, *v;                             /* kt [KVH][L/16][D][16], v [KVH][L][D] */
     int64_t tiles_per_head, next;
     attend_fn attend;
 };

@@ -4,7 +4,11 @@
  *   4-bit: codes[n][k/32][16] bytes; element i of a 32-group in the low nibble of byte i, element 16 + i in the
  *          high nibble (GGUF's Q4_0/Q4_1 order); groups of 32.
  *   8-bit: codes[n][k] signed bytes; group of k = k >> gshift (4: groups of 16, 5: of 32, >= 62: a whole row).
- *   mins may be NULL (8-bit only): w = scale * code.
+ *   mins may be NULL: 8-bit codes then are w = scale * code; 4-bit codes without mins are MXFP4 (OCP's microscaling
+ *          format: gpt-oss's experts): each nibble an E2M1 value (sign, 2 exponent bits, 1 mantissa bit: 0, 0.5, 1,
+ *          1.5, 2, 3, 4, 6 and their negatives), the group's scale an E8M0 byte e (2^(e - 127)), `scale` pointing at
+ *          those bytes [n][k/32]. Twice each E2M1 value is a small integer (FP4_DOUBLED), so the codes widen to
+ *          integers as the affine ones do, times 2^(e - 128) (fp4_scale).
  * Few rows of x (quant_gemv): the activations are first rounded to int16 per block of 32 (x ~ d q, d = max|x| /
  * 32767: a relative error near 2^-16 of the block's largest value, far below the weights' own rounding), then each
  * product is integer multiply-adds of codes by codes and one float multiply-add per block by the two scales; the
@@ -20,6 +24,21 @@
 #include "simd.h"
 #include "thread_pool.h"
 
+/* Twice the E2M1 value of each nibble (integers: the products' codes), and an E8M0 byte's scale over 2 (the doubling
+ * undone): 2^(e - 128), built from its bits (e < 2: the subnormals 2^-128, 2^-127) */
+static const int8_t FP4_DOUBLED[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+static inline float fp4_scale(uint8_t e) {
+    union { uint32_t u; float f; } v = {e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23};
+    return v.f;
+}
+
+/* the doubled E2M1 values of 32 nibbles (lo, hi: codes 0..15 in bytes), as signed bytes */
+static inline __m256i fp4_values(__m256i nibbles) {
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)FP4_DOUBLED));
+    return _mm256_shuffle_epi8(table, nibbles);
+}
+
 /* groups per weight row: 4-bit codes have one per 32; 8-bit codes one per 2^gshift, or one a row (gshift >= 62) */
 static inline int64_t num_groups(int bits, int64_t K, int gshift) {
     return bits == 4 ? K / 32 : (gshift >= 62 ? 1 : K >> gshift);
@@ -30,6 +49,25 @@ static inline int64_t num_groups(int bits, int64_t K, int gshift) {
 static inline __m256 pair_scales(const float *s) {
     return _mm256_permutevar8x32_ps(_mm256_castpd_ps(_mm256_castpd128_pd256(_mm_load_sd((const double *)s))),
                                     _mm256_setr_epi32(0, 0, 1, 1, 0, 0, 1, 1));
+}
+
+/* pair_scales of two MXFP4 groups' E8M0 bytes */
+static inline __m256 fp4_pair_scales(const uint8_t *e) {
+    const float s0 = fp4_scale(e[0]), s1 = fp4_scale(e[1]);
+    return _mm256_setr_ps(s0, s0, s1, s1, s0, s0, s1, s1);
+}
+
+/* the 32 weights of an MXFP4 group (its 16 bytes and its scale's byte), as four vectors of eight floats */
+static inline void fp4_group(const uint8_t *codes, uint8_t e, __m256 w[4]) {
+    const __m128i mask = _mm_set1_epi8(0x0F), b = _mm_loadu_si128((const __m128i *)codes);
+    const __m128i table = _mm_loadu_si128((const __m128i *)FP4_DOUBLED);
+    const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(b, mask));
+    const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(b, 4), mask));
+    const __m256 d = _mm256_set1_ps(fp4_scale(e));
+    w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), d);
+    w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), d);
+    w[2] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), d);
+    w[3] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), d);
 }
 
 /* the 32 weights of 4-bit group g of a row, as four vectors of eight floats */
@@ -104,9 +142,10 @@ static inline __m256i dot32(__m256i w0, __m256i w1, const int16_t *x) {
                             _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(x + 16))));
 }
 
-/* 4-bit weights: y[m][n] for MR activation rows and output rows n0..n1, two code groups (64 weights) a step */
-#define Q4_ROWS(MR) \
-static void q4_rows_##MR(const activations *a, int64_t K, const uint8_t *codes, const float *scale, const float *mins, \
+/* 4-bit weights: y[m][n] for MR activation rows and output rows n0..n1, two code groups (64 weights) a step; FP 1:
+ * MXFP4 codes (their doubled E2M1 values, sign-extended; scale: E8M0 bytes) */
+#define Q4_ROWS(MR, FP, NAME) \
+static void NAME##_##MR(const activations *a, int64_t K, const uint8_t *codes, const float *scale, const float *mins, \
                          float *y, int64_t N, int64_t n0, int64_t n1) { \
     const int64_t B = K / 32; \
     const __m256i nibble = _mm256_set1_epi8(0x0F); \
@@ -114,16 +153,22 @@ static void q4_rows_##MR(const activations *a, int64_t K, const uint8_t *codes, 
         __m256 acc[MR]; \
         for (int m = 0; m < MR; m++) acc[m] = _mm256_setzero_ps(); \
         const uint8_t *c = codes + n * B * 16; \
-        const float *s = scale + n * B; \
+        const float *s = FP ? NULL : scale + n * B; \
+        const uint8_t *fs = FP ? (const uint8_t *)scale + n * B : NULL; \
         int64_t b = 0; \
         for (; b + 2 <= B; b += 2) {    /* bytes: group b's 16 then group b+1's; low nibbles first halves */ \
             const __m256i raw = _mm256_loadu_si256((const __m256i *)(c + 16 * b)); \
-            const __m256i lo = _mm256_and_si256(raw, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble); \
-            const __m256i b0 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(lo)), \
-                          b1 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(hi)), \
-                          c0 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(lo, 1)), \
-                          c1 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(hi, 1)); \
-            const __m256 sv = pair_scales(s + b); \
+            __m256i lo = _mm256_and_si256(raw, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble); \
+            if (FP) { lo = fp4_values(lo); hi = fp4_values(hi); } \
+            const __m256i b0 = FP ? _mm256_cvtepi8_epi16(_mm256_castsi256_si128(lo)) \
+                                  : _mm256_cvtepu8_epi16(_mm256_castsi256_si128(lo)), \
+                          b1 = FP ? _mm256_cvtepi8_epi16(_mm256_castsi256_si128(hi)) \
+                                  : _mm256_cvtepu8_epi16(_mm256_castsi256_si128(hi)), \
+                          c0 = FP ? _mm256_cvtepi8_epi16(_mm256_extracti128_si256(lo, 1)) \
+                                  : _mm256_cvtepu8_epi16(_mm256_extracti128_si256(lo, 1)), \
+                          c1 = FP ? _mm256_cvtepi8_epi16(_mm256_extracti128_si256(hi, 1)) \
+                                  : _mm256_cvtepu8_epi16(_mm256_extracti128_si256(hi, 1)); \
+            const __m256 sv = FP ? fp4_pair_scales(fs + b) : pair_scales(s + b); \
             for (int m = 0; m < MR; m++) { \
                 const int16_t *xb = a->q + m * K + 32 * b; \
                 const __m256i sums = _mm256_hadd_epi32(dot32(b0, b1, xb), dot32(c0, c1, xb + 32)); \
@@ -133,11 +178,15 @@ static void q4_rows_##MR(const activations *a, int64_t K, const uint8_t *codes, 
         } \
         if (b < B) {                       /* an odd last group */ \
             const __m128i raw = _mm_loadu_si128((const __m128i *)(c + 16 * b)), m4 = _mm_set1_epi8(0x0F); \
-            const __m256i w0 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, m4)), \
-                          w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), m4)); \
+            __m128i l4 = _mm_and_si128(raw, m4), h4 = _mm_and_si128(_mm_srli_epi16(raw, 4), m4); \
+            const __m128i table = _mm_loadu_si128((const __m128i *)FP4_DOUBLED); \
+            if (FP) { l4 = _mm_shuffle_epi8(table, l4); h4 = _mm_shuffle_epi8(table, h4); } \
+            const __m256i w0 = FP ? _mm256_cvtepi8_epi16(l4) : _mm256_cvtepu8_epi16(l4), \
+                          w1 = FP ? _mm256_cvtepi8_epi16(h4) : _mm256_cvtepu8_epi16(h4); \
+            const float sb = FP ? fp4_scale(fs[b]) : s[b]; \
             for (int m = 0; m < MR; m++) \
                 acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(w0, w1, a->q + m * K + 32 * b)), \
-                                         _mm256_set1_ps(s[b] * a->d[m * B + b]), acc[m]); \
+                                         _mm256_set1_ps(sb * a->d[m * B + b]), acc[m]); \
         } \
         for (int m = 0; m < MR; m++) \
             y[m * N + n] = hsum(acc[m]) + (mins ? dot_f32(mins + n * B, a->sums + m * B, B) : 0.f); \
@@ -179,12 +228,18 @@ static void q8_rows_##MR(const activations *a, int64_t K, const int8_t *codes, c
                          + (mins ? dot_f32(mins + n * G, a->sums + m * G, G) : 0.f); \
     } \
 }
-Q4_ROWS(1) Q4_ROWS(2) Q4_ROWS(3) Q4_ROWS(4)
+Q4_ROWS(1, 0, q4_rows) Q4_ROWS(2, 0, q4_rows) Q4_ROWS(3, 0, q4_rows) Q4_ROWS(4, 0, q4_rows)
+Q4_ROWS(1, 1, fp4_rows) Q4_ROWS(2, 1, fp4_rows) Q4_ROWS(3, 1, fp4_rows) Q4_ROWS(4, 1, fp4_rows)
 Q8_ROWS(1) Q8_ROWS(2) Q8_ROWS(3) Q8_ROWS(4)
 
 static void rows(int bits, int64_t r, const activations *a, int64_t K, const void *codes, const float *scale,
                  const float *mins, int gshift, float *y, int64_t N, int64_t n0, int64_t n1) {
-    if (bits == 4) {
+    if (bits == 4 && !mins) {   /* MXFP4 */
+        if (r == 4) fp4_rows_4(a, K, codes, scale, mins, y, N, n0, n1);
+        else if (r == 3) fp4_rows_3(a, K, codes, scale, mins, y, N, n0, n1);
+        else if (r == 2) fp4_rows_2(a, K, codes, scale, mins, y, N, n0, n1);
+        else fp4_rows_1(a, K, codes, scale, mins, y, N, n0, n1);
+    } else if (bits == 4) {
         if (r == 4) q4_rows_4(a, K, codes, scale, mins, y, N, n0, n1);
         else if (r == 3) q4_rows_3(a, K, codes, scale, mins, y, N, n0, n1);
         else if (r == 2) q4_rows_2(a, K, codes, scale, mins, y, N, n0, n1);
@@ -253,7 +308,9 @@ static void dequant_rows(int bits, int64_t K, const void *codes, const float *sc
         __m256 w[4];
         const float *s = scale + n * G, *mn = mins ? mins + n * G : 0;
         for (int64_t k = 0; k < K; k += 32) {
-            if (bits == 4) q4_group((const uint8_t *)codes + (n * G + k / 32) * 16, s[k / 32], mn[k / 32], w);
+            const int64_t g = n * G + k / 32;   /* the group, of 4-bit codes */
+            if (bits == 4 && !mins) fp4_group((const uint8_t *)codes + g * 16, ((const uint8_t *)scale)[g], w);
+            else if (bits == 4) q4_group((const uint8_t *)codes + (n * G + k / 32) * 16, s[k / 32], mn[k / 32], w);
             else q8_chunk((const int8_t *)codes + n * K, s, mn, k, gshift, w);
             for (int j = 0; j < 4; j++) _mm256_storeu_ps(out + (n - n0) * K + k + 8 * j, w[j]);
         }

@@ -4,7 +4,10 @@ EngineConfig.quantization picks how a model's projections, LM head and embedding
   none  the checkpoint dequantized to the engine dtype (the reference path).
   int8  every projection quantized after loading, int8 per output row, symmetric (any checkpoint).
   gguf  a GGUF's own blocks kept (Q4_0, Q4_1, Q4_K as 4-bit codes with a scale and a min per 32; Q8_0, Q5_0,
-        Q5_1, Q5_K as 8-bit codes per 32; Q6_K as 8-bit codes per 16); other GGUF types load dequantized.
+        Q5_1, Q5_K as 8-bit codes per 32; Q6_K as 8-bit codes per 16; MXFP4 as it is); other GGUF types load
+        dequantized.
+MXFP4 (OCP microscaling, gpt-oss's experts: E2M1 4-bit values with an E8M0 scale per 32) stays MXFP4 whatever the
+option, from a GGUF or a checkpoint's *_blocks / *_scales: QuantizedWeight.mxfp4.
   bf16  every projection, the LM head and the embedding held as bfloat16 (rounded to nearest even), activations
         float32; what dtype='bfloat16' means on the CPU (EngineConfig, which then keeps a bfloat16 KV cache too:
         kv_cache_dtype). Where the CPU has AVX512_BF16, x is rounded to bfloat16 too and the products run dpbf16,
@@ -46,12 +49,23 @@ TILE_ELEMENTS = 1 << 18  # beyond, tiles of this many weights (1 MB of float32: 
 # busy machine: 1.3-2x the float tiles from 8 rows, about 1.5x float32 weights from 64; benchmarks/int8_gemm.py)
 INT8_MIN_ROWS = GEMV_MAX_ROWS + 1
 INTEGER_GROUP_SHIFTS = (4, 5)  # groups that multiply in integers (group_gemm.c): GGUF's 16 and 32
+# twice each E2M1 value (MXFP4's nibbles: sign, two exponent bits, one mantissa bit): integers, as quant_kernels.c
+# multiplies them (FP4_DOUBLED), the doubling undone by the scale 2^(e - 128) of an E8M0 byte e
+FP4_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
+def e8m0_halves(exponents: torch.Tensor) -> torch.Tensor:
+    """2^(e - 128) of E8M0 bytes e (uint8), float32, exact (e < 2: subnormals), as quant_kernels.c's fp4_scale."""
+    e = exponents.to(torch.int32)
+    bits = torch.where(e < 2, torch.tensor(0x00200000, dtype=torch.int32) << e, (e - 1) << 23)
+    return bits.view(torch.float32)
 
 
 class QuantizedWeight(nn.Module):
     """A [out, in] weight as codes with float32 scale (and min) per group: w = scale * code + min.
 
-    bits 4: codes [out, in/32, 16] uint8 (two codes a byte, see quant_kernels.c), groups of 32.
+    bits 4: codes [out, in/32, 16] uint8 (two codes a byte, see quant_kernels.c), groups of 32; without mins,
+    MXFP4: each code an E2M1 value, scale [out, in/32] the E8M0 bytes, w = e2m1 * 2^(e - 127) (mxfp4).
     bits 8: codes [out, in] int8, groups of 2**group_shift (group_shift ROW_GROUP: one group per row).
     bits 16: codes [out, in] bfloat16, the weights themselves (no scale or min: w = code); with `panels`, packed
     instead as pack_panels lays them out for panels.c's bf16_panels_product.
@@ -121,6 +135,20 @@ class QuantizedWeight(nn.Module):
         )
 
     @classmethod
+    def mxfp4(cls, codes: torch.Tensor, exponents: torch.Tensor) -> QuantizedWeight:
+        """MXFP4 kept as it is: codes [out, in/32, 16] uint8 (element i of a block in the low nibble of byte i, 16 + i
+        in the high one: GGUF's MXFP4 order), exponents [out, in/32] uint8 (E8M0: the block's scale 2^(e - 127))."""
+        rows, blocks = exponents.shape
+        if tuple(codes.shape) != (rows, blocks, 16) or codes.dtype != torch.uint8 or exponents.dtype != torch.uint8:
+            raise ValueError(f"MXFP4 codes {tuple(codes.shape)} and exponents {tuple(exponents.shape)} do not match")
+        return cls(codes.contiguous(), exponents.contiguous(), None, 4, 5, (rows, blocks * 32), "MXFP4")
+
+    @property
+    def fp4(self) -> bool:
+        """MXFP4 codes (4-bit codes without mins, as quant_kernels.c tells them)."""
+        return self.bits == 4 and self.mins is None
+
+    @classmethod
     def int8_per_channel(cls, weight: torch.Tensor) -> QuantizedWeight:
         """Symmetric int8 with one scale per output row (absmax / 127)."""
         w = weight.detach().float()
@@ -153,6 +181,11 @@ class QuantizedWeight(nn.Module):
         """The same weights as 8-bit codes in groups of 2**group_shift (a divisor of this one's group): exact."""
         rows, cols = self.shape
         codes = self.codes
+        if self.fp4:  # twice the E2M1 values, times half the scales: exact
+            nibbles = torch.cat([codes & 0x0F, codes >> 4], dim=-1).reshape(rows, cols).long()
+            doubled = torch.tensor(FP4_DOUBLED, dtype=torch.int8)[nibbles]
+            scale = e8m0_halves(self.scale).repeat_interleave(32 >> group_shift, dim=1)
+            return QuantizedWeight(doubled, scale, torch.zeros_like(scale), 8, group_shift, self.shape, self.kind)
         if self.bits == 4:
             codes = torch.cat([codes & 0x0F, codes >> 4], dim=-1).reshape(rows, cols).to(torch.int8)
         repeat = self.group_size >> group_shift
@@ -201,6 +234,10 @@ class QuantizedWeight(nn.Module):
             return (panel_rows(self.codes, self.shape, rows) if self.panels else self.codes[sel]).float()
         codes, scale = self.codes[sel], self.scale[sel]
         n = codes.shape[0]
+        if self.fp4:
+            nibbles = torch.cat([codes & 0x0F, codes >> 4], dim=-1).long()  # [n, groups, 32]
+            doubled = torch.tensor(FP4_DOUBLED, dtype=torch.float32)[nibbles]
+            return (doubled * e8m0_halves(scale).unsqueeze(-1)).view(n, self.shape[1])
         if self.bits == 4:
             q = torch.cat([codes & 0x0F, codes >> 4], dim=-1).float()  # [n, groups, 32]
         else:
@@ -216,7 +253,7 @@ class QuantizedWeight(nn.Module):
         (quantization='int8', int8_gemm.c) and GGUF's groups (group_gemm.c) from INT8_MIN_ROWS, unless
         PETREL_INT8_COMPUTE=0."""
         per_row_int8 = self.bits == 8 and self.group_shift >= ROW_GROUP and self.mins is None
-        grouped = self.group_shift in INTEGER_GROUP_SHIFTS
+        grouped = self.group_shift in INTEGER_GROUP_SHIFTS and not self.fp4  # MXFP4: the float products
         return INT8_MIN_ROWS if (per_row_int8 or grouped) and quant_kernels.int8_compute() else 0
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:

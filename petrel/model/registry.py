@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from petrel.model.gemma3 import Gemma3ForCausalLM
+from petrel.model.gpt_oss import GptOssForCausalLM
 from petrel.model.idefics3 import Idefics3ForConditionalGeneration
 from petrel.model.llama import LlamaForCausalLM
 from petrel.model.moe import MoeForCausalLM
@@ -19,6 +20,8 @@ MODEL_CLASSES = {
     "MixtralForCausalLM": MoeForCausalLM,
     "Qwen2MoeForCausalLM": MoeForCausalLM,  # + qkv bias, a gated shared expert, dense layers
     "Qwen3MoeForCausalLM": MoeForCausalLM,  # + per-head q/k norm
+    # + sink logits, alternating windows, a router bias, biased experts, the clamped SwiGLU (petrel/model/gpt_oss.py)
+    "GptOssForCausalLM": GptOssForCausalLM,
     # vision-language: SigLIP tower + pixel-shuffle connector before a Llama text model (petrel/model/idefics3.py)
     "Idefics3ForConditionalGeneration": Idefics3ForConditionalGeneration,
     "SmolVLMForConditionalGeneration": Idefics3ForConditionalGeneration,

@@ -1,5 +1,7 @@
 """POST /v1/chat/completions: messages -> chat template -> SamplingParams -> a response or SSE chunks,
-with tool calls parsed out of the model's text (tool_parser) in both."""
+with tool calls parsed out of the model's text (tool_parser) in both. A harmony model's output (gpt-oss:
+petrel/serve/harmony.py) is split by its channels instead: analysis as reasoning_content, final as content,
+commentary addressed to a function as its tool call."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from petrel.serve import disagg
+from petrel.serve import disagg, harmony
 from petrel.serve.chat_template import conversation_chars, messages_for_template
 from petrel.serve.completions import api_finish_reason
 from petrel.serve.errors import APIError, from_value_error
@@ -54,6 +56,8 @@ class ToolPlan:
     legacy: bool = False  # the request gave `functions`: answer with function_call
     reasoning: bool = False  # split <think>...</think> out as reasoning_content
     in_reasoning: bool = False  # the prompt opened the think block
+    harmony: bool = False  # the harmony format: channels split by harmony.HarmonyParser (reasoning and calls too)
+    end_tokens: tuple[str, ...] = ()  # harmony: the model's end-of-sequence tokens' text (they end a message)
 
 
 def plan_tools(req: ChatCompletionRequest) -> ToolPlan:
@@ -121,6 +125,16 @@ async def create_chat_completion(state: ServeState, req: ChatCompletionRequest, 
     plan = plan_tools(req)
     plan.legacy = legacy
     plan.reasoning = uses_think_tags(state.template.source) and not plan.prefill
+    plan.harmony = state.template.harmony
+    if plan.harmony:
+        plan.reasoning = False
+        if plan.prefill:
+            raise APIError(
+                "tool_choice 'required' or naming a function is not supported with the harmony format (gpt-oss): "
+                "use 'auto' or 'none'",
+                400,
+                param="tool_choice",
+            )
     if plan.guided is not None:
         if guided is not None:
             raise APIError(
@@ -140,13 +154,16 @@ async def create_chat_completion(state: ServeState, req: ChatCompletionRequest, 
     check_prompt_chars(conversation_chars(messages, tools), state.limits, "messages")
     processor = getattr(state.llm.engine, "mm_processor", None)
     images, videos = await load_media(state, req.messages, processor)
+    template_kwargs = req.chat_template_kwargs
+    if req.reasoning_effort is not None and "reasoning_effort" not in (template_kwargs or {}):
+        template_kwargs = {**(template_kwargs or {}), "reasoning_effort": req.reasoning_effort}  # gpt-oss reads it
     prompt_text, ids = await state.run_blocking(
         template.prompt,
         messages,
         tools,
         req.add_generation_prompt,
         req.continue_final_message,
-        req.chat_template_kwargs,
+        template_kwargs,
         plan.prefill,
     )
     multi_modal = None
@@ -176,6 +193,12 @@ async def create_chat_completion(state: ServeState, req: ChatCompletionRequest, 
         renames={"max_tokens": param, "logprobs": "top_logprobs"},
         guided_decoding=guided.params if guided else None,
     )
+    if plan.harmony:  # the channels' control tokens stay in the text; the answer and a tool call end the output
+        params.skip_special_tokens = False
+        stops = [state.llm.tokenizer.convert_tokens_to_ids(t) for t in harmony.STOP_TOKENS]
+        params.stop_token_ids = list(dict.fromkeys([*(params.stop_token_ids or []), *stops]))
+        eos = state.llm.engine.eos_token_ids
+        plan.end_tokens = tuple(state.llm.tokenizer.convert_ids_to_tokens(list(eos))) if eos else ()
     await compile_guided(state, guided)
     state.check_capacity(req.n)
     prompt = ids if multi_modal is None else {"prompt_token_ids": ids, "multi_modal_inputs": multi_modal}
@@ -199,7 +222,10 @@ async def create_chat_completion(state: ServeState, req: ChatCompletionRequest, 
         reasoning, text = split_reasoning(co.text, plan.in_reasoning) if plan.reasoning else (None, co.text)
         message = ResponseMessage(content=text)
         finish = api_finish_reason(co.finish_reason)
-        if plan.parse:
+        if plan.harmony:
+            message, finish = _harmony_message(plan, co.text, finish)
+            reasoning = message.reasoning_content
+        elif plan.parse:
             parsed = parse_all(text, prefix=plan.prefill)
             calls = parsed.calls[:1] if plan.single else parsed.calls
             if calls and plan.legacy:
@@ -239,6 +265,21 @@ async def create_chat_completion(state: ServeState, req: ChatCompletionRequest, 
     return JSONResponse(body.model_dump(mode="json"))
 
 
+def _harmony_message(plan: ToolPlan, text: str, finish: str | None) -> tuple[ResponseMessage, str | None]:
+    """A harmony output's message (reasoning, content, the calls when the request gave tools) and finish reason."""
+    parsed = harmony.split_output(text, plan.end_tokens)
+    calls = (parsed.calls[:1] if plan.single else parsed.calls) if plan.parse else []
+    message = ResponseMessage(content=parsed.content or (None if calls else ""))
+    if calls and plan.legacy:
+        message.function_call = FunctionCall(name=calls[0].name, arguments=calls[0].arguments)
+        finish = "function_call"
+    elif calls:
+        message.tool_calls = _call_objects(calls, "call")
+        finish = "tool_calls"
+    message.reasoning_content = parsed.reasoning or None
+    return message, finish
+
+
 def _finish(plan: ToolPlan, num_calls: int, reason: str | None) -> str | None:
     if num_calls:
         return "function_call" if plan.legacy else "tool_calls"
@@ -263,6 +304,7 @@ async def _stream(state: ServeState, req: ChatCompletionRequest, plan: ToolPlan,
     k = (req.top_logprobs or 0) if req.logprobs else None
     parsers = {}
     thinkers = {i: ReasoningParser(plan.in_reasoning) for i in range(req.n)} if plan.reasoning else {}
+    channels = {i: harmony.HarmonyParser(plan.end_tokens) for i in range(req.n)} if plan.harmony else {}
     num_calls = {i: 0 for i in range(req.n)}
 
     def chunk(choice: ChatStreamChoice) -> str:
@@ -286,7 +328,7 @@ async def _stream(state: ServeState, req: ChatCompletionRequest, plan: ToolPlan,
 
     for i in range(req.n):
         yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
-        if plan.parse:
+        if plan.parse and not plan.harmony:
             parsers[i] = ToolCallParser(incremental=True)
             parsers[i].feed(plan.prefill)  # the prefill opens a call block: it yields nothing by itself
     try:
@@ -294,13 +336,22 @@ async def _stream(state: ServeState, req: ChatCompletionRequest, plan: ToolPlan,
             i = c.index
             done = c.finish_reason is not None
             text, messages = c.text, []
+            if plan.harmony:
+                split = channels[i].feed(text)
+                if done:
+                    split += channels[i].finish()
+                messages = [DeltaMessage(reasoning_content=split.reasoning)] if split.reasoning else []
+                messages += deltas(i, split.content, split.fragments if plan.parse else [])
+                text = ""
             if plan.reasoning:
                 reasoning, text = thinkers[i].feed(text)
                 if done:
                     more = thinkers[i].finish()
                     reasoning, text = reasoning + more[0], text + more[1]
                 messages = [DeltaMessage(reasoning_content=reasoning)] if reasoning else []
-            if plan.parse:
+            if plan.harmony:
+                pass
+            elif plan.parse:
                 parsed = parsers[i].feed(text)
                 if done:
                     parsed += parsers[i].finish()

@@ -4,6 +4,9 @@ The template runs in jinja2's ImmutableSandboxedEnvironment: no attribute access
 mutation of the objects passed in. It sees `messages`, `tools`, `add_generation_prompt`, `bos_token`,
 `eos_token`, `raise_exception`, `strftime_now` and the request's chat_template_kwargs.
 
+A model whose tokenizer speaks harmony (gpt-oss: petrel/serve/harmony.py) is rendered by petrel's harmony renderer
+instead of its Jinja template (unless --chat-template overrides it), with the request's reasoning_effort.
+
 Tools with a template that does not mention `tools` (SmolLM2's does not): the tool list goes into the
 system message as DEFAULT_TOOL_PROMPT describes, assistant tool calls are written back as Hermes-style
 <tool_call> blocks and tool results keep the `tool` role, so the model sees the same format it is asked
@@ -22,6 +25,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from petrel.model.tokenizer import special_token_text
 from petrel.multimodal.prompts import TEXT_ONLY
+from petrel.serve import harmony
 from petrel.serve.errors import APIError
 
 # a description of the format, not an example: a small model copies an example's values (a placeholder such as
@@ -78,12 +82,13 @@ class ChatTemplate:
         self.tokenizer = tokenizer
         self.bos_token = getattr(tokenizer, "bos_token", None) or ""
         self.eos_token = getattr(tokenizer, "eos_token", None) or ""
+        self.harmony = override is None and harmony.is_harmony(tokenizer)  # gpt-oss: render_conversation
         if source is not None:
             _compile(source)  # a broken override fails at start-up, not on the first request
 
     @property
     def supports_tools(self) -> bool:
-        return self.source is not None and "tools" in self.source
+        return self.harmony or (self.source is not None and "tools" in self.source)
 
     def render(
         self,
@@ -93,6 +98,8 @@ class ChatTemplate:
         continue_final_message: bool = False,
         kwargs: dict | None = None,
     ) -> str:
+        if self.harmony:
+            return self._render_harmony(messages, tools, add_generation_prompt, continue_final_message, kwargs or {})
         if self.source is None:
             raise APIError(
                 "this model has no chat template: start the server with --chat-template", 400, param="messages"
@@ -178,6 +185,22 @@ class ChatTemplate:
             return self.special_text.restore(text, escapes), self.special_text.encode(text, escapes)
         except ValueError as exc:
             raise APIError(str(exc), 400, param="messages") from None
+
+    def _render_harmony(self, messages, tools, add_generation_prompt, continue_final_message, kwargs) -> str:
+        if continue_final_message:
+            raise APIError("continue_final_message is not supported with the harmony format", 400, param="messages")
+        unknown = set(kwargs) - {"reasoning_effort"}
+        if unknown:
+            raise APIError(
+                f"chat_template_kwargs {sorted(unknown)}: the harmony format takes reasoning_effort only",
+                400,
+                param="chat_template_kwargs",
+            )
+        try:
+            return harmony.render_conversation(messages, tools, add_generation_prompt, kwargs.get("reasoning_effort"))
+        except ValueError as exc:
+            param = "reasoning_effort" if "reasoning_effort" in str(exc) else "messages"
+            raise APIError(str(exc), 400, param=param) from None
 
     def _with_tool_prompt(self, messages: list[dict], tools: list[dict]) -> list[dict]:
         listing = "\n".join(json.dumps(t.get("function", t), ensure_ascii=False) for t in tools)

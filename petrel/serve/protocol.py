@@ -349,7 +349,6 @@ ACCEPTED_AND_IGNORED = (
     "safety_identifier",
     "user",
     "verbosity",
-    "reasoning_effort",
 )
 
 
@@ -363,7 +362,9 @@ class OpenAIClientFields(_Request):
     user: str | None = Field(None, description="accepted and ignored")
     verbosity: Literal["low", "medium", "high"] | None = Field(None, description="accepted and ignored")
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = Field(
-        None, description="accepted and ignored"
+        None,
+        description="the chat template's reasoning_effort variable (gpt-oss's `Reasoning:` line; none and minimal "
+        "are its low)",
     )
     prompt_cache_key: str | None = Field(
         None,

@@ -20,7 +20,6 @@ from petrel.serve.responses_protocol import ResponsesRequest
 # refused when set to anything but these values (None: refused whenever given)
 _REFUSED = {
     "background": (None, False),
-    "reasoning": (None,),
     "max_tool_calls": (None,),
     "top_logprobs": (None, 0),
     "conversation": (None,),
@@ -30,7 +29,6 @@ _REFUSED = {
 }
 _REASONS = {
     "background": "background responses are not supported (a request is answered while its client waits)",
-    "reasoning": "reasoning options are not supported (the served model has no reasoning output here)",
     "conversation": "conversations are not supported: chain responses with previous_response_id",
     "prompt": "stored prompt templates are not supported",
 }
@@ -42,6 +40,20 @@ def check_refused(req: ResponsesRequest) -> None:
         value = getattr(req, name)
         if not any(value is a or (a is not None and value == a) for a in allowed):
             raise APIError(f"{name}: {_REASONS.get(name, 'not supported by petrel')}", 400, param=name)
+    reasoning = req.reasoning or {}
+    for key in sorted(set(reasoning) - {"effort"}):
+        if key in ("summary", "generate_summary") and reasoning[key] is None:
+            continue
+        why = (
+            "no summaries are made (the reasoning comes whole, as reasoning_text)" if "summary" in key else "effort is"
+        )
+        raise APIError(f"reasoning.{key}: not supported ({why})", 400, param=f"reasoning.{key}")
+    if reasoning.get("effort") not in (None, "none", "minimal", "low", "medium", "high"):
+        raise APIError(
+            f"reasoning.effort {reasoning['effort']!r} must be none, minimal, low, medium or high",
+            400,
+            param="reasoning.effort",
+        )
     if req.include:
         raise APIError(f"include: petrel adds no extra output data (asked for {req.include})", 400, param="include")
     if req.truncation == "auto":
@@ -80,7 +92,8 @@ def _need_str(item: dict, key: str, where: str) -> str:
 
 def input_messages(items: str | list[dict[str, Any]]) -> list[dict]:
     """Chat messages for the input: a string is one user message; function_call items become the tool_calls of
-    an assistant message (consecutive ones share it) and function_call_output items tool messages."""
+    an assistant message (consecutive ones share it) and function_call_output items tool messages; reasoning items
+    (a reasoning model's earlier reasoning, sent back) are dropped, as its format drops them."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     messages: list[dict] = []
@@ -107,6 +120,8 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict]:
                 last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "reasoning":
+            continue
         elif kind == "function_call_output":
             output = item.get("output")
             output = output if isinstance(output, str) else _text(output, where)
@@ -218,6 +233,7 @@ def chat_request(req: ResponsesRequest, history: list[dict], stream: bool) -> Ch
         "response_format": response_format(req.text),
         "stream": stream,
         "cache_salt": req.cache_salt,
+        "reasoning_effort": (req.reasoning or {}).get("effort"),
     }
     if stream:
         body["stream_options"] = {"include_usage": True}

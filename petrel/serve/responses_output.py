@@ -15,6 +15,8 @@ from petrel.serve.responses_protocol import (
     InputTokensDetails,
     OutputMessage,
     OutputText,
+    ReasoningItem,
+    ReasoningText,
     ResponseObject,
     ResponsesRequest,
     ResponseUsage,
@@ -142,8 +144,11 @@ def usage_of(usage: dict | None) -> ResponseUsage | None:
 
 
 def output_items(message: dict) -> list:
-    """A chat choice's message -> output items: the text (if any, or if there is no call) then the calls."""
+    """A chat choice's message -> output items: the reasoning (if any), the text (if any, or if there is no call) then
+    the calls."""
     items: list = []
+    if message.get("reasoning_content"):
+        items.append(ReasoningItem(id=new_item_id("rs"), content=[ReasoningText(text=message["reasoning_content"])]))
     calls = message.get("tool_calls") or []
     if message.get("content") or not calls:
         items.append(OutputMessage(id=new_item_id("msg"), content=[OutputText(text=message.get("content") or "")]))

@@ -61,7 +61,11 @@ class ResponsesRequest(_Request):
     )
     # refused when set (a 400 naming the field): petrel cannot honour them
     background: bool | None = None
-    reasoning: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = Field(
+        None,
+        description="{effort: none|minimal|low|medium|high} reaches a reasoning model's template (gpt-oss's); "
+        "no summaries are made (the reasoning comes whole, as reasoning_text)",
+    )
     max_tool_calls: int | None = None
     top_logprobs: int | None = None
     conversation: str | dict[str, Any] | None = None
@@ -95,6 +99,21 @@ class OutputMessage(_Response):
     status: Literal["in_progress", "completed", "incomplete"] = "completed"
     role: Literal["assistant"] = "assistant"
     content: list[OutputText] = Field(default_factory=list)
+
+
+class ReasoningText(_Response):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningItem(_Response):
+    """A reasoning model's reasoning before its answer (gpt-oss's analysis channel), whole as reasoning_text."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText] = Field(default_factory=list)
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
 
 
 class FunctionCallItem(_Response):
@@ -139,7 +158,7 @@ class ResponseObject(_Response):
     error: ResponseError | None = None
     incomplete_details: IncompleteDetails | None = None
     model: str
-    output: list[OutputMessage | FunctionCallItem] = Field(default_factory=list)
+    output: list[ReasoningItem | OutputMessage | FunctionCallItem] = Field(default_factory=list)
     instructions: str | None = None
     tools: list[dict[str, Any]] = Field(default_factory=list)
     tool_choice: str | dict[str, Any] = "auto"

@@ -2,6 +2,7 @@
 
   response.created, response.in_progress
   per output item, in order: response.output_item.added, then
+    reasoning:        response.reasoning_text.delta ..., response.reasoning_text.done
     a message:        response.content_part.added, response.output_text.delta ..., response.output_text.done,
                       response.content_part.done
     a function call:  response.function_call_arguments.delta ..., response.function_call_arguments.done
@@ -17,7 +18,14 @@ import json
 from contextlib import aclosing
 
 from petrel.serve.responses_output import ResponseStore, Turn, new_item_id, usage_of
-from petrel.serve.responses_protocol import FunctionCallItem, OutputMessage, OutputText, ResponseError
+from petrel.serve.responses_protocol import (
+    FunctionCallItem,
+    OutputMessage,
+    OutputText,
+    ReasoningItem,
+    ReasoningText,
+    ResponseError,
+)
 
 
 class _Events:
@@ -55,9 +63,23 @@ class _Output:
             part = item.content[0]
             yield ev("response.output_text.done", **at, content_index=0, text=part.text, logprobs=[])
             yield ev("response.content_part.done", **at, content_index=0, part=part)
+        elif isinstance(item, ReasoningItem):
+            yield ev("response.reasoning_text.done", **at, content_index=0, text=item.content[0].text)
         else:
             yield ev("response.function_call_arguments.done", **at, name=item.name, arguments=item.arguments)
         yield ev("response.output_item.done", output_index=at["output_index"], item=item)
+
+    def reasoning(self, delta: str):
+        if not isinstance(self.open, ReasoningItem):
+            yield from self.close()
+            item = ReasoningItem(id=new_item_id("rs"), status="in_progress", content=[ReasoningText(text="")])
+            self.items.append(item)
+            self.open = item
+            yield self.event("response.output_item.added", output_index=self.index, item=item)
+        self.open.content[0].text += delta
+        yield self.event(
+            "response.reasoning_text.delta", item_id=self.open.id, output_index=self.index, content_index=0, delta=delta
+        )
 
     def text(self, delta: str):
         if not isinstance(self.open, OutputMessage):
@@ -133,6 +155,9 @@ async def stream_events(turn: Turn, store: ResponseStore, chat_chunks):
             usage = chunk.get("usage") or usage
             for choice in chunk["choices"]:
                 delta = choice["delta"]
+                if delta.get("reasoning_content"):
+                    for e in out.reasoning(delta["reasoning_content"]):
+                        yield e
                 if delta.get("content"):
                     for e in out.text(delta["content"]):
                         yield e
@@ -140,7 +165,9 @@ async def stream_events(turn: Turn, store: ResponseStore, chat_chunks):
                     for e in out.call(call):
                         yield e
                 finish = choice.get("finish_reason") or finish
-    if not out.items:  # no text and no call: one empty message, as stream=false has
+    if not any(
+        not isinstance(i, ReasoningItem) for i in out.items
+    ):  # no text, no call: an empty message as stream=false
         for e in out.text(""):
             yield e
     for e in out.close():

@@ -171,7 +171,7 @@ def test_store_retrieve_and_store_false(client, served):
 REFUSED = [
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"background": True}, "background"),
-    ({"reasoning": {"summary": "auto"}}, "reasoning"),
+    ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
     ({"include": ["message.output_text.logprobs"]}, "include"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),

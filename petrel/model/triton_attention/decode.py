@@ -5,7 +5,9 @@ A program takes one sequence, one KV head and one split of the context: the quer
 an online softmax (running max and sum, float32). A long context with few sequences is cut into several splits
 run side by side; each writes its unnormalized partial result with its max and sum, and a reduce kernel weighs
 them together. With a sliding window W the row of context length L sees keys L-W .. L-1 only: the splits cover
-that span, so keys behind the window are never read; rows of length 0 (padding) come out as zeros.
+that span, so keys behind the window are never read; rows of length 0 (padding) come out as zeros. Sink logits
+(gpt-oss's: a learned logit per query head in its softmax, with no value) join the sum at the end: in the program's
+normalization, or in the reduce kernel's when the context is split.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ def _decode_kernel(
     out_ptr,  # [seqs, heads, HEAD_DIM], or with splits the partial sums [seqs, heads, NUM_SPLITS, HEAD_DIM] float32
     max_ptr,  # with splits: [seqs, heads, NUM_SPLITS] float32, each split's score max (log2 units)
     sum_ptr,  # with splits: the same, each split's sum of exponentials
+    sinks_ptr,  # [heads] float32, each head's sink logit (read with HAS_SINKS only)
     scale_log2,  # the softmax scale times log2(e): scores in base 2
     window,
     split_len,  # keys per split, a multiple of BLOCK_N
@@ -47,6 +50,7 @@ def _decode_kernel(
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
     SLIDING: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -93,6 +97,13 @@ def _decode_kernel(
 
     out_mask = row_ok[:, None] & dim_ok[None, :]
     if NUM_SPLITS == 1:
+        if HAS_SINKS:  # the sink's weight 2^(sink - max) joins the sum, the max moved to cover it
+            sink = tl.load(sinks_ptr + heads, mask=row_ok, other=float("-inf")) * 1.4426950408889634
+            top = tl.maximum(running_max, sink)
+            top = tl.where(top > float("-inf"), top, 0.0)
+            keys = tl.exp2(running_max - top)
+            acc = acc * keys[:, None]
+            running_sum = running_sum * keys + tl.exp2(sink - top)
         out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
         out_rows = seq * num_heads + heads
         tl.store(out_ptr + out_rows[:, None] * HEAD_DIM + dims[None, :], out.to(out_ptr.dtype.element_ty), out_mask)
@@ -108,9 +119,12 @@ def _reduce_kernel(
     partial_ptr,
     max_ptr,
     sum_ptr,
+    sinks_ptr,
     out_ptr,
+    num_heads,
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -121,11 +135,18 @@ def _reduce_kernel(
     maxes = tl.load(max_ptr + parts, mask=split_ok, other=float("-inf"))
     sums = tl.load(sum_ptr + parts, mask=split_ok, other=0.0)
     top = tl.max(maxes, 0)
-    weights = tl.exp2(maxes - tl.where(top > float("-inf"), top, 0.0))  # an empty split (max -inf) weighs 0
+    sink = float("-inf")
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + row % num_heads) * 1.4426950408889634
+        top = tl.maximum(top, sink)
+    shift = tl.where(top > float("-inf"), top, 0.0)
+    weights = tl.exp2(maxes - shift)  # an empty split (max -inf) weighs 0
     partial = tl.load(
         partial_ptr + parts[:, None] * HEAD_DIM + dims[None, :], mask=split_ok[:, None] & dim_ok[None, :], other=0.0
     )
     total = tl.sum(weights * sums, 0)
+    if HAS_SINKS:
+        total += tl.exp2(sink - shift)
     out = tl.sum(weights[:, None] * partial, 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
@@ -139,10 +160,12 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None = None,
     num_splits: int | None = None,
+    sink_logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [seqs, heads, head_dim] (the one query of each sequence, at position context_len - 1); key_cache,
     value_cache [num_blocks, block_size, kv_heads, head_dim]; block_tables [seqs, max_blocks] and context_lens
-    [seqs] int32 or int64. Returns [seqs, heads, head_dim] in q's dtype.
+    [seqs] int32 or int64; sink_logits [heads] (any float dtype) or None. Returns [seqs, heads, head_dim] in q's
+    dtype.
 
     num_splits: how many parts each context is cut into; by default as many as fill the GPU, given the table width
     (the longest context the tables can hold, known without reading context_lens back from the device)."""
@@ -154,6 +177,7 @@ def paged_decode_attention(
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
     q = q if q.stride(-1) == 1 else q.contiguous()
+    sinks = _sinks(sink_logits, heads, q.device)
     out = torch.empty(seqs, heads, head_dim, dtype=q.dtype, device=q.device)
     if seqs == 0:
         return out
@@ -181,6 +205,7 @@ def paged_decode_attention(
         partial,
         maxes,
         sums,
+        sinks,
         scale * math.log2(math.e),
         sliding_window or 0,
         split_len,
@@ -195,6 +220,7 @@ def paged_decode_attention(
         GROUP=heads // kv_heads,
         HEAD_DIM=head_dim,
         SLIDING=sliding_window is not None,
+        HAS_SINKS=sink_logits is not None,
         NUM_SPLITS=num_splits,
         BLOCK_H=max(16, triton.next_power_of_2(heads // kv_heads)),
         BLOCK_N=block_n,
@@ -206,13 +232,25 @@ def paged_decode_attention(
             partial,
             maxes,
             sums,
+            sinks,
             out,
+            heads,
             HEAD_DIM=head_dim,
             NUM_SPLITS=num_splits,
+            HAS_SINKS=sink_logits is not None,
             BLOCK_S=triton.next_power_of_2(num_splits),
             BLOCK_D=block_d,
         )
     return out
+
+
+def _sinks(sink_logits: torch.Tensor | None, heads: int, device: torch.device) -> torch.Tensor:
+    """The sink logits as the kernels read them (float32, contiguous), checked; a 1-element stand-in when None."""
+    if sink_logits is None:
+        return torch.zeros(1, dtype=torch.float32, device=device)
+    if tuple(sink_logits.shape) != (heads,) or sink_logits.device != device:
+        raise ValueError(f"sink_logits must be [{heads}] on {device}, got {tuple(sink_logits.shape)}")
+    return sink_logits.to(torch.float32).contiguous()
 
 
 def _default_splits(programs: int, span: int) -> int:

@@ -23,6 +23,7 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    sink_logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """As attention.paged_attention: q [T, heads, d], k, v [T, kv_heads, d]; returns [T, heads, d]."""
     key_cache, value_cache = kv_cache[0], kv_cache[1]
@@ -30,14 +31,30 @@ def paged_attention(
     out = torch.empty_like(q)
     for g in meta.decode_groups:
         out[g.start : g.end] = paged_decode_attention(
-            q[g.start : g.end], key_cache, value_cache, g.block_tables, g.context_lens_t, scale, sliding_window
+            q[g.start : g.end],
+            key_cache,
+            value_cache,
+            g.block_tables,
+            g.context_lens_t,
+            scale,
+            sliding_window,
+            sink_logits=sink_logits,
         )
     if meta.prefills:
         if "triton_prefill" not in meta.kernel_inputs:
             meta.kernel_inputs["triton_prefill"] = _varlen_batch(meta)
         rows, tables, query_start_loc, context_lens, max_query_len = meta.kernel_inputs["triton_prefill"]
         out[rows] = paged_prefill_attention(
-            q[rows], key_cache, value_cache, tables, query_start_loc, context_lens, scale, sliding_window, max_query_len
+            q[rows],
+            key_cache,
+            value_cache,
+            tables,
+            query_start_loc,
+            context_lens,
+            scale,
+            sliding_window,
+            max_query_len,
+            sink_logits,
         )
     return out
 

@@ -5,7 +5,8 @@ A chunk of n queries in a context of length L holds positions L-n .. L-1; a whol
 A program takes one chunk, one query head and a tile of BLOCK_M queries, and walks the keys that tile can see in
 tiles of BLOCK_N with an online softmax (float32). With a sliding window W the query at position p sees keys
 p-W+1 .. p: the walk starts at the tile holding the first query's first visible key, and keys behind it are never
-read, so blocks given back behind the window may hold anything.
+read, so blocks given back behind the window may hold anything. Sink logits (a learned logit per query head in its
+softmax, with no value: gpt-oss's) join the sum at the end.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import triton
 import triton.language as tl
 
 from petrel.model.triton_attention.checks import check_cache, check_index, check_queries
+from petrel.model.triton_attention.decode import _sinks
 
 
 @triton.jit
@@ -28,6 +30,7 @@ def _prefill_kernel(
     query_start_ptr,
     context_lens_ptr,
     out_ptr,
+    sinks_ptr,  # [heads] float32, each head's sink logit (read with HAS_SINKS only)
     scale_log2,  # the softmax scale times log2(e): scores in base 2
     window,
     stride_q_token,
@@ -42,6 +45,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
     SLIDING: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -92,6 +96,12 @@ def _prefill_kernel(
         acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         running_max = new_max
 
+    if HAS_SINKS:  # the sink's weight 2^(sink - max) joins the sum, the max moved to cover it
+        sink = tl.load(sinks_ptr + head) * 1.4426950408889634
+        top = tl.maximum(running_max, sink)
+        keys = tl.exp2(running_max - top)
+        acc = acc * keys[:, None]
+        running_sum = running_sum * keys + tl.exp2(sink - top)
     out = acc / running_sum[:, None]  # each query sees at least itself
     out_offsets = q_rows[:, None] * stride_out_token + head * stride_out_head + dims[None, :]
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -107,6 +117,7 @@ def paged_prefill_attention(
     scale: float,
     sliding_window: int | None = None,
     max_query_len: int | None = None,
+    sink_logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [tokens, heads, head_dim]: the chunks' queries back to back, chunk s in rows query_start_loc[s] ..
     query_start_loc[s+1]-1; key_cache, value_cache [num_blocks, block_size, kv_heads, head_dim]; block_tables
@@ -114,7 +125,8 @@ def paged_prefill_attention(
     step, the chunk's own included) int32 or int64. Returns [tokens, heads, head_dim] in q's dtype; rows no chunk
     covers are left unwritten.
 
-    max_query_len: the longest chunk, when the caller knows it (the grid is sized by it; default: all the rows)."""
+    max_query_len: the longest chunk, when the caller knows it (the grid is sized by it; default: all the rows).
+    sink_logits: [heads], each head's logit joining its softmax, or None."""
     check_cache(key_cache, value_cache)
     check_queries(q, key_cache, "[tokens, heads, head_dim]")
     tokens, heads, head_dim = q.shape
@@ -125,6 +137,7 @@ def paged_prefill_attention(
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
     q = q if q.stride(-1) == 1 else q.contiguous()
+    sinks = _sinks(sink_logits, heads, q.device)
     out = torch.empty(tokens, heads, head_dim, dtype=q.dtype, device=q.device)
     if tokens == 0 or chunks == 0:
         return out
@@ -141,6 +154,7 @@ def paged_prefill_attention(
         query_start_loc,
         context_lens,
         out,
+        sinks,
         scale * math.log2(math.e),
         sliding_window or 0,
         q.stride(0),
@@ -155,6 +169,7 @@ def paged_prefill_attention(
         GROUP=heads // kv_heads,
         HEAD_DIM=head_dim,
         SLIDING=sliding_window is not None,
+        HAS_SINKS=sink_logits is not None,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
