@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from petrel.model.deepseek import DeepseekForCausalLM
 from petrel.model.gemma3 import Gemma3ForCausalLM
 from petrel.model.idefics3 import Idefics3ForConditionalGeneration
 from petrel.model.llama import LlamaForCausalLM
@@ -19,6 +20,10 @@ MODEL_CLASSES = {
     "MixtralForCausalLM": MoeForCausalLM,
     "Qwen2MoeForCausalLM": MoeForCausalLM,  # + qkv bias, a gated shared expert, dense layers
     "Qwen3MoeForCausalLM": MoeForCausalLM,  # + per-head q/k norm
+    # multi-head latent attention over a latent KV cache, DeepSeek's grouped router, shared experts
+    # (petrel/model/deepseek.py)
+    "DeepseekV2ForCausalLM": DeepseekForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekForCausalLM,
     # vision-language: SigLIP tower + pixel-shuffle connector before a Llama text model (petrel/model/idefics3.py)
     "Idefics3ForConditionalGeneration": Idefics3ForConditionalGeneration,
     "SmolVLMForConditionalGeneration": Idefics3ForConditionalGeneration,
