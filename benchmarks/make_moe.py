@@ -44,7 +44,13 @@ GGUF_TYPES = {  # --gguf-type -> the file type llama.cpp records
     "q8_0": "MOSTLY_Q8_0",
     "q4_k": "MOSTLY_Q4_K_M",
 }
-GGUF_ARCH = {"Qwen3MoeForCausalLM": "qwen3moe", "Qwen2MoeForCausalLM": "qwen2moe", "MixtralForCausalLM": "llama"}
+GGUF_ARCH = {
+    "Qwen3MoeForCausalLM": "qwen3moe",
+    "Qwen2MoeForCausalLM": "qwen2moe",
+    "MixtralForCausalLM": "llama",
+    "DeepseekV2ForCausalLM": "deepseek2",
+    "DeepseekV3ForCausalLM": "deepseek2",
+}
 GGUF_NAMES = {  # Hugging Face name inside model.layers.N. (Mixtral's block_sparse_moe is mlp here) -> llama.cpp's
     "input_layernorm": "attn_norm",
     "self_attn.q_proj": "attn_q",
@@ -65,6 +71,17 @@ GGUF_NAMES = {  # Hugging Face name inside model.layers.N. (Mixtral's block_spar
     "mlp.shared_expert.up_proj": "ffn_up_shexp",
     "mlp.shared_expert.down_proj": "ffn_down_shexp",
     "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    # DeepSeek: multi-head latent attention's projections (kv_b_proj is split into attn_k_b and attn_v_b, or kept as
+    # attn_kv_b in the older layout) and the shared experts
+    "self_attn.q_a_proj": "attn_q_a",
+    "self_attn.q_a_layernorm": "attn_q_a_norm",
+    "self_attn.q_b_proj": "attn_q_b",
+    "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+    "self_attn.kv_a_layernorm": "attn_kv_a_norm",
+    "self_attn.kv_b_proj": "attn_kv_b",
+    "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_experts.up_proj": "ffn_up_shexp",
+    "mlp.shared_experts.down_proj": "ffn_down_shexp",
 }
 FLOAT32_KEPT = ("ffn_gate_inp", "ffn_gate_inp_shexp")  # routers: the converter keeps them float32
 
@@ -169,9 +186,11 @@ def permute_for_llamacpp(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_tensors(model):
+def gguf_tensors(model, mla_legacy: bool = False):
     """(llama.cpp name, float32 array) of a transformers MoE model as the converter writes it: each layer's experts
-    stacked [E, rows, cols] (gate and up apart), Mixtral's q/k rows permuted."""
+    stacked [E, rows, cols] (gate and up apart), Mixtral's q/k rows permuted; DeepSeek's kv_b_proj split per head
+    into attn_k_b [heads, rank, nope] (transposed) and attn_v_b [heads, v, rank] (mla_legacy: kept whole as
+    attn_kv_b), its router's score-correction bias as exp_probs_b."""
     cfg = model.config
     arch = GGUF_ARCH[type(model).__name__]
     tied = cfg.tie_word_embeddings
@@ -197,6 +216,15 @@ def gguf_tensors(model):
         if suffix == "down_proj":
             yield f"blk.{layer}.ffn_down_exps.weight", data
             continue
+        if suffix == "e_score_correction_bias":
+            yield f"blk.{layer}.exp_probs_b.bias", data
+            continue
+        if kind == "self_attn.kv_b_proj" and not mla_legacy:
+            nope, v_dim = cfg.qk_nope_head_dim, cfg.v_head_dim
+            kv_b = data.reshape(cfg.num_attention_heads, nope + v_dim, -1)
+            yield f"blk.{layer}.attn_k_b.weight", np.ascontiguousarray(kv_b[:, :nope].transpose(0, 2, 1))
+            yield f"blk.{layer}.attn_v_b.weight", np.ascontiguousarray(kv_b[:, nope:])
+            continue
         if arch == "llama" and kind == "self_attn.q_proj":
             data = permute_for_llamacpp(data, cfg.num_attention_heads)
         elif arch == "llama" and kind == "self_attn.k_proj":
@@ -204,15 +232,21 @@ def gguf_tensors(model):
         yield f"blk.{layer}.{GGUF_NAMES[kind]}.{suffix}", data
 
 
-def write_gguf(model, path: str, gguf_type: str = "f32", source_gguf: str | None = None) -> None:
-    """A transformers Mixtral, Qwen2-MoE or Qwen3-MoE model as llama.cpp's converter writes it (the module's
-    docstring); source_gguf: a GGUF whose tokenizer metadata is copied (None: a placeholder vocabulary of the
-    model's size, enough to load the weights)."""
+def write_gguf(
+    model, path: str, gguf_type: str = "f32", source_gguf: str | None = None, mla_legacy: bool = False
+) -> None:
+    """A transformers Mixtral, Qwen2-MoE, Qwen3-MoE or DeepSeek-V2 / V3 model as llama.cpp's converter writes it
+    (the module's docstring); source_gguf: a GGUF whose tokenizer metadata is copied (None: a placeholder
+    vocabulary of the model's size, enough to load the weights); mla_legacy: DeepSeek's attention in the older
+    layout (attn_kv_b, the heads' own key and value lengths)."""
     import gguf
-    from gguf.quants import quantize
 
     cfg = model.config
     arch = GGUF_ARCH[type(model).__name__]
+    if arch == "deepseek2":
+        w = gguf.GGUFWriter(path, arch)
+        deepseek_metadata(w, cfg, mla_legacy)
+        return _finish_gguf(w, model, gguf_type, source_gguf, mla_legacy)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w = gguf.GGUFWriter(path, arch)
     w.add_name(f"{arch}-shaped (random weights)")
@@ -233,6 +267,69 @@ def write_gguf(model, path: str, gguf_type: str = "f32", source_gguf: str | None
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if getattr(cfg, "shared_expert_intermediate_size", 0):
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    return _finish_gguf(w, model, gguf_type, source_gguf)
+
+
+def deepseek_metadata(w, cfg, mla_legacy: bool = False) -> None:
+    """llama.cpp's deepseek2 keys of a DeepSeek-V2 / V3 config: MLA written as one KV head of kv_lora_rank + rope
+    (key_length_mla / value_length_mla the heads' own), or, mla_legacy, with the heads' key and value lengths."""
+    import gguf
+
+    rope, nope, v_dim, rank = cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    w.add_name("deepseek2-shaped (random weights)")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    if cfg.q_lora_rank is not None:
+        w.add_q_lora_rank(cfg.q_lora_rank)
+    w.add_kv_lora_rank(rank)
+    if mla_legacy:
+        w.add_head_count_kv(cfg.num_attention_heads)
+        w.add_key_length(nope + rope)
+        w.add_value_length(v_dim)
+    else:
+        w.add_head_count_kv(1)
+        w.add_key_length(rank + rope)
+        w.add_value_length(rank)
+        w.add_key_length_mla(nope + rope)
+        w.add_value_length_mla(v_dim)
+    w.add_rope_dimension_count(rope)
+    params = cfg.rope_parameters
+    w.add_rope_freq_base(float(params["rope_theta"]))
+    if params.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(params["factor"])
+        w.add_rope_scaling_orig_ctx_len(params["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(float(params.get("beta_fast", 32)))
+        w.add_rope_scaling_yarn_beta_slow(float(params.get("beta_slow", 1)))
+        if params.get("mscale_all_dim"):
+            w.add_rope_scaling_yarn_log_mul(0.1 * params["mscale_all_dim"])
+    v3 = type(cfg).__name__ == "DeepseekV3Config"
+    w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+    w.add_expert_count(cfg.n_routed_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_shared_count(cfg.n_shared_experts)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_weights_scale(cfg.routed_scaling_factor)
+    if cfg.norm_topk_prob:
+        w.add_expert_weights_norm(True)
+    scoring = getattr(cfg, "scoring_func", None) or ("sigmoid" if v3 else "softmax")
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType[scoring.upper()])
+    if cfg.n_group:
+        w.add_expert_group_count(cfg.n_group)
+        w.add_expert_group_used_count(cfg.topk_group)
+
+
+def _finish_gguf(w, model, gguf_type: str, source_gguf: str | None, mla_legacy: bool = False) -> None:
+    """The file type, the tokenizer, the tensors (in gguf_type where their widths allow), and the file written."""
+    import gguf
+    from gguf.quants import quantize
+
+    cfg = model.config
     w.add_file_type(gguf.LlamaFileType[GGUF_TYPES[gguf_type]])
     if source_gguf is not None:
         copy_tokenizer_metadata(w, source_gguf)
@@ -241,8 +338,8 @@ def write_gguf(model, path: str, gguf_type: str = "f32", source_gguf: str | None
         w.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
         w.add_bos_token_id(cfg.bos_token_id if cfg.bos_token_id is not None else 1)
         w.add_eos_token_id(cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else 2)
-    for name, data in gguf_tensors(model):
-        kept = data.ndim < 2 or name.split(".")[-2] in FLOAT32_KEPT
+    for name, data in gguf_tensors(model, mla_legacy):
+        kept = data.ndim < 2 or name.split(".")[-2] in FLOAT32_KEPT or data.shape[-1] % 32
         if kept or gguf_type == "f32":
             w.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
         elif gguf_type == "q4_k" and data.shape[-1] % 256 == 0:
