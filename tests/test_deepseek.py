@@ -165,16 +165,15 @@ def test_logprobs_match_transformers_after_a_prefix_hit_and_across_chunks(deepse
     finally:
         llm.shutdown()
     assert outs[0].num_cached_tokens == 0 and outs[1].num_cached_tokens == 16
-    for p, out in zip((first, second), outs):
+    refs = [torch.log_softmax(t.hf_logits(p + o.outputs[0].token_ids), dim=-1) for p, o in zip((first, second), outs)]
+    for p, out, ref in zip((first, second), outs, refs):
         tokens = out.outputs[0].token_ids
-        ref = torch.log_softmax(t.hf_logits(p + tokens), dim=-1)
-        ref_first = ref if p is first else ref_first
         assert tokens == ref[len(p) - 1 :].argmax(-1)[: len(tokens)].tolist()
         for i, (tok, entry) in enumerate(zip(tokens, out.outputs[0].logprobs)):
             assert entry[tok].logprob == pytest.approx(ref[len(p) - 1 + i, tok].item(), abs=1e-4)
     for pos in range(1, len(first)):
         logprob = outs[0].prompt_logprobs[pos][first[pos]].logprob
-        assert logprob == pytest.approx(ref_first[pos - 1, first[pos]].item(), abs=1e-4)
+        assert logprob == pytest.approx(refs[0][pos - 1, first[pos]].item(), abs=1e-4)
 
 
 # ---------------------------------------------------------------- the router and the rotary embedding
@@ -313,6 +312,14 @@ def test_bad_configs_are_refused_naming_the_field(deepseek, tmp_path, name, over
         load_model(resolve_model(str(tmp_path)), torch.float32, "cpu")
 
 
-def test_tensor_parallelism_is_refused_by_name(deepseek, tokenizer_dir):
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        _llm(deepseek("deepseek_v2"), tokenizer_dir, tensor_parallel_size=2)
+@pytest.mark.parametrize(
+    "options,field",
+    [
+        (dict(tensor_parallel_size=2), "tensor_parallel_size"),
+        (dict(enable_lora=True), "enable_lora"),
+        (dict(max_attention_window=[16]), "max_attention_window"),
+    ],
+)
+def test_engine_options_latent_attention_cannot_honour_are_refused_by_name(deepseek, tokenizer_dir, options, field):
+    with pytest.raises(ValueError, match=field):
+        _llm(deepseek("deepseek_v2"), tokenizer_dir, **options)
