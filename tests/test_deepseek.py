@@ -73,10 +73,19 @@ def test_configs_structure_and_the_latent_cache_layout(deepseek):
 # ---------------------------------------------------------------- logits against transformers
 
 
+@pytest.mark.parametrize("path", ["kernel", "torch"])
 @pytest.mark.parametrize("name", FAMILY_IDS)
-def test_prefill_and_decode_match_transformers(deepseek, name):
+def test_prefill_and_decode_match_transformers(deepseek, name, path, monkeypatch):
     """Three prompts prefilled in one step; then two sequences decoded side by side (absorbed over the latent
-    cache), and a prompt run in chunks over its cached prefix (decompressed)."""
+    cache: latent_attention.c's kernel, or the torch path with PETREL_MLA_KERNEL=0), and a prompt run in chunks over
+    its cached prefix (decompressed)."""
+    from petrel.model import dense_kernels, mla_kernels
+
+    if path == "kernel" and dense_kernels.library() is None:
+        pytest.skip("petrel's float32 kernels cannot run here (no AVX2/FMA or no C compiler)")
+    monkeypatch.setenv("PETREL_MLA_KERNEL", "1" if path == "kernel" else "0")
+    ran, kernel = [], mla_kernels.latent_decode_attention
+    monkeypatch.setattr(mla_kernels, "latent_decode_attention", lambda *a: ran.append(out := kernel(*a)) or out)
     t = deepseek(name)
     drv = PagedDriver(t, block_size=4)
     prompts = [_tokens(23, 1), _tokens(9, 2), _tokens(2, 3)]
@@ -97,6 +106,39 @@ def test_prefill_and_decode_match_transformers(deepseek, name):
     drv = PagedDriver(t, block_size=4, seed=3)
     chunks = drv.run_chunks(drv.new_seq(tokens), [8, 5, 1, 12])
     assert_close(chunks, t.hf_logits(tokens), f"{name}: chunked prefill")
+    assert ran and all((out is not None) == (path == "kernel") for out in ran)
+
+
+@pytest.mark.parametrize(
+    "rows,heads,rank,rope,block_size,lens,dtype",
+    [
+        (3, 4, 32, 8, 4, [5, 17, 40], torch.float32),  # the tiny models' shape
+        (2, 16, 512, 64, 16, [300, 1000], torch.float32),  # DeepSeek-V3's latent: contexts split into parts
+        (1, 16, 512, 64, 16, [2047], torch.bfloat16),
+        (5, 6, 64, 16, 8, [1, 2, 9, 33, 70], torch.bfloat16),
+    ],
+)
+def test_latent_decode_kernel_matches_float64(rows, heads, rank, rope, block_size, lens, dtype):
+    """latent_attention.c against a float64 softmax over each row's gathered cache rows, blocks scrambled."""
+    from petrel.model import dense_kernels, mla_kernels
+
+    if dense_kernels.library() is None:
+        pytest.skip("petrel's float32 kernels cannot run here (no AVX2/FMA or no C compiler)")
+    g = torch.Generator().manual_seed(rows)
+    width = rank + rope
+    num_blocks = sum(-(-n // block_size) for n in lens) + 3
+    cache = torch.randn(num_blocks, block_size, 1, width, generator=g).to(dtype)
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    tables = torch.zeros(rows, max(-(-n // block_size) for n in lens), dtype=torch.long)
+    for s, n in enumerate(lens):
+        for b in range(-(-n // block_size)):
+            tables[s, b] = free.pop()
+    q = torch.randn(rows, heads, width, generator=g)
+    out = mla_kernels.latent_decode_attention(q, cache, tables, torch.tensor(lens), rank, 0.1)
+    for s, n in enumerate(lens):
+        context = cache[tables[s]].reshape(-1, width)[:n].double()
+        expected = torch.softmax(q[s].double() @ context.t() * 0.1, dim=-1) @ context[:, :rank]
+        torch.testing.assert_close(out[s].double(), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_decode_steps_read_the_latent_cache_without_expanding_it(deepseek, monkeypatch):

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from petrel.model import mla_kernels
 from petrel.model.attention import AttentionMetadata
 from petrel.model.layers import Linear, RMSNorm, RotaryEmbedding
 from petrel.model.yarn import softmax_scale
@@ -128,17 +129,21 @@ class MLAttention(nn.Module):
 
     def _decode(self, q_nope, q_pe, cache, g) -> torch.Tensor:
         """Decode rows: absorbed queries over the cache rows of each row's blocks, read as they are (one KV head:
-        keys the whole row, values its latent part). Returns [rows, heads, v_head_dim]."""
+        keys the whole row, values its latent part). Returns [rows, heads, v_head_dim]. On x86-64 CPUs in float32,
+        mla_kernels' C kernel reads the blocks in place; else each row's blocks are gathered and its heads attend
+        as the query rows of one head (no copy of the keys per head)."""
         query = self.absorb_queries(q_nope, q_pe)
-        rows, heads, width = query.shape
-        flat_tables = g.block_tables.reshape(-1)
-        keys = cache.index_select(0, flat_tables).to(query.dtype).view(rows, 1, -1, width)
-        latent_out = F.scaled_dot_product_attention(
-            query.unsqueeze(2),
-            keys,
-            keys[..., : self.rank],
-            attn_mask=g.mask.view(rows, 1, 1, -1),
-            scale=self.scale,
-            enable_gqa=True,
-        ).squeeze(2)
+        latent_out = mla_kernels.latent_decode_attention(
+            query, cache, g.block_tables, g.context_lens_t, self.rank, self.scale
+        )
+        if latent_out is None:
+            rows, heads, width = query.shape
+            keys = cache.index_select(0, g.block_tables.reshape(-1)).to(query.dtype).view(rows, 1, -1, width)
+            latent_out = F.scaled_dot_product_attention(
+                query.unsqueeze(1),
+                keys,
+                keys[..., : self.rank],
+                attn_mask=g.mask.view(rows, 1, 1, -1),
+                scale=self.scale,
+            ).squeeze(1)
         return self.expand_outputs(latent_out)
