@@ -1,10 +1,12 @@
-"""A Qwen3-MoE-shaped mixture-of-experts model with random weights, for benchmarks (speed does not depend on the
-values), and the GGUF writer for petrel's three MoE families.
+"""A Qwen3-MoE-shaped or DeepSeek-V3-shaped mixture-of-experts model with random weights, for benchmarks (speed does
+not depend on the values), and the GGUF writer for petrel's MoE families.
 
     python benchmarks/make_moe.py --out ~/petrel-peers/models/moe                  # the default shapes, below
     python benchmarks/make_moe.py --out DIR --gguf-type q4_k --no-bf16              # experts in Q4_K blocks
     python benchmarks/make_moe.py --out /tmp/tiny --layers 2 --hidden 64 --heads 4 --kv-heads 2 --head-dim 16 \\
         --experts 8 --top-k 2 --moe-intermediate 32                                 # the same builder, tiny
+    python benchmarks/make_moe.py --family deepseek_v3 --out ~/petrel-peers/models/deepseek   # DeepSeek-V3's shape
+    python benchmarks/make_moe.py --family deepseek_v3 --kv-report                  # KV bytes a token, nothing built
 
 Writes, under --out:
   fp32/               a Hugging Face directory (config.json, model.safetensors in float32 with one tensor per
@@ -19,6 +21,14 @@ The default shapes are Qwen3-30B-A3B's scaled down to fit this machine (24 layer
 4 KV heads of 64, 64 experts of 256 with the top 8 routed, per-head q/k norms, untied head), with the default
 model's vocabulary (SmolLM2's 49,152 ids, its tokenizer and chat template) so that a benchmark's prompts tokenize:
 1.37 B parameters in all, 0.27 B of them read per token (8 of 64 experts, attention, the head).
+
+--family deepseek_v3 builds DeepSeek-V3's architecture (transformers' DeepseekV3ForCausalLM) scaled down the same
+way: 12 layers of hidden 1024, the first dense (intermediate 2816), 16 heads of multi-head latent attention with
+DeepSeek-V3's own latent (kv_lora_rank 512, qk_rope_head_dim 64: 576 cached values a token and layer), its 128 / 64
+/ 128 head dimensions and a q_lora_rank of 384, 64 routed experts of 512 in 8 groups (top 8 within the best 4
+groups, sigmoid scores, routed_scaling_factor 2.5) and one shared expert, YaRN rotary (factor 8 over 4,096
+positions): 1.31 B parameters, 0.29 B read per token. --kv-report prints the KV bytes a token of the latent cache
+against the same model with every head's key and value cached, for these shapes and for DeepSeek-V3's own.
 
 write_gguf writes any of petrel's MoE families as llama.cpp's convert_hf_to_gguf.py does: qwen3moe and qwen2moe
 (q/k/v biases, ffn_*_shexp, ffn_gate_inp_shexp, expert_shared_feed_forward_length), and Mixtral as a "llama" with
@@ -86,17 +96,30 @@ GGUF_NAMES = {  # Hugging Face name inside model.layers.N. (Mixtral's block_spar
 FLOAT32_KEPT = ("ffn_gate_inp", "ffn_gate_inp_shexp")  # routers: the converter keeps them float32
 
 
+# each family's default shapes (the arguments left unset)
+FAMILY_DEFAULTS = {
+    "qwen3_moe": dict(layers=24, hidden=1024, heads=16, experts=64, top_k=8, moe_intermediate=256),
+    "deepseek_v3": dict(layers=12, hidden=1024, heads=16, experts=64, top_k=8, moe_intermediate=512),
+}
+# DeepSeek-V3's own shape (its published config), for --kv-report
+DEEPSEEK_V3 = dict(layers=61, heads=128, kv_lora_rank=512, rope=64, nope=128, v=128)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="output directory (created)")
-    p.add_argument("--layers", type=int, default=24)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--out", help="output directory (created)")
+    p.add_argument("--family", default="qwen3_moe", choices=[*FAMILY_DEFAULTS])
+    p.add_argument("--kv-report", action="store_true", help="print KV bytes a token (latent vs expanded) and stop")
+    p.add_argument("--layers", type=int)
+    p.add_argument("--hidden", type=int)
+    p.add_argument("--heads", type=int)
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--moe-intermediate", type=int, default=256)
+    p.add_argument("--experts", type=int)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--moe-intermediate", type=int)
+    p.add_argument("--kv-lora-rank", type=int, default=512, help="deepseek_v3: the latent's width (default 512)")
+    p.add_argument("--q-lora-rank", type=int, default=384, help="deepseek_v3: the queries' latent (default 384)")
     p.add_argument("--context", type=int, default=32768, help="max_position_embeddings (default 32768)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--std", type=float, default=0.02, help="std of the random weights (default 0.02)")
@@ -104,14 +127,95 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-bf16", action="store_true", help="skip the bf16 directory")
     p.add_argument("--no-gguf", action="store_true", help="skip the GGUF")
     args = p.parse_args(argv)
+    for key, value in FAMILY_DEFAULTS[args.family].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.family == "deepseek_v3":
+        args.kv_heads = args.heads
     if args.heads % args.kv_heads or args.head_dim % 2 or not 1 <= args.top_k <= args.experts:
         p.error("--heads must split into --kv-heads groups, --head-dim be even, --top-k be 1..--experts")
+    if args.out is None and not args.kv_report:
+        p.error("--out is required (or --kv-report)")
     return args
+
+
+def deepseek_config(args, vocab_size: int, special: dict):
+    """DeepSeek-V3's architecture at the arguments' scale (the module's docstring)."""
+    from transformers import DeepseekV3Config
+
+    groups = 8 if args.experts % 8 == 0 and args.experts >= 16 else 1  # groups of two experts at least
+    return DeepseekV3Config(
+        vocab_size=vocab_size,
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 11 // 4 // 64 * 64,  # DeepSeek-V3's dense ratio (18432 / 7168), rounded
+        moe_intermediate_size=args.moe_intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.heads,
+        n_routed_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        n_shared_experts=1,
+        n_group=groups,
+        topk_group=max(1, groups // 2),
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        first_k_dense_replace=1,
+        q_lora_rank=args.q_lora_rank,
+        kv_lora_rank=args.kv_lora_rank,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        max_position_embeddings=args.context,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": args.context / 4096,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        initializer_range=args.std,
+        **special,
+    )
+
+
+def kv_report(args) -> list[str]:
+    """KV-cache bytes a token (every layer, float32 and bfloat16) of the latent cache against every head's key and
+    value cached: the arguments' DeepSeek-V3-shaped model and DeepSeek-V3 itself."""
+    lines = []
+    shapes = [
+        (
+            "this model",
+            dict(layers=args.layers, heads=args.heads, kv_lora_rank=args.kv_lora_rank, rope=64, nope=128, v=128),
+        ),
+        ("DeepSeek-V3", DEEPSEEK_V3),
+    ]
+    for name, s in shapes:
+        latent = s["layers"] * (s["kv_lora_rank"] + s["rope"])
+        expanded = s["layers"] * s["heads"] * (s["nope"] + s["rope"] + s["v"])
+        lines.append(
+            f"{name}: KV bytes a token, latent {latent * 4:,} (float32) / {latent * 2:,} (bfloat16); "
+            f"expanded heads {expanded * 4:,} / {expanded * 2:,}: {expanded / latent:.1f}x"
+        )
+    return lines
 
 
 def build_model(args, tokenizer):
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    special = dict(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    if args.family == "deepseek_v3":
+        from transformers import DeepseekV3ForCausalLM
+
+        torch.manual_seed(args.seed)
+        return DeepseekV3ForCausalLM(deepseek_config(args, len(tokenizer), special)).float().eval()
 
     config = Qwen3MoeConfig(
         vocab_size=len(tokenizer),
@@ -359,12 +463,17 @@ def active_parameters(model) -> int:
     cfg = model.config
     total = sum(p.numel() for p in model.parameters())
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
-    unused = experts * (1 - cfg.num_experts_per_tok / cfg.num_experts)
+    count = getattr(cfg, "num_experts", None) or cfg.n_routed_experts
+    unused = experts * (1 - cfg.num_experts_per_tok / count)
     return int(total - unused - model.model.embed_tokens.weight.numel())
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.family == "deepseek_v3":
+        print("\n".join(kv_report(args)))
+        if args.kv_report:
+            return 0
     import torch
 
     from petrel.model.loader import resolve_model
@@ -381,7 +490,8 @@ def main(argv=None) -> int:
     )
     os.makedirs(args.out, exist_ok=True)
     if not args.no_gguf:  # before the bf16 copy rounds the weights
-        path = os.path.join(args.out, f"moe-{args.gguf_type}.gguf")
+        stem = "deepseek" if args.family == "deepseek_v3" else "moe"
+        path = os.path.join(args.out, f"{stem}-{args.gguf_type}.gguf")
         write_gguf(model, path, args.gguf_type, source.path)
         print(f"wrote {path}")
     for sub, dtype in (("fp32", torch.float32), *(() if args.no_bf16 else (("bf16", torch.bfloat16),))):

@@ -190,3 +190,27 @@ def test_bad_gguf_metadata_is_refused_naming_the_key(changes, key):
     ModelConfig.from_gguf_metadata(_metadata(None), True, names)  # as written: fine
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         ModelConfig.from_gguf_metadata(_metadata(None, **changes), True, names)
+
+
+def test_make_moe_builds_a_deepseek_v3_shaped_model_served_alike_from_both_files(tmp_path, capsys):
+    """benchmarks/make_moe.py --family deepseek_v3 at a tiny scale: the Hugging Face directory and the GGUF (the
+    default model's tokenizer in both: transformers reads no deepseek2 GGUF config, petrel reads its vocabulary)
+    give the same greedy text through petrel; --kv-report prints the latent cache's bytes against expanded heads."""
+    from petrel import LLM, SamplingParams
+
+    tiny = "--layers 2 --hidden 64 --heads 4 --experts 16 --top-k 2 --moe-intermediate 32 --kv-lora-rank 32"
+    args = ["--family", "deepseek_v3", *tiny.split(), "--q-lora-rank", "32", "--context", "8192"]
+    assert make_moe.main([*args, "--out", str(tmp_path), "--no-bf16"]) == 0
+    report = capsys.readouterr().out
+    # 2 layers x (32 + 64) values against 2 x 4 heads x (128 + 64 + 128)
+    assert "latent 768 (float32)" in report and "expanded heads 10,240" in report and "DeepSeek-V3: " in report
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    texts = []
+    for path in (tmp_path / "fp32", tmp_path / "deepseek-f32.gguf"):
+        llm = LLM(str(path), kv_cache_memory=1 << 22)
+        try:
+            assert llm.engine.model_config.architecture == "DeepseekV3ForCausalLM"
+            texts.append(llm.generate("The capital of France is", greedy, use_tqdm=False).outputs[0].text)
+        finally:
+            llm.shutdown()
+    assert texts[0] == texts[1] and len(texts[0]) > 8
