@@ -73,17 +73,19 @@ def test_configs_structure_and_the_latent_cache_layout(deepseek):
 # ---------------------------------------------------------------- logits against transformers
 
 
+@pytest.mark.parametrize("prefill", ["decompressed", "absorbed"])
 @pytest.mark.parametrize("path", ["kernel", "torch"])
 @pytest.mark.parametrize("name", FAMILY_IDS)
-def test_prefill_and_decode_match_transformers(deepseek, name, path, monkeypatch):
+def test_prefill_and_decode_match_transformers(deepseek, name, path, prefill, monkeypatch):
     """Three prompts prefilled in one step; then two sequences decoded side by side (absorbed over the latent
     cache: latent_attention.c's kernel, or the torch path with PETREL_MLA_KERNEL=0), and a prompt run in chunks over
-    its cached prefix (decompressed)."""
+    its cached prefix; prompt chunks decompressed or absorbed (forced either way)."""
     from petrel.model import dense_kernels, mla_kernels
 
     if path == "kernel" and dense_kernels.library() is None:
         pytest.skip("petrel's float32 kernels cannot run here (no AVX2/FMA or no C compiler)")
     monkeypatch.setenv("PETREL_MLA_KERNEL", "1" if path == "kernel" else "0")
+    monkeypatch.setattr(MLAttention, "absorbs", lambda self, n: prefill == "absorbed")
     ran, kernel = [], mla_kernels.latent_decode_attention
     monkeypatch.setattr(mla_kernels, "latent_decode_attention", lambda *a: ran.append(out := kernel(*a)) or out)
     t = deepseek(name)
@@ -142,19 +144,26 @@ def test_latent_decode_kernel_matches_float64(rows, heads, rank, rope, block_siz
 
 
 def test_decode_steps_read_the_latent_cache_without_expanding_it(deepseek, monkeypatch):
-    """A decode step multiplies the queries by W_UK and the outputs by W_UV; nothing decompresses the cache."""
+    """A decode step multiplies the queries by W_UK and the outputs by W_UV; nothing decompresses the cache. A prompt
+    chunk decompresses its context where that costs less than absorbing its queries (the tiny shape: from 32
+    queries), and absorbs them below."""
     t = deepseek("deepseek_v3")
     calls = []
-    prefill, absorb = MLAttention._prefill, MLAttention.absorb_queries
-    monkeypatch.setattr(MLAttention, "_prefill", lambda self, *a: calls.append("expand") or prefill(self, *a))
-    monkeypatch.setattr(MLAttention, "absorb_queries", lambda self, *a: calls.append("absorb") or absorb(self, *a))
+    for method in ("_prefill", "_absorbed", "_decode"):
+        original = getattr(MLAttention, method)
+        monkeypatch.setattr(MLAttention, method, lambda self, *a, m=method, f=original: calls.append(m) or f(self, *a))
+    attn = t.model.model.layers[0].self_attn
+    assert [attn.absorbs(n) for n in (1, 31, 32, 200)] == [True, True, False, False]
     drv = PagedDriver(t, block_size=4)
-    seq = drv.new_seq(_tokens(12, 5))
-    drv.step([(seq, 11)])
-    assert calls == ["expand"] * 3
+    seq = drv.new_seq(_tokens(48, 5))
+    drv.step([(seq, 40)])
+    assert calls == ["_prefill"] * 3
+    calls.clear()
+    drv.step([(seq, 7)])
+    assert calls == ["_absorbed"] * 3
     calls.clear()
     drv.step([(seq, 1)])
-    assert calls == ["absorb"] * 3
+    assert calls == ["_decode"] * 3
 
 
 # ---------------------------------------------------------------- the whole engine

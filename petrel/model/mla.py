@@ -11,7 +11,8 @@ Per token the layer computes
   output   o = W_o [softmax(q_h . k_h * scale) v_h for each head].
 Two ways to the same numbers:
   prompt chunks  decompress: the chunk's context (its own rows, or the cached prefix's rows gathered by the block
-                 table) through W_UK and W_UV into every head's keys and values, then ordinary causal attention;
+                 table) through W_UK and W_UV into every head's keys and values, then ordinary causal attention (a
+                 chunk of few queries, for which that costs more than absorbing: absorbed, as below);
   decode rows    absorb: q_h . W_UK_h c = (W_UK_h^T q_h) . c, so each head's query becomes a kv_lora_rank vector
                  [W_UK_h^T q_nope_h, q_pe_h] attending over the cache rows as they are (one KV head, keys the whole
                  row, values its latent part), and W_UV_h is applied to each head's weighted latent afterwards. A
@@ -92,8 +93,35 @@ class MLAttention(nn.Module):
                 table = chunk.block_table
                 context = cache[table].view(-1, rows.shape[1])[: chunk.context_len].to(x.dtype)
                 mask, causal = chunk.mask, chunk.mask is None
-            out[span] = self._prefill(q_nope[span], q_pe[span], context, mask, causal)
+            attend = self._absorbed if self.absorbs(chunk.num_tokens) else self._prefill
+            out[span] = attend(q_nope[span], q_pe[span], context, mask, causal)
         return self.o_proj(out.view(tokens, heads * self.v_dim))
+
+    def absorbs(self, queries: int) -> bool:
+        """Whether a chunk of this many queries attends cheaper absorbed than decompressed: per context row and
+        head, absorbed costs queries x (rank + rope + rank) multiply-adds, decompressed rank x (nope + v) to expand
+        the row and queries x (nope + rope + v) to attend (DeepSeek-V3's shape: absorbed below 171 queries; a
+        draft tree's few tokens, the rest of a prompt after a prefix-cache hit)."""
+        width = self.rank + self.rope
+        expanded = self.rank * (self.nope + self.v_dim) + queries * (self.nope + self.rope + self.v_dim)
+        return queries * (width + self.rank) < expanded
+
+    def _absorbed(self, q_nope, q_pe, context, mask, causal: bool) -> torch.Tensor:
+        """A chunk's queries absorbed (as decode rows are) against its context's rows [L, rank + rope] as they are:
+        every (query, head) pair a query row of one KV head, each with its query's mask. Returns [n, heads, v]."""
+        query = self.absorb_queries(q_nope, q_pe)
+        n, heads, width = query.shape
+        if mask is None and causal:  # the chunk is the whole context: query i sees rows 0..i
+            mask = torch.ones(n, context.shape[0], dtype=torch.bool, device=query.device).tril()
+        rows = context.view(1, 1, -1, width)
+        latent_out = F.scaled_dot_product_attention(
+            query.view(1, 1, n * heads, width),
+            rows,
+            rows[..., : self.rank],
+            attn_mask=None if mask is None else mask.repeat_interleave(heads, dim=0),
+            scale=self.scale,
+        )
+        return self.expand_outputs(latent_out.view(n, heads, self.rank))
 
     def _prefill(self, q_nope, q_pe, context, mask, causal: bool) -> torch.Tensor:
         """A chunk's queries [n, heads, nope] / [n, heads, rope] against its context's rows [L, rank + rope],
