@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from petrel import SamplingParams
-from petrel.model import dense_kernels, gemm_kernels, kernel_build, moe_kernels, native, quant_kernels
+from petrel.model import dense_kernels, gemm_kernels, kernel_build, mla_kernels, moe_kernels, native, quant_kernels
 
 MODEL_DIR = kernel_build.DIRECTORY
 needs_kernels = pytest.mark.skipif(
@@ -79,7 +79,7 @@ def test_header_declarations_parse_to_ctypes_types():
 
 def _kernel_calls():
     """(module file, kernel name, ast.Call, parent node) for every `...lib.NAME(...)` call in the wrappers."""
-    for module in (dense_kernels, gemm_kernels, quant_kernels, moe_kernels):
+    for module in (dense_kernels, gemm_kernels, quant_kernels, moe_kernels, mla_kernels):
         tree = ast.parse(open(module.__file__).read())
         parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
         for node in ast.walk(tree):

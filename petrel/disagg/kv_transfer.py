@@ -3,7 +3,7 @@
 One connection per fetch. The client sends one JSON line, {"handle": ..., "mac": ...}: mac is the HMAC-SHA256 of
 the handle under the secret both instances share, so only a peer that knows it can take a pinned prompt. The
 server answers a 4-byte big-endian header length, the JSON header ({"ok": true, "dtype", "shape"} or
-{"ok": false, "error"}), then the tensor's raw bytes ([layers, 2, tokens, kv_heads, head_dim], C order). The
+{"ok": false, "error"}), then the tensor's raw bytes ([layers, planes, tokens, heads, width], C order). The
 client knows the shape its prompt needs and reads no more: a header claiming anything else ends the fetch before
 a byte of tensor is allocated. The engine loop only copies the blocks out (`engine.call`); serialising and
 sending happen on the server's connection thread (at most MAX_CONNECTIONS at once).
@@ -227,7 +227,7 @@ def fetch_kv(
     endpoint: str, handle: str, secret: str, shape: tuple[int, ...], timeout: float = 60.0
 ) -> tuple[torch.Tensor, KVTransferStats]:
     """The pinned prompt KV from the context instance at endpoint ("host:port"), and what the fetch cost.
-    shape: what this prompt's KV must be ([layers, 2, tokens, kv_heads, head_dim]); an answer claiming any other
+    shape: what this prompt's KV must be ([layers, planes, tokens, heads, width]); an answer claiming any other
     is refused before its tensor is read, so a peer cannot make this server allocate more. The whole fetch ends
     within `timeout` seconds. ValueError: the handle is unknown there (never issued, expired, or fetched already),
     or its KV is not this prompt's. KVTransferError: the transfer failed."""

@@ -8,6 +8,7 @@ from petrel.config import parse_endpoint
 from petrel.disagg.kv_transfer import fetch_kv
 from petrel.disagg.params import DisaggregatedParams, KVTransferBusy, KVTransferStats
 from petrel.engine.pinned_prompts import PinLimitReached, PinReservation
+from petrel.model.kv_layout import kv_layout_of
 
 
 def coerce(value) -> DisaggregatedParams | None:
@@ -107,19 +108,14 @@ def request_options(
     dp: DisaggregatedParams | None, prompt_ids: list[int], model_config, config, events=None
 ) -> tuple[dict, KVTransferStats | None]:
     """The EngineRequest fields for this request (fetching the KV of a generation-only one, no larger than this
-    prompt's: [layers, 2, prompt tokens, kv_heads, head_dim]), and the fetch's stats. `events` (the engine's
-    RequestEvents) hears of the fetch, or of its failure."""
+    prompt's: [layers, planes, prompt tokens, heads, width], petrel/model/kv_layout.py), and the fetch's stats.
+    `events` (the engine's RequestEvents) hears of the fetch, or of its failure."""
     if dp is None or dp.request_type == "context_and_generation":
         return {}, None
     if dp.is_context_only:
         return {"context_only": True}, None
-    shape = (
-        model_config.num_hidden_layers,
-        2,
-        len(prompt_ids),
-        model_config.num_key_value_heads,
-        model_config.head_dim,
-    )
+    layout = kv_layout_of(model_config)  # a latent cache moves its one row a token
+    shape = (model_config.num_hidden_layers, layout.planes, len(prompt_ids), layout.heads, layout.width)
     endpoint = peer(dp)
     try:
         kv, stats = fetch_kv(endpoint, dp.opaque_state, config.kv_transfer_secret, shape, config.kv_transfer_timeout)

@@ -46,6 +46,11 @@ def attention_windows(model_config, max_attention_window, sink_token_length, max
     """Each layer's window and the sinks, from the model's own windows and the options (ValueError naming the
     option when they cannot go together)."""
     check_window_options(max_attention_window, sink_token_length)
+    if getattr(model_config, "kv_lora_rank", 0) and (max_attention_window or sink_token_length):
+        raise ValueError(
+            f"max_attention_window and sink_token_length: {model_config.architecture}'s latent attention attends "
+            f"every key (no window)"
+        )
     layers = model_config.num_hidden_layers
     longest = max_model_len or model_config.max_position_embeddings
     own = list(model_config.sliding_windows) or [None] * layers

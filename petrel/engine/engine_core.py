@@ -33,6 +33,7 @@ from petrel.engine.speculative import Speculator
 from petrel.engine.step_isolation import isolated
 from petrel.engine.stop import check_stop
 from petrel.model.config import ModelConfig
+from petrel.model.kv_layout import kv_layout_of
 
 logger = logging.getLogger("petrel")
 
@@ -55,6 +56,10 @@ class EngineCore:
         capacity = plan_kv_cache(config, model_config)
         self.kv_groups, self.max_model_len = capacity.kv_groups, capacity.max_model_len
         num_blocks, bs = capacity.num_blocks, config.block_size
+        # what one token of context costs in the KV cache over every layer (a latent cache holds less than expanded
+        # heads would: petrel/model/kv_layout.py)
+        layers = model_config.num_hidden_layers
+        self.kv_bytes_per_token = kv_layout_of(model_config).bytes_per_token(layers, config.kv_cache_torch_dtype)
         windows = list(self.kv_groups.windows)
         self.block_manager = BlockManager(
             num_blocks,

@@ -1,9 +1,10 @@
 """A prompt's K/V out of the paged cache, and into freshly allocated blocks: what disaggregated serving moves
 between instances (petrel/disagg), read and written on the engine's side.
 
-The transferred form is block-free: one tensor [layers, 2 (key, value), tokens, kv_heads, head_dim], so the
-two instances may use different block sizes. Each layer's cache is [2, num_blocks, block_size, kv_heads,
-head_dim] (petrel/model/attention.py); viewed as [2, num_blocks * block_size, ...] a position's row is its slot.
+The transferred form is block-free: one tensor [layers, planes, tokens, heads, width] (planes 2, key and value, per
+KV head; a latent cache's one row a token: petrel/model/kv_layout.py), so the two instances may use different block
+sizes. Each layer's cache is [planes, num_blocks, block_size, heads, width]; viewed as [planes, num_blocks *
+block_size, ...] a position's row is its slot.
 A model with several KV groups (petrel/engine/kv_groups.py) passes one block table per layer (its group's).
 """
 
@@ -28,7 +29,7 @@ def _first_held_position(block_table: list[int], num_tokens: int, block_size: in
 
 
 def _flat(cache: torch.Tensor) -> torch.Tensor:
-    return cache.view(2, -1, *cache.shape[3:])
+    return cache.view(cache.shape[0], -1, *cache.shape[3:])
 
 
 def _layer_tables(kv_caches: list[torch.Tensor], block_table) -> list[list[int]]:
@@ -39,7 +40,7 @@ def _layer_tables(kv_caches: list[torch.Tensor], block_table) -> list[list[int]]
 
 
 def gather_prompt_kv(kv_caches: list[torch.Tensor], block_table, num_tokens: int) -> torch.Tensor:
-    """The K/V of positions 0..num_tokens-1, copied out to the CPU: [layers, 2, tokens, kv_heads, head_dim].
+    """The K/V of positions 0..num_tokens-1, copied out to the CPU: [layers, planes, tokens, heads, width].
     block_table: the table of every layer, or one table per layer.
 
     Positions in blocks given back behind a sliding window come out as zeros (the engine keeps a context-only
@@ -53,7 +54,8 @@ def gather_prompt_kv(kv_caches: list[torch.Tensor], block_table, num_tokens: int
             slots[id(table)] = _slots(table, first, num_tokens, block_size, kv_caches[0].device)
     if not any(firsts):
         return torch.stack([_flat(cache)[:, slots[id(t)]] for cache, t in zip(kv_caches, tables)]).cpu()
-    kv = torch.zeros(len(kv_caches), 2, num_tokens, *kv_caches[0].shape[3:], dtype=kv_caches[0].dtype)
+    planes = kv_caches[0].shape[0]
+    kv = torch.zeros(len(kv_caches), planes, num_tokens, *kv_caches[0].shape[3:], dtype=kv_caches[0].dtype)
     for layer, (cache, table, first) in enumerate(zip(kv_caches, tables, firsts)):
         kv[layer, :, first:] = _flat(cache)[:, slots[id(table)]].cpu()
     return kv
@@ -62,10 +64,16 @@ def gather_prompt_kv(kv_caches: list[torch.Tensor], block_table, num_tokens: int
 def scatter_prompt_kv(kv_caches: list[torch.Tensor], block_table, kv: torch.Tensor) -> None:
     """Write gather_prompt_kv's tensor into the blocks of block_table (positions 0..tokens-1): the table of every
     layer, or one table per layer."""
-    if kv.shape[0] != len(kv_caches) or kv.shape[3:] != kv_caches[0].shape[3:]:
+    cache = kv_caches[0]
+    if (
+        kv.dim() != 5
+        or kv.shape[0] != len(kv_caches)
+        or kv.shape[1] != cache.shape[0]
+        or kv.shape[3:] != cache.shape[3:]
+    ):
         raise ValueError(
             f"the transferred KV has shape {list(kv.shape)}, which does not fit this model's cache "
-            f"({len(kv_caches)} layers x {list(kv_caches[0].shape[3:])})"
+            f"({len(kv_caches)} layers x {cache.shape[0]} planes x {list(cache.shape[3:])})"
         )
     block_size = kv_caches[0].shape[2]
     for cache, table, layer in zip(kv_caches, _layer_tables(kv_caches, block_table), kv):

@@ -31,6 +31,7 @@ from petrel.kv_tiers.chain import TierChain, build_tiers, tier_key
 from petrel.kv_tiers.dkv_hint import plan_hinted_fetch
 from petrel.kv_tiers.fetch_worker import Fetch, FetchWorker
 from petrel.kv_tiers.redis_store import store_from_config
+from petrel.model.kv_layout import kv_layout_of
 from petrel.outputs import KVFetchStats
 
 
@@ -47,6 +48,7 @@ def build_tier_io(config, runner, model, model_config, block_manager) -> KVTierI
         block_size=cache.shape[2],
         kv_heads=cache.shape[3],
         head_dim=cache.shape[4],
+        kind=kv_layout_of(model_config).kind,
     )
     disk_bytes = config.kv_disk_tier_bytes
     # one namespace per model in the shared store: chain hashes carry no model, and two models must not overwrite
@@ -116,7 +118,7 @@ class KVTierIO:
             return
         caches = self.runner.cache_tensors
         index = torch.tensor([block for block, *_ in blocks], dtype=torch.long, device=caches[0].device)
-        rows = torch.stack([cache[:, index] for cache in caches]).cpu()  # [layers, 2, n, block_size, heads, dim]
+        rows = torch.stack([cache[:, index] for cache in caches]).cpu()  # [layers, planes, n, block_size, heads, dim]
         for j, (_, group, block_hash, tokens) in enumerate(blocks):
             keep(group, block_hash, tokens, rows[:, :, j])
 
@@ -175,7 +177,7 @@ class KVTierIO:
     def _load(self, loads: dict[int, torch.Tensor]) -> None:
         caches = self.runner.cache_tensors
         index = torch.tensor(list(loads), dtype=torch.long, device=caches[0].device)
-        kv = torch.stack(list(loads.values())).to(caches[0].device)  # [n, layers, 2, block_size, heads, dim]
+        kv = torch.stack(list(loads.values())).to(caches[0].device)  # [n, layers, planes, block_size, heads, dim]
         for layer, cache in enumerate(caches):
             cache[:, index] = kv[:, layer].transpose(0, 1).to(cache.dtype)
 

@@ -149,6 +149,11 @@ class LLMEngine:
         bm = self.core.block_manager
         return bm.num_blocks // bm.num_groups * bm.block_size
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV-cache bytes one token of context takes over every layer (EngineCore.kv_bytes_per_token)."""
+        return self.core.kv_bytes_per_token
+
     # ------------------------------------------------------------------ caller side (any thread)
     def add_request(
         self,

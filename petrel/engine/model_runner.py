@@ -18,7 +18,8 @@ from petrel.engine.sequence import Sequence
 from petrel.model import dense_kernels
 from petrel.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk, new_kv_cache
 from petrel.model.config import ModelConfig
-from petrel.model.parallel import SINGLE, TensorParallel, local_kv_heads, max_local_kv_heads
+from petrel.model.kv_layout import kv_layout_of
+from petrel.model.parallel import SINGLE, TensorParallel
 from petrel.multimodal.inputs import MultiModalInputs
 from petrel.multimodal.mrope import span_positions
 
@@ -130,10 +131,9 @@ def kv_bytes_per_block(
 ) -> int:
     """Bytes of one cache block on the rank holding the most KV heads (all of them with one rank). A block id
     holds layers_per_block layers' KV (KVGroups.layers_per_block; default: every layer)."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    kv_heads = max_local_kv_heads(cfg.num_key_value_heads, tensor_parallel_size)
+    layout = kv_layout_of(cfg, TensorParallel(0, tensor_parallel_size), widest=True)
     layers = cfg.num_hidden_layers if layers_per_block is None else layers_per_block
-    return 2 * layers * block_size * kv_heads * cfg.head_dim * elem
+    return block_size * layout.bytes_per_token(layers, dtype)
 
 
 def num_kv_blocks(config, cfg: ModelConfig, layers_per_block: int | None = None) -> int:
@@ -223,9 +223,10 @@ class ModelRunner:
         )
         self.kv_groups = kv_groups or single_group(cfg.num_hidden_layers, None)
         self.sink_blocks = -(-self.kv_groups.sink_tokens // block_size)
-        kv_heads = local_kv_heads(cfg.num_key_value_heads, tp)  # this rank's slice of the cache
+        self.kv_layout = kv_layout_of(cfg, tp)  # this rank's slice of the cache (a latent cache: whole)
         plain = (
             tp.size == 1
+            and self.kv_layout.kind == "kv"
             and self.kv_groups.num_groups == 1
             and lora_manager is None
             and not getattr(model, "uses_mrope", False)
@@ -236,7 +237,13 @@ class ModelRunner:
         # CUDA graphs one more block, past the block manager's, takes the padded rows' K/V
         self.cache_tensors = [
             new_kv_cache(
-                num_blocks + bool(graph_sizes), block_size, kv_heads, cfg.head_dim, kv_cache_dtype or dtype, device
+                num_blocks + bool(graph_sizes),
+                block_size,
+                self.kv_layout.heads,
+                self.kv_layout.width,
+                kv_cache_dtype or dtype,
+                device,
+                self.kv_layout.planes,
             )
             for _ in range(self.kv_groups.layers_per_block)
         ]
@@ -456,7 +463,7 @@ class ModelRunner:
         src = self._tensor([s for s, _ in copies])
         dst = self._tensor([d for _, d in copies])
         for cache in self.cache_tensors:
-            flat = cache.view(2, -1, *cache.shape[3:])
+            flat = cache.view(cache.shape[0], -1, *cache.shape[3:])
             flat[:, dst] = flat[:, src]
 
     def move_slots(self, copies: list[tuple[int, int]]) -> None:

@@ -1,12 +1,14 @@
 """One KV block <-> bytes: the form a block takes in every lower tier (host memory, disk, a shared store).
 
 A block id of the paged cache holds, for each of the runner's cache tensors (KVGroups.layers_per_block of them:
-every layer of a one-group model, or one KV group's layers), the K and V rows of block_size positions. Its blob:
+every layer of a one-group model, or one KV group's layers), the K and V rows of block_size positions (a latent
+cache, multi-head latent attention's: one row a position, petrel/model/kv_layout.py). Its blob:
 
     b"PETRELKV" | version (u16, big-endian) | header length (u32) | header (JSON) | payload (raw tensor bytes)
 
-The header names the model (a fingerprint of its architecture and weights), the dtype, the payload's shape
-[layers, 2, block_size, kv_heads, head_dim], the KV group, the block's chain hash, its token ids, the payload's
+The header names the model (a fingerprint of its architecture and weights), the dtype, the cache kind ("kv" or
+"latent"; a header without one was written for "kv"), the payload's shape [layers, planes (2, key and value; 1, the
+latent row), block_size, kv_heads, head_dim], the KV group, the block's chain hash, its token ids, the payload's
 length and its CRC-32. decode_block checks every one of them against what the reading engine expects and raises
 BlockCodecError on any difference, a short (truncated) payload or a bad checksum: the caller counts it and
 recomputes the block. No pickle: JSON and raw bytes only.
@@ -44,10 +46,12 @@ class BlockLayout:
     block_size: int
     kv_heads: int
     head_dim: int
+    kind: str = "kv"  # the cache kind (petrel/model/kv_layout.py): "kv" (keys and values), "latent" (one row)
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (self.num_layers, 2, self.block_size, self.kv_heads, self.head_dim)
+        planes = 1 if self.kind == "latent" else 2
+        return (self.num_layers, planes, self.block_size, self.kv_heads, self.head_dim)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -69,7 +73,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def encode_block(layout: BlockLayout, key: bytes, group: int, tokens, kv: torch.Tensor) -> bytes:
-    """The blob of one block: kv [layers, 2, block_size, kv_heads, head_dim] (any device) with its identity."""
+    """The blob of one block: kv [layers, planes, block_size, kv_heads, head_dim] (any device) with its identity."""
     if tuple(kv.shape) != layout.shape or kv.dtype != layout.torch_dtype:
         raise ValueError(f"block KV of shape {list(kv.shape)} {kv.dtype} does not fit layout {layout}")
     payload = kv.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
@@ -86,7 +90,7 @@ def encode_block(layout: BlockLayout, key: bytes, group: int, tokens, kv: torch.
 
 
 def decode_block(layout: BlockLayout, blob: bytes, key: bytes, group: int, tokens) -> torch.Tensor:
-    """The KV of a blob ([layers, 2, block_size, kv_heads, head_dim], on the CPU), after checking that it is the
+    """The KV of a blob ([layers, planes, block_size, kv_heads, head_dim], on the CPU), after checking that it is the
     block `key` of group `group` holding `tokens`, written by this model with this layout, and intact."""
     start = len(MAGIC) + _PREFIX.size
     if len(blob) < start or blob[: len(MAGIC)] != MAGIC:
@@ -102,6 +106,7 @@ def decode_block(layout: BlockLayout, blob: bytes, key: bytes, group: int, token
         raise BlockCodecError(f"KV block header is not valid JSON ({exc})") from None
     if not isinstance(header, dict):
         raise BlockCodecError("KV block header is not a JSON object")
+    header.setdefault("kind", "kv")  # written before caches had kinds
     expected = {
         **asdict(layout),
         "group": group,

@@ -91,13 +91,20 @@ def per_layer(meta: AttentionMetadata | list[AttentionMetadata]):
 
 
 def new_kv_cache(
-    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    planes: int = 2,
 ) -> torch.Tensor:
-    """One layer's cache: [2 (key, value), num_blocks, block_size, kv_heads, head_dim], all zeros.
+    """One layer's cache: [2 (key, value), num_blocks, block_size, kv_heads, head_dim], all zeros (planes 1: a
+    latent cache, petrel/model/kv_layout.py).
 
     On CPU the memory is an anonymous mapping: the OS hands out zero pages on first write, so the process holds
     only the blocks it has used (torch.zeros would touch the whole budget up front)."""
-    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    shape = (planes, num_blocks, block_size, num_kv_heads, head_dim)
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
+
+from petrel.model import deepseek_config
+from petrel.model.deepseek_config import DEEPSEEK_ARCHITECTURES
 
 # GGUF `general.architecture` -> the Hugging Face architecture it holds (the same metadata keys for each)
 GGUF_ARCHITECTURES = {
@@ -13,6 +17,7 @@ GGUF_ARCHITECTURES = {
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
+    "deepseek2": "DeepseekV2ForCausalLM",  # V3 too: llama.cpp writes both as deepseek2 (DeepseekV2 runs either)
 }
 GGUF_GATING_SOFTMAX = 1  # llama.cpp's expert_gating_func values: 1 softmax, 2 sigmoid, 3 softmax over the top-k
 GGUF_GATING_SOFTMAX_TOPK = 3
@@ -77,6 +82,19 @@ class ModelConfig:
     expert_activation: str = "silu"
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    # DeepSeek-V2 / V3 (petrel/model/deepseek_config.py says what each field means): multi-head latent attention
+    # (kv_lora_rank 0: ordinary heads) and the grouped, scaled router (the others: softmax, greedy, unscaled)
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # rotary on consecutive pairs in the checkpoint's rows (petrel de-interleaves them)
+    scoring_func: str = "softmax"
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
     # a vision-language model's whole Hugging Face config (the fields above are its text_config's); None: text only
     multimodal_config: dict | None = field(default=None, repr=False)
 
@@ -114,6 +132,8 @@ class ModelConfig:
         partial = (rope_params or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
         if partial != 1.0:
             raise ValueError(f"partial rotary embedding (partial_rotary_factor {partial}) is not supported")
+        if architecture in DEEPSEEK_ARCHITECTURES:
+            return cls._deepseek(architecture, cfg, rope_theta or 10000.0, rope_scaling)
         moe = _hf_moe(architecture, cfg) if architecture in MOE_ARCHITECTURES else {}
         moe_qkv_bias = moe.pop("qkv_bias", False)
         gpt_oss = architecture == "GptOssForCausalLM"
@@ -148,6 +168,48 @@ class ModelConfig:
             **moe,
         )
 
+    @classmethod
+    def _deepseek(cls, architecture: str, cfg: dict, rope_theta: float, rope_scaling: dict | None) -> ModelConfig:
+        eos = cfg.get("eos_token_id")
+        return cls(
+            architecture=architecture,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+            **deepseek_config.from_hf(architecture, cfg, rope_theta, rope_scaling),
+        )
+
+    @classmethod
+    def _deepseek_gguf(cls, meta: dict, get, has_output_tensor: bool, tensor_names: AbstractSet[str]) -> ModelConfig:
+        fields = deepseek_config.from_gguf(get, set(tensor_names))
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        v3 = fields.get("topk_method") == "noaux_tc"
+        return cls(
+            architecture="DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM",
+            vocab_size=get("vocab_size") or len(meta["tokenizer.ggml.tokens"]),
+            hidden_size=get("embedding_length"),
+            intermediate_size=get("feed_forward_length"),
+            num_hidden_layers=get("block_count"),
+            max_position_embeddings=get("context_length", 2048),
+            rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-6),
+            rope_theta=get("rope.freq_base", 10000.0),
+            tie_word_embeddings=not has_output_tensor,
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=[eos] if eos is not None else [],
+            **fields,
+        )
+
+    @property
+    def latent_attention(self) -> bool:
+        """Multi-head latent attention (DeepSeek): the KV cache holds a latent and a rotary key per token."""
+        return self.kv_lora_rank > 0
+
     def is_moe_layer(self, layer: int) -> bool:
         """Whether this layer's MLP is a mixture of experts (petrel/model/moe.py)."""
         return self.num_experts > 0 and layer not in self.dense_layers
@@ -166,7 +228,11 @@ class ModelConfig:
         return None
 
     @classmethod
-    def from_gguf_metadata(cls, meta: dict, has_output_tensor: bool) -> ModelConfig:
+    def from_gguf_metadata(
+        cls, meta: dict, has_output_tensor: bool, tensor_names: AbstractSet[str] = frozenset()
+    ) -> ModelConfig:
+        """tensor_names: the file's tensors (a deepseek2 file's say whether queries go through a latent and whether
+        the router has a score-correction bias)."""
         arch = meta["general.architecture"]
         if arch not in GGUF_ARCHITECTURES:
             raise ValueError(
@@ -193,6 +259,8 @@ class ModelConfig:
             }
         eos = meta.get("tokenizer.ggml.eos_token_id")
         architecture = GGUF_ARCHITECTURES[arch]
+        if arch == "deepseek2":
+            return cls._deepseek_gguf(meta, get, has_output_tensor, tensor_names)
         if arch == "llama" and get("expert_count"):  # llama.cpp writes Mixtral as a llama with experts
             architecture = "MixtralForCausalLM"
         moe = _gguf_moe(arch, architecture, get) if architecture in MOE_ARCHITECTURES else {}

@@ -27,6 +27,7 @@ SOURCES = (
     "prefill_attention.c",
     "prefill_attention_avx512.c",
     "decode_attention.c",
+    "latent_attention.c",
     "quant_kernels.c",
     "int8_gemm.c",
     "group_gemm.c",

@@ -43,6 +43,9 @@ void paged_decode_attention(const float *q, int64_t q_stride, const void *key_ca
                             int kv_bf16, const int64_t *tables, int64_t max_blocks, const int64_t *context_lens,
                             int64_t S, int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t window,
                             float scale, const float *sinks, float *out, int nthreads);
+int paged_latent_decode_attention(const float *q, int64_t q_stride, const void *cache, int kv_bf16,
+                                  const int64_t *tables, int64_t max_blocks, const int64_t *context_lens, int64_t S,
+                                  int64_t H, int64_t W, int64_t R, int64_t bs, float scale, float *out, int nthreads);
 void rms_norm(const float *x, int64_t T, int64_t H, int64_t stride, const float *w, float eps, float *out,
               int nthreads);
 void rotary(const float *x, int64_t T, int64_t heads, int64_t D, int64_t stride, const float *cos_t,

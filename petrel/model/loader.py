@@ -139,6 +139,25 @@ _GGUF_NAMES_GEMMA3 = {
 }
 
 
+# DeepSeek-V2 / V3 (llama.cpp's deepseek2): multi-head latent attention's projections, the router's score-correction
+# bias, and the shared experts (Hugging Face's shared_experts)
+_GGUF_NAMES_DEEPSEEK2 = {
+    **_GGUF_NAMES,
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
+    "attn_k_b": "self_attn.k_b_proj",
+    "attn_v_b": "self_attn.v_b_proj",
+    "exp_probs_b": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+}
+
+
 def read_gguf_metadata(reader) -> dict:
     meta = {}
     for key, field in reader.fields.items():
@@ -279,13 +298,25 @@ def gguf_weights(reader, cfg: ModelConfig, keep_quantized: bool = False) -> Iter
     permuted = cfg.architecture in ("LlamaForCausalLM", "Idefics3ForConditionalGeneration", "MixtralForCausalLM")
     gemma = cfg.architecture == "Gemma3ForCausalLM"
     gpt_oss = cfg.architecture == "GptOssForCausalLM"
-    names = _GGUF_NAMES_GEMMA3 if gemma else _GGUF_NAMES_GPT_OSS if gpt_oss else _GGUF_NAMES
+    if gemma:
+        names = _GGUF_NAMES_GEMMA3
+    elif gpt_oss:
+        names = _GGUF_NAMES_GPT_OSS
+    else:
+        names = _GGUF_NAMES_DEEPSEEK2 if cfg.kv_lora_rank else _GGUF_NAMES
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue
         parts = t.name.split(".")
         if parts[0] == "blk" and len(parts) == 3:  # a tensor named without its suffix (attn_sinks)
             parts.append("weight")
+        if parts[0] == "blk" and parts[2] == "exp_probs_b":  # a vector the router adds to its scores for choosing
+            data = dequantize(t.data, t.tensor_type).reshape(-1)
+            yield (
+                f"model.layers.{parts[1]}.mlp.gate.e_score_correction_bias",
+                torch.from_numpy(np.array(data, np.float32)),
+            )
+            continue
         if parts[0] == "blk":
             name = f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
         else:
@@ -388,7 +419,7 @@ def load_model_config(source: ModelSource, reader=None) -> ModelConfig:
     """reader: the GGUFIndex of a GGUF source, when the caller has it open already."""
     if source.kind == "gguf":
         reader = reader or _gguf_reader(source)
-        cfg = ModelConfig.from_gguf_metadata(dict(reader.metadata), reader.has_output)
+        cfg = ModelConfig.from_gguf_metadata(dict(reader.metadata), reader.has_output, {t.name for t in reader.tensors})
         freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
         if freqs is not None and cfg.rope_scaling is None:  # llama.cpp's form of Llama 3's rope scaling
             cfg.rope_scaling = {"rope_type": "freq_divisors", "divisors": np.asarray(freqs.data, np.float64).tolist()}
@@ -416,10 +447,11 @@ def load_model_config(source: ModelSource, reader=None) -> ModelConfig:
 
 def _gguf_moe_layers(cfg: ModelConfig, names: set[str]) -> None:
     """What a mixture of experts' GGUF says by its tensors: the layers without a router (blk.N.ffn_gate_inp) are
-    dense, and Qwen2-MoE's q/k/v biases are there or not; an expert score bias (exp_probs_b: DeepSeek's
-    bias-corrected selection) is refused, naming it."""
+    dense, and Qwen2-MoE's q/k/v biases are there or not; an expert score bias (exp_probs_b) is refused, naming it,
+    but by DeepSeek-V3's router, whose bias-corrected selection it is."""
     cfg.dense_layers = [i for i in range(cfg.num_hidden_layers) if f"blk.{i}.ffn_gate_inp.weight" not in names]
-    if any(n.endswith(".exp_probs_b.bias") or n.endswith(".exp_probs_b") for n in names):
+    biased = any(n.endswith(".exp_probs_b.bias") or n.endswith(".exp_probs_b") for n in names)
+    if biased and cfg.topk_method != "noaux_tc":  # DeepSeek-V3's router takes one (petrel/model/deepseek.py)
         raise ValueError("GGUF tensor exp_probs_b (a bias on the experts' scores for selection) is not supported")
     if cfg.architecture == "Qwen2MoeForCausalLM":
         cfg.qkv_bias = "blk.0.attn_q.bias" in names

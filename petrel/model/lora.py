@@ -226,6 +226,8 @@ class LoRAManager:
     evicted and every step's adapters fit."""
 
     def __init__(self, model: nn.Module, cfg, max_loras: int, max_rank: int):
+        if getattr(cfg, "kv_lora_rank", 0):
+            raise ValueError(f"enable_lora: LoRA adapters on {cfg.architecture}'s latent attention are not supported")
         self.cfg = cfg
         self.max_loras = max_loras
         self.max_rank = max_rank

@@ -64,6 +64,11 @@ def partition(total: int, parts: int, index: int) -> tuple[int, int]:
 def check_tensor_parallel(cfg, size: int, expert_parallel: bool = False) -> None:
     """ValueError unless the model can be split over `size` ranks (each needs a KV head and a slice of the MLP; of a
     mixture of experts, an expert with expert_parallel, else a slice of every expert)."""
+    if getattr(cfg, "kv_lora_rank", 0) and size > 1:
+        raise ValueError(
+            f"tensor_parallel_size={size}: multi-head latent attention ({cfg.architecture}) runs on one rank "
+            f"(use tensor_parallel_size=1)"
+        )
     if size > cfg.num_key_value_heads:
         raise ValueError(
             f"tensor_parallel_size={size} is larger than the model's {cfg.num_key_value_heads} key/value "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from petrel.model.deepseek import DeepseekForCausalLM
 from petrel.model.gemma3 import Gemma3ForCausalLM
 from petrel.model.gpt_oss import GptOssForCausalLM
 from petrel.model.idefics3 import Idefics3ForConditionalGeneration
@@ -22,6 +23,10 @@ MODEL_CLASSES = {
     "Qwen3MoeForCausalLM": MoeForCausalLM,  # + per-head q/k norm
     # + sink logits, alternating windows, a router bias, biased experts, the clamped SwiGLU (petrel/model/gpt_oss.py)
     "GptOssForCausalLM": GptOssForCausalLM,
+    # multi-head latent attention over a latent KV cache, DeepSeek's grouped router, shared experts
+    # (petrel/model/deepseek.py)
+    "DeepseekV2ForCausalLM": DeepseekForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekForCausalLM,
     # vision-language: SigLIP tower + pixel-shuffle connector before a Llama text model (petrel/model/idefics3.py)
     "Idefics3ForConditionalGeneration": Idefics3ForConditionalGeneration,
     "SmolVLMForConditionalGeneration": Idefics3ForConditionalGeneration,

@@ -53,7 +53,17 @@ def load_tokenizer(source: ModelSource, tokenizer: str | None = None):
             return AutoTokenizer.from_pretrained(cached)
         except Exception:
             pass  # a damaged cache entry: convert again
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(source.path), gguf_file=os.path.basename(source.path))
+    folder, name = os.path.dirname(source.path), os.path.basename(source.path)
+    try:
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except ValueError as exc:
+        # transformers reads a GGUF's config to pick the tokenizer's class, and knows fewer architectures than petrel
+        # (deepseek2); the vocabulary does not depend on the architecture: the generic fast tokenizer reads it
+        if "architecture" not in str(exc):
+            raise
+        from transformers import PreTrainedTokenizerFast
+
+        tok = PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=name)
     try:
         tmp = f"{cached}.tmp{os.getpid()}"
         tok.save_pretrained(tmp)

@@ -54,6 +54,7 @@ def server_info(llm, served_name: str) -> dict:
         "block_size": llm.engine.core.block_manager.block_size,
         "dtype": str(config.dtype),
         "kv_cache_dtype": str(config.kv_cache_dtype),
+        "kv_bytes_per_token": llm.engine.kv_bytes_per_token,  # over every layer (a latent cache's: less)
         "kv_transfer_role": config.kv_transfer_role,
     }
 
