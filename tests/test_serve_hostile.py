@@ -24,10 +24,18 @@ SMALL_CONTEXT = 48  # the server's context limit in the at-the-limit cases (gene
 
 @pytest.fixture(scope="module")
 def server(llm):
+    from petrel.heap import freeze_startup_objects, thaw_frozen_objects
+
     srv = BackgroundServer(build_app(llm))
     srv.baseline = free_blocks(llm)
-    with srv:
-        yield srv
+    # as `petrel serve` does at start-up: what is alive now (here the whole test session's heap) leaves the
+    # collector's generations, so a collection the requests' allocations trigger does not walk it on the event loop
+    freeze_startup_objects()
+    try:
+        with srv:
+            yield srv
+    finally:
+        thaw_frozen_objects()
 
 
 @pytest.fixture(scope="module")
