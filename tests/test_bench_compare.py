@@ -223,3 +223,29 @@ def test_llama_server_w3_has_w3_concurrency_slots_on_each_gguf(tmp_path):
     assert rows["output tok/s"]["value"] > 0 and rows["output tok/s (Q4_1)"]["value"] > 0
     assert f"{W3_CONCURRENCY} slots" in rows["output tok/s"]["note"]
     assert cmp.raw["llamacpp_w3_f32"]["valid"] and cmp.raw["llamacpp_w3_q4_1"]["valid"]
+
+
+def test_quantization_reaches_every_petrel_run_and_names_the_w1_row(tmp_path, monkeypatch):
+    """--quantization gguf: each of petrel's benchmark processes gets it (a GGUF's blocks kept, as llama.cpp
+    multiplies them), W1's row says so, the meta records it, and the default model's extra Q4_1 run is not repeated."""
+    argvs = []
+
+    def fake_run_script(argv, *a, **k):
+        argvs.append(argv)
+        out = argv[argv.index("--json") + 1]
+        r = {"workload": "w1", "valid": True, "decode_tok_s": 50.0, "ttft_s": 0.05}
+        with open(out, "w") as f:
+            json.dump({"results": [r]}, f)
+        return [], 100.0
+
+    monkeypatch.setattr(compare, "run_script", fake_run_script)
+    monkeypatch.setattr(compare.Compare, "installed", lambda self, e: True)
+    monkeypatch.setattr(flops, "matmul_peak_gflops", lambda: 100.0)
+    out = tmp_path / "c.json"
+    code = compare.main(["--engines", "petrel", "--workloads", "w1", "--quick", "--quantization", "gguf",
+                         "--peers-home", str(tmp_path), "--json", str(out)])  # fmt: skip
+    doc = json.loads(out.read_text())
+    assert code == 0 and len(argvs) == 1
+    assert argvs[0][argvs[0].index("--quantization") + 1] == "gguf"
+    assert {r["metric"] for r in doc["rows"]} >= {"decode tok/s (petrel gguf)"}
+    assert doc["meta"]["petrel_quantization"] == "gguf"

@@ -114,8 +114,13 @@ class Compare:
 
     @property
     def w1_metric(self) -> str:
-        """W1's row: decode tok/s at --dtype ("fp32", "bf16")."""
-        return f"decode tok/s ({DTYPE_LABELS[self.args.dtype]})"
+        """W1's row: decode tok/s at --dtype ("fp32", "bf16"), or petrel's --quantization where one is given."""
+        held = self.args.quantization
+        return f"decode tok/s ({DTYPE_LABELS[self.args.dtype] if held is None else 'petrel ' + held})"
+
+    def petrel_quantization_argv(self) -> list[str]:
+        """--quantization for each of petrel's runs (none given: [])."""
+        return [] if self.args.quantization is None else ["--quantization", self.args.quantization]
 
     def skip_reason(self, engine: str) -> str | None:
         """Why an installed engine cannot run --model at --dtype (None: it can)."""
@@ -255,6 +260,7 @@ class Compare:
                     *self.petrel_model_argv(),
                     "--dtype",
                     self.args.dtype,
+                    *self.petrel_quantization_argv(),
                     *options,
                     *self.size_argv("--w1-runs"),
                     "--json",
@@ -278,7 +284,8 @@ class Compare:
             doc = self.petrel_bench("w6", *options)[0]
             self.raw["petrel_w6"] = doc
             self.record_w6("petrel", doc["results"][0])
-        if "w1" in workloads and not self.model:  # the GGUF's Q4_1 blocks kept quantized: llama.cpp's Q4_1 weights
+        if "w1" in workloads and not self.model and self.args.quantization is None:
+            # the GGUF's Q4_1 blocks kept quantized: llama.cpp's Q4_1 weights
             r = self.petrel_bench("w1", "--quantization", "gguf")[0]["results"][0]
             self.raw["petrel_w1_gguf"] = r
             self.add(
@@ -306,14 +313,16 @@ class Compare:
                         "" if self.args.quick else W4_CACHE_NOTE,
                     )
         # W3 in float32, and (the default model) with the GGUF's Q4_1 blocks kept quantized, as llama-server runs it
-        w3_runs = (("", []), *(() if self.model else ((" (Q4_1)", ["--quantization", "gguf"]),)))
+        extra = not self.model and self.args.quantization is None
+        w3_runs = (("", self.petrel_quantization_argv()), *((" (Q4_1)", ["--quantization", "gguf"]),) * extra)
         for label, quantization in w3_runs if "w3" in workloads else ():
             port = free_port()
             serve = [sys.executable, "-m", "petrel.cli", "serve", "--port", str(port), "--log-level", "warning"]
             serve += ["--served-model-name", "petrel", *self.petrel_model_argv(), "--dtype", self.args.dtype]
             serve += quantization
-            raw_key = "petrel_w3" + ("_gguf" if quantization else "")
-            self.w3_server("petrel", serve, port, raw_key, "quantization='gguf'" if quantization else "", label)
+            raw_key = "petrel_w3" + (f"_{quantization[1]}" if quantization else "")
+            note = f"quantization={quantization[1]!r}" if quantization else ""
+            self.w3_server("petrel", serve, port, raw_key, note, label)
         if "startup" in workloads:
             results, _ = run_script([sys.executable, "-c", STARTUP_PROBE, *([self.model] if self.model else [])])
             self.add("startup", "LLM() to first token", "petrel", results[0]["first_token_s"], "s")
@@ -331,6 +340,7 @@ class Compare:
                     *self.petrel_model_argv(),
                     "--dtype",
                     self.args.dtype,
+                    *self.petrel_quantization_argv(),
                 ],
                 port,
             )
@@ -594,6 +604,8 @@ def run(args) -> dict:
             "missing": missing,
             "skipped": skipped,
             "model": cmp.model or "default (SmolLM2-135M-Instruct)",
+            "dtype": args.dtype,
+            "petrel_quantization": args.quantization,
             "w1_prompt_ids": cmp.w1_ids,
             "contention": contention.describe(),
             "rounds": args.rounds,
@@ -691,6 +703,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a Hugging Face directory or GGUF file petrel loads, for every engine (default: the default model)",
     )
     p.add_argument("--gguf", default=None, help="with an HF --model: the same weights as a GGUF, for llama.cpp")
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=["int8", "gguf", "bf16"],
+        help="petrel's weights kept quantized in all its runs (gguf: a GGUF --model's own blocks, the types "
+        "llama.cpp multiplies; default: none, a GGUF's blocks dequantized to --dtype)",
+    )
     p.add_argument(
         "--dtype",
         default="float32",
