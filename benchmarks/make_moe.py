@@ -601,6 +601,19 @@ def _finish_gguf(w, model, gguf_type: str, source_gguf: str | None, mla_legacy: 
     w.close()
 
 
+def add_published_router_keys(path: str) -> None:
+    """config.json gains the router keys DeepSeek-V3's published config.json spells out (topk_method "noaux_tc",
+    scoring_func "sigmoid"), which transformers' DeepseekV3Config implies and leaves out of what it saves; vLLM
+    builds the router's score-correction bias only where topk_method says noaux_tc."""
+    file = os.path.join(path, "config.json")
+    with open(file) as f:
+        config = json.load(f)
+    config.setdefault("topk_method", "noaux_tc")
+    config.setdefault("scoring_func", "sigmoid")
+    with open(file, "w") as f:
+        json.dump(config, f, indent=2)
+
+
 def active_parameters(model) -> int:
     """Parameters a token reads: everything but the experts it is not routed to (and the embedding table, of which
     it reads a row)."""
@@ -647,6 +660,8 @@ def main(argv=None) -> int:
             break
         model.to(dtype).save_pretrained(os.path.join(args.out, sub), safe_serialization=True)
         tokenizer.save_pretrained(os.path.join(args.out, sub))
+        if args.family == "deepseek-v3":
+            add_published_router_keys(os.path.join(args.out, sub))
         print(f"wrote {os.path.join(args.out, sub)}")
     with open(os.path.join(args.out, "README.json"), "w") as f:
         info = {"built_by": "benchmarks/make_moe.py", "args": vars(args), "parameters": n_params, "active": active}

@@ -8,6 +8,7 @@ naming the key."""
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import numpy as np
@@ -195,7 +196,8 @@ def test_bad_gguf_metadata_is_refused_naming_the_key(changes, key):
 def test_make_moe_builds_a_deepseek_v3_shaped_model_served_alike_from_both_files(tmp_path, capsys):
     """benchmarks/make_moe.py --family deepseek-v3 at a tiny scale: the Hugging Face directory and the GGUF (the
     default model's tokenizer in both: transformers reads no deepseek2 GGUF config, petrel reads its vocabulary)
-    give the same greedy text through petrel; --kv-report prints the latent cache's bytes against expanded heads."""
+    give the same greedy text through petrel; config.json names the router as published; --kv-report prints the
+    latent cache's bytes against expanded heads."""
     from petrel import LLM, SamplingParams
 
     tiny = "--layers 2 --hidden 64 --heads 4 --experts 16 --top-k 2 --moe-intermediate 32 --kv-lora-rank 32"
@@ -204,6 +206,9 @@ def test_make_moe_builds_a_deepseek_v3_shaped_model_served_alike_from_both_files
     report = capsys.readouterr().out
     # 2 layers x (32 + 64) values against 2 x 4 heads x (128 + 64 + 128)
     assert "latent 768 (float32)" in report and "expanded heads 10,240" in report and "DeepSeek-V3: " in report
+    # the router keys the published config.json spells out (vLLM reads topk_method for the score-correction bias)
+    config = json.loads((tmp_path / "fp32" / "config.json").read_text())
+    assert (config["topk_method"], config["scoring_func"]) == ("noaux_tc", "sigmoid")
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     texts = []
     for path in (tmp_path / "fp32", tmp_path / "deepseek-f32.gguf"):
