@@ -55,6 +55,9 @@ import time
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the dense builder beside this file
+from make_llama_1b import copy_tokenizer_metadata, permute_for_llamacpp  # noqa: E402  (its GGUF writer's helpers)
+
 GGUF_TYPES = {  # --gguf-type -> the file type llama.cpp records
     "f32": "ALL_F32",
     "f16": "MOSTLY_F16",
@@ -382,24 +385,6 @@ def quantize_q4_k(data: np.ndarray) -> np.ndarray:
     codes = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(n, 128)
     blocks = np.concatenate([d.view(np.uint8).reshape(n, 2), dmin.view(np.uint8).reshape(n, 2), scales, codes], 1)
     return blocks.reshape(*shape[:-1], shape[-1] // 256 * 144)
-
-
-def copy_tokenizer_metadata(writer, source_gguf: str) -> None:
-    """Every tokenizer.* key of a GGUF (the default model's: vocabulary, merges, special ids, chat template)."""
-    import gguf
-
-    reader = gguf.GGUFReader(source_gguf)
-    for key, field in reader.fields.items():
-        if not key.startswith("tokenizer."):
-            continue
-        vtype = field.types[0]
-        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
-
-
-def permute_for_llamacpp(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Hugging Face's rotate-half q/k rows to llama.cpp's interleaved pairs (the inverse of petrel's unpermute)."""
-    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def gguf_tensors(model, mla_legacy: bool = False):

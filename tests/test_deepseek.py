@@ -95,16 +95,9 @@ def test_prefill_and_decode_match_transformers(deepseek, name, path, prefill, mo
     for p, out in zip(prompts, drv.step([(s, s.num_tokens) for s in seqs])):
         assert_close(out, t.hf_logits(p), f"{name}: prefill of {len(p)} tokens")
     tokens, other = _tokens(26, 10), _tokens(14, 11)
-    drv = PagedDriver(t, block_size=4, seed=1)
-    a, b = drv.new_seq(tokens), drv.new_seq(other)
-    got_a, got_b = drv.step([(a, 6), (b, 5)])
-    got_a, got_b = [got_a], [got_b]
-    for _ in range(20):
-        outs = drv.step([(a, 1)] + ([(b, 1)] if b.num_computed_tokens < b.num_tokens else []))
-        got_a.append(outs[0])
-        got_b.extend(outs[1:])
-    assert_close(torch.cat(got_a), t.hf_logits(tokens), f"{name}: step-by-step decode")
-    assert_close(torch.cat(got_b), t.hf_logits(other), f"{name}: decode next to another sequence")
+    got_a, got_b = PagedDriver(t, block_size=4, seed=1).decode_side_by_side(tokens, other)
+    assert_close(got_a, t.hf_logits(tokens), f"{name}: step-by-step decode")
+    assert_close(got_b, t.hf_logits(other), f"{name}: decode next to another sequence")
     drv = PagedDriver(t, block_size=4, seed=3)
     chunks = drv.run_chunks(drv.new_seq(tokens), [8, 5, 1, 12])
     assert_close(chunks, t.hf_logits(tokens), f"{name}: chunked prefill")

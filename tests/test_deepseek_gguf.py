@@ -18,9 +18,9 @@ import torch
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("transformers")
 
-from test_model_tiny import PagedDriver  # noqa: E402
+from test_model_tiny import loaded_logits_match  # noqa: E402
 from tiny_deepseek import FAMILY_IDS, build_hf, deepseek_factory  # noqa: E402
-from tiny_llama import Tiny, _tokens  # noqa: E402
+from tiny_llama import Tiny  # noqa: E402
 
 from petrel.model.config import ModelConfig  # noqa: E402
 from petrel.model.loader import load_model, resolve_model  # noqa: E402
@@ -61,17 +61,6 @@ def deepseek(tmp_path_factory):
     return deepseek_factory(tmp_path_factory)
 
 
-def _logits_match(t: Tiny, model, cfg, path: str, what: str, atol: float = 1e-4) -> None:
-    g = Tiny(t.hf, model, cfg, path)
-    tokens, other = _tokens(19, 70), _tokens(8, 71)
-    drv = PagedDriver(g)
-    a, b = drv.new_seq(tokens), drv.new_seq(other)
-    got_a, got_b = drv.step([(a, 11), (b, 8)])
-    got_a = [got_a, *(drv.step([(a, 1)])[0] for _ in range(8))]
-    expected = torch.cat([t.hf_logits(tokens)[:19], t.hf_logits(other)])
-    torch.testing.assert_close(torch.cat([*got_a, got_b]), expected, atol=atol, rtol=atol, msg=lambda m: f"{what}: {m}")
-
-
 @pytest.mark.parametrize("legacy", [False, True], ids=["k_b-v_b", "kv_b"])
 @pytest.mark.parametrize("name", FAMILY_IDS)
 def test_gguf_of_each_family_matches_transformers(deepseek, tmp_path, name, legacy):
@@ -92,7 +81,7 @@ def test_gguf_of_each_family_matches_transformers(deepseek, tmp_path, name, lega
     if t.cfg.rope_scaling:
         for key in ("factor", "original_max_position_embeddings", "mscale_all_dim"):
             assert cfg.rope_scaling[key] == pytest.approx(t.cfg.rope_scaling[key]), key
-    _logits_match(t, model, cfg, path, f"{name} from GGUF")
+    loaded_logits_match(t, model, cfg, path, f"{name} from GGUF")
 
 
 def test_q8_0_blocks_stay_quantized_and_match_the_dequantized_model(tmp_path, monkeypatch):
@@ -138,7 +127,7 @@ def test_q8_0_blocks_stay_quantized_and_match_the_dequantized_model(tmp_path, mo
     assert isinstance(attn.q_b_proj, QuantizedLinear) and isinstance(attn.kv_a_proj_with_mqa, QuantizedLinear)
     gate_up, _ = model.model.layers[1].mlp.experts.expert_weights(0)
     assert isinstance(gate_up, QuantizedWeight) and gate_up.bits == 8
-    _logits_match(Tiny(hf, None, None, path), model, cfg, path, "Q8_0 blocks", atol=1e-3)
+    loaded_logits_match(Tiny(hf, None, None, path), model, cfg, path, "Q8_0 blocks", atol=1e-3)
 
 
 def _metadata(hf, **changes) -> dict:

@@ -121,16 +121,9 @@ def test_prefill_chunks_and_decode_match_transformers(gpt_oss):
         drv = PagedDriver(gpt_oss, block_size=BS, seed=3)
         assert_close(drv.run_chunks(drv.new_seq(tokens), chunks), ref, f"chunks {chunks}")
     other = _tokens(17, 2)
-    drv = PagedDriver(gpt_oss, block_size=BS, seed=1)
-    a, b = drv.new_seq(tokens), drv.new_seq(other)
-    got_a, got_b = drv.step([(a, 6), (b, 5)])
-    got_a, got_b = [got_a], [got_b]
-    for _ in range(24):
-        outs = drv.step([(a, 1)] + ([(b, 1)] if b.num_computed_tokens < b.num_tokens else []))
-        got_a.append(outs[0])
-        got_b.extend(outs[1:])
-    assert_close(torch.cat(got_a), ref, "step-by-step decode")
-    assert_close(torch.cat(got_b), gpt_oss.hf_logits(other), "decode next to another sequence")
+    got_a, got_b = PagedDriver(gpt_oss, block_size=BS, seed=1).decode_side_by_side(tokens, other)
+    assert_close(got_a, ref, "step-by-step decode")
+    assert_close(got_b, gpt_oss.hf_logits(other), "decode next to another sequence")
 
 
 def test_sinks_windows_and_yarn_each_change_the_logits(gpt_oss):

@@ -215,20 +215,10 @@ def test_prefill_matches_transformers(family, name):
 @pytest.mark.parametrize("name", VARIANT_IDS)
 def test_step_by_step_decode_matches_transformers(family, name):
     t = family(name)
-    drv = PagedDriver(t, block_size=4)
-    tokens = _tokens(30, 10)
-    other = _tokens(14, 11)
-    a, b = drv.new_seq(tokens), drv.new_seq(other)
-    got_a, got_b = drv.step([(a, 6), (b, 5)])
-    got_a, got_b = [got_a], [got_b]
-    for _ in range(24):  # a decodes to the end; b decodes next to it while it lasts
-        work = [(a, 1)] + ([(b, 1)] if b.num_computed_tokens < b.num_tokens else [])
-        outs = drv.step(work)
-        got_a.append(outs[0])
-        if len(outs) > 1:
-            got_b.append(outs[1])
-    assert_close(torch.cat(got_a), t.hf_logits(tokens), f"{name}: step-by-step decode")
-    assert_close(torch.cat(got_b), t.hf_logits(other), f"{name}: decode next to another sequence")
+    tokens, other = _tokens(30, 10), _tokens(14, 11)
+    got_a, got_b = PagedDriver(t, block_size=4).decode_side_by_side(tokens, other)
+    assert_close(got_a, t.hf_logits(tokens), f"{name}: step-by-step decode")
+    assert_close(got_b, t.hf_logits(other), f"{name}: decode next to another sequence")
 
 
 # ---------------------------------------------------------------- (c) chunked prefill

@@ -88,6 +88,31 @@ class PagedDriver:
         assert sum(chunks) == seq.num_tokens
         return torch.cat([self.step([(seq, n)])[0] for n in chunks])
 
+    def decode_side_by_side(self, tokens: list[int], other: list[int], first=(6, 5)) -> tuple[torch.Tensor, ...]:
+        """Two sequences whose first steps prefill first[0] and first[1] tokens together, then each decoded a token
+        a step, `other` beside `tokens` while it lasts: each one's logits for all its tokens."""
+        a, b = self.new_seq(tokens), self.new_seq(other)
+        got_a, got_b = (list(pair) for pair in zip(self.step([(a, first[0]), (b, first[1])])))
+        while a.num_computed_tokens < a.num_tokens or b.num_computed_tokens < b.num_tokens:
+            work = [(s, 1) for s in (a, b) if s.num_computed_tokens < s.num_tokens]
+            for seq, out in zip([s for s, _ in work], self.step(work)):
+                (got_a if seq is a else got_b).append(out)
+        return torch.cat(got_a), torch.cat(got_b)
+
+
+def loaded_logits_match(t: Tiny, model, cfg, path: str, what: str, atol: float = 1e-4) -> None:
+    """A model petrel loaded from `path` (model, cfg) gives t's transformers logits: a prompt of 19 tokens and one
+    of 8 prefilled together, then the first decoded 8 more tokens."""
+    g = Tiny(t.hf, model, cfg, path)
+    tokens, other = _tokens(19, 70), _tokens(8, 71)
+    drv = PagedDriver(g)
+    a, b = drv.new_seq(tokens), drv.new_seq(other)
+    got_a, got_b = drv.step([(a, 11), (b, 8)])
+    got_a = [got_a, *(drv.step([(a, 1)])[0] for _ in range(8))]
+    expected = torch.cat([t.hf_logits(tokens)[:19], t.hf_logits(other)])
+    got = torch.cat([*got_a, got_b])
+    torch.testing.assert_close(got, expected, atol=atol, rtol=atol, msg=lambda m: f"{what}: {m}")
+
 
 def one_calls(monkeypatch, owner, name: str) -> list[bool]:
     """From now on, whether each call of owner.name (a one-kernel-call path) took its step, in order."""

@@ -16,8 +16,8 @@ import torch
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("transformers")
 
-from test_model_tiny import PagedDriver  # noqa: E402
-from tiny_llama import Tiny, _tokens  # noqa: E402
+from test_model_tiny import loaded_logits_match  # noqa: E402
+from tiny_llama import Tiny  # noqa: E402
 from tiny_moe import FAMILY_IDS, build_hf, moe_factory  # noqa: E402
 
 from petrel.model.config import ModelConfig  # noqa: E402
@@ -41,18 +41,6 @@ def moe(tmp_path_factory):
     return moe_factory(tmp_path_factory)
 
 
-def _logits_match(t: Tiny, model, cfg, path: str, what: str, atol: float = 1e-4) -> None:
-    g = Tiny(t.hf, model, cfg, path)
-    tokens, other = _tokens(19, 70), _tokens(8, 71)
-    drv = PagedDriver(g)
-    a, b = drv.new_seq(tokens), drv.new_seq(other)
-    got_a, got_b = drv.step([(a, 11), (b, 8)])
-    got_a = [got_a, *(drv.step([(a, 1)])[0] for _ in range(8))]
-    expected = torch.cat([t.hf_logits(tokens)[:19], t.hf_logits(other)])
-    got = torch.cat([*got_a, got_b])
-    torch.testing.assert_close(got, expected, atol=atol, rtol=atol, msg=lambda m: f"{what}: {m}")
-
-
 @pytest.mark.parametrize("name", FAMILY_IDS)
 def test_gguf_of_each_family_matches_transformers(moe, tmp_path, name):
     t = moe(name)
@@ -65,7 +53,7 @@ def test_gguf_of_each_family_matches_transformers(moe, tmp_path, name):
         assert getattr(cfg, field) == getattr(t.cfg, field), field
     for field in ("shared_expert_intermediate_size", "dense_layers", "qkv_bias", "qk_norm", "head_dim"):
         assert getattr(cfg, field) == getattr(t.cfg, field), field
-    _logits_match(t, model, cfg, path, f"{name} from GGUF")
+    loaded_logits_match(t, model, cfg, path, f"{name} from GGUF")
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_k"])
@@ -105,7 +93,7 @@ def test_quantized_experts_stay_quantized_and_match_the_dequantized_model(tmp_pa
     bits = {"q8_0": 8, "q4_k": 4}[fmt]
     assert isinstance(gate_up, QuantizedWeight) and (gate_up.bits, down.bits) == (bits, bits)
     torch.testing.assert_close(gate_up.dequantize(), hf.model.layers[0].mlp.experts.gate_up_proj[0], atol=0, rtol=0)
-    _logits_match(Tiny(hf, None, None, path), model, cfg, path, f"{fmt} experts", atol=1e-3)
+    loaded_logits_match(Tiny(hf, None, None, path), model, cfg, path, f"{fmt} experts", atol=1e-3)
 
 
 def test_q4_k_quantizer_writes_blocks_gguf_and_petrel_read_alike():
