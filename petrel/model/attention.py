@@ -198,17 +198,23 @@ def paged_attention(
         else:
             kp, vp = _gather(key_cache, value_cache, chunk.block_table, chunk.context_len, q.dtype)
             mask, causal = chunk.mask, chunk.mask is None
-        op = _sdpa(
-            q[rows].transpose(0, 1).unsqueeze(0),
-            kp.transpose(0, 1).unsqueeze(0),
-            vp.transpose(0, 1).unsqueeze(0),
-            mask,
-            causal,
-            scale,
-            sink_logits,
-        )
-        out[rows] = op.squeeze(0).transpose(0, 1)
+        out[rows] = _attend_rows(q[rows], kp, vp, mask, causal, scale, sink_logits)
     return out
+
+
+def _attend_rows(q, k, v, mask: torch.Tensor | None, causal: bool, scale: float, sink_logits: torch.Tensor | None):
+    """One sequence's queries [n, heads, d] over its keys and values [L, kv_heads, d], as _sdpa attends:
+    [n, heads, d]."""
+    op = _sdpa(
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        mask,
+        causal,
+        scale,
+        sink_logits,
+    )
+    return op.squeeze(0).transpose(0, 1)
 
 
 def _sdpa(q, k, v, mask: torch.Tensor | None, causal: bool, scale: float, sink_logits: torch.Tensor | None):
@@ -280,16 +286,7 @@ def _attention_with_sinks(
         kp, vp, k_pos = kp[keep], vp[keep], k_pos[keep]
         q_pos = torch.arange(first_pos, length, device=device).unsqueeze(1)
         mask = (k_pos <= q_pos) & ((k_pos < sinks) | (k_pos > q_pos - window))
-        op = _sdpa(
-            q[rows].transpose(0, 1).unsqueeze(0),
-            kp.transpose(0, 1).unsqueeze(0),
-            vp.transpose(0, 1).unsqueeze(0),
-            mask,
-            False,
-            scale,
-            sink_logits,
-        )
-        out[rows] = op.squeeze(0).transpose(0, 1)
+        out[rows] = _attend_rows(q[rows], kp, vp, mask, False, scale, sink_logits)
     return out
 
 
