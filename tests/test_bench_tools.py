@@ -2,7 +2,6 @@
 prompts and plan, the contention helper, and `petrel bench compare`'s --model / --gguf / --contention / w6 handling
 (the peers themselves are not installed here: the command lines built for them are checked)."""
 
-import importlib.util
 import json
 import sys
 import time
@@ -10,31 +9,26 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from benchmark_scripts import load_script
 
 from petrel.bench import compare, report, workloads
 from petrel.bench.contention import Contention
 
 ROOT = Path(__file__).resolve().parent.parent
+make_llama_1b = load_script("make_llama_1b")
 TINY = ["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--intermediate", "128"]
-
-
-def _builder():
-    spec = importlib.util.spec_from_file_location("make_llama_1b", ROOT / "benchmarks" / "make_llama_1b.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
     out = tmp_path_factory.mktemp("llama1b")
     # std 0.5: sharp attention, so that a rotary difference (llama3 scaling lost in the GGUF) changes the logprobs
-    assert _builder().main(["--out", str(out), *TINY, "--context", "4096", "--std", "0.5"]) == 0
+    assert make_llama_1b.main(["--out", str(out), *TINY, "--context", "4096", "--std", "0.5"]) == 0
     return out
 
 
 def test_builder_defaults_are_the_published_1b_shapes():
-    args = _builder().parse_args(["--out", "x"])
+    args = make_llama_1b.parse_args(["--out", "x"])
     assert (args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate, args.context) == (
         2048,
         16,
@@ -43,7 +37,7 @@ def test_builder_defaults_are_the_published_1b_shapes():
         8192,
         131072,
     )
-    assert _builder().llama3_rope_scaling(args.context)["original_max_position_embeddings"] == 8192
+    assert make_llama_1b.llama3_rope_scaling(args.context)["original_max_position_embeddings"] == 8192
 
 
 def test_rope_divisors_are_llama3_scaling_as_petrel_computes_it():
@@ -52,12 +46,12 @@ def test_rope_divisors_are_llama3_scaling_as_petrel_computes_it():
 
     from petrel.model.layers import rope_inverse_frequencies
 
-    b = _builder()
-    scaling = b.llama3_rope_scaling(131072)
-    divisors = b.rope_freq_divisors(64, b.ROPE_THETA, scaling)
+    scaling = make_llama_1b.llama3_rope_scaling(131072)
+    divisors = make_llama_1b.rope_freq_divisors(64, make_llama_1b.ROPE_THETA, scaling)
     assert divisors.min() == 1.0 and divisors.max() == 32.0 and ((divisors > 1) & (divisors < 32)).any()
-    hf = rope_inverse_frequencies(64, b.ROPE_THETA, scaling)
-    gguf = rope_inverse_frequencies(64, b.ROPE_THETA, {"rope_type": "freq_divisors", "divisors": divisors.tolist()})
+    hf = rope_inverse_frequencies(64, make_llama_1b.ROPE_THETA, scaling)
+    from_gguf = {"rope_type": "freq_divisors", "divisors": divisors.tolist()}
+    gguf = rope_inverse_frequencies(64, make_llama_1b.ROPE_THETA, from_gguf)
     torch.testing.assert_close(gguf, hf, rtol=1e-6, atol=0)
 
 

@@ -7,9 +7,7 @@ naming the key."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +16,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("transformers")
 
+from benchmark_scripts import load_script  # noqa: E402
 from test_model_tiny import loaded_logits_match  # noqa: E402
 from tiny_deepseek import FAMILY_IDS, build_hf, deepseek_factory  # noqa: E402
 from tiny_llama import Tiny  # noqa: E402
@@ -26,16 +25,7 @@ from petrel.model.config import ModelConfig  # noqa: E402
 from petrel.model.loader import load_model, resolve_model  # noqa: E402
 from petrel.model.quantization import QuantizedLinear, QuantizedWeight  # noqa: E402
 
-
-def _builder():
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "make_moe.py"
-    spec = importlib.util.spec_from_file_location("make_moe", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-make_moe = _builder()
+make_moe = load_script("make_moe")
 FIELDS = (
     "kv_lora_rank",
     "q_lora_rank",

@@ -6,12 +6,10 @@ and a tiny Llama written as a Q4_0 GGUF against its float products."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
+from benchmark_scripts import load_script
 from test_int8_gemm import INT8_ISAS, forced_isa, lib  # noqa: F401 - lib: the fixture, shared
 
 from petrel import LLM, SamplingParams
@@ -288,14 +286,6 @@ def test_batched_decode_layers_take_group_products(tiny, lib, monkeypatch):
     assert same <= 1e-5 and apart > 10 * same
 
 
-def _builder():
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "make_llama_1b.py"
-    spec = importlib.util.spec_from_file_location("make_llama_1b", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_q4_0_gguf_model_in_integers_matches_its_float_products(tmp_path, monkeypatch):
     """A tiny random Llama written as a Q4_0 GGUF (gguf's quantizer), run with quantization='gguf' on
     INT8_MIN_ROWS + 1 prompts (prefill through QuantizedLinear, decode steps through decode_layers, the tied head
@@ -311,7 +301,7 @@ def test_q4_0_gguf_model_in_integers_matches_its_float_products(tmp_path, monkey
     use_activations(monkeypatch, 16)
     shape = ["--layers", "2", "--hidden", "128", "--heads", "4", "--kv-heads", "2", "--intermediate", "256"]
     args = ["--out", str(tmp_path), *shape, "--context", "4096", "--std", "0.5", "--gguf-type", "q4_0", "--no-bf16"]
-    assert _builder().main(args) == 0
+    assert load_script("make_llama_1b").main(args) == 0
     calls = []
     kernel = quant_kernels.group_gemm
     monkeypatch.setattr(quant_kernels, "group_gemm", lambda *a: calls.append(a[1]) or kernel(*a))

@@ -10,9 +10,6 @@ tokens through the engine are transformers'."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -20,6 +17,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("transformers")
 
+from benchmark_scripts import load_script  # noqa: E402
 from test_gpt_oss import BS, build_hf  # noqa: E402
 from test_model_tiny import PagedDriver, _engine_generate, hf_greedy  # noqa: E402
 from tiny_llama import Tiny, _tokens  # noqa: E402
@@ -36,15 +34,7 @@ pytestmark = pytest.mark.skipif(dense_kernels.library() is None, reason="no kern
 DRIFT = 1e-4
 
 
-def _make_moe():
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "make_moe.py"
-    spec = importlib.util.spec_from_file_location("make_moe", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-make_moe = _make_moe()
+make_moe = load_script("make_moe")
 
 
 def random_mxfp4(rows: int, cols: int, seed: int, extreme: bool = False) -> tuple[QuantizedWeight, np.ndarray]:

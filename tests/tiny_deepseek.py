@@ -4,10 +4,8 @@ through petrel's loader (shared by the DeepSeek tests)."""
 from __future__ import annotations
 
 import torch
-import transformers
-from tiny_llama import VOCAB, Tiny, redraw_weights
-
-from petrel.model.loader import load_model, resolve_model
+from tiny_llama import VOCAB
+from tiny_moe import build_from, layouts_factory
 
 COMMON = dict(
     vocab_size=VOCAB,
@@ -81,35 +79,15 @@ FAMILY_IDS = list(DEEPSEEK_FAMILIES)
 
 
 def build_hf(name: str, seed: int = 0, **overrides) -> torch.nn.Module:
-    config_cls, model_cls, family = DEEPSEEK_FAMILIES[name]
-    config = getattr(transformers, config_cls)(**{**COMMON, **family, **overrides})
-    config._attn_implementation = "eager"  # a reference independent of petrel's SDPA calls
-    torch.manual_seed(seed)
-    hf = getattr(transformers, model_cls)(config)
-    redraw_weights(hf, seed)
+    hf = build_from(DEEPSEEK_FAMILIES, COMMON, name, seed, overrides)
     g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():  # logits 4x wider than redraw_weights' (~N(0, 1)): no near-ties among greedy choices
-        hf.lm_head.weight.mul_(4.0)
-        for name, buffer in hf.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # large enough to change which experts win
+    with torch.no_grad():
+        for buffer_name, buffer in hf.named_buffers():
+            if buffer_name.endswith("e_score_correction_bias"):  # large enough to change which experts win
                 buffer.copy_(0.3 * torch.randn(buffer.shape, generator=g))
     return hf.float().eval()
 
 
 def deepseek_factory(tmp_path_factory):
-    """build(name, fused=False, seed=1) -> Tiny: saved with one tensor per expert (the published layout) or, fused,
-    as transformers 5 holds them."""
-    cache: dict = {}
-
-    def build(name: str, fused: bool = False, seed: int = 1) -> Tiny:
-        key = (name, fused, seed)
-        if key not in cache:
-            other = (name, not fused, seed)
-            hf = cache[other].hf if other in cache else build_hf(name, seed)
-            path = tmp_path_factory.mktemp(f"{name}-{'fused' if fused else 'experts'}")
-            hf.save_pretrained(path, safe_serialization=True, save_original_format=not fused)
-            model, cfg = load_model(resolve_model(str(path)), torch.float32, "cpu")
-            cache[key] = Tiny(hf, model, cfg, str(path))
-        return cache[key]
-
-    return build
+    """The DeepSeek families' models in either expert layout: layouts_factory over build_hf."""
+    return layouts_factory(tmp_path_factory, build_hf)

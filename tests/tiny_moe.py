@@ -53,27 +53,36 @@ MOE_FAMILIES = {
 FAMILY_IDS = list(MOE_FAMILIES)
 
 
-def build_hf(name: str, seed: int = 0, **overrides) -> torch.nn.Module:
-    config_cls, model_cls, family = MOE_FAMILIES[name]
-    config = getattr(transformers, config_cls)(**{**COMMON, **family, **overrides})
+def build_from(families: dict, common: dict, name: str, seed: int, overrides: dict) -> torch.nn.Module:
+    """transformers' model of family `name` (families: id -> (config class, model class, config overrides)) with
+    eager attention and redrawn random weights, its head 4x wider (logits ~4x redraw_weights' N(0, 1): no near-ties
+    among greedy choices)."""
+    config_cls, model_cls, family = families[name]
+    config = getattr(transformers, config_cls)(**{**common, **family, **overrides})
     config._attn_implementation = "eager"  # a reference independent of petrel's SDPA calls
     torch.manual_seed(seed)
     hf = getattr(transformers, model_cls)(config)
     redraw_weights(hf, seed)
-    with torch.no_grad():  # logits 4x wider than redraw_weights' (~N(0, 1)): no near-ties among greedy choices
+    with torch.no_grad():
         hf.lm_head.weight.mul_(4.0)
-    return hf.float().eval()
+    return hf
 
 
-def moe_factory(tmp_path_factory):
-    """build(name, fused=False, seed=1) -> Tiny: saved with one tensor per expert (the published layout) or, fused,
-    as transformers 5 holds them (gate_up_proj [E, 2I, H] and down_proj [E, H, I] per layer)."""
+def build_hf(name: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    return build_from(MOE_FAMILIES, COMMON, name, seed, overrides).float().eval()
+
+
+def layouts_factory(tmp_path_factory, build_hf):
+    """build(name, fused=False, seed=1) -> Tiny of build_hf(name, seed): saved with one tensor per expert (the
+    published layout) or, fused, as transformers 5 holds them (gate_up_proj [E, 2I, H] and down_proj [E, H, I] per
+    layer), and loaded by petrel; each kept for the module."""
     cache: dict = {}
 
     def build(name: str, fused: bool = False, seed: int = 1) -> Tiny:
         key = (name, fused, seed)
         if key not in cache:
-            hf = cache[(name, not fused, seed)].hf if (name, not fused, seed) in cache else build_hf(name, seed)
+            other = (name, not fused, seed)
+            hf = cache[other].hf if other in cache else build_hf(name, seed)
             path = tmp_path_factory.mktemp(f"{name}-{'fused' if fused else 'experts'}")
             hf.save_pretrained(path, safe_serialization=True, save_original_format=not fused)
             model, cfg = load_model(resolve_model(str(path)), torch.float32, "cpu")
@@ -81,3 +90,8 @@ def moe_factory(tmp_path_factory):
         return cache[key]
 
     return build
+
+
+def moe_factory(tmp_path_factory):
+    """The MoE families' models in either expert layout: layouts_factory over build_hf."""
+    return layouts_factory(tmp_path_factory, build_hf)
