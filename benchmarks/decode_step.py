@@ -3,7 +3,7 @@
 goes" in docs/benchmarks-history.md.
 
     python benchmarks/decode_step.py [--batch 1,16,64] [--context 350] [--steps 20] [--quantization gguf]
-                                     [--thread main,other]
+                                     [--thread main,other] [--model DIR_OR_GGUF] [--dtype bfloat16]
 
 Prints min and median ms per step for each batch size, timed on the main thread and/or on another thread (where
 the engine runs its steps: a thread's first parallel work gives it a thread team of its own, see
@@ -20,6 +20,7 @@ import time
 import torch
 
 from petrel import LLM
+from petrel.bench.flops import decode_weight_bytes, memory_read_gbs
 from petrel.engine.scheduler import ScheduledBatch
 from petrel.engine.sequence import EngineRequest, Sequence
 from petrel.sampling_params import SamplingParams
@@ -46,8 +47,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--quantization", default=None, help="none (default), int8 or gguf")
     ap.add_argument("--thread", default="main", help="comma-separated: main, other")
+    ap.add_argument("--model", default=None, help="a Hugging Face directory or GGUF file (default: the default model)")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument(
+        "--bound",
+        action="store_true",
+        help="also the memory bound: the weight bytes a token reads (--model a Hugging Face directory) over the "
+        "memory read bandwidth measured before and after each timing, and the step's share of that bound",
+    )
     args = ap.parse_args()
-    llm = LLM(quantization=args.quantization)
+    llm = LLM(model=args.model, quantization=args.quantization, dtype=args.dtype)
+    weight_bytes = decode_weight_bytes(args.model) if args.bound else 0
     runner = llm._engine.core.runner
     try:
         for batch in (int(b) for b in args.batch.split(",")):
@@ -61,6 +71,7 @@ def main() -> None:
             def timed(where: str) -> None:
                 for _ in range(3):
                     step()
+                read_gbs = [memory_read_gbs()] if args.bound else []
                 times = []
                 for _ in range(args.steps):
                     t0 = time.perf_counter()
@@ -71,6 +82,15 @@ def main() -> None:
                     f"median {statistics.median(times):.1f} ms per decode step",
                     flush=True,
                 )
+                if args.bound:
+                    read_gbs.append(memory_read_gbs())
+                    rate = weight_bytes / (min(times) / 1e3) / 1e9
+                    print(
+                        f"  weights {weight_bytes / 1e9:.3f} GB a token at {rate:.1f} GB/s (best step): "
+                        f"{rate / max(read_gbs):.0%} of the memory read rate "
+                        f"({' / '.join(f'{g:.1f}' for g in read_gbs)} GB/s before / after)",
+                        flush=True,
+                    )
 
             for where in args.thread.split(","):
                 if where == "main":

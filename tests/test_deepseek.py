@@ -74,20 +74,26 @@ def test_configs_structure_and_the_latent_cache_layout(deepseek):
 
 
 @pytest.mark.parametrize("prefill", ["decompressed", "absorbed"])
-@pytest.mark.parametrize("path", ["kernel", "torch"])
+@pytest.mark.parametrize("path", ["stack", "kernel", "torch"])
 @pytest.mark.parametrize("name", FAMILY_IDS)
 def test_prefill_and_decode_match_transformers(deepseek, name, path, prefill, monkeypatch):
     """Three prompts prefilled in one step; then two sequences decoded side by side (absorbed over the latent
-    cache: latent_attention.c's kernel, or the torch path with PETREL_MLA_KERNEL=0), and a prompt run in chunks over
-    its cached prefix; prompt chunks decompressed or absorbed (forced either way)."""
+    cache: every layer in one call, latent_layers.c; the layers' modules with latent_attention.c's kernel; or the
+    torch path with PETREL_MLA_KERNEL=0), and a prompt run in chunks over its cached prefix; prompt chunks
+    decompressed or absorbed (forced either way)."""
     from petrel.model import dense_kernels, mla_kernels
+    from petrel.model.latent_stack import LatentStack
 
-    if path == "kernel" and dense_kernels.library() is None:
+    if path != "torch" and dense_kernels.library() is None:
         pytest.skip("petrel's float32 kernels cannot run here (no AVX2/FMA or no C compiler)")
-    monkeypatch.setenv("PETREL_MLA_KERNEL", "1" if path == "kernel" else "0")
+    monkeypatch.setenv("PETREL_MLA_KERNEL", "0" if path == "torch" else "1")
     monkeypatch.setattr(MLAttention, "absorbs", lambda self, n: prefill == "absorbed")
+    if path == "kernel":  # the decode steps through the layers' modules
+        monkeypatch.setattr(DeepseekForCausalLM, "_step_in_one_call", lambda *a: None)
     ran, kernel = [], mla_kernels.latent_decode_attention
     monkeypatch.setattr(mla_kernels, "latent_decode_attention", lambda *a: ran.append(out := kernel(*a)) or out)
+    stacked, stack_call = [], LatentStack.__call__
+    monkeypatch.setattr(LatentStack, "__call__", lambda *a: stacked.append(out := stack_call(*a)) or out)
     t = deepseek(name)
     drv = PagedDriver(t, block_size=4)
     prompts = [_tokens(23, 1), _tokens(9, 2), _tokens(2, 3)]
@@ -101,7 +107,10 @@ def test_prefill_and_decode_match_transformers(deepseek, name, path, prefill, mo
     drv = PagedDriver(t, block_size=4, seed=3)
     chunks = drv.run_chunks(drv.new_seq(tokens), [8, 5, 1, 12])
     assert_close(chunks, t.hf_logits(tokens), f"{name}: chunked prefill")
-    assert ran and all((out is not None) == (path == "kernel") for out in ran)
+    if path == "stack":  # every decode step in one call; no decode row through the modules
+        assert stacked and all(out is not None for out in stacked) and not ran
+    else:
+        assert not stacked and ran and all((out is not None) == (path == "kernel") for out in ran)
 
 
 @pytest.mark.parametrize(
@@ -137,7 +146,8 @@ def test_latent_decode_kernel_matches_float64(rows, heads, rank, rope, block_siz
 
 
 def test_decode_steps_read_the_latent_cache_without_expanding_it(deepseek, monkeypatch):
-    """A decode step multiplies the queries by W_UK and the outputs by W_UV; nothing decompresses the cache. A prompt
+    """A decode step multiplies the queries by W_UK and the outputs by W_UV (in the one-call stack, or the layers'
+    modules' _decode); nothing decompresses the cache. A prompt
     chunk decompresses its context where that costs less than absorbing its queries (the tiny shape: from 32
     queries), and absorbs them below."""
     t = deepseek("deepseek_v3")
@@ -148,12 +158,17 @@ def test_decode_steps_read_the_latent_cache_without_expanding_it(deepseek, monke
     attn = t.model.model.layers[0].self_attn
     assert [attn.absorbs(n) for n in (1, 31, 32, 200)] == [True, True, False, False]
     drv = PagedDriver(t, block_size=4)
-    seq = drv.new_seq(_tokens(48, 5))
+    seq = drv.new_seq(_tokens(49, 5))
     drv.step([(seq, 40)])
     assert calls == ["_prefill"] * 3
     calls.clear()
     drv.step([(seq, 7)])
     assert calls == ["_absorbed"] * 3
+    calls.clear()
+    drv.step([(seq, 1)])  # every layer in one call where the kernels run (they absorb, never decompress)
+    one_call = t.model.__dict__.get("_latent_stack", (None, None))[1] is not None
+    assert calls == ([] if one_call else ["_decode"] * 3)
+    monkeypatch.setattr(DeepseekForCausalLM, "_step_in_one_call", lambda *a: None)
     calls.clear()
     drv.step([(seq, 1)])
     assert calls == ["_decode"] * 3

@@ -25,7 +25,16 @@ import pytest
 import torch
 
 from petrel import SamplingParams
-from petrel.model import dense_kernels, gemm_kernels, kernel_build, mla_kernels, moe_kernels, native, quant_kernels
+from petrel.model import (
+    dense_kernels,
+    gemm_kernels,
+    kernel_build,
+    latent_stack,
+    mla_kernels,
+    moe_kernels,
+    native,
+    quant_kernels,
+)
 
 MODEL_DIR = kernel_build.DIRECTORY
 needs_kernels = pytest.mark.skipif(
@@ -79,7 +88,7 @@ def test_header_declarations_parse_to_ctypes_types():
 
 def _kernel_calls():
     """(module file, kernel name, ast.Call, parent node) for every `...lib.NAME(...)` call in the wrappers."""
-    for module in (dense_kernels, gemm_kernels, quant_kernels, moe_kernels, mla_kernels):
+    for module in (dense_kernels, gemm_kernels, quant_kernels, moe_kernels, mla_kernels, latent_stack):
         tree = ast.parse(open(module.__file__).read())
         parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
         for node in ast.walk(tree):
@@ -111,11 +120,12 @@ def test_python_call_sites_match_the_header():
 
 
 def test_layer_structs_match_the_header():
-    """The mixture-of-experts layer (its experts' activation too) and the layer extras decode_layer(s) take, field
-    for field."""
+    """The mixture-of-experts layer (its experts' activation too) and the layer extras decode_layer(s) take, and
+    DeepSeek's layers and shapes latent_decode_layers takes, field for field."""
     types = {"int64_t": ctypes.c_int64, "weight": dense_kernels.Weight, "float": ctypes.c_float}
     types["moe_act"] = dense_kernels.MoeAct
     mirrors = (("moe_act", dense_kernels.MoeAct), ("moe_layer", dense_kernels.MoeLayer))
+    mirrors += (("latent_layer", latent_stack.LatentLayer), ("latent_shape", latent_stack.LatentShape))
     for name, mirror in (*mirrors, ("layer_extras", dense_kernels.LayerExtras)):
         body = re.search(r"typedef\s+struct\s*\{([^{}]*)\}\s*" + name + r"\s*;", _read("kernels.h")).group(1)
         fields = [

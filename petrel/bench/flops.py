@@ -79,3 +79,39 @@ def memory_read_gbs(mib: int = 512, repeats: int = 3) -> float:
         x.sum()
         best = min(best, time.perf_counter() - t0)
     return x.numel() * 4 / best / 1e9
+
+
+def decode_weight_bytes(model_dir: str) -> int:
+    """The bytes of weights one decode token reads from a Hugging Face directory's safetensors files: every tensor
+    once, a routed expert's by the share of experts a token picks (num_experts_per_tok of the routed count), the
+    input embedding table by one row unless the head shares it. The memory bound of a one-token decode step is
+    this over the machine's read bandwidth (memory_read_gbs); the key-value cache read beside it is left out."""
+    import json
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    root = Path(model_dir)
+    cfg = json.loads((root / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    experts = next((cfg[k] for k in ("n_routed_experts", "num_local_experts", "num_experts") if cfg.get(k)), 0)
+    picked = cfg.get("num_experts_per_tok", 0) / experts if experts else 1.0
+    total = 0.0
+    for path in sorted(root.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():
+                sl = f.get_slice(name)
+                shape = sl.get_shape()
+                nbytes = _dtype_bytes(sl.get_dtype())
+                for d in shape:
+                    nbytes *= d
+                if ".experts." in name and "shared_expert" not in name:
+                    nbytes *= picked
+                elif "embed_tokens" in name and not cfg.get("tie_word_embeddings", False):
+                    nbytes /= shape[0]
+                total += nbytes
+    return int(total)
+
+
+def _dtype_bytes(name: str) -> float:
+    return {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "U8": 1, "I8": 1}.get(name, 4)

@@ -28,9 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from petrel.model import dense_kernels, mla_kernels, triton_attention
+from petrel.model.attention import AttentionMetadata
 from petrel.model.config import ModelConfig
+from petrel.model.latent_stack import LatentStack
 from petrel.model.layers import RMSNorm
-from petrel.model.llama import LlamaMLP
+from petrel.model.llama import LlamaMLP, _projections
 from petrel.model.mla import MLAttention
 from petrel.model.moe import Experts, MoeForCausalLM, Router, SparseMoeBlock
 from petrel.model.parallel import SINGLE, ParallelLMHead, TensorParallel, VocabParallelEmbedding
@@ -95,9 +98,33 @@ class DeepseekMoE(SparseMoeBlock):
             out = out + self.shared_experts(x)
         return out
 
-    def kernel_parts(self):
-        """The one-call decoder stack's C router knows softmax top-k only: DeepSeek's layers run their modules."""
-        return None
+    def _shared_modules(self) -> tuple:
+        """The shared experts' gate/up and down projections, ungated; () without them."""
+        if hasattr(self, "shared_experts"):
+            return (self.shared_experts.gate_up_proj, self.shared_experts.down_proj, None)
+        return ()
+
+    def _router_fields(self) -> dict | None:
+        """DeepseekRouter's choices as moe.c's DeepSeek router makes them (kernels.h's moe_layer), or None where it
+        cannot: a scoring function or group split it does not know."""
+        gate = self.gate
+        grouped = gate.method != "greedy" and gate.n_group > 1
+        bias = getattr(gate, "e_score_correction_bias", None)
+        if (
+            gate.scoring not in ("softmax", "sigmoid")
+            or gate.scaling <= 0
+            or (grouped and gate.weight.shape[0] % gate.n_group)
+            or (bias is not None and not (bias.is_cpu and bias.dtype is torch.float32 and bias.is_contiguous()))
+        ):
+            return None
+        return dict(
+            sigmoid=int(gate.scoring == "sigmoid"),
+            n_group=gate.n_group if grouped else 0,
+            topk_group=gate.topk_group if grouped else 0,
+            group_top2=int(gate.method == "noaux_tc"),
+            choice_bias=None if bias is None else bias.data_ptr(),
+            routed_scaling=float(gate.scaling),
+        )
 
 
 class DeepseekDecoderLayer(nn.Module):
@@ -149,7 +176,36 @@ class DeepseekForCausalLM(MoeForCausalLM):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def _step_in_one_call(self, x, cos_sin, kv_caches, meta, layers):
-        return None  # the one-call decoder stack runs Llama's attention only: each layer runs its modules
+        """A step of decode rows only, one KV block table per sequence: every layer in one kernel call
+        (latent_stack.LatentStack); None otherwise (prompt chunks decompress the latent: the layers' modules)."""
+        if (
+            not isinstance(meta, AttentionMetadata)
+            or meta.prefills
+            or len(meta.decode_groups) != 1
+            or triton_attention.serves(x.device)
+        ):
+            return None
+        stack = self.__dict__.get("_latent_stack")  # (key, LatentStack or None)
+        key = (
+            dense_kernels.library() is not None and mla_kernels.enabled(),  # PETREL_MLA_KERNEL=0: the modules
+            len(layers),
+            kv_caches[0].data_ptr(),
+            layers[0].input_layernorm.weight.data_ptr(),
+            _projections(layers),
+        )
+        if stack is None or stack[0] != key:
+            built = LatentStack.build(list(layers), kv_caches[: len(layers)]) if key[0] else None
+            stack = self.__dict__["_latent_stack"] = (key, built)
+        if stack[1] is None:
+            return None
+        group = meta.decode_groups[0]
+        return stack[1](x, cos_sin[0], cos_sin[1], meta.slot_mapping, group.block_tables, group.context_lens_t)
+
+    def __getstate__(self):
+        """Copies and pickles leave out the kernels' stack (raw pointers into this model's tensors)."""
+        state = dict(super().__getstate__())
+        state.pop("_latent_stack", None)
+        return state
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(self._checkpoint_tensors(weights))

@@ -82,6 +82,12 @@ class MoeLayer(ctypes.Structure):
         ("router_bias", _P),
         ("topk_softmax", ctypes.c_int64),
         ("act", MoeAct),
+        ("sigmoid", ctypes.c_int64),
+        ("n_group", ctypes.c_int64),
+        ("topk_group", ctypes.c_int64),
+        ("group_top2", ctypes.c_int64),
+        ("choice_bias", _P),
+        ("routed_scaling", ctypes.c_float),  # > 0: DeepSeek's router (kernels.h); 0: the softmax / top-k ones
     ]
 
 
@@ -474,13 +480,7 @@ class LayerParts(NamedTuple):
         (quantized ones': dequantized tiles above a few rows); the experts' likewise; and fewer than the rows from
         which a weight's products go to oneDNN (QuantizedWeight.tiles, AMX CPUs: petrel.model.amx), which the C call
         cannot reach."""
-        weights = [w for w in self.weights if w is not None]
-        limit = self.moe.max_rows if self.moe is not None else sys.maxsize
-        if not all(isinstance(w, QuantizedWeight) and (w.panels or w.integer_rows) for w in weights):
-            quantized = any(isinstance(w, QuantizedWeight) for w in weights)
-            limit = min(limit, QUANT_GEMM_MAX_ROWS if quantized else GEMV_MAX_ROWS)
-        tiled = [w.tiles.min_rows for w in weights if isinstance(w, QuantizedWeight) and w.tiles is not None]
-        return min(limit, min(tiled) - 1) if tiled else limit
+        return products_max_rows(self.weights, self.moe)
 
     @property
     def intermediate(self) -> int:
@@ -514,6 +514,18 @@ class LayerParts(NamedTuple):
             o_bias,
             None if self.sink_logits is None else self.sink_logits.data_ptr(),
         )
+
+
+def products_max_rows(weights, moe: MoeParts | None) -> int:
+    """The most rows a one-call layer's products take (LayerParts.max_rows says why) for its weights (None: absent)
+    and its mixture of experts."""
+    weights = [w for w in weights if w is not None]
+    limit = moe.max_rows if moe is not None else sys.maxsize
+    if not all(isinstance(w, QuantizedWeight) and (w.panels or w.integer_rows) for w in weights):
+        quantized = any(isinstance(w, QuantizedWeight) for w in weights)
+        limit = min(limit, QUANT_GEMM_MAX_ROWS if quantized else GEMV_MAX_ROWS)
+    tiled = [w.tiles.min_rows for w in weights if isinstance(w, QuantizedWeight) and w.tiles is not None]
+    return min(limit, min(tiled) - 1) if tiled else limit
 
 
 def describe_layer(parts: LayerParts) -> list[Weight] | None:

@@ -28,6 +28,7 @@ SOURCES = (
     "prefill_attention_avx512.c",
     "decode_attention.c",
     "latent_attention.c",
+    "latent_layers.c",
     "quant_kernels.c",
     "int8_gemm.c",
     "group_gemm.c",

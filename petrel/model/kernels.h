@@ -78,7 +78,11 @@ typedef struct {
  * shared_inter > 0 a shared expert every row takes (shared_gate_up [2 shared_inter][H], shared_down [H][shared_inter])
  * scaled by sigmoid(shared_gate . x) (shared_gate [1][H]); router_bias [experts] (or NULL) added to the router's
  * logits, topk_softmax 1 for the top_k logits and then a softmax over those k (gpt-oss), act the experts' biases and
- * activation (moe_act) */
+ * activation (moe_act). DeepSeek's routers: sigmoid 1 for sigmoid scores instead of the softmax; choice_bias
+ * [experts] (or NULL) added to the scores for choosing only; with n_group > 1 the experts in n_group groups, each
+ * scored by its best choice (or the sum of its best two with group_top2), only the topk_group best groups'
+ * experts chosen; the weights (the unbiased scores of the chosen) times routed_scaling (1 for the others). A shared
+ * expert with shared_gate.data NULL is added unscaled. */
 typedef struct {
     const float *router;
     const weight *gate_up;
@@ -97,6 +101,12 @@ typedef struct {
     const float *router_bias;
     int64_t topk_softmax;
     moe_act act;
+    int64_t sigmoid;
+    int64_t n_group;
+    int64_t topk_group;
+    int64_t group_top2;
+    const float *choice_bias;
+    float routed_scaling;
 } moe_layer;
 /* What a layer holds beyond a plain Llama layer (dense_kernels.LayerExtras mirrors it): RMS norms over each head of q
  * and of k before rotary, with the layer's eps (q_norm, k_norm [D], or NULL: Qwen3's), a mixture of experts
@@ -125,6 +135,48 @@ int decode_layers(int64_t L, const float *x, float *x_out, int64_t T, int64_t H,
                   const int64_t *tables, int64_t max_blocks, const int64_t *context_lens, int64_t bs,
                   const int64_t *windows, float scale, const layer_extras *extras, const prompt_chunk *chunks,
                   int64_t n_chunks, int nthreads);
+
+/* latent_layers.c: DeepSeek's decoder layers (multi-head latent attention, then a dense MLP or a mixture of experts)
+ * for a step of T decode rows (dense_kernels.LatentLayer and LatentShape mirror these, field for field). A layer: its
+ * norms [H]; q_a [q_lora][H] with q_a_norm [q_lora] then q_b [heads (nope + rope)][q_lora], or (q_a.data NULL) q_b
+ * the whole query projection [heads (nope + rope)][H]; kv_a [rank + rope][H] with kv_a_norm [rank]; w_uk [heads][nope]
+ * [rank] and w_uv [heads][v][rank] float32; o [H][heads v]; a dense MLP (gate_up [2 inter][H], down [H][inter]) or
+ * moe (not NULL); its latent cache [blocks][bs][rank + rope], float32 or (kv_bf16) bfloat16. */
+typedef struct {
+    const float *norm1;
+    const float *norm2;
+    weight q_a;
+    const float *q_a_norm;
+    weight q_b;
+    weight kv_a;
+    const float *kv_a_norm;
+    const float *w_uk;
+    const float *w_uv;
+    weight o;
+    weight gate_up;
+    weight down;
+    int64_t inter;
+    const moe_layer *moe;
+    void *cache;
+} latent_layer;
+/* the shapes every layer shares: eps the layer norms', latent_eps q_a_norm's and kv_a_norm's, scale the softmax's */
+typedef struct {
+    int64_t heads;
+    int64_t nope;
+    int64_t rope;
+    int64_t v_dim;
+    int64_t rank;
+    int64_t q_lora;
+    float eps;
+    float latent_eps;
+    float scale;
+} latent_shape;
+/* x [T][H] -> x_out through L layers; cos, sin [T][rope]; slots [T]; tables [T][max_blocks], context_lens [T] the
+ * rows' (paged_latent_decode_attention's). 0, or KERNEL_OUT_OF_MEMORY */
+int latent_decode_layers(int64_t L, const latent_layer *layers, const latent_shape *shape, const float *x,
+                         float *x_out, int64_t T, int64_t H, const float *cos_t, const float *sin_t, int kv_bf16,
+                         const int64_t *slots, const int64_t *tables, int64_t max_blocks,
+                         const int64_t *context_lens, int64_t bs, int nthreads);
 
 /* prefill_attention.c */
 int64_t prefill_attention_workspace(int64_t n, int64_t p0, int64_t window, int64_t KVH, int64_t D);

@@ -353,7 +353,12 @@ def _projections(layers: nn.ModuleList) -> tuple:
         attn, mlp = layer._modules["self_attn"], layer._modules["mlp"]
         experts = mlp._modules.get("experts")  # a mixture of experts: held again (quantized) means new weights
         out.append(
-            (*attn._modules.values(), *mlp._modules.values(), attn.sliding_window, getattr(experts, "held", None))
+            (
+                *attn._modules.values(),
+                *mlp._modules.values(),
+                getattr(attn, "sliding_window", None),  # latent attention (DeepSeek) has no window
+                getattr(experts, "held", None),
+            )
         )
     return tuple(out)
 

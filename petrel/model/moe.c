@@ -298,32 +298,96 @@ static void route_rows(const float *logits, int64_t T, int64_t E, int64_t k, int
     }
 }
 
+/* the index of the largest of v[0..n) not yet taken (taken[i] set), the lower index on ties; -1 if none is a number */
+static int64_t best_untaken(const float *v, const uint8_t *taken, int64_t n) {
+    int64_t best = -1;
+    for (int64_t i = 0; i < n; i++)
+        if (!taken[i] && v[i] == v[i] && (best < 0 || v[i] > v[best])) best = i;
+    return best;
+}
+
+/* DeepSeek's router (m->routed_scaling > 0; petrel/model/deepseek.py's DeepseekRouter): scores softmax or sigmoid of
+ * the logits; the choice scores (+ choice_bias); with n_group > 1 only the topk_group best groups' experts (a group
+ * scored by its best choice, or its best two summed with group_top2); the top_k choices, weighted by their unbiased
+ * scores, renormalised to sum 1 if asked, times routed_scaling. scratch: 2 E + n_group floats, E + n_group bytes. */
+static void route_grouped_rows(const float *logits, int64_t T, const moe_layer *m, int64_t *ids, float *weights,
+                               float *scratch, uint8_t *taken) {
+    const int64_t E = m->experts, k = m->top_k, G = m->n_group > 1 ? m->n_group : 1, per = E / G;
+    float *const scores = scratch, *const choice = scores + E, *const group_score = choice + E;
+    uint8_t *const group_taken = taken + E;
+    for (int64_t t = 0; t < T; t++) {
+        const float *l = logits + t * E;
+        if (m->sigmoid) {
+            for (int64_t e = 0; e < E; e++) scores[e] = 1.f / (1.f + expf(-l[e]));
+        } else {
+            float top = l[0], sum = 0.f;
+            for (int64_t e = 1; e < E; e++) top = l[e] > top ? l[e] : top;
+            for (int64_t e = 0; e < E; e++) sum += scores[e] = expf(l[e] - top);
+            for (int64_t e = 0; e < E; e++) scores[e] /= sum;
+        }
+        for (int64_t e = 0; e < E; e++) choice[e] = scores[e] + (m->choice_bias ? m->choice_bias[e] : 0.f);
+        memset(taken, 0, (size_t)E);
+        if (G > 1) {
+            for (int64_t g = 0; g < G; g++) {
+                const int64_t first = best_untaken(choice + g * per, taken + g * per, per);
+                float score = first < 0 ? NAN : choice[g * per + first];
+                if (m->group_top2 && first >= 0) {
+                    taken[g * per + first] = 1;
+                    const int64_t second = best_untaken(choice + g * per, taken + g * per, per);
+                    taken[g * per + first] = 0;
+                    score = second < 0 ? score : score + choice[g * per + second];
+                }
+                group_score[g] = score;
+            }
+            memset(group_taken, 0, (size_t)G);
+            for (int64_t j = 0; j < m->topk_group && j < G; j++) {
+                const int64_t g = best_untaken(group_score, group_taken, G);
+                if (g >= 0) group_taken[g] = 1;
+            }
+            for (int64_t e = 0; e < E; e++) taken[e] = !group_taken[e / per];   /* other groups' experts: out */
+        }
+        float picked = 0.f;
+        for (int64_t j = 0; j < k; j++) {
+            int64_t best = best_untaken(choice, taken, E);
+            if (best < 0) best = j % E;   /* NaN scores (the output is NaN anyway) */
+            taken[best] = 1;
+            ids[t * k + j] = best;
+            picked += weights[t * k + j] = scores[best];
+        }
+        for (int64_t j = 0; j < k; j++)
+            weights[t * k + j] = (m->renormalize ? weights[t * k + j] / (picked + 1e-20f) : weights[t * k + j])
+                                 * m->routed_scaling;
+    }
+}
+
 typedef struct { const float *h; int64_t H; const float *gate, *shared; float *y; } shared_args;
 
-/* y[t] += sigmoid(gate[t]) * shared[t] */
+/* y[t] += sigmoid(gate[t]) * shared[t] (no gate: y[t] += shared[t]) */
 static void add_shared_rows(const void *args, int64_t t0, int64_t t1) {
     const shared_args *a = args;
     for (int64_t t = t0; t < t1; t++) {
-        const float g = 1.f / (1.f + expf(-a->gate[t]));
+        const float g = a->gate ? 1.f / (1.f + expf(-a->gate[t])) : 1.f;
         for (int64_t i = 0; i < a->H; i++) a->y[t * a->H + i] += g * a->shared[t * a->H + i];
     }
 }
 
 /* see weight_product.h */
 int moe_mlp(const float *h, int64_t T, int64_t H, const moe_layer *m, float *y, int nthreads) {
-    const int64_t E = m->experts, k = m->top_k, SI = m->shared_inter;
-    const int64_t floats = T * E + E + T * k + (SI ? T * (3 * SI + H + 1) : 0);
-    float *const scratch = malloc(sizeof(float) * floats + sizeof(int64_t) * T * k);
+    const int64_t E = m->experts, k = m->top_k, SI = m->shared_inter, G = m->n_group > 1 ? m->n_group : 0;
+    const int64_t routing = 2 * E + G, floats = T * E + routing + T * k + (SI ? T * (3 * SI + H + 1) : 0);
+    float *const scratch = malloc(sizeof(float) * floats + sizeof(int64_t) * T * k + (size_t)(E + G));
     if (!scratch) return KERNEL_OUT_OF_MEMORY;
-    float *const logits = scratch, *const probs = logits + T * E, *const weights = probs + E;
+    float *const logits = scratch, *const probs = logits + T * E, *const weights = probs + routing;
     int64_t *const ids = (int64_t *)(weights + T * k + (SI ? T * (3 * SI + H + 1) : 0));
+    uint8_t *const taken = (uint8_t *)(ids + T * k);
     const weight router = {m->router, NULL, NULL, 32, 0, 0, 0, 0};   /* float32 rows */
     int status = weight_product(h, T, H, &router, logits, E, nthreads);
     if (status == 0) {
         if (m->router_bias)
             for (int64_t t = 0; t < T; t++)
                 for (int64_t e = 0; e < E; e++) logits[t * E + e] += m->router_bias[e];
-        route_rows(logits, T, E, k, (int)m->renormalize, (int)m->topk_softmax, ids, weights, probs);
+        if (m->routed_scaling > 0.f) route_grouped_rows(logits, T, m, ids, weights, probs, taken);
+        else route_rows(logits, T, E, k, (int)m->renormalize, (int)m->topk_softmax, ids, weights, probs);
         if (m->routed)
             for (int64_t i = 0; i < T * k; i++) m->routed[ids[i]]++;
         status = moe_experts(h, T, H, m->inter, k, ids, weights, m->first, m->num_local, m->gate_up, m->down, &m->act,
@@ -336,9 +400,9 @@ int moe_mlp(const float *h, int64_t T, int64_t H, const moe_layer *m, float *y, 
             silu_and_mul(gate_up, T, SI, act, nthreads);
             status = weight_product(act, T, SI, &m->shared_down, shared, H, nthreads);
         }
-        if (status == 0) status = weight_product(h, T, H, &m->shared_gate, gate, 1, nthreads);
+        if (status == 0 && m->shared_gate.data) status = weight_product(h, T, H, &m->shared_gate, gate, 1, nthreads);
         if (status == 0) {
-            shared_args a = {h, H, gate, shared, y};
+            shared_args a = {h, H, m->shared_gate.data ? gate : NULL, shared, y};
             for_rows(add_shared_rows, &a, T, T * H, nthreads);
         }
     }

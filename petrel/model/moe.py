@@ -340,11 +340,7 @@ class SparseMoeBlock(nn.Module):
         MoeParts: router, experts as moe_kernels describes them, the routed counter, the shared expert), or None
         where they cannot: split over ranks, on another device, a bias, weights the kernels do not take. Built
         once and kept while the weights and the CPU switches they depend on stay the same."""
-        shared = (
-            (self.shared_expert.gate_up_proj, self.shared_expert.down_proj, self.shared_expert_gate)
-            if hasattr(self, "shared_expert")
-            else ()
-        )
+        shared = self._shared_modules()
         biases = [b for b in (self.gate.bias, self.experts.gate_up_bias, self.experts.down_bias) if b is not None]
         key = (
             moe_kernels.enabled(),  # PETREL_MOE_KERNEL=0: the experts in torch, decode steps too
@@ -358,6 +354,17 @@ class SparseMoeBlock(nn.Module):
         if cached is None or cached[0] != key:
             cached = self.__dict__["_kernel_parts"] = (key, self._build_kernel_parts(shared))
         return cached[1]
+
+    def _shared_modules(self) -> tuple:
+        """The shared expert's gate/up and down projections and its gate (None: added ungated); () without one."""
+        if hasattr(self, "shared_expert"):
+            return (self.shared_expert.gate_up_proj, self.shared_expert.down_proj, self.shared_expert_gate)
+        return ()
+
+    def _router_fields(self) -> dict | None:
+        """MoeLayer's fields for a router other than Router's softmax / top-k ones (none here), or None where the
+        kernels cannot route as this block does."""
+        return {}
 
     def _build_kernel_parts(self, shared: tuple) -> dense_kernels.MoeParts | None:
         experts, router, router_bias = self.experts, self.gate.weight, self.gate.bias
@@ -373,13 +380,16 @@ class SparseMoeBlock(nn.Module):
         ):
             return None
         described = moe_kernels.Described(experts)
-        if not described.ok or any(getattr(m, "bias", None) is not None for m in shared):
+        router_fields = self._router_fields()
+        if router_fields is None or not described.ok or any(getattr(m, "bias", None) is not None for m in shared):
             return None
-        shared_weights = [m.qweight if isinstance(m, QuantizedLinear) else m.weight for m in shared]
-        shared_described = [dense_kernels.describe(w) for w in shared_weights]
+        shared_weights = [
+            None if m is None else m.qweight if isinstance(m, QuantizedLinear) else m.weight for m in shared
+        ]
+        shared_described = [dense_kernels.Weight() if w is None else dense_kernels.describe(w) for w in shared_weights]
         if None in shared_described:
             return None
-        inter = self.shared_expert.down_proj.in_features if shared else 0
+        inter = shared[1].in_features if shared else 0
         if inter % 16:
             return None
         layer = dense_kernels.MoeLayer(
@@ -398,9 +408,11 @@ class SparseMoeBlock(nn.Module):
             None if router_bias is None else router_bias.data_ptr(),
             int(self.gate.routing == "topk_softmax"),
             act,
+            **router_fields,
         )
-        max_rows = min(described.max_rows, moe_kernels.max_rows(shared_weights) if shared else sys.maxsize)
-        keep = (described, router, router_bias, experts.gate_up_bias, experts.down_bias, self.routed, *shared_weights)
+        present = [w for w in shared_weights if w is not None]
+        max_rows = min(described.max_rows, moe_kernels.max_rows(present) if present else sys.maxsize)
+        keep = (described, self.gate, router_bias, experts.gate_up_bias, experts.down_bias, self.routed, *present)
         return dense_kernels.MoeParts(layer, keep, max_rows)
 
 
