@@ -6,9 +6,11 @@ within 1e-4; the router and YaRN against transformers' own functions; FP8 block 
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,6 +27,7 @@ from petrel.model.deepseek import DeepseekForCausalLM, DeepseekMoE, DeepseekRout
 from petrel.model.kv_layout import kv_layout_of  # noqa: E402
 from petrel.model.loader import load_model, resolve_model  # noqa: E402
 from petrel.model.mla import MLAttention  # noqa: E402
+from petrel.model.quantization import quantize_int8  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -172,6 +175,40 @@ def test_decode_steps_read_the_latent_cache_without_expanding_it(deepseek, monke
     calls.clear()
     drv.step([(seq, 1)])
     assert calls == ["_decode"] * 3
+
+
+@pytest.mark.parametrize("variant", ["float32", "bfloat16-cache", "int8"])
+@pytest.mark.parametrize("name", FAMILY_IDS)
+def test_one_call_decode_steps_equal_the_layers_modules(deepseek, name, variant, monkeypatch):
+    """Three sequences of different lengths decoded side by side, every layer in one call (latent_layers.c: the
+    router and experts in moe.c) and through the layers' modules: the same logits (float32 sums in another order),
+    with a bfloat16 latent cache and with int8 projections too; the one call ran every decode step."""
+    from petrel.model import dense_kernels
+    from petrel.model.latent_stack import LatentStack
+
+    if dense_kernels.library() is None:
+        pytest.skip("petrel's float32 kernels cannot run here (no AVX2/FMA or no C compiler)")
+    t = deepseek(name)
+    model = t.model
+    if variant == "int8":
+        model = copy.deepcopy(t.model)
+        quantize_int8(model)
+    tiny = SimpleNamespace(model=model, cfg=t.cfg)
+    kv_dtype = torch.bfloat16 if variant == "bfloat16-cache" else torch.float32
+    prompts = [_tokens(13, 21), _tokens(5, 22), _tokens(30, 23)]
+
+    def decode_steps() -> torch.Tensor:
+        drv = PagedDriver(tiny, block_size=4, kv_cache_dtype=kv_dtype)
+        seqs = [drv.new_seq(p + _tokens(4, 30 + i)) for i, p in enumerate(prompts)]
+        drv.step([(s, len(p)) for s, p in zip(seqs, prompts)])
+        return torch.cat([torch.cat(drv.step([(s, 1) for s in seqs])) for _ in range(4)])
+
+    calls, stack_call = [], LatentStack.__call__
+    monkeypatch.setattr(LatentStack, "__call__", lambda *a: calls.append(out := stack_call(*a)) or out)
+    one_call = decode_steps()
+    assert len(calls) == 4 and all(out is not None for out in calls)
+    monkeypatch.setattr(DeepseekForCausalLM, "_step_in_one_call", lambda *a: None)
+    torch.testing.assert_close(one_call, decode_steps(), atol=2e-4, rtol=1e-4)
 
 
 # ---------------------------------------------------------------- the whole engine
