@@ -314,3 +314,29 @@ def test_compare_takes_w1s_prompt_from_the_models_chat_template(tmp_path, tiny_l
     default = _compare([], tmp_path)
     compare.prepare_model(default, ["w1"])
     assert default.w1_ids is None  # the peers' own reference ids
+
+
+def test_decode_weight_bytes_counts_a_tokens_share_of_the_routed_experts(tmp_path):
+    """Every tensor once, a routed expert's by top-k / experts (the shared experts whole), the input embedding by
+    one row unless the head shares it."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from petrel.bench.flops import decode_weight_bytes
+
+    tensors = {
+        "model.embed_tokens.weight": torch.zeros(100, 8),
+        "lm_head.weight": torch.zeros(100, 8),
+        "model.layers.0.self_attn.q_proj.weight": torch.zeros(8, 8),
+        "model.layers.0.mlp.shared_experts.up_proj.weight": torch.zeros(4, 8, dtype=torch.bfloat16),
+        **{f"model.layers.0.mlp.experts.{e}.up_proj.weight": torch.zeros(4, 8) for e in range(8)},
+    }
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    config = {"n_routed_experts": 8, "num_experts_per_tok": 2, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    expected = 4 * (8 + 100 * 8 + 64) + 2 * 32 + 2 * 4 * 32
+    assert decode_weight_bytes(str(tmp_path)) == expected
+    (tmp_path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    assert decode_weight_bytes(str(tmp_path)) == expected + 4 * 99 * 8  # the shared table read whole, as the head
