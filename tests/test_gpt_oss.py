@@ -217,23 +217,28 @@ def test_logprobs_match_transformers_across_a_prefix_hit(gpt_oss, tokenizer_dir)
 
 
 def test_every_path_gives_transformers_tokens(gpt_oss, monkeypatch):
-    """Decode steps as one kernel call a layer (dense_kernels.decode_layer: the q/k/v and o biases, the sink logits,
-    and moe.c's router bias, top-k-then-softmax, biased experts and clamped SwiGLU), prompt steps through each
-    layer's modules with the experts' kernel; and everything in torch (PETREL_MOE_KERNEL=0): transformers' tokens
-    both ways; spies show which ran."""
+    """Every step as one kernel call for the whole stack (dense_kernels.decode_layers: the windowed and the full
+    layers' KV groups, the q/k/v and o biases, the sink logits, and moe.c's router bias, top-k-then-softmax, biased
+    experts and clamped SwiGLU); a layer at a time (decode_layer, the stack off); and everything in torch
+    (PETREL_MOE_KERNEL=0): transformers' tokens every way; spies show which ran."""
     prompts = [_tokens(21, 61), _tokens(30, 60)]
     expected = [hf_greedy(gpt_oss, p, 12) for p in prompts]
-    layer_calls, kernel_calls = [], []
-    decode_layer, experts = dense_kernels.decode_layer, moe_kernels.experts
+    stack_calls, layer_calls, kernel_calls = [], [], []
+    stack, decode_layer, experts = dense_kernels.DecoderStack.__call__, dense_kernels.decode_layer, moe_kernels.experts
+    monkeypatch.setattr(dense_kernels.DecoderStack, "__call__", lambda *a: stack_calls.append(out := stack(*a)) or out)
     monkeypatch.setattr(dense_kernels, "decode_layer", lambda *a: layer_calls.append(out := decode_layer(*a)) or out)
     monkeypatch.setattr(moe_kernels, "experts", lambda *a: kernel_calls.append(out := experts(*a)) or out)
-    for path in ("kernels", "torch"):
+    for path in ("stack", "layers", "torch"):
         monkeypatch.setenv("PETREL_MOE_KERNEL", "0" if path == "torch" else "1")
-        layer_calls.clear(), kernel_calls.clear()
+        if path == "layers":
+            monkeypatch.setattr(GptOssForCausalLM, "_step_in_one_call", lambda *a: None)
+        stack_calls.clear(), layer_calls.clear(), kernel_calls.clear()
         results, _ = _engine_generate(gpt_oss, prompts, 12, block_size=BS, max_num_batched_tokens=16)
         assert [results[f"req{i}"] for i in range(len(prompts))] == expected, path
-        if path == "kernels":
-            assert layer_calls and all(c is not None for c in layer_calls)
+        if path == "stack":
+            assert stack_calls and all(c is not None for c in stack_calls) and not layer_calls
+        elif path == "layers":
+            assert not stack_calls and layer_calls and all(c is not None for c in layer_calls)
             assert kernel_calls and all(c is not None for c in kernel_calls)
         else:
             assert not layer_calls and kernel_calls and not any(c is not None for c in kernel_calls)

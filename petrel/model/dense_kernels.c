@@ -386,25 +386,28 @@ int decode_layer(const float *x, float *x_out, int64_t T, int64_t H, const float
  * (x -> x_out), one call for the whole model instead of one per layer from Python, with one scratch for all of
  * them (a prompt step's is tens of MB: allocated a layer at a time, its pages would be faulted in 30 times). Per
  * layer l: norms norm1[l], norm2[l]; weights weights[4 l .. 4 l + 3] (qkv, o, gate_up, down); its cache
- * key_caches[l], value_caches[l]; windows[l]; extras[l] (extras NULL: none for any). All layers share the slots, block
- * tables, context lengths (one KV block table per sequence) and chunks; I is the dense layers' MLP width. Returns 0, or KERNEL_OUT_OF_MEMORY (then stops at that layer). */
+ * key_caches[l], value_caches[l]; windows[l]; extras[l] (extras NULL: none for any); its KV group's slots, block
+ * tables, context lengths and chunks, groups[layer_groups[l]] (layer_groups NULL: groups[0] for every layer). I is
+ * the dense layers' MLP width. Returns 0, or KERNEL_OUT_OF_MEMORY (then stops at that layer). */
 int decode_layers(int64_t L, const float *x, float *x_out, int64_t T, int64_t H, const float *const *norm1,
                   const float *const *norm2, float eps, const weight *weights, int64_t I, int64_t NH, int64_t KVH,
                   int64_t D, const float *cos_t, const float *sin_t, void *const *key_caches,
-                  void *const *value_caches, int kv_bf16, int avx512, const int64_t *slots,
-                  const int64_t *tables, int64_t max_blocks, const int64_t *context_lens, int64_t bs,
-                  const int64_t *windows, float scale, const layer_extras *extras, const prompt_chunk *chunks,
-                  int64_t n_chunks, int nthreads) {
+                  void *const *value_caches, int kv_bf16, int avx512, const kv_group *groups,
+                  const int64_t *layer_groups, int64_t bs, const int64_t *windows, float scale,
+                  const layer_extras *extras, int64_t n_chunks, int nthreads) {
+    const prompt_chunk *chunks = n_chunks ? groups[0].chunks : NULL;   /* their rows: the same in every group */
     float *workspace, *h = layer_scratch(T, H, I, NH, KVH, D, chunks, n_chunks, &workspace);
     float *spare = malloc(sizeof(float) * T * H);
     int status = h && spare ? 0 : KERNEL_OUT_OF_MEMORY;
     const float *in = x;
     for (int64_t l = 0; l < L && status == 0; l++) {
         float *out = (L - 1 - l) % 2 == 0 ? x_out : spare;     /* alternate, ending in x_out */
+        const kv_group *g = &groups[layer_groups ? layer_groups[l] : 0];
         status = layer_step(in, out, T, H, norm1[l], norm2[l], eps, &weights[4 * l], &weights[4 * l + 1],
                             &weights[4 * l + 2], &weights[4 * l + 3], I, NH, KVH, D, cos_t, sin_t, key_caches[l],
-                            value_caches[l], kv_bf16, avx512, slots, tables, max_blocks, context_lens, bs, windows[l],
-                            scale, extras ? &extras[l] : NULL, chunks, n_chunks, h, workspace, nthreads);
+                            value_caches[l], kv_bf16, avx512, g->slots, g->tables, g->max_blocks, g->context_lens, bs,
+                            windows[l], scale, extras ? &extras[l] : NULL, g->chunks, n_chunks, h, workspace,
+                            nthreads);
         in = out;
     }
     free(spare);

@@ -124,6 +124,32 @@ class PromptChunk(ctypes.Structure):
     _fields_ = [("first_row", ctypes.c_int64), ("table", _P), ("p0", ctypes.c_int64)]
 
 
+class KvGroup(ctypes.Structure):
+    """A step as one KV group's layers see it, as decode_layers takes them, an array with each layer's index into it
+    (kernels.h's kv_group, field for field): the rows' cache slots, the decode rows' block tables (max_blocks wide)
+    and context lengths, and the prompt chunks (a PromptChunk array, the same rows in every group)."""
+
+    _fields_ = [
+        ("slots", _P),
+        ("tables", _P),
+        ("max_blocks", ctypes.c_int64),
+        ("context_lens", _P),
+        ("chunks", _P),
+    ]
+
+
+class StepGroup(NamedTuple):
+    """A KV group's view of a step for DecoderStack: slots [T] int64; the decode rows' block_tables [decodes, width]
+    and context_lens [decodes] ([0, width] and [0] where there are none); chunks, in row order: (first_row, its block
+    table [>= its blocks] int64, p0) for each prompt chunk after the decode rows, its rows from first_row to the
+    next chunk's (the last one's to T - 1), at positions p0, p0 + 1, ..."""
+
+    slots: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    chunks: list[tuple[int, torch.Tensor, int]]
+
+
 def describe(weight: torch.Tensor | QuantizedWeight) -> Weight | None:
     """A [out, in] float32 tensor or a QuantizedWeight as a Weight, or None where the kernels cannot take it."""
     if isinstance(weight, QuantizedWeight) and weight.bits == 32:  # float32 panels
@@ -680,28 +706,37 @@ class DecoderStack:
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        slots: torch.Tensor,
-        block_tables: torch.Tensor,
-        context_lens: torch.Tensor,
-        chunks: list[tuple[int, torch.Tensor, int]] = (),
+        groups: list[StepGroup],
+        layer_groups: list[int] | None = None,
     ) -> torch.Tensor | None:
-        """x [T, hidden] through every layer (see decode_layer for the other arguments: block_tables and
-        context_lens the decode rows', [0, width] and [0] where there are none), or None. chunks, in row order:
-        (first_row, its block table [>= its blocks] int64, p0) for each prompt chunk after the decode rows, its rows
-        from first_row to the next chunk's (the last one's to T - 1), at positions p0, p0 + 1, ..."""
+        """x [T, hidden] through every layer (see decode_layer for cos and sin), or None. groups: the step as each
+        KV group's layers see it (StepGroup), layer_groups each layer's index into them (None: one group for all
+        layers); every group has the same decode rows and the same chunks' rows."""
         first, num_tokens = self.first, x.shape[0]
         num_heads, num_kv_heads, head_dim = first.heads
-        if num_tokens > self.max_rows or not _step_fits(
-            x, cos, sin, self.kv_caches[0], slots, block_tables, context_lens, first.heads
+        if num_tokens > self.max_rows or not all(
+            _step_fits(x, cos, sin, self.kv_caches[0], g.slots, g.block_tables, g.context_lens, first.heads)
+            for g in groups
         ):
             return None
-        if chunks and (head_dim > _MAX_PREFILL_HEAD_DIM or any(t.dtype != torch.int64 for _, t, _ in chunks)):
+        chunks = groups[0].chunks
+        if chunks and (
+            head_dim > _MAX_PREFILL_HEAD_DIM or any(t.dtype != torch.int64 for g in groups for _, t, _ in g.chunks)
+        ):
             return None
-        tables = [t.contiguous() for _, t, _ in chunks]  # alive through the call
-        prompts = (PromptChunk * len(chunks))(
-            *(PromptChunk(row, t.data_ptr(), p0) for (row, _, p0), t in zip(chunks, tables))
-        )
-        block_tables, context_lens = block_tables.contiguous(), context_lens.contiguous()
+        keep = []  # the contiguous index tensors and chunk arrays, alive through the call
+        described = (KvGroup * len(groups))()
+        for g, group in zip(described, groups):
+            tables = [t.contiguous() for _, t, _ in group.chunks]
+            prompts = (PromptChunk * len(tables))(
+                *(PromptChunk(row, t.data_ptr(), p0) for (row, _, p0), t in zip(group.chunks, tables))
+            )
+            slots, block_tables = group.slots.contiguous(), group.block_tables.contiguous()
+            context_lens = group.context_lens.contiguous()
+            keep += [tables, prompts, slots, block_tables, context_lens]
+            g.slots, g.tables, g.max_blocks = slots.data_ptr(), block_tables.data_ptr(), block_tables.shape[1]
+            g.context_lens, g.chunks = context_lens.data_ptr(), ctypes.addressof(prompts)
+        layer_index = None if layer_groups is None else (ctypes.c_int64 * len(layer_groups))(*layer_groups)
         out = torch.empty_like(x)
         if self.lib.decode_layers(
             len(self.windows),
@@ -723,15 +758,12 @@ class DecoderStack:
             self.value_caches,
             self.kv_bf16,
             int(native.cpu_has_avx512()),
-            slots.data_ptr(),
-            block_tables.data_ptr(),
-            block_tables.shape[1],
-            context_lens.data_ptr(),
+            described,
+            layer_index,
             self.kv_caches[0].shape[2],
             self.windows,
             first.scale,
             self.extras,
-            prompts,
             len(chunks),
             torch.get_num_threads(),
         ):

@@ -128,13 +128,23 @@ int decode_layer(const float *x, float *x_out, int64_t T, int64_t H, const float
                  const int64_t *tables, int64_t max_blocks, const int64_t *context_lens, int64_t bs, int64_t window,
                  float scale, const layer_extras *extras, const prompt_chunk *chunks, int64_t n_chunks,
                  int nthreads);
+/* A step as one KV group's layers see it (a model whose layers keep different blocks, gpt-oss's windowed and full
+ * ones, has a group for each kind; dense_kernels.KvGroup mirrors it): the rows' cache slots [T], the decode rows'
+ * block tables [decodes][max_blocks] and context lengths [decodes], and the prompt chunks (n_chunks, the same rows
+ * in every group, their tables the group's) */
+typedef struct {
+    const int64_t *slots;
+    const int64_t *tables;
+    int64_t max_blocks;
+    const int64_t *context_lens;
+    const prompt_chunk *chunks;
+} kv_group;
 int decode_layers(int64_t L, const float *x, float *x_out, int64_t T, int64_t H, const float *const *norm1,
                   const float *const *norm2, float eps, const weight *weights, int64_t I, int64_t NH, int64_t KVH,
                   int64_t D, const float *cos_t, const float *sin_t, void *const *key_caches,
-                  void *const *value_caches, int kv_bf16, int avx512, const int64_t *slots,
-                  const int64_t *tables, int64_t max_blocks, const int64_t *context_lens, int64_t bs,
-                  const int64_t *windows, float scale, const layer_extras *extras, const prompt_chunk *chunks,
-                  int64_t n_chunks, int nthreads);
+                  void *const *value_caches, int kv_bf16, int avx512, const kv_group *groups,
+                  const int64_t *layer_groups, int64_t bs, const int64_t *windows, float scale,
+                  const layer_extras *extras, int64_t n_chunks, int nthreads);
 
 /* latent_layers.c: DeepSeek's decoder layers (multi-head latent attention, then a dense MLP or a mixture of experts)
  * for a step of T decode rows (dense_kernels.LatentLayer and LatentShape mirror these, field for field). A layer: its

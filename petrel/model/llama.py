@@ -243,16 +243,23 @@ class LlamaForCausalLM(nn.Module):
         return state
 
     def _step_in_one_call(self, x, cos_sin, kv_caches, meta, layers) -> torch.Tensor | None:
-        """A step of decodes and prompt chunks after them, every layer plain and one KV block table per sequence: the
-        whole decoder stack as one kernel call (dense_kernels.decode_layers); None otherwise (then each layer
-        decides for itself; on a device the Triton kernels serve, they run the step)."""
-        if not isinstance(meta, AttentionMetadata) or len(meta.decode_groups) > 1:
+        """A step of decodes and prompt chunks after them, every layer plain and one KV block table per sequence in
+        each KV group (a model whose layers keep different blocks has one metadata a layer, shared by a group's
+        layers): the whole decoder stack as one kernel call (dense_kernels.decode_layers); None otherwise (then
+        each layer decides for itself; on a device the Triton kernels serve, they run the step)."""
+        if triton_attention.serves(x.device):
             return None
-        if triton_attention.serves(x.device) or any(c.tree_positions is not None for c in meta.prefills):
-            return None  # Triton's step, or a draft tree (its mask is not causal: the torch path)
-        decodes = meta.decode_groups[0].end if meta.decode_groups else 0
-        starts, ends = [c.start for c in meta.prefills], [c.start + c.num_tokens for c in meta.prefills]
-        if not (decodes or starts) or starts != [decodes, *ends][: len(starts)]:  # chunks one after another
+        metas = meta[: len(layers)] if isinstance(meta, list) else [meta]
+        groups, layer_groups, seen = [], [], {}
+        for m in metas:
+            if id(m) not in seen:
+                if (group := _step_group(m)) is None:
+                    return None
+                seen[id(m)] = len(groups)
+                groups.append(group)
+            layer_groups.append(seen[id(m)])
+        decodes = {len(g.context_lens) for g in groups}
+        if len(decodes) != 1 or len({tuple(row for row, _, _ in g.chunks) for g in groups}) != 1:
             return None
         stack = self.__dict__.get("_decode_stack")  # (key, dense_kernels.DecoderStack or None)
         key = (
@@ -268,12 +275,7 @@ class LlamaForCausalLM(nn.Module):
             stack = self.__dict__["_decode_stack"] = (key, built)
         if stack[1] is None:
             return None
-        if decodes:
-            tables, lens = meta.decode_groups[0].block_tables, meta.decode_groups[0].context_lens_t
-        else:
-            tables, lens = x.new_zeros((0, 1), dtype=torch.int64), x.new_zeros(0, dtype=torch.int64)
-        chunks = [(c.start, c.block_table, c.first_pos) for c in meta.prefills]
-        return stack[1](x, cos_sin[0], cos_sin[1], meta.slot_mapping, tables, lens, chunks)
+        return stack[1](x, cos_sin[0], cos_sin[1], groups, layer_groups if len(groups) > 1 else None)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
@@ -342,6 +344,26 @@ class LlamaForCausalLM(nn.Module):
             if fragment in name:
                 return name.replace(fragment, fused), shard
         return name, None
+
+
+def _step_group(meta) -> dense_kernels.StepGroup | None:
+    """A KV group's metadata as the one-call stack takes it (decode rows in one group, then prompt chunks one after
+    another, none a draft tree), or None."""
+    if not isinstance(meta, AttentionMetadata) or len(meta.decode_groups) > 1:
+        return None
+    if any(c.tree_positions is not None for c in meta.prefills):
+        return None  # a draft tree: its mask is not causal (the torch path)
+    decodes = meta.decode_groups[0].end if meta.decode_groups else 0
+    starts, ends = [c.start for c in meta.prefills], [c.start + c.num_tokens for c in meta.prefills]
+    if not (decodes or starts) or starts != [decodes, *ends][: len(starts)]:  # chunks one after another
+        return None
+    if decodes:
+        tables, lens = meta.decode_groups[0].block_tables, meta.decode_groups[0].context_lens_t
+    else:
+        tables = meta.slot_mapping.new_zeros((0, 1), dtype=torch.int64)
+        lens = meta.slot_mapping.new_zeros(0, dtype=torch.int64)
+    chunks = [(c.start, c.block_table, c.first_pos) for c in meta.prefills]
+    return dense_kernels.StepGroup(meta.slot_mapping, tables, lens, chunks)
 
 
 def _projections(layers: nn.ModuleList) -> tuple:
