@@ -15,6 +15,8 @@ import torch
 from petrel.model import dense_kernels, mla_kernels
 from petrel.model.dense_kernels import MoeParts, Weight, products_max_rows
 from petrel.model.layers import Linear, RMSNorm
+from petrel.model.llama import LlamaMLP
+from petrel.model.moe import SparseMoeBlock
 from petrel.model.quantization import QuantizedLinear
 
 _P = ctypes.c_void_p
@@ -206,9 +208,6 @@ def _layer_parts(layer, first) -> tuple[list, list, MoeParts | None] | None:
     """A DeepseekDecoderLayer's (weights: q_a, q_b, kv_a, o, gate_up, down, each None where absent; vectors: norm1,
     norm2, q_a_norm, kv_a_norm, w_uk, w_uv; the MoeParts of its experts or None), or None where the kernels cannot
     take it or it differs in shape from the first layer's attention."""
-    from petrel.model.deepseek import DeepseekMoE
-    from petrel.model.llama import LlamaMLP
-
     attn, mlp = layer.self_attn, layer.mlp
     lora = hasattr(attn, "q_a_proj")
     norms = [layer.input_layernorm, layer.post_attention_layernorm, attn.kv_a_layernorm]
@@ -226,7 +225,7 @@ def _layer_parts(layer, first) -> tuple[list, list, MoeParts | None] | None:
     projections: list = [attn.q_a_proj, attn.q_b_proj] if lora else [None, attn.q_proj]
     projections += [attn.kv_a_proj_with_mqa, attn.o_proj]
     moe = None
-    if isinstance(mlp, DeepseekMoE):
+    if isinstance(mlp, SparseMoeBlock):  # DeepseekMoE: its router's fields in its kernel_parts
         if (moe := mlp.kernel_parts()) is None:
             return None
         projections += [None, None]
