@@ -65,8 +65,9 @@ def test_codes_read_as_the_reference_dequantizer_reads_them():
 @pytest.mark.parametrize("isa", ["default", "avx2"])
 @pytest.mark.parametrize("rows", [1, 3, 4, 12, 40, 300])
 def test_products_equal_float64_reference(rows, isa, monkeypatch):
-    """quant_gemv (<= 12 rows, four at a time), quant_gemm (<= 256) and dequantized tiles (more), AVX-512 allowed
-    or not (the products are AVX2's either way; the switch must change nothing)."""
+    """quant_gemv (<= 12 rows, four at a time: AVX-512's four groups a step where the CPU has AVX-512 BW, AVX2's
+    two with PETREL_AVX512=0; 160 columns leave a last group past a multiple of four), quant_gemm (<= 256) and
+    dequantized tiles (more)."""
     if isa == "avx2":
         monkeypatch.setenv("PETREL_AVX512", "0")
     weight, _ = random_mxfp4(70, 160, seed=rows)

@@ -159,7 +159,7 @@ def test_failed_scratch_allocation_is_reported():
     """Sizes past any address space: the kernels' malloc fails before anything is read, and they say so."""
     lib, huge = dense_kernels.library(), 1 << 44
     oom = 1  # KERNEL_OUT_OF_MEMORY
-    assert lib.quant_gemv(4, None, huge, 64, None, None, None, 5, None, 16, 1) == oom
+    assert lib.quant_gemv(4, None, huge, 64, None, None, None, 5, None, 16, 1, 0) == oom
     assert lib.int8_gemm(None, huge, 64, None, None, None, 16, 1, 0) == oom
     assert lib.group_gemm(4, None, huge, 64, None, None, None, 5, None, 16, 1, 0) == oom
     assert (

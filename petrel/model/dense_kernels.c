@@ -264,7 +264,8 @@ int weight_product(const float *x, int64_t M, int64_t K, const weight *w, float 
         bf16_gemv(x, M, K, (const uint16_t *)w->data, y, N, nthreads);
         return 0;
     }
-    if (M <= QUANT_GEMV_MAX_ROWS) return quant_gemv(w->bits, x, M, K, w->data, w->scale, w->mins, w->gshift, y, N, nthreads);
+    if (M <= QUANT_GEMV_MAX_ROWS)
+        return quant_gemv(w->bits, x, M, K, w->data, w->scale, w->mins, w->gshift, y, N, nthreads, w->integer_isa);
     if (w->integer_rows && M >= w->integer_rows && w->gshift >= 62)
         return int8_gemm(x, M, K, (const int8_t *)w->data, w->scale, y, N, nthreads, w->integer_isa);
     if (w->integer_rows && M >= w->integer_rows)

@@ -219,7 +219,7 @@ void bf16_gemm_avx2(const float *x, int64_t M, int64_t K, const uint16_t *W, flo
 
 /* quant_kernels.c */
 int quant_gemv(int bits, const float *x, int64_t M, int64_t K, const void *codes, const float *scale,
-               const float *mins, int gshift, float *y, int64_t N, int nthreads);
+               const float *mins, int gshift, float *y, int64_t N, int nthreads, int isa);
 int quant_gemm(int bits, const float *x, int64_t M, int64_t K, const void *codes, const float *scale,
                const float *mins, int gshift, float *y, int64_t N, int nthreads);
 void quant_dequant(int bits, int64_t K, const void *codes, const float *scale, const float *mins, int gshift,

@@ -232,6 +232,100 @@ Q4_ROWS(1, 0, q4_rows) Q4_ROWS(2, 0, q4_rows) Q4_ROWS(3, 0, q4_rows) Q4_ROWS(4, 
 Q4_ROWS(1, 1, fp4_rows) Q4_ROWS(2, 1, fp4_rows) Q4_ROWS(3, 1, fp4_rows) Q4_ROWS(4, 1, fp4_rows)
 Q8_ROWS(1) Q8_ROWS(2) Q8_ROWS(3) Q8_ROWS(4)
 
+/* MXFP4 with AVX-512 (F + BW): four groups (128 weights, 64 bytes of codes) a step. The activations' codes are laid
+ * out for it first (fp4_wide_activations): per four groups, the first halves of groups 0 and 1, their second halves,
+ * then the same of groups 2 and 3, so that each 32-value vector of codes widened from the nibbles meets its values in
+ * one load; 16-bit products summed in pairs (vpmaddwd) as the AVX2 kernel does, each group's eight int32 sums then
+ * scaled by its activation scale times 2^(e - 128) (vscalefps: exact, the E8M0 byte's power of two). The last
+ * groups of a row past a multiple of four: codes read under a mask, their activations zero. Measured (one thread,
+ * 64 experts' 2,048 x 1,024 weights from memory, Zen 5): 1.5x the AVX2 kernel's rate at one row, 1.04x at four. */
+typedef struct {
+    const int16_t *q;   /* [M][K4] codes in the order above (K4: K rounded up to 128, zeros past K) */
+    const float *dd;    /* [M][K4 / 32][8]: each group's activation scale, eight times */
+} wide_activations;
+
+#define FP4_WIDE_ROWS(MR) \
+__attribute__((target("avx512f,avx512bw"))) \
+static void fp4_wide_rows_##MR(const wide_activations *a, int64_t K, const uint8_t *codes, const uint8_t *e8, \
+                               float *y, int64_t N, int64_t n0, int64_t n1) { \
+    const int64_t B = K / 32, K4 = (K + 127) / 128 * 128; \
+    const __m512i nibble = _mm512_set1_epi8(0x0F); \
+    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)FP4_DOUBLED)); \
+    const __m512i pair01 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1); \
+    const __m512i pair23 = _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3); \
+    const __m512 bias = _mm512_set1_ps(128.f); \
+    for (int64_t n = n0; n < n1; n++) { \
+        __m512 acc[MR]; \
+        for (int m = 0; m < MR; m++) acc[m] = _mm512_setzero_ps(); \
+        const uint8_t *c = codes + n * B * 16, *e = e8 + n * B; \
+        for (int64_t b = 0; b < B; b += 4) { \
+            const int64_t left = B - b < 4 ? B - b : 4; \
+            const __mmask64 valid = left == 4 ? ~(__mmask64)0 : (((__mmask64)1 << (16 * left)) - 1); \
+            /* a masked load only for the last groups: from memory it stalls Zen 5's stream (2.5x slower) */ \
+            const __m512i raw = left == 4 ? _mm512_loadu_si512(c + 16 * b) \
+                                          : _mm512_maskz_loadu_epi8(valid, c + 16 * b); \
+            const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(raw, nibble)); \
+            const __m512i hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble)); \
+            const __m512i wl01 = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(lo)), \
+                          wh01 = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(hi)), \
+                          wl23 = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(lo, 1)), \
+                          wh23 = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(hi, 1)); \
+            uint32_t bytes = 0; \
+            if (left == 4) memcpy(&bytes, e + b, 4); \
+            else for (int64_t i = 0; i < left; i++) bytes |= (uint32_t)e[b + i] << (8 * i); \
+            const __m512 exps = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_cvtsi32_si128((int)bytes))), \
+                                              bias); \
+            const __m512 e01 = _mm512_permutexvar_ps(pair01, exps), e23 = _mm512_permutexvar_ps(pair23, exps); \
+            for (int m = 0; m < MR; m++) { \
+                const int16_t *xq = a->q + m * K4 + 32 * b; \
+                const float *dd = a->dd + (m * (K4 / 32) + b) * 8; \
+                const __m512i s01 = _mm512_add_epi32(_mm512_madd_epi16(wl01, _mm512_loadu_si512(xq)), \
+                                                     _mm512_madd_epi16(wh01, _mm512_loadu_si512(xq + 32))); \
+                const __m512i s23 = _mm512_add_epi32(_mm512_madd_epi16(wl23, _mm512_loadu_si512(xq + 64)), \
+                                                     _mm512_madd_epi16(wh23, _mm512_loadu_si512(xq + 96))); \
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s01), _mm512_scalef_ps(_mm512_loadu_ps(dd), e01), acc[m]); \
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s23), _mm512_scalef_ps(_mm512_loadu_ps(dd + 16), e23), \
+                                         acc[m]); \
+            } \
+        } \
+        for (int m = 0; m < MR; m++) y[m * N + n] = _mm512_reduce_add_ps(acc[m]); \
+    } \
+}
+FP4_WIDE_ROWS(1) FP4_WIDE_ROWS(2) FP4_WIDE_ROWS(3) FP4_WIDE_ROWS(4)
+
+/* x's int16 codes and scales (quantize_activations') laid out for fp4_wide_rows: K4 codes a row, K4 / 32 groups of
+ * eight scales */
+static void fp4_wide_activations(const int16_t *q, const float *d, int64_t M, int64_t K, int16_t *wq, float *wdd) {
+    const int64_t B = K / 32, K4 = (K + 127) / 128 * 128, B4 = K4 / 32;
+    memset(wq, 0, sizeof(int16_t) * M * K4);
+    memset(wdd, 0, sizeof(float) * M * B4 * 8);
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < B; g++) {
+            const int64_t quad = g / 4 * 128, pair = (g % 4) / 2 * 64, which = g % 2 * 16;
+            memcpy(wq + m * K4 + quad + pair + which, q + m * K + 32 * g, sizeof(int16_t) * 16);
+            memcpy(wq + m * K4 + quad + pair + 32 + which, q + m * K + 32 * g + 16, sizeof(int16_t) * 16);
+            for (int j = 0; j < 8; j++) wdd[(m * B4 + g) * 8 + j] = d[m * B + g];
+        }
+}
+
+typedef struct { const wide_activations *a; int64_t M, K; const uint8_t *codes, *e8; float *y; int64_t N; } wide_args;
+
+static void fp4_wide_part(void *args, int t, int T) {
+    const wide_args *g = args;
+    const int64_t K4 = (g->K + 127) / 128 * 128;
+    int64_t n0, n1;
+    split_range(g->N, t, T, 1, &n0, &n1);
+    for (int64_t m = 0; m < g->M && n0 < n1; m += 4) {
+        const wide_activations am = {g->a->q + m * K4, g->a->dd + m * (K4 / 32) * 8};
+        const int64_t r = g->M - m < 4 ? g->M - m : 4;
+        float *y = g->y + m * g->N;
+        if (r == 4) fp4_wide_rows_4(&am, g->K, g->codes, g->e8, y, g->N, n0, n1);
+        else if (r == 3) fp4_wide_rows_3(&am, g->K, g->codes, g->e8, y, g->N, n0, n1);
+        else if (r == 2) fp4_wide_rows_2(&am, g->K, g->codes, g->e8, y, g->N, n0, n1);
+        else fp4_wide_rows_1(&am, g->K, g->codes, g->e8, y, g->N, n0, n1);
+    }
+}
+
 static void rows(int bits, int64_t r, const activations *a, int64_t K, const void *codes, const float *scale,
                  const float *mins, int gshift, float *y, int64_t N, int64_t n0, int64_t n1) {
     if (bits == 4 && !mins) {   /* MXFP4 */
@@ -270,15 +364,30 @@ static void gemv_part(void *args, int t, int T) {
     }
 }
 
-/* y[M][N] = x[M][K] @ W^T, the activations rounded to int16 per 32 first (see quantize_activations); 0, or
- * KERNEL_OUT_OF_MEMORY when there is no memory for the rounded activations (y is then not written) */
+/* y[M][N] = x[M][K] @ W^T, the activations rounded to int16 per 32 first (see quantize_activations); MXFP4 codes
+ * with AVX-512's four groups a step where isa (int8_gemm's: kernels.h) names an AVX-512 kernel (the CPU has
+ * AVX-512 F + BW), else AVX2's two. 0, or KERNEL_OUT_OF_MEMORY when there is no memory for the rounded activations
+ * (y is then not written) */
 int quant_gemv(int bits, const float *x, int64_t M, int64_t K, const void *codes, const float *scale,
-               const float *mins, int gshift, float *y, int64_t N, int nthreads) {
+               const float *mins, int gshift, float *y, int64_t N, int nthreads, int isa) {
     const int64_t B = K / 32, G = num_groups(bits, K, gshift);
-    int16_t *q = malloc(sizeof(int16_t) * M * K + sizeof(float) * M * (2 * B + B + 4 * B + G));
+    const int wide = bits == 4 && !mins && (isa & 3) != INT8_AVX2;
+    const int64_t K4 = wide ? (K + 127) / 128 * 128 : 0;
+    int16_t *q = malloc(sizeof(int16_t) * M * K + sizeof(float) * M * (2 * B + B + 4 * B + G)
+                        + sizeof(int16_t) * M * K4 + sizeof(float) * M * (K4 / 4) + 64);
     if (!q) return KERNEL_OUT_OF_MEMORY;
     float *sum16 = (float *)(q + M * K), *d = sum16 + M * 2 * B, *dd = d + M * B, *sums = dd + M * 4 * B;
     quantize_activations(x, M * K, q, d, sum16);
+    if (wide) {
+        int16_t *const wq = (int16_t *)(sums + M * G);
+        float *const wdd = (float *)(wq + M * K4);
+        fp4_wide_activations(q, d, M, K, wq, wdd);
+        const wide_activations a = {wq, wdd};
+        wide_args args = {&a, M, K, codes, (const uint8_t *)scale, y, N};
+        parallel_run(fp4_wide_part, &args, nthreads);
+        free(q);
+        return 0;
+    }
     for (int64_t m = 0; m < M && mins; m++)              /* x's sum over each weight group, from the 16-sums */
         for (int64_t g = 0; g < G; g++) {
             const int64_t per = 2 * B / G;
@@ -357,7 +466,7 @@ int quant_gemm(int bits, const float *x, int64_t M, int64_t K, const void *codes
     const int T = nthreads < 1 ? 1 : nthreads;
     float *tiles = malloc(sizeof(float) * TILE * K * T);
     if (!tiles)            /* no memory for the tiles: the few-row kernel, slower (and its own status) */
-        return quant_gemv(bits, x, M, K, codes, scale, mins, gshift, y, N, nthreads);
+        return quant_gemv(bits, x, M, K, codes, scale, mins, gshift, y, N, nthreads, INT8_AVX2);
     gemm_args a = {bits, x, M, K, codes, scale, mins, gshift, y, N, tiles};
     parallel_run(gemm_part, &a, T);
     free(tiles);

@@ -47,6 +47,7 @@ def gemv(
         y.data_ptr(),
         n,
         torch.get_num_threads(),
+        integer_isa(bits),
     ):
         raise native.out_of_memory("quant_gemv")
     return y
