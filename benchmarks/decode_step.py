@@ -27,17 +27,33 @@ from petrel.sampling_params import SamplingParams
 
 
 def decode_batch(runner, batch: int, context: int) -> ScheduledBatch:
-    """`batch` sequences whose first context - 1 tokens are computed, on distinct blocks."""
+    """`batch` sequences of random tokens of their own (a mixture of experts routes each to its own experts), their
+    first context - 1 tokens computed, on distinct blocks."""
     bs = runner.block_size
     free = iter(range(1, 1 << 30))
     seqs = []
+    g = torch.Generator().manual_seed(0)
     for i in range(batch):
-        tokens = list(range(100, 100 + context))
+        tokens = torch.randint(100, 4000, (context,), generator=g).tolist()
         seq = Sequence(EngineRequest(f"r{i}", tokens, SamplingParams(temperature=0.0)), 0, tokens, len(tokens))
         seq.block_tables = [[next(free) for _ in range(-(-context // bs))]]
         seq.num_computed_tokens = context - 1
         seqs.append(seq)
     return ScheduledBatch(seqs=seqs, num_new_tokens=[1] * batch)
+
+
+def step_weight_bytes(model, model_dir: str, step) -> int:
+    """The weight bytes one of these steps reads (flops.decode_weight_bytes): a mixture of experts' routed experts by
+    the share of them one step actually picks, counted by the model's expert-load counters over one step."""
+    take = getattr(model, "take_expert_load", None)
+    if take is None:
+        return decode_weight_bytes(model_dir)
+    take()
+    step()
+    load = take() or {}
+    picked = sum(sum(1 for count in counts if count) for counts in load.values())
+    total = sum(len(counts) for counts in load.values())
+    return decode_weight_bytes(model_dir, picked / total if total else None)
 
 
 def main() -> None:
@@ -52,12 +68,12 @@ def main() -> None:
     ap.add_argument(
         "--bound",
         action="store_true",
-        help="also the memory bound: the weight bytes a token reads (--model a Hugging Face directory) over the "
-        "memory read bandwidth measured before and after each timing, and the step's share of that bound",
+        help="also the memory bound: the weight bytes a step reads (--model a Hugging Face directory; a mixture of "
+        "experts' routed experts as many as the step picks) over the memory read bandwidth measured before and "
+        "after each timing, and the step's share of that bound",
     )
     args = ap.parse_args()
     llm = LLM(model=args.model, quantization=args.quantization, dtype=args.dtype)
-    weight_bytes = decode_weight_bytes(args.model) if args.bound else 0
     runner = llm._engine.core.runner
     try:
         for batch in (int(b) for b in args.batch.split(",")):
@@ -67,6 +83,8 @@ def main() -> None:
                 with torch.inference_mode():
                     ids, positions, meta = runner.build_inputs(runner.spans(step_batch))
                     return runner.model.compute_logits(runner.model(ids, positions, runner.kv_caches, meta))
+
+            weight_bytes = step_weight_bytes(runner.model, args.model, step) if args.bound else 0
 
             def timed(where: str) -> None:
                 for _ in range(3):
@@ -86,7 +104,7 @@ def main() -> None:
                     read_gbs.append(memory_read_gbs())
                     rate = weight_bytes / (min(times) / 1e3) / 1e9
                     print(
-                        f"  weights {weight_bytes / 1e9:.3f} GB a token at {rate:.1f} GB/s (best step): "
+                        f"  weights {weight_bytes / 1e9:.3f} GB a step at {rate:.1f} GB/s (best step): "
                         f"{rate / max(read_gbs):.0%} of the memory read rate "
                         f"({' / '.join(f'{g:.1f}' for g in read_gbs)} GB/s before / after)",
                         flush=True,

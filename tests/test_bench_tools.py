@@ -317,8 +317,8 @@ def test_compare_takes_w1s_prompt_from_the_models_chat_template(tmp_path, tiny_l
 
 
 def test_decode_weight_bytes_counts_a_tokens_share_of_the_routed_experts(tmp_path):
-    """Every tensor once, a routed expert's by top-k / experts (the shared experts whole), the input embedding by
-    one row unless the head shares it."""
+    """Every tensor once, a routed expert's by top-k / experts or the share a step reads (the shared experts whole),
+    the input embedding by one row unless the head shares it."""
     import json
 
     import torch
@@ -338,5 +338,6 @@ def test_decode_weight_bytes_counts_a_tokens_share_of_the_routed_experts(tmp_pat
     (tmp_path / "config.json").write_text(json.dumps(config))
     expected = 4 * (8 + 100 * 8 + 64) + 2 * 32 + 2 * 4 * 32
     assert decode_weight_bytes(str(tmp_path)) == expected
+    assert decode_weight_bytes(str(tmp_path), expert_share=0.5) == expected + 2 * 4 * 32  # half of them, not 2 of 8
     (tmp_path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
     assert decode_weight_bytes(str(tmp_path)) == expected + 4 * 99 * 8  # the shared table read whole, as the head

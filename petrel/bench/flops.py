@@ -81,11 +81,12 @@ def memory_read_gbs(mib: int = 512, repeats: int = 3) -> float:
     return x.numel() * 4 / best / 1e9
 
 
-def decode_weight_bytes(model_dir: str) -> int:
-    """The bytes of weights one decode token reads from a Hugging Face directory's safetensors files: every tensor
-    once, a routed expert's by the share of experts a token picks (num_experts_per_tok of the routed count), the
-    input embedding table by one row unless the head shares it. The memory bound of a one-token decode step is
-    this over the machine's read bandwidth (memory_read_gbs); the key-value cache read beside it is left out."""
+def decode_weight_bytes(model_dir: str, expert_share: float | None = None) -> int:
+    """The bytes of weights one decode step reads from a Hugging Face directory's safetensors files: every tensor
+    once, the routed experts' by expert_share (the share of them the step reads; default a token's,
+    num_experts_per_tok of the routed count), the input embedding table by one row unless the head shares it. The
+    memory bound of a decode step is this over the machine's read bandwidth (memory_read_gbs); the key-value cache
+    read beside it is left out."""
     import json
     from pathlib import Path
 
@@ -96,6 +97,7 @@ def decode_weight_bytes(model_dir: str) -> int:
     cfg = cfg.get("text_config", cfg)
     experts = next((cfg[k] for k in ("n_routed_experts", "num_local_experts", "num_experts") if cfg.get(k)), 0)
     picked = cfg.get("num_experts_per_tok", 0) / experts if experts else 1.0
+    picked = picked if expert_share is None else expert_share
     total = 0.0
     for path in sorted(root.glob("*.safetensors")):
         with safe_open(str(path), "pt") as f:
