@@ -169,7 +169,7 @@ def test_decode_steps_read_the_latent_cache_without_expanding_it(deepseek, monke
     assert calls == ["_absorbed"] * 3
     calls.clear()
     drv.step([(seq, 1)])  # every layer in one call where the kernels run (they absorb, never decompress)
-    one_call = t.model.__dict__.get("_latent_stack", (None, None))[1] is not None
+    one_call = t.model.__dict__.get("_decode_stack", (None, None))[1] is not None
     assert calls == ([] if one_call else ["_decode"] * 3)
     monkeypatch.setattr(DeepseekForCausalLM, "_step_in_one_call", lambda *a: None)
     calls.clear()

@@ -28,12 +28,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from petrel.model import dense_kernels, mla_kernels, triton_attention
-from petrel.model.attention import AttentionMetadata
+from petrel.model import mla_kernels, triton_attention
 from petrel.model.config import ModelConfig
 from petrel.model.latent_stack import LatentStack
 from petrel.model.layers import RMSNorm
-from petrel.model.llama import LlamaMLP, _projections
+from petrel.model.llama import LlamaMLP, _step_group
 from petrel.model.mla import MLAttention
 from petrel.model.moe import Experts, MoeForCausalLM, Router, SparseMoeBlock
 from petrel.model.parallel import SINGLE, ParallelLMHead, TensorParallel, VocabParallelEmbedding
@@ -178,34 +177,17 @@ class DeepseekForCausalLM(MoeForCausalLM):
     def _step_in_one_call(self, x, cos_sin, kv_caches, meta, layers):
         """A step of decode rows only, one KV block table per sequence: every layer in one kernel call
         (latent_stack.LatentStack); None otherwise (prompt chunks decompress the latent: the layers' modules)."""
-        if (
-            not isinstance(meta, AttentionMetadata)
-            or meta.prefills
-            or len(meta.decode_groups) != 1
-            or triton_attention.serves(x.device)
-        ):
+        if triton_attention.serves(x.device) or (group := _step_group(meta)) is None or group.chunks:
             return None
-        stack = self.__dict__.get("_latent_stack")  # (key, LatentStack or None)
-        key = (
-            dense_kernels.library() is not None and mla_kernels.enabled(),  # PETREL_MLA_KERNEL=0: the modules
-            len(layers),
-            kv_caches[0].data_ptr(),
-            layers[0].input_layernorm.weight.data_ptr(),
-            _projections(layers),
+        stack = self._one_call_stack(
+            layers,
+            kv_caches,
+            lambda: LatentStack.build(list(layers), kv_caches[: len(layers)]),
+            mla_kernels.enabled(),  # PETREL_MLA_KERNEL=0: the layers' modules
         )
-        if stack is None or stack[0] != key:
-            built = LatentStack.build(list(layers), kv_caches[: len(layers)]) if key[0] else None
-            stack = self.__dict__["_latent_stack"] = (key, built)
-        if stack[1] is None:
+        if stack is None:
             return None
-        group = meta.decode_groups[0]
-        return stack[1](x, cos_sin[0], cos_sin[1], meta.slot_mapping, group.block_tables, group.context_lens_t)
-
-    def __getstate__(self):
-        """Copies and pickles leave out the kernels' stack (raw pointers into this model's tensors)."""
-        state = dict(super().__getstate__())
-        state.pop("_latent_stack", None)
-        return state
+        return stack(x, cos_sin[0], cos_sin[1], group.slots, group.block_tables, group.context_lens)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(self._checkpoint_tensors(weights))

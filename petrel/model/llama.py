@@ -261,21 +261,30 @@ class LlamaForCausalLM(nn.Module):
         decodes = {len(g.context_lens) for g in groups}
         if len(decodes) != 1 or len({tuple(row for row, _, _ in g.chunks) for g in groups}) != 1:
             return None
-        stack = self.__dict__.get("_decode_stack")  # (key, dense_kernels.DecoderStack or None)
+
+        def build() -> dense_kernels.DecoderStack | None:
+            parts = [layer.one_call_parts() for layer in layers]
+            return None if None in parts else dense_kernels.DecoderStack.build(parts, kv_caches[: len(layers)])
+
+        if (stack := self._one_call_stack(layers, kv_caches, build)) is None:
+            return None
+        return stack(x, cos_sin[0], cos_sin[1], groups, layer_groups if len(groups) > 1 else None)
+
+    def _one_call_stack(self, layers, kv_caches, build, enabled: bool = True):
+        """The stack build() makes of these layers (None: one call cannot run them), kept while the kernels, the
+        caches and the layers' modules stay the same; None while the kernels are off (or not `enabled`), and a
+        stack built then is not kept for later."""
+        stack = self.__dict__.get("_decode_stack")  # (key, the stack or None)
         key = (
-            dense_kernels.library() is not None,  # a stack built while the kernels were off is not kept for later
+            enabled and dense_kernels.library() is not None,
             len(layers),
             kv_caches[0].data_ptr(),
             layers[0].input_layernorm.weight.data_ptr(),
             _projections(layers),
         )
         if stack is None or stack[0] != key:
-            parts = [layer.one_call_parts() for layer in layers]
-            built = None if None in parts else dense_kernels.DecoderStack.build(parts, kv_caches[: len(layers)])
-            stack = self.__dict__["_decode_stack"] = (key, built)
-        if stack[1] is None:
-            return None
-        return stack[1](x, cos_sin[0], cos_sin[1], groups, layer_groups if len(groups) > 1 else None)
+            stack = self.__dict__["_decode_stack"] = (key, build() if key[0] else None)
+        return stack[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -255,6 +255,14 @@ int moe_experts(const float *x, int64_t T, int64_t H, int64_t I, int64_t k, cons
     return status;
 }
 
+/* p = softmax(l) over E logits */
+static void softmax_row(const float *l, int64_t E, float *p) {
+    float top = l[0], sum = 0.f;
+    for (int64_t e = 1; e < E; e++) top = l[e] > top ? l[e] : top;
+    for (int64_t e = 0; e < E; e++) sum += p[e] = expf(l[e] - top);
+    for (int64_t e = 0; e < E; e++) p[e] /= sum;
+}
+
 /* Each row's top_k experts by softmax probability (ties: the lower number first) and their routing weights,
  * renormalised to sum 1 if asked; with topk_softmax (gpt-oss) the top_k logits, then a softmax over those k: logits
  * [T][E] in, ids and weights [T][k] out */
@@ -278,10 +286,7 @@ static void route_rows(const float *logits, int64_t T, int64_t E, int64_t k, int
             for (int64_t j = 0; j < k; j++) weights[t * k + j] /= sum;
             continue;
         }
-        float top = l[0], sum = 0.f;
-        for (int64_t e = 1; e < E; e++) top = l[e] > top ? l[e] : top;
-        for (int64_t e = 0; e < E; e++) sum += probs[e] = expf(l[e] - top);
-        for (int64_t e = 0; e < E; e++) probs[e] /= sum;
+        softmax_row(l, E, probs);
         float picked = 0.f;
         for (int64_t j = 0; j < k; j++) {
             int64_t best = -1;
@@ -320,10 +325,7 @@ static void route_grouped_rows(const float *logits, int64_t T, const moe_layer *
         if (m->sigmoid) {
             for (int64_t e = 0; e < E; e++) scores[e] = 1.f / (1.f + expf(-l[e]));
         } else {
-            float top = l[0], sum = 0.f;
-            for (int64_t e = 1; e < E; e++) top = l[e] > top ? l[e] : top;
-            for (int64_t e = 0; e < E; e++) sum += scores[e] = expf(l[e] - top);
-            for (int64_t e = 0; e < E; e++) scores[e] /= sum;
+            softmax_row(l, E, scores);
         }
         for (int64_t e = 0; e < E; e++) choice[e] = scores[e] + (m->choice_bias ? m->choice_bias[e] : 0.f);
         memset(taken, 0, (size_t)E);
