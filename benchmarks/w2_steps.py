@@ -4,7 +4,7 @@ chunks (with the decodes running alongside them), and inside the steps the time 
 LM head, the sampler and the step's inputs. The figures behind "where the time goes" in docs/benchmarks-history.md.
 
     python benchmarks/w2_steps.py [--max-num-batched-tokens 2048] [--kv-cache-memory-gib 4] [--dtype bfloat16]
-                                  [--quantization int8] [--model FILE.gguf]
+                                  [--quantization int8] [--model FILE.gguf] [--requests 16]
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--quantization", default=None, help="e.g. int8 (default: the weights as they are)")
     ap.add_argument("--model", default=None, help="an HF directory or a .gguf file (default: the default model)")
+    ap.add_argument("--requests", type=int, default=64, help="W2's first N prompts (default: all 64)")
     args = ap.parse_args()
     steps: list[tuple[float, int, int]] = []  # seconds, decode rows, prefill tokens
     execute = ModelRunner.execute
@@ -57,11 +58,12 @@ def main() -> None:
     parts.clear()
     params = SamplingParams(max_tokens=128, min_tokens=128, ignore_eos=True, temperature=0)
     t0 = time.perf_counter()
-    llm.generate([{"prompt_token_ids": p} for p in make_w2_prompts()], params, use_tqdm=False)
+    llm.generate([{"prompt_token_ids": p} for p in make_w2_prompts()[: args.requests]], params, use_tqdm=False)
     wall = time.perf_counter() - t0
     decode = [s for s in steps if s[2] == 0]
     mixed = [s for s in steps if s[2] > 0]
-    print(f"W2 wall {wall:.2f} s, {64 * 128 / wall:.1f} output tok/s; {sum(s[0] for s in steps):.2f} s in model steps")
+    output_rate = args.requests * 128 / wall
+    print(f"W2 wall {wall:.2f} s, {output_rate:.1f} output tok/s; {sum(s[0] for s in steps):.2f} s in model steps")
     print(
         f"decode-only steps: {len(decode)}, {sum(s[0] for s in decode):.2f} s, "
         f"{sum(s[0] for s in decode) / max(1, len(decode)) * 1e3:.1f} ms each, "

@@ -127,6 +127,22 @@ def test_kernel_equals_a_float64_reference(fmt, top_k, threads, isa, monkeypatch
         torch.set_num_threads(saved)
 
 
+def test_scratch_kept_between_calls_leaves_no_trace():
+    """A thread keeps its scratch from call to call (scratch.c): a few rows after a prompt's worth, in the larger
+    buffer the prompt left full of its rows, give exactly what they gave before it."""
+    experts = build_experts("f32-panels", 272, 48)
+    ids, weights = route(3, 2, seed=1)
+    x = torch.randn(3, 272, generator=torch.Generator().manual_seed(1))
+    before = moe_kernels.experts(experts, x, ids, weights)
+    big_ids, big_weights = route(200, 8, seed=2)
+    big_x = torch.randn(200, 272, generator=torch.Generator().manual_seed(2))
+    big = moe_kernels.experts(experts, big_x, big_ids, big_weights)
+    after = moe_kernels.experts(experts, x, ids, weights)
+    assert torch.equal(before, after)
+    expected = reference(experts, big_x, big_ids, big_weights)
+    assert (big.double() - expected).abs().max().item() <= 2e-5 * expected.abs().max().item()
+
+
 def test_integer_products_equal_the_torch_loops(monkeypatch):
     """From 13 rows an expert GGUF's blocks multiply in integers (group_gemm.c): the kernel's per-expert products
     are the ones QuantizedWeight.matmul runs, so the kernel equals the torch loop up to the order of the sums."""

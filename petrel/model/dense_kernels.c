@@ -17,6 +17,7 @@
 
 #include "bf16_pairs.h"
 #include "kernels.h"
+#include "scratch.h"
 #include "simd.h"
 #include "thread_pool.h"
 #include "weight_product.h"
@@ -285,18 +286,19 @@ static int64_t shared_floats(int64_t I, int64_t NH, int64_t KVH, int64_t D) {
     return attention > mlp ? attention : mlp;
 }
 
-/* Scratch for a layer of T rows (freed with free): a norm's output, shared_floats, a product's output; and in
- * *workspace, after it at a 64-byte boundary, the most any of the prompt chunks' attention takes (its workspace at
- * no window, the most a window leaves it); NULL if the memory could not be had */
+/* Scratch for a layer of T rows (this thread's SCRATCH_LAYERS buffer): `extra` floats (a stack's spare rows), a
+ * norm's output, shared_floats, a product's output; and in *workspace, after them at a 64-byte boundary, the most any
+ * of the prompt chunks' attention takes (its workspace at no window, the most a window leaves it); NULL if the memory
+ * could not be had */
 static float *layer_scratch(int64_t T, int64_t H, int64_t I, int64_t NH, int64_t KVH, int64_t D,
-                            const prompt_chunk *chunks, int64_t n_chunks, float **workspace) {
-    const int64_t rows = T * (2 * H + shared_floats(I, NH, KVH, D));
+                            const prompt_chunk *chunks, int64_t n_chunks, int64_t extra, float **workspace) {
+    const int64_t rows = extra + T * (2 * H + shared_floats(I, NH, KVH, D));
     int64_t spare = 0;
     for (int64_t i = 0; i < n_chunks; i++) {
         const int64_t need = prefill_attention_workspace(chunk_rows(chunks, n_chunks, i, T), chunks[i].p0, 0, KVH, D);
         spare = need > spare ? need : spare;
     }
-    float *h = malloc(sizeof(float) * (rows + (spare ? spare + 16 : 0)));
+    float *h = scratch_take(SCRATCH_LAYERS, sizeof(float) * (rows + (spare ? spare + 16 : 0)));
     if (h) *workspace = (float *)(((uintptr_t)(h + rows) + 63) & ~(uintptr_t)63);
     return h;
 }
@@ -374,18 +376,16 @@ int decode_layer(const float *x, float *x_out, int64_t T, int64_t H, const float
                  const int64_t *tables, int64_t max_blocks, const int64_t *context_lens, int64_t bs, int64_t window,
                  float scale, const layer_extras *extras, const prompt_chunk *chunks, int64_t n_chunks,
                  int nthreads) {
-    float *workspace, *h = layer_scratch(T, H, I, NH, KVH, D, chunks, n_chunks, &workspace);
+    float *workspace, *h = layer_scratch(T, H, I, NH, KVH, D, chunks, n_chunks, 0, &workspace);
     if (!h) return KERNEL_OUT_OF_MEMORY;
-    const int status = layer_step(x, x_out, T, H, norm1, norm2, eps, w_qkv, w_o, w_gate_up, w_down, I, NH, KVH, D,
-                                  cos_t, sin_t, key_cache, value_cache, kv_bf16, avx512, slots, tables, max_blocks,
-                                  context_lens, bs, window, scale, extras, chunks, n_chunks, h, workspace, nthreads);
-    free(h);
-    return status;
+    return layer_step(x, x_out, T, H, norm1, norm2, eps, w_qkv, w_o, w_gate_up, w_down, I, NH, KVH, D, cos_t, sin_t,
+                      key_cache, value_cache, kv_bf16, avx512, slots, tables, max_blocks, context_lens, bs, window,
+                      scale, extras, chunks, n_chunks, h, workspace, nthreads);
 }
 
 /* The decoder stack of a step of decodes and prompt chunks after them: decode_layer for each of L layers in turn
  * (x -> x_out), one call for the whole model instead of one per layer from Python, with one scratch for all of
- * them (a prompt step's is tens of MB: allocated a layer at a time, its pages would be faulted in 30 times). Per
+ * them (a prompt step's is tens of MB: scratch.c keeps it from step to step, its pages faulted in once). Per
  * layer l: norms norm1[l], norm2[l]; weights weights[4 l .. 4 l + 3] (qkv, o, gate_up, down); its cache
  * key_caches[l], value_caches[l]; windows[l]; extras[l] (extras NULL: none for any); its KV group's slots, block
  * tables, context lengths and chunks, groups[layer_groups[l]] (layer_groups NULL: groups[0] for every layer). I is
@@ -397,9 +397,9 @@ int decode_layers(int64_t L, const float *x, float *x_out, int64_t T, int64_t H,
                   const int64_t *layer_groups, int64_t bs, const int64_t *windows, float scale,
                   const layer_extras *extras, int64_t n_chunks, int nthreads) {
     const prompt_chunk *chunks = n_chunks ? groups[0].chunks : NULL;   /* their rows: the same in every group */
-    float *workspace, *h = layer_scratch(T, H, I, NH, KVH, D, chunks, n_chunks, &workspace);
-    float *spare = malloc(sizeof(float) * T * H);
-    int status = h && spare ? 0 : KERNEL_OUT_OF_MEMORY;
+    float *workspace, *spare = layer_scratch(T, H, I, NH, KVH, D, chunks, n_chunks, T * H, &workspace);
+    float *h = spare ? spare + T * H : NULL;
+    int status = spare ? 0 : KERNEL_OUT_OF_MEMORY;
     const float *in = x;
     for (int64_t l = 0; l < L && status == 0; l++) {
         float *out = (L - 1 - l) % 2 == 0 ? x_out : spare;     /* alternate, ending in x_out */
@@ -411,7 +411,5 @@ int decode_layers(int64_t L, const float *x, float *x_out, int64_t T, int64_t H,
                             nthreads);
         in = out;
     }
-    free(spare);
-    free(h);
     return status;
 }

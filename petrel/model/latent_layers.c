@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "kernels.h"
+#include "scratch.h"
 #include "simd.h"
 #include "thread_pool.h"
 #include "weight_product.h"
@@ -178,7 +179,7 @@ int latent_decode_layers(int64_t L, const latent_layer *layers, const latent_sha
                          const int64_t *context_lens, int64_t bs, int nthreads) {
     int64_t inter = 0;
     for (int64_t l = 0; l < L; l++) inter = layers[l].inter > inter ? layers[l].inter : inter;
-    float *const h = malloc(sizeof(float) * (scratch_floats(T, H, shape, inter) + T * H));
+    float *const h = scratch_take(SCRATCH_LAYERS, sizeof(float) * (scratch_floats(T, H, shape, inter) + T * H));
     if (!h) return KERNEL_OUT_OF_MEMORY;
     float *const y = h + T * H, *const spare = y + T * H, *const work = spare + T * H;
     int status = 0;
@@ -191,6 +192,5 @@ int latent_decode_layers(int64_t L, const latent_layer *layers, const latent_sha
         in = out;
     }
     pool_exit();
-    free(h);
     return status;
 }

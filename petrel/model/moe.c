@@ -25,6 +25,7 @@
 #include <string.h>
 
 #include "kernels.h"
+#include "scratch.h"
 #include "thread_pool.h"
 #include "weight_product.h"
 
@@ -202,13 +203,11 @@ int moe_experts(const float *x, int64_t T, int64_t H, int64_t I, int64_t k, cons
                 const float *route_weights, int64_t first, int64_t E, const weight *gate_up, const weight *down,
                 const moe_act *act, float *out, int nthreads) {
     const int64_t picks = T * k;
-    int64_t *const offsets = calloc(2 * E + 1, sizeof(int64_t)), *const next = offsets + E + 1;
-    int64_t *const slot = malloc(sizeof(int64_t) * (2 * picks + 1)), *const token = slot + picks;
-    if (!offsets || !slot) {
-        free(offsets);
-        free(slot);
-        return KERNEL_OUT_OF_MEMORY;
-    }
+    /* this thread's scratch (scratch.c): the picks' index arrays, then the rows */
+    int64_t *const offsets = scratch_take(SCRATCH_EXPERT_PICKS, sizeof(int64_t) * (2 * E + 1 + 2 * picks + 1));
+    if (!offsets) return KERNEL_OUT_OF_MEMORY;
+    int64_t *const next = offsets + E + 1, *const slot = next + E, *const token = slot + picks;
+    memset(offsets, 0, sizeof(int64_t) * (2 * E + 1));
     for (int64_t i = 0; i < picks; i++) {   /* 1. counts, offsets, each pick's row */
         const int64_t e = ids[i] - first;
         if (e >= 0 && e < E) offsets[e + 1]++;
@@ -224,34 +223,31 @@ int moe_experts(const float *x, int64_t T, int64_t H, int64_t I, int64_t k, cons
         if (slot[i] >= 0) token[slot[i]] = i / k;
     }
     const int64_t R = offsets[E], per_thread = max_rows * MOE_COLUMNS;
-    float *const buffer = R ? malloc(sizeof(float) * (R * H + R * 2 * I + R * I + nthreads * per_thread)) : NULL;
-    int status = buffer || !R ? 0 : KERNEL_OUT_OF_MEMORY;
-    if (status == 0) {
-        float *const xs = buffer, *const hs = xs + R * H, *const acts = hs + R * 2 * I, *const scratch = acts + R * I;
-        float *const ys = xs;   /* the down products' rows reuse the gathered rows' room */
-        pool_enter();
-        if (R) {
-            gather_args g = {x, H, token, xs};
-            for_rows(gather_rows, &g, R, R * H, nthreads);   /* 2 */
-            status = run_phase(xs, H, hs, 2 * I, gate_up, offsets, E, scratch, per_thread, nthreads);   /* 3 */
-            if (status == 0) {
-                if (act && act->gate_up_bias) add_expert_bias(hs, R, 2 * I, act->gate_up_bias, offsets, E, nthreads);
-                if (act && act->swiglu) swiglu_clamped(hs, R, I, act->alpha, act->limit, acts, nthreads);   /* 4 */
-                else silu_and_mul(hs, R, I, acts, nthreads);
-                status = run_phase(acts, I, ys, H, down, offsets, E, scratch, per_thread, nthreads);   /* 5 */
-                if (status == 0 && act && act->down_bias)
-                    add_expert_bias(ys, R, H, act->down_bias, offsets, E, nthreads);
-            }
-        }
+    float *const buffer = scratch_take(SCRATCH_EXPERT_ROWS,
+                                       sizeof(float) * (R * H + R * 2 * I + R * I + nthreads * per_thread + 1));
+    if (!buffer) return KERNEL_OUT_OF_MEMORY;
+    int status = 0;
+    float *const xs = buffer, *const hs = xs + R * H, *const acts = hs + R * 2 * I, *const scratch = acts + R * I;
+    float *const ys = xs;   /* the down products' rows reuse the gathered rows' room */
+    pool_enter();
+    if (R) {
+        gather_args g = {x, H, token, xs};
+        for_rows(gather_rows, &g, R, R * H, nthreads);   /* 2 */
+        status = run_phase(xs, H, hs, 2 * I, gate_up, offsets, E, scratch, per_thread, nthreads);   /* 3 */
         if (status == 0) {
-            combine_args c = {ys, H, k, slot, route_weights, out};
-            for_rows(combine_rows, &c, T, T * H * k, nthreads);   /* 6 */
+            if (act && act->gate_up_bias) add_expert_bias(hs, R, 2 * I, act->gate_up_bias, offsets, E, nthreads);
+            if (act && act->swiglu) swiglu_clamped(hs, R, I, act->alpha, act->limit, acts, nthreads);   /* 4 */
+            else silu_and_mul(hs, R, I, acts, nthreads);
+            status = run_phase(acts, I, ys, H, down, offsets, E, scratch, per_thread, nthreads);   /* 5 */
+            if (status == 0 && act && act->down_bias)
+                add_expert_bias(ys, R, H, act->down_bias, offsets, E, nthreads);
         }
-        pool_exit();
     }
-    free(buffer);
-    free(slot);
-    free(offsets);
+    if (status == 0) {
+        combine_args c = {ys, H, k, slot, route_weights, out};
+        for_rows(combine_rows, &c, T, T * H * k, nthreads);   /* 6 */
+    }
+    pool_exit();
     return status;
 }
 
@@ -377,7 +373,8 @@ static void add_shared_rows(const void *args, int64_t t0, int64_t t1) {
 int moe_mlp(const float *h, int64_t T, int64_t H, const moe_layer *m, float *y, int nthreads) {
     const int64_t E = m->experts, k = m->top_k, SI = m->shared_inter, G = m->n_group > 1 ? m->n_group : 0;
     const int64_t routing = 2 * E + G, floats = T * E + routing + T * k + (SI ? T * (3 * SI + H + 1) : 0);
-    float *const scratch = malloc(sizeof(float) * floats + sizeof(int64_t) * T * k + (size_t)(E + G));
+    float *const scratch =
+        scratch_take(SCRATCH_ROUTING, sizeof(float) * floats + sizeof(int64_t) * T * k + (size_t)(E + G));
     if (!scratch) return KERNEL_OUT_OF_MEMORY;
     float *const logits = scratch, *const probs = logits + T * E, *const weights = probs + routing;
     int64_t *const ids = (int64_t *)(weights + T * k + (SI ? T * (3 * SI + H + 1) : 0));
@@ -408,6 +405,5 @@ int moe_mlp(const float *h, int64_t T, int64_t H, const moe_layer *m, float *y, 
             for_rows(add_shared_rows, &a, T, T * H, nthreads);
         }
     }
-    free(scratch);
     return status;
 }
