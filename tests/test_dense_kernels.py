@@ -355,15 +355,19 @@ KV_DTYPES = pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16],
 # (PETREL_BF16_ACTIVATIONS=0: on every CPU); and bfloat16 through dpbf16 (q and the softmax weights rounded to
 # bfloat16 as products round x; where the CPU has AVX512_BF16), so that CI runs both bfloat16 loops on such machines
 needs_dpbf16_cache = pytest.mark.skipif(dense_kernels._bf16_cache_kind() != 2, reason="no AVX512_BF16 here")
-ATTENTION_KV_KINDS = pytest.mark.parametrize(
-    "kv_kind", ["f32-cache", "bf16-cache", pytest.param("bf16-cache-dpbf16", marks=needs_dpbf16_cache)]
-)
+_KV_KINDS = ["f32-cache", "bf16-cache", pytest.param("bf16-cache-dpbf16", marks=needs_dpbf16_cache)]
+ATTENTION_KV_KINDS = pytest.mark.parametrize("kv_kind", _KV_KINDS)
+# decode attention's float32 cache also through the AVX2 loops (PETREL_AVX512=0) where AVX-512F's run by default
+DECODE_KV_KINDS = pytest.mark.parametrize("kv_kind", ["f32-cache-avx2", *_KV_KINDS])
 
 
 def _attention_kv_dtype(kv_kind: str, monkeypatch) -> tuple[torch.dtype, bool]:
     """The cache dtype of an ATTENTION_KV_KINDS case, and whether the dpbf16 loops (rounding q and the weights) run
     (after any switch of the ISA, such as prefill_isa's)."""
-    if kv_kind == "f32-cache":
+    if kv_kind == "f32-cache":  # decode attention: the AVX-512F loops where the CPU has them
+        return torch.float32, False
+    if kv_kind == "f32-cache-avx2":
+        monkeypatch.setenv("PETREL_AVX512", "0")
         return torch.float32, False
     if kv_kind == "bf16-cache":
         monkeypatch.setenv("PETREL_BF16_ACTIVATIONS", "0")
@@ -385,6 +389,20 @@ def test_bf16_cache_kind_follows_the_cpu(monkeypatch):
     monkeypatch.setenv("PETREL_BF16_ACTIVATIONS", "1")
     monkeypatch.setenv("PETREL_AVX512", "0")
     assert dense_kernels._kv_bf16(cache, cache) == 1
+
+
+def test_float32_cache_decode_loops_follow_the_cpu(monkeypatch):
+    """A float32 cache's decode attention runs AVX-512F's loops (kind 3) where native.cpu_has_avx512 says so, else
+    AVX2's (kind 0): a spy on the library sees the kind each call passes."""
+    q, cache, tables, lens_t = _paged_case(2, 4, 2, 32, 4, [5, 9], seed=4)
+    lib, kinds, avx512 = dense_kernels.library(), [], native.cpu_has_avx512()
+    kernel = lib.paged_decode_attention
+    monkeypatch.setattr(lib, "paged_decode_attention", lambda *a: kinds.append(a[4]) or kernel(*a))
+    with_512 = dense_kernels.decode_attention(q, cache[0], cache[1], tables, lens_t, 0.2, None)
+    monkeypatch.setenv("PETREL_AVX512", "0")
+    with_avx2 = dense_kernels.decode_attention(q, cache[0], cache[1], tables, lens_t, 0.2, None)
+    assert kinds == [3 if avx512 else 0, 0]
+    torch.testing.assert_close(with_512, with_avx2, atol=2e-6, rtol=1e-5)
 
 
 def _paged_case(num_seqs, heads, kv_heads, head_dim, block_size, lens, seed, kv_dtype=torch.float32):
@@ -436,7 +454,7 @@ def _assert_decode_attention_is_torchs(q, cache, tables, lens_t, window, rounded
 )
 # few short contexts: the work split by KV head; many: by sequence
 @pytest.mark.parametrize("many", [False, True], ids=["few-seqs", "many-seqs"])
-@ATTENTION_KV_KINDS
+@DECODE_KV_KINDS
 def test_paged_decode_attention_equals_torch_path(
     heads, kv_heads, head_dim, block_size, window, many, kv_kind, monkeypatch
 ):
@@ -461,7 +479,7 @@ def test_paged_decode_attention_equals_torch_path(
     ],
 )
 @pytest.mark.parametrize("lens", [[2000], [1100, 3]], ids=["one-seq", "long-and-short"])
-@ATTENTION_KV_KINDS
+@DECODE_KV_KINDS
 def test_decode_attention_splits_few_long_contexts(
     heads, kv_heads, head_dim, block_size, window, lens, kv_kind, monkeypatch
 ):
@@ -474,7 +492,7 @@ def test_decode_attention_splits_few_long_contexts(
     _assert_decode_attention_is_torchs(q, cache, tables, lens_t, window, rounded and head_dim % 32 == 0)
 
 
-@ATTENTION_KV_KINDS
+@DECODE_KV_KINDS
 def test_decode_attention_never_reads_behind_the_window_or_past_the_context(kv_kind, monkeypatch):
     """Blocks wholly behind the window (given back, their FREED entries read as block 0) and the table's padding
     must not matter: filling them with NaN leaves the result unchanged."""

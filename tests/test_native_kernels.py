@@ -231,7 +231,8 @@ def test_failed_scratch_allocation_is_reported():
         )
         == oom
     )
-    assert lib.moe_experts(None, huge, 64, 32, 8, None, None, 0, 4, None, None, None, None, 1) == oom
+    picks = (ctypes.c_int64 * 512)()  # 64 tokens' 8 picks, all expert 0: counted, then no room for their rows
+    assert lib.moe_experts(None, 64, huge, 32, 8, picks, None, 0, 4, None, None, None, None, 1) == oom
     # ... and the wrappers raise instead of returning an unwritten output
     failing = SimpleNamespace(quant_gemv=lambda *args: oom, quant_gemm=lambda *args: oom)
     x, codes, scale = torch.randn(2, 64), torch.zeros(16, 2, 16, dtype=torch.uint8), torch.ones(16, 2)

@@ -21,7 +21,8 @@
  *      no value, added to the denominator once the running max is known (sink_scale), or in the merge of the parts.
  *   5. The caches hold float32 or bfloat16 (kv_bf16: half the bytes to read; each value widened exactly as it is
  *      loaded, or, kind 2, multiplied as it is by AVX512_BF16's dpbf16). One body serves every kind: the functions
- *      below take the kind as a constant (always inlined), so each kind gets its own loops. */
+ *      below take the kind as a constant (always inlined), so each kind gets its own loops. Kind 3 is a float32
+ *      cache through AVX-512F's loops (sixteen keys a pass, sixteen dimensions a vector). */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -70,11 +71,11 @@ INLINE __m256 kv_load8(const char *p, const int bf16) {
  * v[i], `tokens` rows `stride` bytes apart, `lines` cache lines of each (the item's KV heads) */
 typedef struct {
     const char *k[SPAN_BLOCKS], *v[SPAN_BLOCKS];
-    int64_t blocks, tokens, stride, lines, i, t, c;
+    int64_t blocks, tokens, stride, lines, i, t, c, issued;
 } span_prefetch;
 
 static inline void prefetch_lines(span_prefetch *p, int lines) {
-    for (int n = 0; n < lines && p->i < p->blocks; n++) {
+    for (int n = 0; n < lines && p->i < p->blocks; n++, p->issued++) {
         const int64_t off = p->t * p->stride + 64 * p->c;
         _mm_prefetch(p->k[p->i] + off, _MM_HINT_T1);
         _mm_prefetch(p->v[p->i] + off, _MM_HINT_T1);
@@ -200,7 +201,7 @@ static inline int64_t span_rows(const span_blocks *sb, const char *const *base, 
 /* s[e] = the sum of a[e]'s sixteen lanes for a[] given in the order SCORE_SLOT (a transposing tree: 15 adds, 30
  * shuffles for sixteen sums) */
 static const int SCORE_SLOT[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
-PAIRS_TARGET static inline __m512 sum16(const __m512 *a) {
+__attribute__((target("avx512f"))) static inline __m512 sum16(const __m512 *a) {
     __m512 b[8], c[4], d[2];
     for (int i = 0; i < 8; i++)
         b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i], a[i + 8], 0x44), _mm512_shuffle_f32x4(a[i], a[i + 8], 0xEE));
@@ -311,6 +312,89 @@ static void pairs_to_dims(float *acc, int64_t D) {
     }
 }
 
+/* A float32 cache through AVX-512F (kind 3, where D is a multiple of 16): sixteen keys a pass against one query
+ * head, a 16-lane sum each (sum16), and the values sixteen dimensions a vector for up to four query heads at once:
+ * half the instructions of the AVX2 loops a key, which on a Zen 5 core left those loops, not the memory, setting
+ * the pace at four query heads a KV head. */
+#define F32_512_TARGET __attribute__((target("avx512f")))
+
+/* the span's float32 rows of KV head kh (keys or values: base[b] of each block), the last ones repeated up to a
+ * multiple of 16 (read, never stored); returns how many are real */
+static inline int64_t span_rows_f32(const span_blocks *sb, const char *const *base, int64_t kh, int64_t D,
+                                    int64_t row, const float **rows) {
+    int64_t n = 0;
+    for (int64_t b = 0; b < sb->n; b++)
+        for (int64_t u = sb->t0[b]; u < sb->t1[b]; u++) rows[n++] = (const float *)base[b] + u * row + kh * D;
+    for (int64_t j = n; j < (n + 15) / 16 * 16; j++) rows[j] = rows[0];
+    return n;
+}
+
+/* The scores of G query heads (qs, pre-scaled, D apart) against the span's keys of KV head kh, into
+ * p[g * MAX_SPAN + j]; returns the span's keys */
+F32_512_TARGET static int64_t span_scores_f32(const span_blocks *sb, int64_t kh, int64_t G, int64_t D, int64_t row,
+                                              const float *qs, float *p, span_prefetch *pf) {
+    const float *rows[MAX_SPAN + 16];
+    const int64_t n = span_rows_f32(sb, (const char *const *)sb->k, kh, D, row, rows);
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t j0 = 0; j0 < n; j0 += 16) {
+            prefetch_lines(pf, 8);
+            __m512 a[16];
+            for (int i = 0; i < 16; i++) a[i] = _mm512_setzero_ps();
+            for (int64_t d = 0; d < D; d += 16) {
+                const __m512 q = _mm512_loadu_ps(qs + g * D + d);
+#pragma GCC unroll 16
+                for (int i = 0; i < 16; i++)
+                    a[SCORE_SLOT[i]] = _mm512_fmadd_ps(_mm512_loadu_ps(rows[j0 + i] + d), q, a[SCORE_SLOT[i]]);
+            }
+            _mm512_mask_storeu_ps(p + g * MAX_SPAN + j0, lanes16(n - j0), sum16(a));
+        }
+    return n;
+}
+
+/* acc[g][d0 .. d0 + 16 NV) += sum over rows j < n of p[g][j] * rows[j][d0 ..], for GN query heads (MAX_SPAN apart
+ * in p, D apart in acc): each row's NV vectors loaded once for all of them */
+#define VALUES_F32(GN, NV) \
+F32_512_TARGET static void values_f32_##GN##_##NV(const float *const *rows, int64_t n, const float *p, float *acc, \
+                                                  int64_t D, int64_t d0, span_prefetch *pf) { \
+    __m512 a[GN][NV]; \
+    for (int g = 0; g < GN; g++) \
+        for (int i = 0; i < NV; i++) a[g][i] = _mm512_loadu_ps(acc + g * D + d0 + 16 * i); \
+    for (int64_t j = 0; j < n; j++) { \
+        prefetch_lines(pf, 2); \
+        __m512 v[NV]; \
+        for (int i = 0; i < NV; i++) v[i] = _mm512_loadu_ps(rows[j] + d0 + 16 * i); \
+        for (int g = 0; g < GN; g++) { \
+            const __m512 w = _mm512_set1_ps(p[g * MAX_SPAN + j]); \
+            for (int i = 0; i < NV; i++) a[g][i] = _mm512_fmadd_ps(w, v[i], a[g][i]); \
+        } \
+    } \
+    for (int g = 0; g < GN; g++) \
+        for (int i = 0; i < NV; i++) _mm512_storeu_ps(acc + g * D + d0 + 16 * i, a[g][i]); \
+}
+#define VALUES_F32_HEADS(GN) VALUES_F32(GN, 1) VALUES_F32(GN, 2) VALUES_F32(GN, 3) VALUES_F32(GN, 4)
+VALUES_F32_HEADS(1) VALUES_F32_HEADS(2) VALUES_F32_HEADS(3) VALUES_F32_HEADS(4)
+
+typedef void (*values_f32_fn)(const float *const *rows, int64_t n, const float *p, float *acc, int64_t D, int64_t d0,
+                              span_prefetch *pf);
+#define VALUES_F32_ROW(GN) {values_f32_##GN##_1, values_f32_##GN##_2, values_f32_##GN##_3, values_f32_##GN##_4}
+static const values_f32_fn VALUES_F32_FNS[4][4] = {VALUES_F32_ROW(1), VALUES_F32_ROW(2), VALUES_F32_ROW(3),
+                                                   VALUES_F32_ROW(4)};
+
+/* The span's values of KV head kh into the running outputs acc [G][D] of its query heads, weights p [G][MAX_SPAN]:
+ * four query heads and 64 dimensions at a time (16 sums, 4 values and 4 weights of the 32 registers) */
+F32_512_TARGET static void span_values_f32(const span_blocks *sb, int64_t kh, int64_t G, int64_t D, int64_t row,
+                                           const float *p, float *acc, span_prefetch *pf) {
+    const float *rows[MAX_SPAN + 16];
+    const int64_t n = span_rows_f32(sb, (const char *const *)sb->v, kh, D, row, rows);
+    for (int64_t g0 = 0; g0 < G; g0 += 4) {
+        const int64_t gn = G - g0 >= 4 ? 4 : G - g0;
+        for (int64_t d0 = 0; d0 < D; d0 += 64) {
+            const int64_t nv = D - d0 >= 64 ? 4 : (D - d0) / 16;
+            VALUES_F32_FNS[gn - 1][nv - 1](rows, n, p + g0 * MAX_SPAN, acc + g0 * D, D, d0, pf);
+        }
+    }
+}
+
 /* blocks b .. b+n-1 of sequence s (of its `len` keys, those from lo on) into sb */
 INLINE void gather_span(const decode_args *a, int64_t s, int64_t b, int64_t n, int64_t lo, int64_t len,
                         span_blocks *sb, const int bf16) {
@@ -326,8 +410,10 @@ INLINE void gather_span(const decode_args *a, int64_t s, int64_t b, int64_t n, i
 }
 
 /* work item (s, part, KV heads kh0 ..): that part of its blocks' keys and values against those heads' queries;
- * bf16: a->kv_bf16 (0 float32, 1 bfloat16 widened, 2 bfloat16 through dpbf16), as a constant */
-INLINE void decode_item(decode_args *a, int64_t item, const int bf16) {
+ * kind: a->kv_bf16 (0 float32, 1 bfloat16 widened, 2 bfloat16 through dpbf16, 3 float32 through AVX-512F), as a
+ * constant */
+INLINE void decode_item(decode_args *a, int64_t item, const int kind) {
+    const int bf16 = kind == 1 || kind == 2;
     const int64_t H = a->H, KVH = a->KVH, D = a->D, bs = a->bs, G = H / KVH, row = KVH * D;
     const int64_t groups = KVH / a->heads, kh0 = item % groups * a->heads, nkh = a->heads, h0 = kh0 * G;
     const int64_t s = item / groups / a->parts, part = item / groups % a->parts, len = a->context_lens[s];
@@ -344,12 +430,12 @@ INLINE void decode_item(decode_args *a, int64_t item, const int bf16) {
     const float *q = a->q + s * a->q_stride + h0 * D;
     for (int64_t i = 0; i < nkh * G * D; i++) { qs[i] = q[i] * scale_log2e; acc[i] = 0.f; }
     for (int64_t h = 0; h < nkh * G; h++) { m[h] = -INFINITY; l[h] = 0.f; }
-    uint16_t qb[bf16 == 2 ? MAX_HD : 1] __attribute__((aligned(64)));
-    if (bf16 == 2) round_to_bf16(qs, nkh * G * D, qb);   /* as products round x, and the weights below */
+    uint16_t qb[kind == 2 ? MAX_HD : 1] __attribute__((aligned(64)));
+    if (kind == 2) round_to_bf16(qs, nkh * G * D, qb);   /* as products round x, and the weights below */
     for (int64_t b = b0; b < b1; b += span) {
         const int64_t n = b + span <= b1 ? span : b1 - b, next = b + n + span <= b1 ? span : b1 - b - n;
         gather_span(a, s, b, n, lo, len, &sb, bf16);
-        pf.blocks = next; pf.i = pf.t = pf.c = 0;
+        pf.blocks = next; pf.i = pf.t = pf.c = pf.issued = 0;
         for (int64_t i = 0; i < next; i++) {
             const int64_t block = a->tables[s * a->max_blocks + b + n + i];
             pf.k[i] = kv_at(a->key_cache, block * bs * row + kh0 * D, bf16);
@@ -358,7 +444,8 @@ INLINE void decode_item(decode_args *a, int64_t item, const int bf16) {
         for (int64_t kh = kh0; kh < kh0 + nkh; kh++) {
             const int64_t i0 = (kh - kh0) * G;           /* the item's first query head of this KV head */
             int64_t keys = 0;
-            if (bf16 == 2) keys = span_scores_pairs(&sb, kh, G, D, row, qb + i0 * D, p, &pf);
+            if (kind == 2) keys = span_scores_pairs(&sb, kh, G, D, row, qb + i0 * D, p, &pf);
+            else if (kind == 3) keys = span_scores_f32(&sb, kh, G, D, row, qs + i0 * D, p, &pf);
             else
                 for (int64_t i = 0; i < sb.n; i++) {
                     block_scores(qs + i0 * D, G, D, kv_at(sb.k[i], kh * D, bf16), row, sb.t0[i], sb.t1[i], p, keys,
@@ -370,11 +457,16 @@ INLINE void decode_item(decode_args *a, int64_t item, const int bf16) {
                 for (int64_t j = keys; j < padded; j++) p[g * MAX_SPAN + j] = -INFINITY;
                 online_softmax_step(p + g * MAX_SPAN, padded, &m[i0 + g], &l[i0 + g], acc + (i0 + g) * D, D);
             }
-            if (bf16 == 2) span_values_pairs(&sb, kh, G, D, row, p, acc + i0 * D, &pf);
+            if (kind == 2) span_values_pairs(&sb, kh, G, D, row, p, acc + i0 * D, &pf);
+            else if (kind == 3) span_values_f32(&sb, kh, G, D, row, p, acc + i0 * D, &pf);
             else span_values(&sb, kh, G, D, row, p, acc + i0 * D, &pf, bf16);
+            /* by the end of each KV head's share of the span, that share of the next span's lines (the loops'
+             * own prefetches fall short where the item has many lines a token for its query heads) */
+            const int64_t due = pf.blocks * pf.tokens * pf.lines * (kh - kh0 + 1) / nkh;
+            if (pf.issued < due) prefetch_lines(&pf, (int)(due - pf.issued));
         }
     }
-    if (bf16 == 2)
+    if (kind == 2)
         for (int64_t h = 0; h < nkh * G; h++) pairs_to_dims(acc + h * D, D);
     if (a->parts == 1) {
         float *out = a->out + (s * H + h0) * D;
@@ -398,7 +490,8 @@ static void decode_part(void *args, int t, int T) {
     for (;;) {                     /* items handed out one at a time: sequences differ in length */
         const int64_t item = __atomic_fetch_add(&a->next, 1, __ATOMIC_RELAXED);
         if (item >= a->items) break;
-        if (a->kv_bf16 == 2) decode_item(a, item, 2);
+        if (a->kv_bf16 == 3) decode_item(a, item, 3);
+        else if (a->kv_bf16 == 2) decode_item(a, item, 2);
         else if (a->kv_bf16) decode_item(a, item, 1);
         else decode_item(a, item, 0);
     }
@@ -428,9 +521,9 @@ static void merge_parts(const decode_args *a, int64_t S) {
 
 /* One query token per sequence against its paged context, read in place.
  * q [S][H][D] (rows q_stride floats apart), out [S][H][D]; key_cache, value_cache [num_blocks][bs][KVH][D] of
- * float32 (kv_bf16 0), or of bfloat16 (1: each value widened; 2: through AVX512_BF16's dpbf16, the queries and the
- * softmax weights rounded to bfloat16, where D is a multiple of 32, callers check the CPU has AVX512_BF16, BW and
- * VL);
+ * float32 (kv_bf16 0; 3: through AVX-512F's loops where D is a multiple of 16, callers check the CPU has it), or
+ * of bfloat16 (1: each value widened; 2: through AVX512_BF16's dpbf16, the queries and the softmax weights rounded
+ * to bfloat16, where D is a multiple of 32, callers check the CPU has AVX512_BF16, BW and VL);
  * tables [S][max_blocks]; context_lens [S]. Query head h uses KV head h / (H / KVH). With window > 0 a row sees
  * its last `window` positions only. sinks [H] (or NULL): each head's sink logit (see 4. above). D a multiple of 8,
  * H * D <= MAX_HD, H / KVH <= MAX_G, bs <= MAX_BS. */
@@ -441,6 +534,7 @@ void paged_decode_attention(const float *q, int64_t q_stride, const void *key_ca
     const int64_t wanted = ITEMS_PER_THREAD * nthreads;
     int64_t heads = KVH, parts = 1;
     if (kv_bf16 == 2 && D % 32) kv_bf16 = 1;   /* dpbf16's loops take 32 dimensions at a time */
+    if (kv_bf16 == 3 && D % 16) kv_bf16 = 0;   /* AVX-512's, 16 */
     if (S < wanted) {                /* too few sequences to share out: split their contexts */
         int64_t longest = 0;
         for (int64_t s = 0; s < S; s++) {

@@ -288,9 +288,10 @@ def decode_attention(
 ) -> torch.Tensor | None:
     """One query per sequence against its paged context. q [S, heads, d]; key/value_cache [blocks, block_size,
     kv_heads, d]; block_tables [S, width] int64; context_lens [S] int64 (this step's token included); sink_logits
-    [heads] float32, each head's logit joining its softmax (or None). Returns [S, heads, d], or None. A bfloat16
-    cache where bfloat16 products round x goes through dpbf16 with q and the softmax weights rounded to bfloat16
-    too (_bf16_cache_kind), as prefill_attention's."""
+    [heads] float32, each head's logit joining its softmax (or None). Returns [S, heads, d], or None. A float32
+    cache goes through AVX-512F's loops where native.cpu_has_avx512 says so (and head_dim is a multiple of 16),
+    else AVX2's; a bfloat16 cache where bfloat16 products round x goes through dpbf16 with q and the softmax weights
+    rounded to bfloat16 too (_bf16_cache_kind), as prefill_attention's."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     if (
@@ -310,7 +311,7 @@ def decode_attention(
         q.stride(0),
         key_cache.data_ptr(),
         value_cache.data_ptr(),
-        kv_bf16,
+        3 if kv_bf16 == 0 and native.cpu_has_avx512() else kv_bf16,  # a float32 cache: AVX-512F's loops
         block_tables.data_ptr(),
         block_tables.shape[1],
         context_lens.data_ptr(),

@@ -17,7 +17,8 @@
  *   6. each token's output row: its picks' rows scaled by their routing weights and summed (pick order), written
  *      once (no scatter races, no zeroing pass).
  * A unit's products run on its thread alone (weight_product with one thread); a run of columns that is not a whole
- * expert goes through a per-thread scratch of at most MOE_COLUMNS columns and is copied into place. */
+ * expert goes through a per-thread scratch of at most MOE_COLUMNS columns and is copied into place. A prompt step's
+ * tokens go through all of this in chunks (chunk_tokens), whose rows stay in the last-level cache between phases. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -33,6 +34,8 @@
 #define MOE_COLUMNS 256   /* columns one product call takes when a thread holds part of an expert */
 #define PARALLEL_WORK (1 << 20)   /* a phase of less work (units' cost x their columns x K: multiply-adds, or
                                    * weights streamed counted as WEIGHT_COST rows' worth) runs on one thread */
+#define CHUNK_BYTES ((int64_t)32 << 20)   /* a pass's rows (chunk_tokens) */
+#define CHUNK_ROWS 64     /* the fewest rows an expert a pass averages (chunk_tokens) */
 #define WEIGHT_COST 8     /* what streaming a unit's weights costs, in rows of products over it: a float32 weight
                            * read from memory takes about as long as 8-16 rows' multiply-adds on it (2 threads) */
 
@@ -193,15 +196,22 @@ static void combine_rows(const void *args, int64_t t0, int64_t t1) {
     }
 }
 
-/* The layer's experts over T rows of x [T][H] (see the top of this file): out [T][H] = for each token the sum over
- * its picks on this rank's experts (first .. first + E - 1) of route_weights * down(silu(gate) * up)(x); ids [T][k]
- * int64, route_weights [T][k]; gate_up[e], down[e] the local experts' weights [2I][H] and [H][I]; I a multiple of
- * 8. With act (kernels.h's moe_act) the activation and the biases: gate_up_bias[e] [2I] and down_bias[e] [H] after
- * the products (NULL: none), the clamped SwiGLU with act->swiglu. Returns 0, or KERNEL_OUT_OF_MEMORY (out then
- * holds nothing meaningful). */
-int moe_experts(const float *x, int64_t T, int64_t H, int64_t I, int64_t k, const int64_t *ids,
-                const float *route_weights, int64_t first, int64_t E, const weight *gate_up, const weight *down,
-                const moe_act *act, float *out, int nthreads) {
+/* The most tokens one pass over the experts takes: a prompt step's gathered rows and their gate/up, activation and
+ * down outputs ((H + 3 I) floats a pick) kept to about CHUNK_BYTES, so that they stay in the last-level cache
+ * between the phases (2,048 tokens of the Qwen3-MoE-shaped model in one pass: 117 MB, 395 GFLOP/s; in passes of
+ * 512: 29 MB, 433 GFLOP/s, Zen 5), but never fewer than CHUNK_ROWS rows an expert on average, below which each
+ * pass's reading of the experts' weights would cost more than the chunking saves */
+static int64_t chunk_tokens(int64_t T, int64_t H, int64_t I, int64_t k, int64_t E) {
+    const int64_t by_bytes = CHUNK_BYTES / (k * (H + 3 * I) * (int64_t)sizeof(float));
+    const int64_t by_rows = CHUNK_ROWS * E / k;
+    const int64_t chunk = by_bytes > by_rows ? by_bytes : by_rows;
+    return chunk < T ? chunk : T > 0 ? T : 1;
+}
+
+/* moe_experts over rows of one chunk */
+static int experts_rows(const float *x, int64_t T, int64_t H, int64_t I, int64_t k, const int64_t *ids,
+                        const float *route_weights, int64_t first, int64_t E, const weight *gate_up,
+                        const weight *down, const moe_act *act, float *out, int nthreads) {
     const int64_t picks = T * k;
     /* this thread's scratch (scratch.c): the picks' index arrays, then the rows */
     int64_t *const offsets = scratch_take(SCRATCH_EXPERT_PICKS, sizeof(int64_t) * (2 * E + 1 + 2 * picks + 1));
@@ -248,6 +258,26 @@ int moe_experts(const float *x, int64_t T, int64_t H, int64_t I, int64_t k, cons
         for_rows(combine_rows, &c, T, T * H * k, nthreads);   /* 6 */
     }
     pool_exit();
+    return status;
+}
+
+/* The layer's experts over T rows of x [T][H] (see the top of this file): out [T][H] = for each token the sum over
+ * its picks on this rank's experts (first .. first + E - 1) of route_weights * down(silu(gate) * up)(x); ids [T][k]
+ * int64, route_weights [T][k]; gate_up[e], down[e] the local experts' weights [2I][H] and [H][I]; I a multiple of
+ * 8. With act (kernels.h's moe_act) the activation and the biases: gate_up_bias[e] [2I] and down_bias[e] [H] after
+ * the products (NULL: none), the clamped SwiGLU with act->swiglu. Returns 0, or KERNEL_OUT_OF_MEMORY (out then
+ * holds nothing meaningful). Prompt steps go in chunks of tokens (chunk_tokens). */
+int moe_experts(const float *x, int64_t T, int64_t H, int64_t I, int64_t k, const int64_t *ids,
+                const float *route_weights, int64_t first, int64_t E, const weight *gate_up, const weight *down,
+                const moe_act *act, float *out, int nthreads) {
+    const int64_t chunk = chunk_tokens(T, H, I, k, E), chunks = (T + chunk - 1) / chunk;
+    int status = 0;
+    for (int64_t c = 0, t0 = 0; c < chunks && status == 0; c++) {
+        const int64_t n = (T - t0) / (chunks - c);   /* chunks as even as can be */
+        status = experts_rows(x + t0 * H, n, H, I, k, ids + t0 * k, route_weights + t0 * k, first, E, gate_up, down,
+                              act, out + t0 * H, nthreads);
+        t0 += n;
+    }
     return status;
 }
 
