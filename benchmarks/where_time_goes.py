@@ -7,7 +7,7 @@ entries on the 1B-shaped model and W6.
     python benchmarks/where_time_goes.py decode [--model ...] [--seqs 16] [--steps 32] [--prompt-tokens 8]
     python benchmarks/where_time_goes.py attention [--chunks 2048@0,2048@5888] [--repeats 5] [--kv-cache-dtype bfloat16]
     python benchmarks/where_time_goes.py decode-attention [--contexts 4x7936,16x2000,64x400,1x7936]
-                                                          [--kv-cache-dtype bfloat16]
+                                                          [--kv-cache-dtype bfloat16] [--heads 16,4]
 
 gemm: each distinct projection shape of the model (fused q/k/v, o, fused gate/up, down) at each row count, GFLOP/s
 (2 M N K / time, best of 5, torch's threads): petrel's few-row kernel (dense_kernels.linear, up to 256 rows),
@@ -28,11 +28,12 @@ attention: the prefill attention kernel alone on one layer of the default model'
 head_dim 64, 16-token blocks in shuffled order): a chunk of N queries after P cached positions for each N@P, best of 3
 calls --repeats times, with each ISA's kernel this CPU runs (AVX2; AVX-512 too where it has it) in turn; a bfloat16
 cache (--kv-cache-dtype bfloat16) through the AVX2 loops that widen it and, where AVX512_BF16 runs, the dpbf16 loops.
-decode-attention: the decode attention kernel alone on those heads, S sequences of C keys each for every SxC, over
-six layers' caches in turn (so that one call's keys and values are not in cache from the last): GB/s of keys and
-values read, and the rate torch sums the same caches at (a sequential read: the memory's rate), the best of seven
-runs of each taken in turn; a bfloat16 cache on a CPU with AVX512_BF16 through both the dpbf16 loops and the
-widening (AVX2) ones, in turn.
+decode-attention: the decode attention kernel alone on those heads (or --heads QUERY,KV), S sequences of C keys each
+for every SxC, over six layers' caches in turn (so that one call's keys and values are not in cache from the last):
+GB/s of keys and values read, and the rate torch sums the same caches at (a sequential read: the memory's rate), the
+best of seven runs of each taken in turn; a float32 cache on a CPU with AVX-512 through both its loops and the AVX2
+ones, a bfloat16 cache on a CPU with AVX512_BF16 through both the dpbf16 loops and the widening (AVX2) ones, in
+turn.
 """
 
 from __future__ import annotations
@@ -319,7 +320,8 @@ def attention(args) -> None:
 
 
 def decode_attention(args) -> None:
-    heads, kv_heads, head_dim, block_size, layers_ = 9, 3, 64, 16, 6
+    heads, kv_heads = (int(n) for n in args.heads.split(","))
+    head_dim, block_size, layers_ = 64, 16, 6
     dtype = torch.bfloat16 if args.kv_cache_dtype == "bfloat16" else torch.float32
     size = dtype.itemsize
     for case in args.contexts.split(","):
@@ -336,7 +338,7 @@ def decode_attention(args) -> None:
             for k, v in caches:
                 dense_kernels.decode_attention(q, k, v, tables, lens, head_dim**-0.5, None)
 
-        def widened():  # a bfloat16 cache through the AVX2 loops, where the CPU would take dpbf16's
+        def widened():  # through the AVX2 loops, where the CPU would take AVX-512's (float32) or dpbf16's
             with kernel_isa("avx2"):
                 attend()
 
@@ -347,6 +349,8 @@ def decode_attention(args) -> None:
         loops = {"": attend}
         if dtype is torch.bfloat16 and dense_kernels._bf16_cache_kind() == 2:
             loops = {" dpbf16": attend, " widened": widened}
+        elif dtype is torch.float32 and native.cpu_has_avx512():
+            loops = {" AVX-512": attend, " AVX2": widened}
         seconds, read_s = dict.fromkeys(loops, float("inf")), float("inf")
         for _ in range(7):  # interleaved: the memory's rate on this shared machine moves from minute to minute
             for name, run in loops.items():
@@ -389,6 +393,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=8, help="decode: W2's prompts cut to N tokens (0: whole)")
     ap.add_argument("--chunks", default="2048@0,2048@5888", help="attention: N@P, comma-separated")
     ap.add_argument("--contexts", default="4x7936,16x2000,64x400,1x7936", help="decode-attention: SxC, comma-separated")
+    ap.add_argument("--heads", default="9,3", help="decode-attention: query heads,KV heads (default SmolLM2's)")
     args = ap.parse_args()
     what = {
         "gemm": gemm,
