@@ -392,16 +392,16 @@ def test_bf16_cache_kind_follows_the_cpu(monkeypatch):
 
 
 def test_float32_cache_decode_loops_follow_the_cpu(monkeypatch):
-    """A float32 cache's decode attention runs AVX-512F's loops (kind 3) where native.cpu_has_avx512 says so, else
-    AVX2's (kind 0): a spy on the library sees the kind each call passes."""
+    """A float32 cache's decode attention may run AVX-512F's loops where native.cpu_has_avx512 says so, else AVX2's:
+    a spy on the library sees the avx512 flag each call passes, and both give the same attention."""
     q, cache, tables, lens_t = _paged_case(2, 4, 2, 32, 4, [5, 9], seed=4)
     lib, kinds, avx512 = dense_kernels.library(), [], native.cpu_has_avx512()
     kernel = lib.paged_decode_attention
-    monkeypatch.setattr(lib, "paged_decode_attention", lambda *a: kinds.append(a[4]) or kernel(*a))
+    monkeypatch.setattr(lib, "paged_decode_attention", lambda *a: kinds.append((a[4], a[-2])) or kernel(*a))
     with_512 = dense_kernels.decode_attention(q, cache[0], cache[1], tables, lens_t, 0.2, None)
     monkeypatch.setenv("PETREL_AVX512", "0")
     with_avx2 = dense_kernels.decode_attention(q, cache[0], cache[1], tables, lens_t, 0.2, None)
-    assert kinds == [3 if avx512 else 0, 0]
+    assert kinds == [(0, int(avx512)), (0, 0)]
     torch.testing.assert_close(with_512, with_avx2, atol=2e-6, rtol=1e-5)
 
 

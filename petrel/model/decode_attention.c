@@ -22,7 +22,8 @@
  *   5. The caches hold float32 or bfloat16 (kv_bf16: half the bytes to read; each value widened exactly as it is
  *      loaded, or, kind 2, multiplied as it is by AVX512_BF16's dpbf16). One body serves every kind: the functions
  *      below take the kind as a constant (always inlined), so each kind gets its own loops. Kind 3 is a float32
- *      cache through AVX-512F's loops (sixteen keys a pass, sixteen dimensions a vector). */
+ *      cache through AVX-512F's loops (sixteen keys a pass, sixteen dimensions a vector), where the caller's avx512
+ *      allows. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -522,20 +523,21 @@ static void merge_parts(const decode_args *a, int64_t S) {
 
 /* One query token per sequence against its paged context, read in place.
  * q [S][H][D] (rows q_stride floats apart), out [S][H][D]; key_cache, value_cache [num_blocks][bs][KVH][D] of
- * float32 (kv_bf16 0; 3: through AVX-512F's loops where D is a multiple of 16, callers check the CPU has it), or
- * of bfloat16 (1: each value widened; 2: through AVX512_BF16's dpbf16, the queries and the softmax weights rounded
- * to bfloat16, where D is a multiple of 32, callers check the CPU has AVX512_BF16, BW and VL);
+ * float32 (kv_bf16 0; through AVX-512F's loops, kind 3 below, where avx512 and D is a multiple of 16: callers
+ * check the CPU has it, as paged_prefill_attention's avx512), or of bfloat16 (1: each value widened; 2: through
+ * AVX512_BF16's dpbf16, the queries and the softmax weights rounded to bfloat16, where D is a multiple of 32,
+ * callers check the CPU has AVX512_BF16, BW and VL);
  * tables [S][max_blocks]; context_lens [S]. Query head h uses KV head h / (H / KVH). With window > 0 a row sees
  * its last `window` positions only. sinks [H] (or NULL): each head's sink logit (see 4. above). D a multiple of 8,
  * H * D <= MAX_HD, H / KVH <= MAX_G, bs <= MAX_BS. */
 void paged_decode_attention(const float *q, int64_t q_stride, const void *key_cache, const void *value_cache,
                             int kv_bf16, const int64_t *tables, int64_t max_blocks, const int64_t *context_lens,
                             int64_t S, int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t window,
-                            float scale, const float *sinks, float *out, int nthreads) {
+                            float scale, const float *sinks, float *out, int avx512, int nthreads) {
     const int64_t wanted = ITEMS_PER_THREAD * nthreads;
     int64_t heads = KVH, parts = 1;
     if (kv_bf16 == 2 && D % 32) kv_bf16 = 1;   /* dpbf16's loops take 32 dimensions at a time */
-    if (kv_bf16 == 3 && D % 16) kv_bf16 = 0;   /* AVX-512's, 16 */
+    if (kv_bf16 == 0 && avx512 && D % 16 == 0) kv_bf16 = 3;   /* AVX-512F's float32 loops, 16 */
     if (S < wanted) {                /* too few sequences to share out: split their contexts */
         int64_t longest = 0;
         for (int64_t s = 0; s < S; s++) {

@@ -326,8 +326,8 @@ static int layer_step(const float *x, float *x_out, int64_t T, int64_t H, const 
     rotary(qkv, T, NH + KVH, D, QKV, cos_t, sin_t, qk, nthreads);
     write_cache(qk + NH * D, QK, qkv + QK, QKV, T, ROW, slots, key_cache, value_cache, kv_bf16, nthreads);
     if (decodes)
-        paged_decode_attention(qk, QK, key_cache, value_cache, kv_bf16 == 0 && avx512 ? 3 : kv_bf16, tables,
-                               max_blocks, context_lens, decodes, NH, KVH, D, bs, window, scale, sinks, attn, nthreads);
+        paged_decode_attention(qk, QK, key_cache, value_cache, kv_bf16, tables, max_blocks, context_lens, decodes, NH,
+                               KVH, D, bs, window, scale, sinks, attn, avx512, nthreads);
     for (int64_t i = 0; i < n_chunks; i++) {
         const prompt_chunk *c = &chunks[i];
         paged_prefill_attention(qk + c->first_row * QK, QK, key_cache, value_cache, kv_bf16, c->table,
@@ -364,8 +364,8 @@ done:
  * Python) a third of a short prompt's time. Weights [out][in], no biases; qkv rows are q (NH heads), k, v (KVH
  * heads each); cos, sin [T][D]; slots [T] the cache slot of each row's new K/V; the caches hold float32, or
  * bfloat16 when kv_bf16 (the new K/V rounded to nearest even, as torch rounds); tables, context_lens: the decode
- * rows' (paged_decode_attention's); kv_bf16 the cache's kind for both attention kernels, avx512 whether they may
- * use AVX-512 (paged_prefill_attention's flag; a float32 cache's decode loops, kind 3). extras (or NULL): q/k norms
+ * rows' (paged_decode_attention's); kv_bf16 the cache's kind and avx512 whether they may use AVX-512, for both
+ * attention kernels. extras (or NULL): q/k norms
  * after the qkv product (Qwen3), biases after the qkv and o products and the attention's sink logits (gpt-oss), and
  * a mixture of experts (moe.c's moe_mlp) in place of the dense MLP (whose weights and I it then leaves unread).
  * Returns 0, or KERNEL_OUT_OF_MEMORY when scratch memory (its own or a quantized product's) could not be had. */

@@ -311,7 +311,7 @@ def decode_attention(
         q.stride(0),
         key_cache.data_ptr(),
         value_cache.data_ptr(),
-        3 if kv_bf16 == 0 and native.cpu_has_avx512() else kv_bf16,  # a float32 cache: AVX-512F's loops
+        kv_bf16,
         block_tables.data_ptr(),
         block_tables.shape[1],
         context_lens.data_ptr(),
@@ -324,6 +324,7 @@ def decode_attention(
         scale,
         None if sink_logits is None else sink_logits.data_ptr(),
         out.data_ptr(),
+        int(native.cpu_has_avx512()),
         torch.get_num_threads(),
     )
     return out

@@ -42,7 +42,7 @@ void f32_tile_product(const float *x, int64_t M, int64_t K, const float *tile, i
 void paged_decode_attention(const float *q, int64_t q_stride, const void *key_cache, const void *value_cache,
                             int kv_bf16, const int64_t *tables, int64_t max_blocks, const int64_t *context_lens,
                             int64_t S, int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t window,
-                            float scale, const float *sinks, float *out, int nthreads);
+                            float scale, const float *sinks, float *out, int avx512, int nthreads);
 int paged_latent_decode_attention(const float *q, int64_t q_stride, const void *cache, int kv_bf16,
                                   const int64_t *tables, int64_t max_blocks, const int64_t *context_lens, int64_t S,
                                   int64_t H, int64_t W, int64_t R, int64_t bs, float scale, float *out, int nthreads);

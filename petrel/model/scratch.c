@@ -49,6 +49,7 @@ static held_scratch *this_thread(void) {
 void *scratch_take(scratch_slot slot, size_t bytes) {
     held_scratch *held = this_thread();
     if (!held) return NULL;
+    if (bytes == 0) bytes = 1;   /* an empty call still gets a pointer, as malloc(0) gave */
     if (bytes <= held->bytes[slot]) return held->data[slot];
     free(held->data[slot]);
     held->data[slot] = NULL;
